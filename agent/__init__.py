@@ -1,0 +1,1 @@
+"""The Keel node agent: registration and lease, rank supervision, the local trainer channel."""

@@ -1,0 +1,55 @@
+"""``python -m agent`` (also ``keel agent``): run a node agent in the foreground."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from agent.config import AgentConfig
+from agent.daemon import run
+from agent.logs import configure
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--node", required=True, help="Unique name of this node.")
+@click.option("--slots", type=int, required=True, help="Rank processes this node can run "
+              "(usually its GPU count).")
+@click.option("--etcd-endpoints", required=True,
+              help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).",
+              envvar="KEEL_ETCD_ENDPOINTS")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="File holding the controller's token (else env KEEL_TOKEN).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=".keel/agent",
+              show_default=True, help="Where rank logs and error files go.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address other nodes reach this node's ranks on.")
+@click.option("--controller", default=None,
+              help="Controller host:port; default: discover the leader through etcd.")
+@click.option("--lease-ttl-s", type=float, default=5.0, show_default=True,
+              help="TTL of the node's etcd lease: a dead node is noticed after this.")
+@click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
+              help="SIGTERM to SIGKILL grace when stopping ranks.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port.")
+def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
+         stop_grace_s, metrics_port):
+    """Run a Keel node agent: register with etcd, connect to the controller, and
+    supervise the rank processes it is told to run."""
+    token = Path(token_file).read_text().strip() if token_file else os.environ.get(
+        "KEEL_TOKEN", "")
+    try:
+        config = AgentConfig(
+            node=node, slots=slots,
+            etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
+            token=token, run_dir=Path(run_dir).resolve(), host=host, controller=controller,
+            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, metrics_port=metrics_port)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure("agent", node=node)
+    run(config)
+
+
+if __name__ == "__main__":
+    main()

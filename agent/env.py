@@ -1,0 +1,42 @@
+"""The environment of a rank process: torchrun's variables plus Keel's. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from protos import keel_pb2
+
+
+def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
+             assignment: keel_pb2.RankAssignment, agent_socket: str,
+             error_file: str) -> dict[str, str]:
+    """Environment for one rank: ``base`` (the agent's), then the job's, then ours.
+
+    Keel's variables come last so that neither the agent's environment nor the job
+    can point a rank at the wrong rendezvous or generation.
+    """
+    env = dict(base)
+    env.update(start.env)
+    # As torchrun does: one OpenMP thread per rank unless the job says otherwise, so
+    # several ranks on a node do not oversubscribe its cores.
+    if start.local_world_size > 1 and "OMP_NUM_THREADS" not in start.env:
+        env["OMP_NUM_THREADS"] = "1"
+    env.update({
+        "RANK": str(assignment.rank),
+        "LOCAL_RANK": str(assignment.local_rank),
+        "WORLD_SIZE": str(start.world_size),
+        "LOCAL_WORLD_SIZE": str(start.local_world_size),
+        "MASTER_ADDR": start.master_addr,
+        "MASTER_PORT": str(start.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(start.restart_count),
+        "TORCHELASTIC_RUN_ID": f"{start.job}-g{start.generation}",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "PYTHONUNBUFFERED": "1",
+        "KEEL_JOB": start.job,
+        "KEEL_GENERATION": str(start.generation),
+        "KEEL_MESH": start.mesh,
+        "KEEL_CHECKPOINT_DIR": start.checkpoint_dir,
+        "KEEL_RESTORE_FROM": start.restore_from,
+        "KEEL_AGENT_SOCKET": agent_socket,
+    })
+    return env

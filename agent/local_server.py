@@ -1,0 +1,41 @@
+"""The agent-local gRPC service that trainers reach over a Unix socket."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from protos import keel_pb2, keel_pb2_grpc
+
+MAX_REPORTS_PER_CALL = 4096
+
+
+class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
+    def __init__(self, on_steps: Callable[[int, list], None],
+                 on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None]):
+        self._on_steps = on_steps
+        self._on_checkpoint = on_checkpoint
+
+    def ReportSteps(self, request, context):
+        if len(request.reports) > MAX_REPORTS_PER_CALL:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"at most {MAX_REPORTS_PER_CALL} reports per call")
+        self._on_steps(request.generation, list(request.reports))
+        return keel_pb2.LocalAck()
+
+    def ReportCheckpoint(self, request, context):
+        if not request.path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path: the committed directory")
+        self._on_checkpoint(request)
+        return keel_pb2.LocalAck()
+
+
+def serve(socket_path: str, service: AgentLocalService) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    keel_pb2_grpc.add_AgentLocalServicer_to_server(service, server)
+    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+        raise OSError(f"cannot listen on unix socket {socket_path}")
+    server.start()
+    return server

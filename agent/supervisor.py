@@ -1,0 +1,183 @@
+"""Rank processes: start them in their own process groups, watch them, stop them.
+
+Stopping is a protocol: SIGTERM to the group, ``stop_grace_s``, SIGKILL to the group,
+then the group is confirmed empty. A rank is started through ``agent.launch`` so it
+dies with the agent instead of outliving it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from agent.env import rank_env
+from agent.failure import error_file_traceback, stderr_traceback, tail
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class RankPhase(str, enum.Enum):
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"   # SIGTERM sent, waiting out the grace
+    KILLED = "KILLED"       # SIGKILL sent to the group
+    EXITED = "EXITED"       # the rank's process was reaped
+    REAPED = "REAPED"       # and its process group is empty
+
+
+@dataclass(eq=False)
+class RankProcess:
+    job: str
+    generation: int
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen
+    log_dir: Path
+    phase: RankPhase = RankPhase.RUNNING
+    stop_requested_at: float = 0.0
+    exited_at: float = 0.0
+    last_step: int = 0
+    exit_report: keel_pb2.RankExited | None = field(default=None)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def error_file(self) -> Path:
+        return self.log_dir / f"rank{self.rank}.error.json"
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.log_dir / f"rank{self.rank}.err"
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, stop_grace_s: float, reap_timeout_s: float = 5.0):
+        self.run_dir = run_dir
+        self.stop_grace_s = stop_grace_s
+        self.reap_timeout_s = reap_timeout_s
+        self.ranks: list[RankProcess] = []
+
+    def start(self, start: keel_pb2.StartGeneration, agent_socket: str) -> list[RankProcess]:
+        log_dir = self.run_dir / start.job / f"gen{start.generation}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        started = []
+        for assignment in start.ranks:
+            error_file = log_dir / f"rank{assignment.rank}.error.json"
+            error_file.unlink(missing_ok=True)
+            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file))
+            with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
+                    open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "agent.launch", str(os.getpid()), *start.command],
+                    env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                    start_new_session=True)
+            proc = RankProcess(job=start.job, generation=start.generation,
+                               rank=assignment.rank, local_rank=assignment.local_rank,
+                               popen=popen, log_dir=log_dir)
+            self.ranks.append(proc)
+            started.append(proc)
+            log.info("rank started", job=start.job, generation=start.generation,
+                     rank=assignment.rank, pid=popen.pid)
+        return started
+
+    def of_generation(self, job: str, generation: int) -> list[RankProcess]:
+        return [r for r in self.ranks if r.job == job and r.generation == generation]
+
+    def stop(self, ranks: list[RankProcess], now: float) -> None:
+        """Begin the stop protocol for ``ranks`` (SIGTERM to each running group)."""
+        for proc in ranks:
+            if proc.phase is RankPhase.RUNNING:
+                proc.phase, proc.stop_requested_at = RankPhase.STOPPING, now
+                signal_group(proc.pid, signal.SIGTERM)
+
+    def poll(self, now: float) -> list[RankProcess]:
+        """Advance every rank's lifecycle; return ranks whose process just exited."""
+        exited = []
+        for proc in self.ranks:
+            if proc.phase in (RankPhase.RUNNING, RankPhase.STOPPING, RankPhase.KILLED):
+                code = proc.popen.poll()
+                if code is not None:
+                    stopped = proc.phase is not RankPhase.RUNNING
+                    proc.phase, proc.exited_at = RankPhase.EXITED, now
+                    proc.exit_report = self._exit_report(proc, code, stopped)
+                    # Whatever the rank left in its group (workers, helpers) goes with it.
+                    signal_group(proc.pid, signal.SIGKILL)
+                    exited.append(proc)
+                elif (proc.phase is RankPhase.STOPPING
+                      and now - proc.stop_requested_at >= self.stop_grace_s):
+                    log.warning("rank ignored SIGTERM; killing its process group",
+                                rank=proc.rank, pid=proc.pid, grace_s=self.stop_grace_s)
+                    proc.phase = RankPhase.KILLED
+                    signal_group(proc.pid, signal.SIGKILL)
+            if proc.phase is RankPhase.EXITED:
+                if not group_alive(proc.pid):
+                    proc.phase = RankPhase.REAPED
+                elif now - proc.exited_at > self.reap_timeout_s:
+                    log.error("process group still has members after SIGKILL",
+                              rank=proc.rank, pgid=proc.pid)
+                    proc.phase = RankPhase.REAPED
+        return exited
+
+    def _exit_report(self, proc: RankProcess, code: int, stopped: bool) -> keel_pb2.RankExited:
+        stderr_tail = tail(proc.stderr_path)
+        traceback = error_file_traceback(proc.error_file) or stderr_traceback(stderr_tail)
+        # Peers of a crashed rank die of its absence a moment later, often within one
+        # poll; the error file's mtime dates an exception more precisely than the poll.
+        exited_at = time.time()
+        try:
+            exited_at = min(exited_at, proc.error_file.stat().st_mtime)
+        except FileNotFoundError:
+            pass
+        return keel_pb2.RankExited(
+            job=proc.job, generation=proc.generation, rank=proc.rank, pid=proc.pid,
+            exit_code=code if code >= 0 else -1, signal=-code if code < 0 else 0,
+            traceback=traceback, stderr_tail=stderr_tail[-4000:], exited_at=exited_at,
+            stopped_by_agent=stopped, last_step=proc.last_step)
+
+    def generation_done(self, job: str, generation: int) -> bool:
+        """True when every rank of the generation is reaped, its group empty."""
+        return all(r.phase is RankPhase.REAPED for r in self.of_generation(job, generation))
+
+    def forget(self, job: str, generation: int) -> None:
+        self.ranks = [r for r in self.ranks
+                      if not (r.job == job and r.generation == generation)]
+
+    def stop_all(self, timeout_s: float) -> None:
+        """Blocking stop of every rank, for agent shutdown."""
+        self.stop(self.ranks, time.monotonic())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.poll(time.monotonic())
+            if all(r.phase is RankPhase.REAPED for r in self.ranks):
+                return
+            time.sleep(0.05)
+        for proc in self.ranks:
+            signal_group(proc.pid, signal.SIGKILL)

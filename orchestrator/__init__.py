@@ -1,0 +1,1 @@
+"""The Keel controller: etcd state, reconcile loop, policies, gRPC servers and the CLI."""

@@ -1,0 +1,123 @@
+"""The ``keel`` command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """Keel: fault-tolerant training orchestration on torch.distributed."""
+
+
+def _read_token(token_file: str | None) -> str:
+    if token_file:
+        return Path(token_file).read_text().strip()
+    return os.environ.get("KEEL_TOKEN", "")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--nodes", type=int, default=2, show_default=True,
+              help="Agents (simulated nodes) to start on this machine.")
+@click.option("--slots-per-node", type=int, default=2, show_default=True,
+              help="Rank processes per node; the job runs on nodes × slots ranks.")
+@click.option("--steps", type=int, default=40, show_default=True,
+              help="Step target of the reference trainer.")
+@click.option("--checkpoint-every", type=int, default=10, show_default=True,
+              help="Reference trainer: commit a checkpoint every this many steps.")
+@click.option("--script", type=click.Path(exists=True, dir_okay=False),
+              help="Run this torchrun-style script instead of the reference trainer; "
+                   "its arguments follow `--`.")
+@click.option("--inject", multiple=True, metavar="FAULT",
+              help="Deterministic fault, repeatable: crash:rank=R,step=N | "
+                   "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F.")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="Generations restarted after failures before the job fails.")
+@click.option("--etcd-endpoints", default="", envvar="KEEL_ETCD_ENDPOINTS",
+              help="Use this etcd cluster (host:port,...) instead of an embedded one.")
+@click.option("--workdir", type=click.Path(file_okay=False),
+              help="Logs and checkpoints go here (default: a new temporary directory, kept).")
+@click.option("--timeout-s", type=float, default=3600, show_default=True,
+              help="Give up (non-zero exit) if the job has not ended by then.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as one JSON object on stdout.")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, max_restarts,
+       etcd_endpoints, workdir, timeout_s, as_json, script_args):
+    """Start etcd, a controller and agents here, run one job to its end, stop all.
+
+    Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
+    its step target.
+    """
+    from orchestrator.faults import BadFault
+    from orchestrator.up import UpOptions, up as run_up
+
+    if script_args and not script:
+        raise click.UsageError("arguments after -- are passed to --script; give --script")
+    try:
+        options = UpOptions(
+            nodes=nodes, slots_per_node=slots_per_node, steps=steps,
+            checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
+            inject=tuple(inject), max_restarts=max_restarts,
+            etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
+            workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, json=as_json)
+        code = run_up(options)
+    except (ValueError, BadFault) as exc:
+        raise click.UsageError(str(exc)) from exc
+    sys.exit(code)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--etcd-endpoints", required=True, envvar="KEEL_ETCD_ENDPOINTS",
+              help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="File holding the token every client must send (else env KEEL_TOKEN).")
+@click.option("--listen", default="127.0.0.1:0", show_default=True,
+              help="host:port to serve gRPC on; port 0 picks a free one.")
+@click.option("--advertise-host", default="127.0.0.1", show_default=True,
+              help="Host agents and operators reach this controller on.")
+@click.option("--address-file", type=click.Path(dir_okay=False),
+              help="Write the served host:port here once listening.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port.")
+@click.option("--node-lost-grace-s", type=float, default=10.0, show_default=True,
+              help="A node whose agent stream is down this long is lost.")
+@click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
+              help="Rank 0's agent must publish a rendezvous port within this.")
+def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
+               metrics_port, node_lost_grace_s, rendezvous_timeout_s):
+    """Run the controller daemon in the foreground."""
+    from orchestrator.config import ControllerConfig
+    from orchestrator.controller import run
+    from orchestrator.logs import configure
+
+    try:
+        config = ControllerConfig(
+            etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
+            token=_read_token(token_file), listen=listen, advertise_host=advertise_host,
+            address_file=Path(address_file) if address_file else None,
+            metrics_port=metrics_port, node_lost_grace_s=node_lost_grace_s,
+            rendezvous_timeout_s=rendezvous_timeout_s)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure("controller")
+    run(config)
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                "allow_extra_args": True, "help_option_names": []})
+@click.pass_context
+def agent(ctx):
+    """Run a node agent (same as `python -m agent`; `keel agent --help` for options)."""
+    # The agent lives in its own package that the controller never imports; hand over.
+    os.execv(sys.executable, [sys.executable, "-m", "agent", *ctx.args])
+
+
+if __name__ == "__main__":
+    main()

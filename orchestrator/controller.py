@@ -1,0 +1,578 @@
+"""The controller daemon: agent streams, operator calls and the reconcile loop.
+
+Each tick reads the whole observed state (etcd node records, agent sessions, what the
+agents reported), asks ``policy.decide`` what to do with each job and applies the
+answer. Handlers only record what they hear; they never decide.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import queue
+import re
+import signal
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from google.protobuf import json_format
+
+from orchestrator import metrics
+from orchestrator.auth import TokenInterceptor
+from orchestrator.config import ControllerConfig
+from orchestrator.jobspec import InvalidSpec, validate
+from orchestrator.lifecycle import JobState, check_transition
+from orchestrator.placement import NodeRanks, place
+from orchestrator.policy import Action, Decision, Observed, RankExit, Spec, decide
+from orchestrator.store import Store, StaleRevision, connect
+from protos import keel_pb2, keel_pb2_grpc
+
+log = structlog.get_logger()
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+MAX_SLOTS = 1024
+TOKENS_WINDOW_S = 10.0
+
+
+@dataclass(eq=False)
+class AgentSession:
+    node: str
+    host: str
+    slots: int
+    lease_id: int
+    pid: int
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    connected: bool = True
+    disconnected_at: float = 0.0
+
+    def send(self, message: keel_pb2.ControllerMessage) -> None:
+        self.outbox.put(message)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+
+
+@dataclass(eq=False)
+class JobRuntime:
+    spec: keel_pb2.JobSpec
+    state: JobState
+    state_rev: int
+    state_since: float
+    generation: int = 0
+    restarts: int = 0
+    reason: str = ""
+    failures: list[dict] = field(default_factory=list)
+    placement: list[NodeRanks] = field(default_factory=list)
+    rendezvous: tuple[str, int] | None = None
+    restore_from: dict | None = None
+    exits: dict[int, RankExit] = field(default_factory=dict)
+    stopped_nodes: set[str] = field(default_factory=set)
+    lost_nodes: set[str] = field(default_factory=set)
+    # progress, from step reports
+    step: int = 0
+    loss: float = 0.0
+    initial_loss: float = 0.0
+    has_loss: bool = False
+    tokens: int = 0
+    token_window: collections.deque = field(default_factory=collections.deque)
+    last_checkpoint: dict | None = None
+    last_wait_reason: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(p.node for p in self.placement)
+
+    def record(self) -> dict:
+        """The job state as stored in etcd."""
+        return {"state": self.state.value, "generation": self.generation,
+                "restarts": self.restarts, "reason": self.reason,
+                "failures": self.failures[-20:]}
+
+
+class Controller(keel_pb2_grpc.ControllerServicer):
+    def __init__(self, config: ControllerConfig):
+        self.config = config
+        self.id = uuid.uuid4().hex[:12]
+        self.store = Store(connect(list(config.etcd_endpoints), config.etcd_timeout_s))
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.sessions: dict[str, AgentSession] = {}
+        self.jobs: dict[str, JobRuntime] = {}
+        self.registered: dict[str, dict] = {}   # node records last read from etcd
+        self.server: grpc.Server | None = None
+        self.address = ""
+        self._leader_lease = None
+
+    # ================================================================ lifecycle
+    def serve(self) -> str:
+        """Bind, publish the address in etcd, start the reconcile loop; return host:port."""
+        self._load_jobs()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                                  interceptors=[TokenInterceptor(self.config.token)])
+        keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(self.config.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        self.server.start()
+        self.address = f"{self.config.advertise_host}:{port}"
+        self._leader_lease = self.store.client.lease(int(self.config.leader_ttl_s))
+        self.store.publish_controller(self.address, self._leader_lease.id)
+        if self.config.address_file:
+            tmp = self.config.address_file.with_suffix(".tmp")
+            tmp.write_text(self.address)
+            tmp.replace(self.config.address_file)
+        if self.config.metrics_port is not None:
+            metrics.serve(self.config.metrics_port)
+        threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
+        log.info("controller serving", address=self.address, controller_id=self.id,
+                 jobs=len(self.jobs))
+        return self.address
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        self.stopping.set()
+        self.wake.set()
+        with self.lock:
+            for session in self.sessions.values():
+                session.close()
+        if self.server is not None:
+            self.server.stop(grace_s).wait()
+        if self._leader_lease is not None:
+            try:
+                self._leader_lease.revoke()
+            except Exception as exc:  # etcd may already be gone at shutdown
+                log.warning("could not revoke controller lease", error=str(exc))
+        log.info("controller stopped")
+
+    def _load_jobs(self) -> None:
+        """Rebuild jobs from etcd, so a restarted controller knows what it runs."""
+        for name in self.store.job_names():
+            spec_dict = self.store.job_spec(name)
+            state = self.store.job_state(name)
+            if spec_dict is None or state.value is None:
+                continue
+            spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
+            job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
+                             state_rev=state.mod_revision, state_since=time.monotonic(),
+                             generation=state.value["generation"],
+                             restarts=state.value["restarts"],
+                             reason=state.value.get("reason", ""),
+                             failures=state.value.get("failures", []))
+            plan = self.store.plan(name, job.generation) if job.generation else None
+            if plan and not job.state.terminal:
+                job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
+            checkpoints = self.store.checkpoints(name)
+            job.last_checkpoint = checkpoints[-1] if checkpoints else None
+            self.jobs[name] = job
+
+    # =================================================================== agents
+    def Connect(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the first message on an agent stream must be a Hello")
+        hello = first.hello
+        problem = self._check_hello(hello)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            if not self.store.lease_alive(hello.lease_id):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"etcd lease {hello.lease_id} of node {hello.node} is not "
+                              f"alive; grant a new lease and reconnect")
+            self.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
+                                             "pid": hello.pid, "lease_id": hello.lease_id},
+                                hello.lease_id)
+        except grpc.RpcError:
+            raise
+        except Exception as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+
+        session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
+                               lease_id=hello.lease_id, pid=hello.pid)
+        with self.lock:
+            previous = self.sessions.get(hello.node)
+            if previous is not None:
+                previous.connected = False
+                previous.close()
+            self.sessions[hello.node] = session
+        context.add_callback(session.close)
+        session.send(keel_pb2.ControllerMessage(
+            welcome=keel_pb2.Welcome(controller_id=self.id)))
+        log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
+                 agents=self._connected_count())
+        reader = threading.Thread(target=self._read_agent, args=(session, request_iterator),
+                                  name=f"agent-{hello.node}", daemon=True)
+        reader.start()
+        self.wake.set()
+        while True:
+            message = session.outbox.get()
+            if message is None:
+                break
+            yield message
+
+    def _check_hello(self, hello: keel_pb2.Hello) -> str:
+        if not NODE_NAME.match(hello.node):
+            return (f"node name {hello.node!r}: use 1-63 letters, digits, '.', '_' or '-', "
+                    f"starting with a letter or digit")
+        if not 1 <= hello.slots <= MAX_SLOTS:
+            return f"slots={hello.slots}: must be between 1 and {MAX_SLOTS}"
+        if hello.lease_id <= 0:
+            return "lease_id: grant an etcd lease and send its id"
+        if not hello.host:
+            return "host: give the address other nodes reach this node on"
+        return ""
+
+    def _read_agent(self, session: AgentSession, request_iterator) -> None:
+        try:
+            for message in request_iterator:
+                with self.lock:
+                    self._on_agent_message(session, message)
+        except grpc.RpcError:
+            pass  # the stream ended; the agent reconnects on its own
+        finally:
+            with self.lock:
+                session.connected = False
+                session.disconnected_at = time.monotonic()
+            session.close()
+            log.info("agent disconnected", node=session.node, agents=self._connected_count())
+            self.wake.set()
+
+    def _connected_count(self) -> int:
+        with self.lock:
+            return sum(1 for s in self.sessions.values() if s.connected)
+
+    def _job_for(self, job_name: str, generation: int) -> JobRuntime | None:
+        """The job a report is about, if the report is for its current generation."""
+        job = self.jobs.get(job_name)
+        if job is None or generation != job.generation:
+            return None
+        return job
+
+    def _on_agent_message(self, session: AgentSession, message) -> None:
+        kind = message.WhichOneof("kind")
+        body = getattr(message, kind) if kind else None
+        if kind == "rendezvous_ready":
+            job = self._job_for(body.job, body.generation)
+            if (job and job.state is JobState.STARTING and job.placement
+                    and job.placement[0].node == session.node and 0 < body.port < 65536):
+                job.rendezvous = (body.host, body.port)
+                self.wake.set()
+        elif kind == "rank_exited":
+            job = self._job_for(body.job, body.generation)
+            if job is None:
+                return
+            exit_ = RankExit(node=session.node, rank=body.rank, pid=body.pid,
+                             exit_code=body.exit_code, signal=body.signal,
+                             exited_at=body.exited_at, stopped_by_agent=body.stopped_by_agent,
+                             traceback=body.traceback, stderr_tail=body.stderr_tail,
+                             last_step=body.last_step)
+            job.exits[body.rank] = exit_
+            log.info("rank exited", job=job.name, generation=job.generation,
+                     node=session.node, rank=body.rank, exit_code=body.exit_code,
+                     signal=body.signal, stopped_by_agent=body.stopped_by_agent)
+            self.wake.set()
+        elif kind == "steps":
+            job = self._job_for(body.job, body.generation)
+            if job is not None:
+                self._on_steps(job, body.reports)
+        elif kind == "checkpoint_saved":
+            job = self._job_for(body.job, body.generation)
+            if job is not None and job.state is JobState.RUNNING:
+                self._on_checkpoint(job, body)
+        elif kind == "generation_stopped":
+            job = self._job_for(body.job, body.generation)
+            if job is not None:
+                job.stopped_nodes.add(session.node)
+                self.wake.set()
+        elif kind == "hello":
+            log.warning("ignoring a second Hello on one stream", node=session.node)
+
+    def _on_steps(self, job: JobRuntime, reports) -> None:
+        for report in reports:
+            job.tokens += report.tokens
+            job.token_window.append((report.at, report.tokens))
+            if report.rank == 0 and report.step >= job.step:
+                job.step = report.step
+                job.loss = report.loss
+                if not job.has_loss:
+                    job.initial_loss, job.has_loss = report.loss, True
+        while job.token_window and job.token_window[-1][0] - job.token_window[0][0] > TOKENS_WINDOW_S:
+            job.token_window.popleft()
+        metrics.JOB_STEP.labels(job=job.name).set(job.step)
+
+    def _on_checkpoint(self, job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> None:
+        record = {"step": saved.step, "path": saved.path, "generation": saved.generation,
+                  "samples": saved.samples, "recorded_at": time.time()}
+        try:
+            fresh = self.store.record_checkpoint(job.name, record)
+        except Exception as exc:
+            # Not recorded means not committed: the restore point stays the previous one.
+            log.error("could not record checkpoint", job=job.name, step=saved.step,
+                      error=str(exc))
+            return
+        if fresh:
+            job.last_checkpoint = record
+            log.info("checkpoint committed", job=job.name, generation=job.generation,
+                     step=saved.step, path=saved.path)
+
+    # ================================================================ operators
+    def SubmitJob(self, request, context):
+        spec = keel_pb2.JobSpec()
+        spec.CopyFrom(request.spec)
+        try:
+            validate(spec)
+        except InvalidSpec as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {exc}")
+        with self.lock:
+            if spec.name in self.jobs:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"job {spec.name!r} exists; choose another name")
+            job = JobRuntime(spec=spec, state=JobState.PENDING, state_rev=0,
+                             state_since=time.monotonic(), reason="submitted")
+            try:
+                revision = self.store.create_job(
+                    spec.name, json_format.MessageToDict(spec), job.record())
+            except Exception as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+            if not revision:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"job {spec.name!r} exists in etcd; choose another name")
+            job.state_rev = revision
+            self.jobs[spec.name] = job
+        log.info("job submitted", job=spec.name, world_size=spec.world_size,
+                 max_restarts=spec.max_restarts)
+        self.wake.set()
+        return keel_pb2.SubmitJobReply(job=spec.name)
+
+    def GetJob(self, request, context):
+        with self.lock:
+            job = self.jobs.get(request.job)
+            if job is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+            return self._status(job)
+
+    def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
+        window = job.token_window
+        span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
+        rate = sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
+        status = keel_pb2.JobStatus(
+            job=job.name, state=job.state.value, reason=job.reason,
+            generation=job.generation, world_size=job.spec.world_size,
+            restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
+            loss=job.loss, initial_loss=job.initial_loss, has_loss=job.has_loss,
+            tokens_per_s=rate, tokens=job.tokens)
+        if job.last_checkpoint:
+            ck = job.last_checkpoint
+            status.last_checkpoint.CopyFrom(keel_pb2.CommittedCheckpoint(
+                step=ck["step"], path=ck["path"], generation=ck["generation"],
+                samples=ck["samples"]))
+        for failure in job.failures:
+            status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
+        return status
+
+    def ListNodes(self, request, context):
+        with self.lock:
+            reply = keel_pb2.ListNodesReply()
+            for name in sorted(set(self.registered) | set(self.sessions)):
+                session = self.sessions.get(name)
+                record = self.registered.get(name, {})
+                reply.nodes.append(keel_pb2.NodeInfo(
+                    node=name, host=record.get("host", session.host if session else ""),
+                    slots=record.get("slots", session.slots if session else 0),
+                    connected=bool(session and session.connected),
+                    lease_id=record.get("lease_id", 0)))
+            return reply
+
+    # ================================================================ reconcile
+    def _loop(self) -> None:
+        next_refresh = 0.0
+        while not self.stopping.is_set():
+            self.wake.wait(self.config.tick_s)
+            self.wake.clear()
+            if self.stopping.is_set():
+                break
+            now = time.monotonic()
+            try:
+                if now >= next_refresh:
+                    self._leader_lease.refresh()
+                    next_refresh = now + self.config.leader_ttl_s / 3
+                registered = self.store.nodes()
+            except Exception as exc:
+                log.warning("etcd read failed; retrying next tick", error=str(exc))
+                continue
+            with self.lock:
+                self.registered = registered
+                metrics.NODES.set(sum(1 for n in registered
+                                      if n in self.sessions and self.sessions[n].connected))
+                for job in list(self.jobs.values()):
+                    if not job.state.terminal:
+                        try:
+                            self._reconcile(job, now)
+                        except StaleRevision as exc:
+                            log.error("job state changed under us; reloading", job=job.name,
+                                      error=str(exc))
+                            self._reload(job)
+                        except Exception:
+                            log.exception("reconcile failed; retrying next tick",
+                                          job=job.name)
+
+    def _reload(self, job: JobRuntime) -> None:
+        state = self.store.job_state(job.name)
+        if state.value is not None:
+            job.state = JobState(state.value["state"])
+            job.state_rev = state.mod_revision
+            job.generation = state.value["generation"]
+            job.restarts = state.value["restarts"]
+
+    def _node_usable(self, node: str, now: float) -> bool:
+        session = self.sessions.get(node)
+        if node not in self.registered or session is None:
+            return False
+        return session.connected or now - session.disconnected_at < self.config.node_lost_grace_s
+
+    def _free_slots(self, job: JobRuntime) -> dict[str, int]:
+        busy = set()
+        for other in self.jobs.values():
+            if other is not job and other.state in (JobState.STARTING, JobState.RUNNING,
+                                                    JobState.STOPPING):
+                busy |= other.nodes
+        return {name: s.slots for name, s in self.sessions.items()
+                if s.connected and name in self.registered and name not in busy}
+
+    def _observe(self, job: JobRuntime, now: float) -> Observed:
+        for node in job.nodes:
+            if not self._node_usable(node, now):
+                job.lost_nodes.add(node)
+        return Observed(state=job.state, state_since=job.state_since, restarts=job.restarts,
+                        free_slots=self._free_slots(job), generation_nodes=job.nodes,
+                        rendezvous_ready=job.rendezvous is not None,
+                        exits=tuple(job.exits.values()),
+                        lost_nodes=frozenset(job.lost_nodes),
+                        stopped_nodes=frozenset(job.stopped_nodes))
+
+    def _reconcile(self, job: JobRuntime, now: float) -> None:
+        spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
+                    rendezvous_timeout_s=self.config.rendezvous_timeout_s)
+        decision = decide(now, self._observe(job, now), spec)
+        if decision.action is Action.WAIT:
+            if decision.reason != job.last_wait_reason:
+                job.last_wait_reason = decision.reason
+                log.info("waiting", job=job.name, generation=job.generation,
+                         state=job.state.value, reason=decision.reason)
+            return
+        job.last_wait_reason = ""
+        handler = {Action.PREPARE: self._prepare, Action.START: self._start,
+                   Action.STOP: self._stop, Action.RESTART: self._restart,
+                   Action.SUCCEED: self._finish, Action.FAIL: self._finish}[decision.action]
+        handler(job, decision, now)
+
+    def _transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
+                    plan: dict | None = None) -> None:
+        """Persist the new state (revision-guarded) and only then adopt it."""
+        check_transition(job.state, target)
+        previous = job.state
+        record = job.record() | {"state": target.value, "reason": reason}
+        job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
+        job.state, job.reason, job.state_since = target, reason, now
+        metrics.JOB_STATE.labels(job=job.name).set(list(JobState).index(target))
+        metrics.JOB_GENERATION.labels(job=job.name).set(job.generation)
+        log.info("job state", job=job.name, generation=job.generation,
+                 **{"from": previous.value, "to": target.value}, reason=reason,
+                 restarts=job.restarts)
+
+    def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        placement = place(job.spec.world_size, self._free_slots(job))
+        job.generation += 1
+        try:
+            self._transition(job, JobState.STARTING, decision.reason, now)
+        except Exception:
+            job.generation -= 1
+            raise
+        job.placement = placement
+        job.rendezvous = None
+        job.exits.clear()
+        job.stopped_nodes.clear()
+        job.lost_nodes.clear()
+        checkpoints = self.store.checkpoints(job.name)
+        job.restore_from = checkpoints[-1] if checkpoints else None
+        self.sessions[placement[0].node].send(keel_pb2.ControllerMessage(
+            prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
+                                                          generation=job.generation)))
+
+    def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        host, port = job.rendezvous
+        restore = job.restore_from["path"] if job.restore_from else ""
+        plan = {"generation": job.generation, "world_size": job.spec.world_size,
+                "master_addr": host, "master_port": port,
+                "nodes": {p.node: list(p.ranks) for p in job.placement},
+                "restore_from": restore, "command": list(job.spec.command),
+                "mesh": job.spec.mesh or f"dp_shard={job.spec.world_size}",
+                "created_at": time.time()}
+        reason = (f"generation {job.generation}: {job.spec.world_size} ranks on "
+                  f"{len(job.placement)} nodes, "
+                  + (f"restoring step {job.restore_from['step']}" if job.restore_from
+                     else "fresh start"))
+        self._transition(job, JobState.RUNNING, reason, now, plan)
+        for part in job.placement:
+            start = keel_pb2.StartGeneration(
+                job=job.name, generation=job.generation, world_size=job.spec.world_size,
+                local_world_size=part.local_world_size, master_addr=host, master_port=port,
+                command=list(job.spec.command), env=dict(job.spec.env),
+                restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
+                restore_from=restore, mesh=plan["mesh"])
+            for local_rank, rank in enumerate(part.ranks):
+                start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
+            self.sessions[part.node].send(keel_pb2.ControllerMessage(start_generation=start))
+
+    def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        cause = decision.root_cause
+        if cause is not None:
+            job.failures.append({
+                "generation": job.generation, "node": cause.node, "rank": cause.rank,
+                "pid": cause.pid, "exitCode": cause.exit_code, "signal": cause.signal,
+                "traceback": cause.traceback[-8000:], "stderrTail": cause.stderr_tail[-4000:],
+                "exitedAt": cause.exited_at, "lastStep": cause.last_step})
+        self._transition(job, JobState.STOPPING, decision.reason, now)
+        for node in job.nodes - job.lost_nodes:
+            session = self.sessions.get(node)
+            if session is not None and session.connected:
+                session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
+                    job=job.name, generation=job.generation, reason=decision.reason)))
+
+    def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        job.restarts += 1
+        try:
+            self._transition(job, JobState.PENDING, decision.reason, now)
+        except Exception:
+            job.restarts -= 1
+            raise
+        metrics.JOB_RESTARTS.labels(job=job.name).inc()
+
+    def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        target = JobState.SUCCEEDED if decision.action is Action.SUCCEED else JobState.FAILED
+        self._transition(job, target, decision.reason, now)
+
+
+def run(config: ControllerConfig) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    controller = Controller(config)
+    controller.serve()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    controller.shutdown()
+
+
+def status_json(status: keel_pb2.JobStatus) -> str:
+    return json.dumps(json_format.MessageToDict(status, always_print_fields_with_no_presence=True))

@@ -1,0 +1,72 @@
+"""The ``--inject`` fault grammar: ``KIND:key=value,...``, parsed into a FaultSchedule.
+
+Rank faults, applied by the trainer when the step starts:
+    crash:rank=R,step=N          the rank raises an exception
+    kill:rank=R,step=N           the rank SIGKILLs itself
+    hang:rank=R,step=N           the rank stops making progress
+    slow:rank=R,step=N,factor=F  from step N the rank's steps take F times as long
+"""
+
+from __future__ import annotations
+
+from protos import keel_pb2
+
+FIELDS = {
+    "crash": {"rank", "step"},
+    "kill": {"rank", "step"},
+    "hang": {"rank", "step"},
+    "slow": {"rank", "step", "factor"},
+}
+
+
+class BadFault(ValueError):
+    pass
+
+
+def parse_fault(text: str) -> keel_pb2.Fault:
+    kind, sep, rest = text.strip().partition(":")
+    if kind not in FIELDS:
+        raise BadFault(f"fault {text!r}: kind must be one of {', '.join(sorted(FIELDS))}")
+    if not sep or not rest:
+        raise BadFault(f"fault {text!r}: write it as {kind}:"
+                       + ",".join(f"{f}=..." for f in sorted(FIELDS[kind])))
+    values = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in FIELDS[kind] or key in values:
+            raise BadFault(f"fault {text!r}: {item!r} is not one of "
+                           f"{', '.join(sorted(FIELDS[kind]))} (each once)")
+        values[key] = value
+    missing = FIELDS[kind] - values.keys()
+    if missing:
+        raise BadFault(f"fault {text!r}: missing {', '.join(sorted(missing))}")
+    fault = keel_pb2.Fault(kind=kind)
+    try:
+        for key in ("rank", "step"):
+            number = int(values[key])
+            if number < 0 or (key == "step" and number < 1):
+                raise ValueError
+            if key == "rank":
+                fault.rank = number
+            else:
+                fault.step = number
+        if "factor" in values:
+            fault.factor = float(values["factor"])
+            if not fault.factor > 1.0:
+                raise ValueError
+    except ValueError:
+        raise BadFault(f"fault {text!r}: rank is an integer >= 0, step an integer >= 1 "
+                       f"and factor a number > 1") from None
+    return fault
+
+
+def parse_schedule(texts: list[str], world_size: int) -> keel_pb2.FaultSchedule:
+    """Parse every ``--inject`` value; ranks must exist in a job of ``world_size``."""
+    schedule = keel_pb2.FaultSchedule()
+    for text in texts:
+        fault = parse_fault(text)
+        if fault.HasField("rank") and fault.rank >= world_size:
+            raise BadFault(f"fault {text!r}: rank {fault.rank} does not exist at world "
+                           f"size {world_size}")
+        schedule.faults.append(fault)
+    return schedule

@@ -1,0 +1,39 @@
+"""The job lifecycle: states and the only transitions allowed between them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"      # waiting for enough free slots for the next generation
+    STARTING = "STARTING"    # nodes chosen, waiting for the rendezvous endpoint
+    RUNNING = "RUNNING"      # plan written to etcd, ranks started
+    STOPPING = "STOPPING"    # a generation is being torn down after a failure
+    SUCCEEDED = "SUCCEEDED"  # every rank of a generation exited 0
+    FAILED = "FAILED"        # restarts exhausted or the spec cannot be run
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
+    JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED}),
+    JobState.STOPPING: frozenset({JobState.PENDING, JobState.FAILED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(current: JobState, target: JobState) -> JobState:
+    """Return ``target`` if the lifecycle allows ``current -> target``; raise otherwise."""
+    if target not in TRANSITIONS[current]:
+        raise IllegalTransition(f"job cannot go from {current.value} to {target.value}")
+    return target

@@ -1,0 +1,131 @@
+"""What the controller should do next with a job: a pure decision.
+
+``decide(now, observed, spec)`` reads a snapshot built by the controller and returns an
+action and a reason a person can act on. No I/O, no clock reads: the caller passes
+``now`` (seconds, monotonic or wall, as long as ``Observed`` uses the same clock).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from orchestrator.lifecycle import JobState
+
+
+class Action(str, enum.Enum):
+    WAIT = "WAIT"            # nothing to do yet; the reason says what is awaited
+    PREPARE = "PREPARE"      # choose nodes for the next generation, ask for a rendezvous
+    START = "START"          # write the plan, start the ranks
+    STOP = "STOP"            # tear the generation down (the reason names the cause)
+    RESTART = "RESTART"      # the stopped generation is gone: plan the next one
+    SUCCEED = "SUCCEED"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    node: str
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int
+    exited_at: float
+    stopped_by_agent: bool
+    traceback: str = ""
+    stderr_tail: str = ""
+    last_step: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return not self.stopped_by_agent and (self.exit_code != 0 or self.signal != 0)
+
+    def describe(self) -> str:
+        how = (f"killed by signal {self.signal}" if self.signal
+               else f"exited with code {self.exit_code}")
+        last_line = self.traceback.strip().splitlines()[-1] if self.traceback.strip() else ""
+        text = f"rank {self.rank} (pid {self.pid}) on node {self.node} {how}"
+        if self.last_step:
+            text += f" after step {self.last_step}"
+        return text + (f": {last_line}" if last_line else "")
+
+
+@dataclass(frozen=True)
+class Observed:
+    state: JobState
+    state_since: float                 # when the job entered ``state``
+    restarts: int
+    free_slots: dict[str, int]         # connected, registered nodes not used by another job
+    generation_nodes: frozenset[str] = frozenset()   # nodes of the current generation
+    rendezvous_ready: bool = False
+    exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
+    lost_nodes: frozenset[str] = frozenset()         # generation nodes gone from etcd/stream
+    stopped_nodes: frozenset[str] = frozenset()      # nodes that confirmed the stop
+
+
+@dataclass(frozen=True)
+class Spec:
+    world_size: int
+    max_restarts: int
+    rendezvous_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    root_cause: RankExit | None = field(default=None)
+
+
+def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
+    """The earliest failed exit: later ones are usually peers losing their connection."""
+    failed = [e for e in exits if e.failed]
+    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+
+
+def decide(now: float, observed: Observed, spec: Spec) -> Decision:
+    state = observed.state
+    if state is JobState.PENDING:
+        free = sum(observed.free_slots.values())
+        nodes = sum(1 for s in observed.free_slots.values() if s > 0)
+        if free >= spec.world_size:
+            return Decision(Action.PREPARE,
+                            f"{free} slots free on {nodes} nodes, need {spec.world_size}")
+        return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
+                                     f"need {spec.world_size}")
+
+    if state is JobState.STARTING:
+        if observed.lost_nodes:
+            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} "
+                                         f"lost while starting")
+        if observed.rendezvous_ready:
+            return Decision(Action.START, "rendezvous endpoint published")
+        waited = now - observed.state_since
+        if waited > spec.rendezvous_timeout_s:
+            return Decision(Action.STOP, f"no rendezvous endpoint after {waited:.0f}s "
+                                         f"(limit {spec.rendezvous_timeout_s:.0f}s)")
+        return Decision(Action.WAIT, "waiting for the rendezvous endpoint")
+
+    if state is JobState.RUNNING:
+        cause = root_cause(observed.exits)
+        if cause is not None:
+            return Decision(Action.STOP, cause.describe(), cause)
+        if observed.lost_nodes:
+            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+        done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
+        if done == spec.world_size:
+            return Decision(Action.SUCCEED, f"all {done} ranks exited 0")
+        return Decision(Action.WAIT, f"{spec.world_size - done}/{spec.world_size} ranks running")
+
+    if state is JobState.STOPPING:
+        waiting = observed.generation_nodes - observed.lost_nodes - observed.stopped_nodes
+        if waiting:
+            return Decision(Action.WAIT, f"waiting for {len(waiting)} node(s) to stop their "
+                                         f"ranks: {', '.join(sorted(waiting))}")
+        if observed.restarts >= spec.max_restarts:
+            return Decision(Action.FAIL, f"generation failed and all {spec.max_restarts} "
+                                         f"restarts are used up")
+        return Decision(Action.RESTART, f"generation stopped; restart "
+                                        f"{observed.restarts + 1}/{spec.max_restarts}")
+
+    return Decision(Action.WAIT, f"job is {state.value}")

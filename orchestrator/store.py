@@ -1,0 +1,136 @@
+"""The controller's view of etcd: the only state that must survive a controller.
+
+Layout (all values JSON):
+
+    /keel/nodes/<node>                     node record, on the agent's lease
+    /keel/controller/leader                the serving controller's address
+    /keel/jobs/<job>/spec                  the submitted job spec
+    /keel/jobs/<job>/state                 lifecycle state, generation, restarts
+    /keel/jobs/<job>/generations/<g>       the plan of generation g
+    /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
+
+Writes happen on membership and generation changes only, never per step. Every
+write that decides something is a transaction guarded by the revision it read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import etcd3
+
+PREFIX = "/keel"
+
+
+class StaleRevision(Exception):
+    """A guarded write lost: the key changed since it was read."""
+
+
+def connect(endpoints: list[str], timeout_s: float) -> etcd3.Etcd3Client:
+    """An etcd client for the first of ``endpoints`` ("host:port")."""
+    host, _, port = endpoints[0].rpartition(":")
+    return etcd3.client(host=host, port=int(port), timeout=timeout_s)
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A decoded value with the mod revision it was read at (0 = absent)."""
+    value: dict | None
+    mod_revision: int
+
+
+class Store:
+    def __init__(self, client: etcd3.Etcd3Client):
+        self.client = client
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, key: str) -> Versioned:
+        raw, meta = self.client.get(key)
+        if raw is None:
+            return Versioned(None, 0)
+        return Versioned(json.loads(raw), meta.mod_revision)
+
+    def _prefix(self, prefix: str) -> dict[str, dict]:
+        return {meta.key.decode(): json.loads(raw)
+                for raw, meta in self.client.get_prefix(prefix)}
+
+    # -------------------------------------------------------------------- nodes
+    def put_node(self, node: str, record: dict, lease_id: int) -> None:
+        """Write a node record on the agent's lease, so it vanishes with the agent."""
+        self.client.put(f"{PREFIX}/nodes/{node}", json.dumps(record), lease=lease_id)
+
+    def nodes(self) -> dict[str, dict]:
+        """Registered nodes by name (records whose lease is still alive)."""
+        return {key.rsplit("/", 1)[1]: value
+                for key, value in self._prefix(f"{PREFIX}/nodes/").items()}
+
+    def lease_alive(self, lease_id: int) -> bool:
+        info = self.client.get_lease_info(lease_id)
+        return info.TTL > 0
+
+    # ------------------------------------------------------------------- leader
+    def publish_controller(self, address: str, lease_id: int | None = None) -> None:
+        self.client.put(f"{PREFIX}/controller/leader", json.dumps({"address": address}),
+                        lease=lease_id)
+
+    def controller_address(self) -> str | None:
+        value = self._get(f"{PREFIX}/controller/leader").value
+        return value["address"] if value else None
+
+    # --------------------------------------------------------------------- jobs
+    def create_job(self, name: str, spec: dict, state: dict) -> int:
+        """Create a job's spec and state together; return the state's revision, or 0
+        if the job already exists."""
+        spec_key = f"{PREFIX}/jobs/{name}/spec"
+        tx = self.client.transactions
+        ok, responses = self.client.transaction(
+            compare=[tx.version(spec_key) == 0],
+            success=[tx.put(spec_key, json.dumps(spec)),
+                     tx.put(f"{PREFIX}/jobs/{name}/state", json.dumps(state))],
+            failure=[])
+        return responses[1].response_put.header.revision if ok else 0
+
+    def job_spec(self, name: str) -> dict | None:
+        return self._get(f"{PREFIX}/jobs/{name}/spec").value
+
+    def job_state(self, name: str) -> Versioned:
+        return self._get(f"{PREFIX}/jobs/{name}/state")
+
+    def job_names(self) -> list[str]:
+        keys = self._prefix(f"{PREFIX}/jobs/")
+        return sorted({k.split("/")[3] for k in keys if k.endswith("/spec")})
+
+    def update_job_state(self, name: str, state: dict, read_revision: int,
+                         plan: dict | None = None) -> int:
+        """Write a new job state (and a generation plan) if the state is unchanged
+        since ``read_revision``; return the new revision, raise StaleRevision otherwise."""
+        state_key = f"{PREFIX}/jobs/{name}/state"
+        tx = self.client.transactions
+        puts = [tx.put(state_key, json.dumps(state))]
+        if plan is not None:
+            puts.append(tx.put(f"{PREFIX}/jobs/{name}/generations/{plan['generation']}",
+                               json.dumps(plan)))
+        ok, responses = self.client.transaction(
+            compare=[tx.mod(state_key) == read_revision], success=puts, failure=[])
+        if not ok:
+            raise StaleRevision(f"job {name}: state changed since revision {read_revision}")
+        return responses[0].response_put.header.revision
+
+    def plan(self, name: str, generation: int) -> dict | None:
+        return self._get(f"{PREFIX}/jobs/{name}/generations/{generation}").value
+
+    # -------------------------------------------------------------- checkpoints
+    def record_checkpoint(self, name: str, record: dict) -> bool:
+        """Record a committed checkpoint once; False if that step was recorded before."""
+        key = f"{PREFIX}/jobs/{name}/checkpoints/{record['step']:012d}"
+        tx = self.client.transactions
+        ok, _ = self.client.transaction(
+            compare=[tx.version(key) == 0], success=[tx.put(key, json.dumps(record))],
+            failure=[])
+        return ok
+
+    def checkpoints(self, name: str) -> list[dict]:
+        """Committed checkpoint records, oldest step first."""
+        found = self._prefix(f"{PREFIX}/jobs/{name}/checkpoints/")
+        return [found[k] for k in sorted(found)]

@@ -1,0 +1,315 @@
+"""``keel up``: a whole local cluster on this machine, running one job to its end.
+
+Starts etcd (embedded unless endpoints are given), one controller and N agents as
+separate processes, submits the job, shows its progress, and shuts everything down in
+order (agents, which stop their ranks; the controller; etcd) before printing a summary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from orchestrator.auth import call_metadata
+from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.faults import parse_schedule
+from protos import keel_pb2, keel_pb2_grpc
+
+JOB_NAME = "keel-up"
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    nodes: int = 2
+    slots_per_node: int = 2
+    steps: int = 40
+    checkpoint_every: int = 10
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    inject: tuple[str, ...] = ()
+    max_restarts: int = 3
+    etcd_endpoints: tuple[str, ...] = ()
+    workdir: Path | None = None
+    timeout_s: float = 3600.0
+    lease_ttl_s: float = 5.0
+    stop_grace_s: float = 5.0
+    json: bool = False
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.slots_per_node < 1:
+            raise ValueError("--nodes and --slots-per-node must be at least 1")
+        if self.steps < 1:
+            raise ValueError("--steps must be at least 1")
+        if self.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be at least 1")
+        if self.script is not None and not Path(self.script).is_file():
+            raise ValueError(f"--script {self.script}: no such file")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout-s must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.slots_per_node
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class LocalCluster:
+    """The processes of a local cluster, started and stopped in order."""
+    options: UpOptions
+    workdir: Path
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    etcd: EmbeddedEtcd | None = None
+    controller: subprocess.Popen | None = None
+    agents: list[subprocess.Popen] = field(default_factory=list)
+    address: str = ""
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(self.options.etcd_endpoints) or self.etcd.endpoint
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        with open(self.workdir / "logs" / log_name, "ab") as log:
+            return subprocess.Popen([sys.executable, *args], stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+
+    def start(self) -> None:
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        token_file = self.workdir / "token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token)
+        if not self.options.etcd_endpoints:
+            self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log").start()
+        address_file = self.workdir / "controller.address"
+        address_file.unlink(missing_ok=True)
+        self.controller = self._spawn(
+            ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
+             "--token-file", str(token_file), "--address-file", str(address_file)],
+            "controller.log")
+        deadline = time.monotonic() + 30
+        while not address_file.exists():
+            if self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited with code {self.controller.returncode}; "
+                                   f"see {self.workdir / 'logs' / 'controller.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("controller did not start within 30 s")
+            time.sleep(0.05)
+        self.address = address_file.read_text().strip()
+        for i in range(self.options.nodes):
+            self.agents.append(self._spawn(
+                ["-m", "agent", "--node", f"node-{i}", "--slots", str(self.options.slots_per_node),
+                 "--etcd-endpoints", self.endpoints, "--token-file", str(token_file),
+                 "--run-dir", str(self.workdir / "nodes" / f"node-{i}"),
+                 "--lease-ttl-s", str(self.options.lease_ttl_s),
+                 "--stop-grace-s", str(self.options.stop_grace_s)],
+                f"agent-node-{i}.log"))
+
+    def stop(self) -> None:
+        """Agents first (they stop their ranks), then the controller, then etcd."""
+        grace = self.options.stop_grace_s + 5
+        _terminate(self.agents, grace)
+        _terminate([self.controller] if self.controller else [], grace)
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
+    if options.script:
+        command = [sys.executable, "-u", str(Path(options.script).resolve()),
+                   *options.script_args]
+        steps = 0
+    else:
+        command = [sys.executable, "-u", "-m", "trainer.train", "--steps", str(options.steps),
+                   "--checkpoint-every", str(options.checkpoint_every)]
+        steps = options.steps
+    spec = keel_pb2.JobSpec(name=JOB_NAME, world_size=options.world_size, command=command,
+                            max_restarts=options.max_restarts, steps=steps,
+                            checkpoint_dir=str(checkpoint_dir),
+                            mesh=f"dp_shard={options.world_size}")
+    schedule = parse_schedule(list(options.inject), options.world_size)
+    if schedule.faults:
+        spec.env["KEEL_FAULTS"] = json_format.MessageToJson(schedule, indent=None)
+    return spec
+
+
+class Progress:
+    """Live progress on stderr: one rewritten line on a terminal, else a line per change."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+        self.failures_shown = 0
+
+    def show(self, status: keel_pb2.JobStatus) -> None:
+        for failure in status.failures[self.failures_shown:]:
+            self._line(f"generation {failure.generation} failed: rank {failure.rank} on "
+                       f"{failure.node} " + (f"killed by signal {failure.signal}"
+                                             if failure.signal else
+                                             f"exited {failure.exit_code}")
+                       + f" after step {failure.last_step}"
+                       + (f" — {failure.traceback.strip().splitlines()[-1]}"
+                          if failure.traceback.strip() else ""))
+        self.failures_shown = len(status.failures)
+        target = f"/{status.target_steps}" if status.target_steps else ""
+        loss = f"{status.loss:.4f}" if status.has_loss else "-"
+        text = (f"{status.state:<9} gen {status.generation} world {status.world_size} "
+                f"step {status.step}{target} loss {loss} "
+                f"{status.tokens_per_s:,.0f} tok/s restarts {status.restarts}")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+            self.last = text
+        elif self._key(text) != self._key(self.last):
+            self._line(text)
+            self.last = text
+
+    @staticmethod
+    def _key(text: str) -> str:
+        # Off a terminal, print on state/generation changes and every 5th step only.
+        parts = text.split()
+        if len(parts) < 6:
+            return text
+        step = parts[5].split("/")[0]
+        return " ".join(parts[:5]) + f" {int(step) // 5 if step.isdigit() else step}"
+
+    def _line(self, text: str) -> None:
+        if self.tty and self.last:
+            sys.stderr.write("\r\033[K")
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty and self.last:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
+              error: str = "") -> dict:
+    if status is None:
+        return {"state": "NOT_STARTED", "reason": error, "steps": 0, "initial_loss": None,
+                "final_loss": None, "world_size": 0, "generations": 0, "restarts": 0,
+                "wall_s": round(wall_s, 2), "workdir": str(workdir), "failures": []}
+    return {
+        "job": status.job, "state": status.state, "reason": error or status.reason,
+        "steps": status.step, "target_steps": status.target_steps,
+        "initial_loss": status.initial_loss if status.has_loss else None,
+        "final_loss": status.loss if status.has_loss else None,
+        "world_size": status.world_size, "generations": status.generation,
+        "restarts": status.restarts, "tokens": status.tokens, "wall_s": round(wall_s, 2),
+        "last_checkpoint": ({"step": status.last_checkpoint.step,
+                             "path": status.last_checkpoint.path}
+                            if status.HasField("last_checkpoint") else None),
+        "failures": [{"generation": f.generation, "node": f.node, "rank": f.rank,
+                      "pid": f.pid, "exit_code": f.exit_code, "signal": f.signal,
+                      "last_step": f.last_step, "traceback": f.traceback}
+                     for f in status.failures],
+        "workdir": str(workdir),
+    }
+
+
+def succeeded(summary: dict) -> bool:
+    return summary["state"] == "SUCCEEDED" and summary["steps"] >= summary.get("target_steps", 0)
+
+
+def print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary))
+        return
+    loss = ""
+    if summary["initial_loss"] is not None:
+        loss = f", loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
+    print(f"{summary['state']}: {summary['steps']} steps at world size "
+          f"{summary['world_size']}{loss}; {summary['generations']} generation(s), "
+          f"{summary['restarts']} restart(s), {summary['wall_s']:.1f} s")
+    for failure in summary["failures"]:
+        how = (f"signal {failure['signal']}" if failure["signal"]
+               else f"exit code {failure['exit_code']}")
+        print(f"  generation {failure['generation']}: rank {failure['rank']} on "
+              f"{failure['node']} (pid {failure['pid']}) {how} after step "
+              f"{failure['last_step']}")
+    if summary.get("reason"):
+        print(f"  reason: {summary['reason']}")
+    print(f"  logs and checkpoints: {summary['workdir']}")
+
+
+def up(options: UpOptions) -> int:
+    started = time.monotonic()
+    workdir = (options.workdir or Path(tempfile.mkdtemp(prefix="keel-up-"))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
+    cluster = LocalCluster(options, workdir)
+    status, error = None, ""
+    stop = []
+    previous = {sig: signal.signal(sig, lambda *_: stop.append(1))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    progress = Progress()
+    try:
+        cluster.start()
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = keel_pb2_grpc.ControllerStub(channel)
+            metadata = call_metadata(cluster.token)
+            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec), metadata=metadata,
+                           timeout=10)
+            deadline = time.monotonic() + options.timeout_s
+            while True:
+                status = stub.GetJob(keel_pb2.GetJobRequest(job=spec.name),
+                                     metadata=metadata, timeout=10)
+                progress.show(status)
+                if status.state in ("SUCCEEDED", "FAILED"):
+                    break
+                if stop:
+                    error = "interrupted"
+                    break
+                if time.monotonic() > deadline:
+                    error = f"timed out after {options.timeout_s:.0f} s"
+                    break
+                if any(a.poll() is not None for a in cluster.agents) or \
+                        cluster.controller.poll() is not None:
+                    error = f"a daemon exited unexpectedly; see {workdir / 'logs'}"
+                    break
+                time.sleep(POLL_S)
+    except (RuntimeError, grpc.RpcError) as exc:
+        error = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+    finally:
+        progress.done()
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    summary = summarize(status, time.monotonic() - started, workdir, error)
+    print_summary(summary, options.json)
+    if succeeded(summary) and not error:
+        return 0
+    if not options.json:
+        print(f"keel up failed: {error or summary['reason']}", file=sys.stderr)
+    return 1

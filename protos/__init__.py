@@ -1,0 +1,1 @@
+"""Keel's wire contract: ``keel.proto`` and its generated modules (committed)."""

@@ -1,0 +1,377 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentMessage(_message.Message):
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
+    RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SAVED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    rendezvous_ready: RendezvousReady
+    rank_exited: RankExited
+    steps: StepReportBatch
+    checkpoint_saved: CheckpointSaved
+    generation_stopped: GenerationStopped
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ...) -> None: ...
+
+class ControllerMessage(_message.Message):
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    START_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STOP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    prepare_rendezvous: PrepareRendezvous
+    start_generation: StartGeneration
+    stop_generation: StopGeneration
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("node", "host", "slots", "lease_id", "pid")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    host: str
+    slots: int
+    lease_id: int
+    pid: int
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("controller_id",)
+    CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    controller_id: str
+    def __init__(self, controller_id: _Optional[str] = ...) -> None: ...
+
+class PrepareRendezvous(_message.Message):
+    __slots__ = ("job", "generation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class RendezvousReady(_message.Message):
+    __slots__ = ("job", "generation", "host", "port")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    host: str
+    port: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class RankAssignment(_message.Message):
+    __slots__ = ("rank", "local_rank")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class StartGeneration(_message.Message):
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankAssignment]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    restart_count: int
+    checkpoint_dir: str
+    restore_from: str
+    mesh: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ...) -> None: ...
+
+class StopGeneration(_message.Message):
+    __slots__ = ("job", "generation", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RankExited(_message.Message):
+    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    EXITED_AT_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int
+    traceback: str
+    stderr_tail: str
+    exited_at: float
+    stopped_by_agent: bool
+    last_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    loss: float
+    tokens: int
+    step_time_s: float
+    at: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ...) -> None: ...
+
+class StepReportBatch(_message.Message):
+    __slots__ = ("job", "generation", "reports")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    reports: _containers.RepeatedCompositeFieldContainer[StepReport]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+
+class CheckpointSaved(_message.Message):
+    __slots__ = ("job", "generation", "step", "path", "samples")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    step: int
+    path: str
+    samples: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class GenerationStopped(_message.Message):
+    __slots__ = ("job", "generation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    world_size: int
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    max_restarts: int
+    steps: int
+    checkpoint_dir: str
+    mesh: str
+    min_nodes: int
+    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CommittedCheckpoint(_message.Message):
+    __slots__ = ("step", "path", "generation", "samples")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    generation: int
+    samples: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., generation: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("generation", "node", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "last_step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    EXITED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    node: str
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int
+    traceback: str
+    stderr_tail: str
+    exited_at: float
+    last_step: int
+    def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    state: str
+    reason: str
+    generation: int
+    world_size: int
+    restarts: int
+    step: int
+    target_steps: int
+    loss: float
+    initial_loss: float
+    tokens_per_s: float
+    tokens: int
+    last_checkpoint: CommittedCheckpoint
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    has_loss: bool
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ...) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node", "host", "slots", "connected", "lease_id")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    host: str
+    slots: int
+    connected: bool
+    lease_id: int
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., connected: _Optional[bool] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesReply(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class LocalStepReports(_message.Message):
+    __slots__ = ("generation", "reports")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    reports: _containers.RepeatedCompositeFieldContainer[StepReport]
+    def __init__(self, generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+
+class LocalAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Fault(_message.Message):
+    __slots__ = ("kind", "rank", "node", "step", "factor")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    rank: int
+    node: int
+    step: int
+    factor: float
+    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ...) -> None: ...
+
+class FaultSchedule(_message.Message):
+    __slots__ = ("faults",)
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    faults: _containers.RepeatedCompositeFieldContainer[Fault]
+    def __init__(self, faults: _Optional[_Iterable[_Union[Fault, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""Real etcd, a real controller process and real agent processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from orchestrator.auth import call_metadata
+from orchestrator.store import Store, connect
+from protos import keel_pb2, keel_pb2_grpc
+from tests.conftest import wait_for
+
+TOKEN = "s3cret-token"
+
+
+def spawn(args, log_path):
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+
+
+def stop(proc, grace_s=10):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def cluster(etcd, no_leaks):
+    tmp = no_leaks
+    (tmp / "token").write_text(TOKEN)
+    started = []
+
+    def controller():
+        proc = spawn(["-m", "orchestrator.cli", "controller", "--etcd-endpoints", etcd.endpoint,
+                      "--token-file", str(tmp / "token"), "--address-file",
+                      str(tmp / "address")], tmp / "controller.log")
+        started.append(proc)
+        wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,
+                 what="controller address")
+        assert proc.poll() is None, (tmp / "controller.log").read_text()
+        return (tmp / "address").read_text().strip()
+
+    def agent(node, token_file="token", ttl="2"):
+        proc = spawn(["-m", "agent", "--node", node, "--slots", "2", "--etcd-endpoints",
+                      etcd.endpoint, "--token-file", str(tmp / token_file),
+                      "--run-dir", str(tmp / node), "--lease-ttl-s", ttl],
+                     tmp / f"{node}.log")
+        started.append(proc)
+        return proc
+
+    class Cluster:
+        store = Store(connect([etcd.endpoint], 5))
+        path = tmp
+    Cluster.controller, Cluster.agent = staticmethod(controller), staticmethod(agent)
+    yield Cluster
+    for proc in reversed(started):
+        stop(proc)
+
+
+def test_agents_register_and_a_killed_agents_record_expires_with_its_lease(cluster):
+    cluster.controller()
+    a, b = cluster.agent("node-a"), cluster.agent("node-b")
+    nodes = wait_for(lambda: (n := cluster.store.nodes()) and len(n) == 2 and n, 30,
+                     what="both nodes registered")
+    assert nodes["node-a"]["slots"] == 2 and nodes["node-a"]["host"] == "127.0.0.1"
+    assert cluster.store.lease_alive(nodes["node-a"]["lease_id"])
+
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    # The record lives on the agent's 2 s lease; nothing deletes it but the expiry.
+    wait_for(lambda: "node-a" not in cluster.store.nodes(), 10, what="node-a to expire")
+    assert "node-b" in cluster.store.nodes()
+
+    # A clean stop revokes the lease: the record goes at once, not after the TTL.
+    stop(b)
+    assert b.returncode == 0
+    assert "node-b" not in cluster.store.nodes()
+
+
+def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
+    address = cluster.controller()
+    (cluster.path / "wrong").write_text("not-the-token")
+    intruder = cluster.agent("intruder", token_file="wrong")
+    wait_for(lambda: b"UNAUTHENTICATED" in (cluster.path / "intruder.log").read_bytes(), 30,
+             what="the agent to be refused")
+    assert "intruder" not in cluster.store.nodes()
+    assert intruder.poll() is None, "a refused agent keeps retrying; it does not crash"
+
+    before = list(cluster.store.client.get_prefix("/keel/jobs/"))
+    with grpc.insecure_channel(address) as channel:
+        stub = keel_pb2_grpc.ControllerStub(channel)
+        spec = keel_pb2.JobSpec(name="ok-name", world_size=1, command=["true"])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec),
+                           metadata=call_metadata("wrong"), timeout=5)
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetJob(keel_pb2.GetJobRequest(job="x"), timeout=5)
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert "missing token" in err.value.details()
+
+        bad = keel_pb2.JobSpec(name="Bad Name", world_size=0, command=[])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=bad),
+                           metadata=call_metadata(TOKEN), timeout=5)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "world_size: must be at least 1" in err.value.details()
+        assert list(cluster.store.client.get_prefix("/keel/jobs/")) == before
+
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetJob(keel_pb2.GetJobRequest(job="nope"), metadata=call_metadata(TOKEN),
+                        timeout=5)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+        # A stream whose first message is not a Hello is refused with a reason.
+        calls = stub.Connect(iter([keel_pb2.AgentMessage(
+            steps=keel_pb2.StepReportBatch(job="x"))]), metadata=call_metadata(TOKEN),
+            timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(calls)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "first message" in err.value.details()
+        # The controller is still serving.
+        assert stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
+                              timeout=5) is not None

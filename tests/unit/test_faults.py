@@ -1,0 +1,40 @@
+import pytest
+from google.protobuf import json_format
+
+from orchestrator.faults import BadFault, parse_fault, parse_schedule
+from protos import keel_pb2
+
+
+def test_parse_each_rank_fault():
+    crash = parse_fault("crash:rank=1,step=12")
+    assert (crash.kind, crash.rank, crash.step) == ("crash", 1, 12)
+    kill = parse_fault("kill:step=3,rank=0")
+    assert (kill.kind, kill.rank, kill.step) == ("kill", 0, 3)
+    assert parse_fault("hang:rank=2,step=5").kind == "hang"
+    slow = parse_fault("slow:rank=3,step=10,factor=1.5")
+    assert slow.factor == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("explode:rank=1,step=2", "kind must be one of"),
+    ("crash", "write it as crash:rank=...,step=..."),
+    ("crash:rank=1", "missing step"),
+    ("crash:rank=1,step=2,step=3", "each once"),
+    ("crash:rank=x,step=2", "rank is an integer"),
+    ("crash:rank=1,step=0", "step an integer >= 1"),
+    ("slow:rank=1,step=2,factor=0.5", "factor a number > 1"),
+    ("kill:rank=1,step=2,factor=2", "is not one of"),
+])
+def test_bad_faults_say_what_to_fix(text, message):
+    with pytest.raises(BadFault, match=message.replace(".", r"\.")
+                       .replace("(", r"\(").replace("[", r"\[")):
+        parse_fault(text)
+
+
+def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
+    with pytest.raises(BadFault, match="rank 4 does not exist at world size 4"):
+        parse_schedule(["crash:rank=4,step=1"], world_size=4)
+    schedule = parse_schedule(["crash:rank=1,step=12", "kill:rank=0,step=20"], 4)
+    text = json_format.MessageToJson(schedule, indent=None)
+    again = json_format.Parse(text, keel_pb2.FaultSchedule())
+    assert again == schedule and len(again.faults) == 2

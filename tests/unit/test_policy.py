@@ -1,0 +1,91 @@
+"""The controller's decisions, from observed states built by hand."""
+
+from orchestrator.lifecycle import JobState
+from orchestrator.policy import Action, Observed, RankExit, Spec, decide, root_cause
+
+SPEC = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0)
+NODES = frozenset({"a", "b"})
+
+
+def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb=""):
+    return RankExit(node=node, rank=rank, pid=1000 + rank, exit_code=code, signal=sig,
+                    exited_at=at, stopped_by_agent=stopped, traceback=tb, last_step=7)
+
+
+def running(**kw):
+    return Observed(state=JobState.RUNNING, state_since=0.0, restarts=0,
+                    free_slots={}, generation_nodes=NODES, **kw)
+
+
+def test_pending_waits_for_enough_slots_and_says_how_many():
+    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, {"a": 2, "b": 0}), SPEC)
+    assert d.action is Action.WAIT
+    assert d.reason == "2/4 slots free on 1 nodes, need 4"
+
+
+def test_pending_prepares_when_slots_suffice():
+    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, {"a": 2, "b": 2}), SPEC)
+    assert d.action is Action.PREPARE
+
+
+def test_starting_times_out_without_rendezvous():
+    obs = Observed(JobState.STARTING, 0.0, 0, {}, generation_nodes=NODES)
+    assert decide(29.0, obs, SPEC).action is Action.WAIT
+    d = decide(31.0, obs, SPEC)
+    assert d.action is Action.STOP and "no rendezvous endpoint after 31s" in d.reason
+
+
+def test_starting_starts_once_rendezvous_is_ready():
+    obs = Observed(JobState.STARTING, 0.0, 0, {}, generation_nodes=NODES,
+                   rendezvous_ready=True)
+    assert decide(1.0, obs, SPEC).action is Action.START
+
+
+def test_root_cause_is_the_earliest_failure_not_the_peers_that_followed():
+    exits = (exit_(0, code=1, at=101.0, tb="Traceback\nRuntimeError: Connection reset"),
+             exit_(1, code=1, at=100.0, tb="Traceback\nRuntimeError: injected crash"),
+             exit_(2, code=0, sig=15, at=99.0, stopped=True))
+    d = decide(102.0, running(exits=exits), SPEC)
+    assert d.action is Action.STOP
+    assert d.root_cause.rank == 1
+    assert d.reason == ("rank 1 (pid 1001) on node a exited with code 1 after step 7: "
+                        "RuntimeError: injected crash")
+
+
+def test_signal_death_is_named():
+    d = decide(1.0, running(exits=(exit_(3, code=-1, sig=9, node="b"),)), SPEC)
+    assert d.reason == "rank 3 (pid 1003) on node b killed by signal 9 after step 7"
+
+
+def test_ranks_stopped_by_the_agent_are_not_failures():
+    assert root_cause((exit_(0, code=-1, sig=15, stopped=True),)) is None
+
+
+def test_running_succeeds_only_when_every_rank_exited_zero():
+    three = tuple(exit_(r) for r in range(3))
+    assert decide(1.0, running(exits=three), SPEC).action is Action.WAIT
+    d = decide(1.0, running(exits=three + (exit_(3),)), SPEC)
+    assert d.action is Action.SUCCEED and d.reason == "all 4 ranks exited 0"
+
+
+def test_lost_node_stops_a_running_generation():
+    d = decide(1.0, running(lost_nodes=frozenset({"b"})), SPEC)
+    assert d.action is Action.STOP and d.reason == "node b lost"
+
+
+def test_stopping_waits_for_every_live_node_then_restarts():
+    obs = Observed(JobState.STOPPING, 0.0, 0, {}, generation_nodes=NODES,
+                   stopped_nodes=frozenset({"a"}))
+    d = decide(1.0, obs, SPEC)
+    assert d.action is Action.WAIT and d.reason.endswith(": b")
+    obs = Observed(JobState.STOPPING, 0.0, 1, {}, generation_nodes=NODES,
+                   stopped_nodes=frozenset({"a"}), lost_nodes=frozenset({"b"}))
+    d = decide(1.0, obs, SPEC)
+    assert d.action is Action.RESTART and d.reason == "generation stopped; restart 2/2"
+
+
+def test_stopping_fails_when_restarts_are_used_up():
+    obs = Observed(JobState.STOPPING, 0.0, 2, {}, generation_nodes=NODES,
+                   stopped_nodes=NODES)
+    d = decide(1.0, obs, SPEC)
+    assert d.action is Action.FAIL and "all 2 restarts are used up" in d.reason
