@@ -197,10 +197,10 @@ class Progress:
     def _key(text: str) -> str:
         # Off a terminal, print on state/generation changes and every 5th step only.
         parts = text.split()
-        if len(parts) < 6:
+        if len(parts) < 7:
             return text
-        step = parts[5].split("/")[0]
-        return " ".join(parts[:5]) + f" {int(step) // 5 if step.isdigit() else step}"
+        step = parts[6].split("/")[0]
+        return " ".join(parts[:6]) + f" {int(step) // 5 if step.isdigit() else step}"
 
     def _line(self, text: str) -> None:
         if self.tty and self.last:

@@ -1,0 +1,160 @@
+"""The reference trainer under real torchrun on gloo: it learns, commits checkpoints
+durably, resumes on another world size where it left off, reports to the agent's AgentLocal
+service on a Unix socket, and turns an injected crash into torchrun's root cause.
+
+Each launch costs a few seconds of interpreter and torch start-up on two cores, so the
+runs are few and shared between assertions."""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from agent.local_server import AgentLocalService, serve
+from protos import keel_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_LINE = re.compile(r"^step=(\d+) loss=(\d+\.\d+) tokens/s=(\d+)$")
+GLOBAL_BATCH, SEQ_LEN = 16, 64
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs ``python -m trainer.train`` under torchrun with ``nproc`` ranks on one host."""
+    full_env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
+    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "trainer.train", *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def step_losses(run: subprocess.CompletedProcess) -> dict[int, float]:
+    assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    losses = {}
+    for line in run.stdout.splitlines():
+        match = STEP_LINE.match(line)
+        assert match, f"unexpected stdout line {line!r}"
+        losses[int(match.group(1))] = float(match.group(2))
+    return losses
+
+
+class Recorder:
+    """Keeps what the agent's real local service was told."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: list[tuple[int, keel_pb2.StepReport]] = []
+        self.checkpoints: list[keel_pb2.CheckpointSaved] = []
+
+    def on_steps(self, generation: int, reports: list) -> None:
+        with self.lock:
+            self.steps.extend((generation, report) for report in reports)
+
+    def on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
+        with self.lock:
+            self.checkpoints.append(saved)
+
+
+@pytest.fixture
+def agent():
+    """The agent's own AgentLocal service on a Unix socket, recording what it hears."""
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    directory = tempfile.mkdtemp(prefix="keel-agent-")
+    socket_path = os.path.join(directory, "agent.sock")
+    recorder = Recorder()
+    server = serve(socket_path, AgentLocalService(recorder.on_steps, recorder.on_checkpoint))
+    yield socket_path, recorder
+    server.stop(grace=None)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
+    socket_path, recorder = agent
+    ckpt = tmp_path / "ckpt"
+
+    # Two ranks, as Keel would start them: checkpoint dir and identity from KEEL_*.
+    first = torchrun(
+        2, "--steps", "12", "--checkpoint-every", "5",
+        env={
+            "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path,
+            "KEEL_JOB": "demo", "KEEL_GENERATION": "3", "KEEL_MESH": "dp_shard=2",
+        },
+    )
+    losses = step_losses(first)
+    assert sorted(losses) == list(range(1, 13))
+    assert abs(losses[1] - math.log(256)) < 0.3, "an untrained model should be near ln(vocab)"
+    assert losses[12] < losses[1] - 1.0, f"loss did not fall: {losses}"
+
+    committed = sorted(path.name for path in ckpt.iterdir() if not path.name.startswith("."))
+    assert committed == ["step_00000005", "step_00000010", "step_00000012"]
+    assert all((ckpt / name / ".metadata").is_file() for name in committed)
+    assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
+
+    with recorder.lock:
+        reported = {(report.rank, report.step): (generation, report) for generation, report in recorder.steps}
+        checkpoints = list(recorder.checkpoints)
+    assert set(reported) == {(rank, step) for rank in (0, 1) for step in range(1, 13)}
+    for (rank, step), (generation, report) in reported.items():
+        assert generation == 3
+        assert report.tokens == GLOBAL_BATCH // 2 * SEQ_LEN
+        assert report.loss == pytest.approx(losses[step], abs=1e-6)
+        assert report.step_time_s > 0 and report.at > 0
+    assert [(c.job, c.generation, c.step, c.path, c.samples) for c in checkpoints] == [
+        ("demo", 3, step, str(ckpt / f"step_{step:08d}"), step * GLOBAL_BATCH) for step in (5, 10, 12)
+    ]
+
+    # Plain torchrun on one rank: it finds the latest committed checkpoint itself and
+    # DCP reshards the two ranks' shards onto one.
+    resumed = torchrun(1, "--steps", "16", "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt))
+    resumed_losses = step_losses(resumed)
+    assert sorted(resumed_losses) == [13, 14, 15, 16], resumed.stdout
+    assert f"resumed from {ckpt / 'step_00000012'} at step=12 samples=192 on 1 ranks" in resumed.stderr
+    assert resumed_losses[13] < losses[1] - 1.0, "the resumed model forgot what it learnt"
+    assert (ckpt / "step_00000015" / ".metadata").is_file() and (ckpt / "step_00000016" / ".metadata").is_file()
+
+    # Keel names an earlier checkpoint (step 12 was never recorded as committed): the
+    # run continues from step 10, replaces step_00000012, and - same global batch,
+    # same samples - repeats the two-rank run's losses on one rank.
+    replayed = torchrun(
+        1, "--steps", "12", "--checkpoint-every", "6",
+        env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_RESTORE_FROM": str(ckpt / "step_00000010"), "KEEL_GENERATION": "4"},
+    )
+    replayed_losses = step_losses(replayed)
+    assert sorted(replayed_losses) == [11, 12]
+    for step in (11, 12):
+        assert replayed_losses[step] == pytest.approx(losses[step], abs=1e-4)
+    assert f"replacing unrecorded checkpoint {ckpt / 'step_00000012'}" in replayed.stderr
+    assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
+
+
+def test_first_step_loss_is_the_same_on_one_and_two_ranks():
+    one = step_losses(torchrun(1, "--steps", "1"))
+    two = step_losses(torchrun(2, "--steps", "1"))
+    assert one[1] == pytest.approx(two[1], abs=1e-5)
+
+
+def test_injected_crash_is_torchruns_root_cause_and_leaves_its_marker(tmp_path):
+    faults = json_format.MessageToJson(keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=1, step=2)]))
+    run = torchrun(2, "--steps", "3", env={"KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_FAULTS": faults})
+    assert run.returncode != 0
+    assert [line for line in run.stdout.splitlines() if line.startswith("step=")] == [run.stdout.splitlines()[0]]
+    # torchrun copies the traceback from the rank's TORCHELASTIC_ERROR_FILE (@record).
+    root_cause = run.stderr.split("Root Cause")[-1]
+    assert "rank      : 1" in root_cause
+    assert "RuntimeError: injected crash at step 2 on rank 1" in root_cause
+    assert (tmp_path / ".faults" / "0").is_file()

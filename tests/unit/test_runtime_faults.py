@@ -1,0 +1,161 @@
+"""Fault injection in ``trainer.runtime``: which scheduled faults a rank applies, when,
+and that crash/kill/hang fire once per checkpoint directory across generations. Runs
+in-process: crash raises, and kill/hang are exercised only where their marker already
+exists, so they must not fire."""
+
+import os
+import time
+
+import pytest
+from google.protobuf import json_format
+
+from protos import keel_pb2
+from trainer import runtime
+from trainer.runtime import claim_fault, fault_marker_path, parse_fault_schedule, parse_mesh, rank_faults
+
+
+def schedule_json(*faults: keel_pb2.Fault) -> str:
+    return json_format.MessageToJson(keel_pb2.FaultSchedule(faults=faults))
+
+
+def rank_env(rank: int, faults: str, checkpoint_dir=None, generation: int = 1) -> dict:
+    env = {
+        "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+        "KEEL_GENERATION": str(generation), "KEEL_JOB": "demo", "KEEL_FAULTS": faults,
+    }
+    if checkpoint_dir is not None:
+        env["KEEL_CHECKPOINT_DIR"] = str(checkpoint_dir)
+    return env
+
+
+def test_rank_faults_keeps_only_this_ranks_rank_faults_with_their_schedule_index():
+    schedule = parse_fault_schedule(
+        schedule_json(
+            keel_pb2.Fault(kind="lose_node", node=0, step=3),
+            keel_pb2.Fault(kind="crash", rank=1, step=7),
+            keel_pb2.Fault(kind="crash", rank=0, step=7),
+            keel_pb2.Fault(kind="slow", rank=1, step=2, factor=3.0),
+            keel_pb2.Fault(kind="hang", step=4),  # no rank: not for any rank to apply
+            keel_pb2.Fault(kind="kill", rank=1, step=9),
+        )
+    )
+    selected = rank_faults(schedule, 1)
+    assert [(index, fault.kind, fault.step) for index, fault in selected] == [(1, "crash", 7), (3, "slow", 2), (5, "kill", 9)]
+    assert [index for index, _ in rank_faults(schedule, 0)] == [2]
+
+
+def test_rank_zero_is_a_rank_not_a_missing_field():
+    schedule = parse_fault_schedule(schedule_json(keel_pb2.Fault(kind="crash", rank=0, step=1)))
+    assert len(rank_faults(schedule, 0)) == 1
+
+
+def test_slow_needs_a_factor_of_at_least_one():
+    with pytest.raises(ValueError, match="factor of at least 1|multiplier of at least 1"):
+        parse_fault_schedule(schedule_json(keel_pb2.Fault(kind="slow", rank=0, step=1)))
+
+
+def test_no_schedule_means_no_faults():
+    rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1"})
+    for step in range(1, 5):
+        rt.inject_faults(step)
+    assert rt.after_step(0.01) == 0.0
+
+
+def test_crash_fires_at_its_step_on_its_rank_only(tmp_path):
+    faults = schedule_json(keel_pb2.Fault(kind="crash", rank=1, step=3))
+    other = runtime.init(rank_env(0, faults, tmp_path))
+    target = runtime.init(rank_env(1, faults, tmp_path))
+    for step in (1, 2, 3, 4):
+        other.inject_faults(step)
+    target.inject_faults(2)
+    with pytest.raises(RuntimeError, match=r"^injected crash at step 3 on rank 1$"):
+        target.inject_faults(3)
+
+
+def test_crash_is_one_shot_across_generations(tmp_path):
+    faults = schedule_json(keel_pb2.Fault(kind="lose_node", node=1, step=1), keel_pb2.Fault(kind="crash", rank=0, step=2))
+    first = runtime.init(rank_env(0, faults, tmp_path, generation=1))
+    with pytest.raises(RuntimeError):
+        first.inject_faults(2)
+    marker = fault_marker_path(str(tmp_path), 1)
+    assert marker == os.path.join(str(tmp_path), ".faults", "1")
+    assert "crash step=2 rank=0 generation=1" in open(marker).read()
+    # The next generation replays step 2 from an earlier checkpoint; the crash is spent.
+    runtime.init(rank_env(0, faults, tmp_path, generation=2)).inject_faults(2)
+
+
+def test_without_a_checkpoint_dir_a_crash_fires_every_time():
+    faults = schedule_json(keel_pb2.Fault(kind="crash", rank=0, step=1))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="injected crash at step 1 on rank 0"):
+            runtime.init(rank_env(0, faults)).inject_faults(1)
+
+
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_spent_kill_and_hang_do_not_fire_again(tmp_path, kind):
+    faults = schedule_json(keel_pb2.Fault(kind=kind, rank=1, step=5))
+    assert claim_fault(str(tmp_path), 0, "an earlier generation fired it")
+    # Were the marker ignored, this would kill the test process or hang it.
+    runtime.init(rank_env(1, faults, tmp_path)).inject_faults(5)
+
+
+def test_claim_fault_is_exclusive_per_directory(tmp_path):
+    assert claim_fault(str(tmp_path / "ckpt"), 4, "first")
+    assert not claim_fault(str(tmp_path / "ckpt"), 4, "second")
+    assert claim_fault(str(tmp_path / "ckpt"), 5, "another fault")
+    assert claim_fault(str(tmp_path / "other-job"), 4, "another job")
+    assert claim_fault(None, 4, "no directory")
+    assert claim_fault(None, 4, "no directory")
+
+
+def test_slow_stretches_every_step_from_its_step_on(tmp_path):
+    rt = runtime.init(rank_env(1, schedule_json(keel_pb2.Fault(kind="slow", rank=1, step=3, factor=3.0)), tmp_path))
+    rt.inject_faults(2)
+    assert rt.after_step(0.02) == 0.0
+    rt.inject_faults(3)
+    for _ in range(2):
+        started = time.monotonic()
+        slept = rt.after_step(0.02)
+        assert slept == pytest.approx(0.04)
+        assert time.monotonic() - started >= 0.04
+    # slow is not one-shot: nothing is claimed for it.
+    assert not os.path.exists(tmp_path / ".faults")
+
+
+def test_init_reads_the_environment(tmp_path):
+    rt = runtime.init(
+        {
+            "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2",
+            "KEEL_JOB": "llama", "KEEL_GENERATION": "7", "KEEL_MESH": "dp_shard=4",
+            "KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_RESTORE_FROM": str(tmp_path / "step_00000010"),
+        }
+    )
+    assert (rt.rank, rt.world_size, rt.local_rank, rt.restart_count) == (3, 4, 1, 2)
+    assert (rt.job, rt.generation, rt.mesh) == ("llama", 7, {"dp_shard": 4})
+    assert (rt.checkpoint_dir, rt.restore_from) == (str(tmp_path), str(tmp_path / "step_00000010"))
+    plain = runtime.init({"KEEL_RESTORE_FROM": ""})
+    assert (plain.rank, plain.world_size, plain.generation, plain.job, plain.mesh) == (0, 1, 0, "", {"dp_shard": 1})
+    assert plain.checkpoint_dir is None and plain.restore_from is None
+
+
+def test_parse_mesh_checks_the_world_size():
+    assert parse_mesh("dp_replicate=2, dp_shard=2", 4) == {"dp_replicate": 2, "dp_shard": 2}
+    with pytest.raises(ValueError, match="spans 4 ranks but WORLD_SIZE=2"):
+        parse_mesh("dp_shard=4", 2)
+    with pytest.raises(ValueError, match="not NAME=SIZE"):
+        parse_mesh("fsdp=2", 2)
+
+
+def test_a_missing_agent_never_fails_training(tmp_path, capsys):
+    rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1", "KEEL_AGENT_SOCKET": str(tmp_path / "nobody.sock")})
+    started = time.monotonic()
+    for step in range(1, 40):
+        rt.report_step(step, loss=1.0, tokens=64, step_time_s=0.01)
+    assert time.monotonic() - started < 0.5  # reporting is a queue put, not an RPC
+    assert rt.report_checkpoint(10, str(tmp_path / "step_00000010"), 160) is False
+    rt.close()
+    rt.close()
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert err.count("cannot report steps to the agent") == 1
+    assert "cannot report checkpoint step=10" in err
