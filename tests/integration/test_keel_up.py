@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.conftest import REPO, keel
+from orchestrator.store import Store, connect
+from tests.conftest import REPO, keel, processes_mentioning, wait_for
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "plain_allreduce.py"
 
@@ -20,10 +25,11 @@ def run_up(workdir: Path, *args: str, timeout_s: float = 300) -> dict:
     return summary
 
 
-def test_a_torchrun_style_script_is_restarted_after_failing_once_and_completes(no_leaks):
+def test_a_torchrun_style_script_is_restarted_after_failing_once_and_completes(no_leaks, etcd):
     markers = no_leaks / "markers"
     markers.mkdir()
     summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "2",
+                     "--etcd-endpoints", etcd.endpoint,
                      "--script", str(SCRIPT), "--", str(markers), "3")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert summary["state"] == "SUCCEEDED"
@@ -33,6 +39,10 @@ def test_a_torchrun_style_script_is_restarted_after_failing_once_and_completes(n
     # Every rank finished exactly once, in the restarted generation, at world size 4.
     for rank in range(4):
         assert (markers / f"done-{rank}").read_text() == "restart=1 world=4\n"
+    # --etcd-endpoints: the state lives in the given etcd, and no embedded one ran.
+    state = Store(connect([etcd.endpoint], 5)).job_state("keel-up").value
+    assert (state["state"], state["generation"], state["restarts"]) == ("SUCCEEDED", 2, 1)
+    assert not (no_leaks / "run" / "logs" / "etcd.log").exists()
 
 
 def test_a_bad_fault_spec_is_refused_before_anything_starts(tmp_path):
@@ -92,3 +102,24 @@ def test_a_crash_and_a_kill_are_each_recovered_from_the_committed_checkpoint(no_
     assert abs(second[11] - first[11]) < 1e-4
     assert abs(third[21] - second[21]) < 1e-4
     assert third[40] < 0.5 * first[1]
+
+
+def test_killing_keel_up_itself_leaves_no_process_behind(tmp_path):
+    """SIGKILL gives keel up no chance to clean up: the kernel's parent-death signal
+    must take down etcd, the controller and the agents, and theirs the ranks."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "up", "--workdir", str(run), "--steps",
+         "1000", "--checkpoint-every", "1000"], cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rank0 = run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.out"
+    try:
+        wait_for(lambda: rank0.exists() and "step=2 " in rank0.read_text(), 120,
+                 what="training to start")
+        # etcd, controller, 2 agents, 4 ranks (each rank's launcher has exec'd).
+        assert len(processes_mentioning(str(run))) >= 8
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    wait_for(lambda: not processes_mentioning(str(run)), 30,
+             what="every process of the killed keel up to exit")
