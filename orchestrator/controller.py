@@ -8,7 +8,6 @@ answer. Handlers only record what they hear; they never decide.
 from __future__ import annotations
 
 import collections
-import json
 import queue
 import re
 import signal
@@ -185,17 +184,17 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            if not self.store.lease_alive(hello.lease_id):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"etcd lease {hello.lease_id} of node {hello.node} is not "
-                              f"alive; grant a new lease and reconnect")
-            self.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
-                                             "pid": hello.pid, "lease_id": hello.lease_id},
-                                hello.lease_id)
-        except grpc.RpcError:
-            raise
+            lease_alive = self.store.lease_alive(hello.lease_id)
+            if lease_alive:
+                self.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
+                                                 "pid": hello.pid, "lease_id": hello.lease_id},
+                                    hello.lease_id)
         except Exception as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+        if not lease_alive:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"etcd lease {hello.lease_id} of node {hello.node} is not alive; "
+                          f"grant a new lease and reconnect")
 
         session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
                                lease_id=hello.lease_id, pid=hello.pid)
@@ -477,12 +476,15 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         handler(job, decision, now)
 
     def _transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
-                    plan: dict | None = None) -> None:
-        """Persist the new state (revision-guarded) and only then adopt it."""
+                    plan: dict | None = None, **changes: int) -> None:
+        """Persist the new state and ``changes`` (generation, restarts) in one
+        revision-guarded write, and only then adopt them."""
         check_transition(job.state, target)
         previous = job.state
-        record = job.record() | {"state": target.value, "reason": reason}
+        record = job.record() | changes | {"state": target.value, "reason": reason}
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
+        for name, value in changes.items():
+            setattr(job, name, value)
         job.state, job.reason, job.state_since = target, reason, now
         metrics.JOB_STATE.labels(job=job.name).set(list(JobState).index(target))
         metrics.JOB_GENERATION.labels(job=job.name).set(job.generation)
@@ -492,12 +494,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
         placement = place(job.spec.world_size, self._free_slots(job))
-        job.generation += 1
-        try:
-            self._transition(job, JobState.STARTING, decision.reason, now)
-        except Exception:
-            job.generation -= 1
-            raise
+        self._transition(job, JobState.STARTING, decision.reason, now,
+                         generation=job.generation + 1)
         job.placement = placement
         job.rendezvous = None
         job.exits.clear()
@@ -550,12 +548,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                     job=job.name, generation=job.generation, reason=decision.reason)))
 
     def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
-        job.restarts += 1
-        try:
-            self._transition(job, JobState.PENDING, decision.reason, now)
-        except Exception:
-            job.restarts -= 1
-            raise
+        self._transition(job, JobState.PENDING, decision.reason, now,
+                         restarts=job.restarts + 1)
         metrics.JOB_RESTARTS.labels(job=job.name).inc()
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
@@ -573,6 +567,3 @@ def run(config: ControllerConfig) -> None:
     done.wait()
     controller.shutdown()
 
-
-def status_json(status: keel_pb2.JobStatus) -> str:
-    return json.dumps(json_format.MessageToDict(status, always_print_fields_with_no_presence=True))

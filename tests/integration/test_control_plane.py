@@ -129,6 +129,15 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
             list(calls)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "first message" in err.value.details()
+        # A Hello whose lease etcd never granted cannot register a node.
+        calls = stub.Connect(iter([keel_pb2.AgentMessage(hello=keel_pb2.Hello(
+            node="ghost", host="127.0.0.1", slots=1, lease_id=424242))]),
+            metadata=call_metadata(TOKEN), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(calls)
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "lease 424242 of node ghost is not alive" in err.value.details()
+        assert "ghost" not in cluster.store.nodes()
         # The controller is still serving.
         assert stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
                               timeout=5) is not None
