@@ -36,7 +36,15 @@ def _read_token(token_file: str | None) -> str:
                    "its arguments follow `--`.")
 @click.option("--inject", multiple=True, metavar="FAULT",
               help="Deterministic fault, repeatable: crash:rank=R,step=N | "
-                   "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F.")
+                   "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
+                   "lose_node:node=I,step=N (node I's agent and ranks killed at once).")
+@click.option("--layout", default=None, metavar="LAYOUT",
+              help="Parallel layout, e.g. dp_shard=2,tp=2 (axes dp_replicate, dp_shard, tp, "
+                   "pp; omitted ones are 1), or 'auto' for the planner's choice. Default: "
+                   "dp_shard over every rank.")
+@click.option("--min-nodes", type=int, default=1, show_default=True,
+              help="After losing nodes with no spare, re-plan onto as few as this many "
+                   "(0: never shrink, wait for capacity).")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
               help="Generations restarted after failures before the job fails.")
 @click.option("--etcd-endpoints", default="", envvar="KEEL_ETCD_ENDPOINTS",
@@ -48,14 +56,13 @@ def _read_token(token_file: str | None) -> str:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, max_restarts,
-       etcd_endpoints, workdir, timeout_s, as_json, script_args):
+def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
+       max_restarts, etcd_endpoints, workdir, timeout_s, as_json, script_args):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
 
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
     its step target.
     """
-    from orchestrator.faults import BadFault
     from orchestrator.up import UpOptions, up as run_up
 
     if script_args and not script:
@@ -64,13 +71,82 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, max_resta
         options = UpOptions(
             nodes=nodes, slots_per_node=slots_per_node, steps=steps,
             checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
-            inject=tuple(inject), max_restarts=max_restarts,
+            inject=tuple(inject), layout=layout, min_nodes=min_nodes,
+            max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
             workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, json=as_json)
         code = run_up(options)
-    except (ValueError, BadFault) as exc:
+    except ValueError as exc:  # bad options, faults or job spec: nothing was started
         raise click.UsageError(str(exc)) from exc
     sys.exit(code)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--params", type=float, default=None,
+              help="Parameter count, e.g. 70e9 (or give --layers/--hidden/--heads/--vocab).")
+@click.option("--layers", type=int, default=0, help="Transformer layers.")
+@click.option("--hidden", type=int, default=0, help="Hidden size.")
+@click.option("--heads", type=int, default=0, help="Attention heads.")
+@click.option("--vocab", type=int, default=0, help="Vocabulary size.")
+@click.option("--gpus", type=int, required=True, help="World size to lay out.")
+@click.option("--gpus-per-node", type=int, required=True,
+              help="GPUs per node (tensor parallel stays within a node).")
+@click.option("--gpu-memory-gb", type=float, required=True, help="Memory per GPU, GB (1e9).")
+@click.option("--seq-len", type=int, default=4096, show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True,
+              help="Samples per micro-batch per data-parallel rank.")
+@click.option("--global-batch", type=int, default=None,
+              help="Samples per step; the data-parallel size must divide it.")
+@click.option("--microbatches", type=int, default=8, show_default=True,
+              help="Pipeline micro-batches per step.")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16",
+              show_default=True)
+@click.option("--activation-checkpointing", is_flag=True,
+              help="Recompute activations per block.")
+@click.option("--pp-schedule", type=click.Choice(["gpipe", "1f1b", "interleaved_1f1b"]),
+              default="1f1b", show_default=True)
+@click.option("--virtual-stages", type=int, default=2, show_default=True,
+              help="Stages per rank for interleaved 1F1B.")
+@click.option("--headroom", type=float, default=0.15, show_default=True,
+              help="Fraction of GPU memory kept free (0.10-0.20).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON.")
+def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_gb, seq_len,
+         micro_batch, global_batch, microbatches, precision, activation_checkpointing,
+         pp_schedule, virtual_stages, headroom, top, as_json):
+    """Rank the parallel layouts for a model on a cluster, with the memory per GPU,
+    communication, pipeline bubble and the reason for each."""
+    import json
+
+    from orchestrator import planner
+
+    try:
+        if params is None:
+            if not (layers and hidden and heads and vocab):
+                raise ValueError("give --params, or all of --layers, --hidden, --heads, --vocab")
+            model = planner.ModelShape.from_dims(layers=layers, hidden=hidden, heads=heads,
+                                                 vocab=vocab)
+        else:
+            model = planner.ModelShape(params=params, layers=layers, hidden=hidden,
+                                       heads=heads, vocab=vocab)
+        cluster = planner.Cluster(world_size=gpus, gpus_per_node=gpus_per_node,
+                                  gpu_memory_gb=gpu_memory_gb)
+        training = planner.Training(
+            seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+            microbatches=microbatches, precision=precision,
+            activation_checkpointing=activation_checkpointing, headroom=headroom,
+            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+        found = planner.candidates(model, cluster, training)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if not found:
+        raise click.ClickException("no layout is valid for this model and cluster")
+    if as_json:
+        click.echo(json.dumps(planner.to_json(found[:top])))
+    else:
+        click.echo(planner.table(found[:top]))
+        if not found[0].fits:
+            click.echo("no layout fits in memory; see the smallest totals above", err=True)
 
 
 @main.command(context_settings=CONTEXT)

@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from orchestrator import metrics
 from orchestrator.auth import TokenInterceptor
 from orchestrator.config import ControllerConfig
-from orchestrator.jobspec import InvalidSpec, validate
+from orchestrator.jobspec import InvalidSpec, size_and_layout, validate
 from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.placement import NodeRanks, place
 from orchestrator.policy import Action, Decision, Observed, RankExit, Spec, decide
@@ -67,6 +67,8 @@ class JobRuntime:
     reason: str = ""
     failures: list[dict] = field(default_factory=list)
     placement: list[NodeRanks] = field(default_factory=list)
+    world_size: int = 0          # of the current generation (the spec's until one starts)
+    mesh: str = ""               # layout of the current generation
     rendezvous: tuple[str, int] | None = None
     restore_from: dict | None = None
     exits: dict[int, RankExit] = field(default_factory=dict)
@@ -167,8 +169,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                              reason=state.value.get("reason", ""),
                              failures=state.value.get("failures", []))
             plan = self.store.plan(name, job.generation) if job.generation else None
-            if plan and not job.state.terminal:
-                job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
+            if plan:
+                job.world_size, job.mesh = plan["world_size"], plan["mesh"]
+                if not job.state.terminal:
+                    job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
             checkpoints = self.store.checkpoints(name)
             job.last_checkpoint = checkpoints[-1] if checkpoints else None
             self.jobs[name] = job
@@ -366,8 +370,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         rate = sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
         status = keel_pb2.JobStatus(
             job=job.name, state=job.state.value, reason=job.reason,
-            generation=job.generation, world_size=job.spec.world_size,
-            restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
+            generation=job.generation, world_size=job.world_size or job.spec.world_size,
+            mesh=job.mesh, restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
             loss=job.loss, initial_loss=job.initial_loss, has_loss=job.has_loss,
             tokens_per_s=rate, tokens=job.tokens)
         if job.last_checkpoint:
@@ -453,15 +457,19 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             if not self._node_usable(node, now):
                 job.lost_nodes.add(node)
         return Observed(state=job.state, state_since=job.state_since, restarts=job.restarts,
-                        free_slots=self._free_slots(job), generation_nodes=job.nodes,
+                        generation=job.generation, free_slots=self._free_slots(job), generation_nodes=job.nodes,
                         rendezvous_ready=job.rendezvous is not None,
                         exits=tuple(job.exits.values()),
                         lost_nodes=frozenset(job.lost_nodes),
+                        unreachable_nodes=frozenset(
+                            n for n in job.nodes - job.lost_nodes
+                            if n in self.sessions and not self.sessions[n].connected),
                         stopped_nodes=frozenset(job.stopped_nodes))
 
     def _reconcile(self, job: JobRuntime, now: float) -> None:
         spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
-                    rendezvous_timeout_s=self.config.rendezvous_timeout_s)
+                    rendezvous_timeout_s=self.config.rendezvous_timeout_s,
+                    min_nodes=job.spec.min_nodes)
         decision = decide(now, self._observe(job, now), spec)
         if decision.action is Action.WAIT:
             if decision.reason != job.last_wait_reason:
@@ -493,10 +501,18 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                  restarts=job.restarts)
 
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
-        placement = place(job.spec.world_size, self._free_slots(job))
-        self._transition(job, JobState.STARTING, decision.reason, now,
-                         generation=job.generation + 1)
-        job.placement = placement
+        free = self._free_slots(job)
+        try:
+            world_size, mesh = size_and_layout(job.spec, free, decision.shrink)
+        except ValueError as exc:
+            self._transition(job, JobState.FAILED, f"no layout can run: {exc}", now)
+            return
+        placement = place(world_size, free)
+        reason = decision.reason
+        if decision.shrink:
+            reason += f"; planner chose {mesh} at world size {world_size}"
+        self._transition(job, JobState.STARTING, reason, now, generation=job.generation + 1)
+        job.placement, job.world_size, job.mesh = placement, world_size, mesh
         job.rendezvous = None
         job.exits.clear()
         job.stopped_nodes.clear()
@@ -510,20 +526,20 @@ class Controller(keel_pb2_grpc.ControllerServicer):
     def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
         host, port = job.rendezvous
         restore = job.restore_from["path"] if job.restore_from else ""
-        plan = {"generation": job.generation, "world_size": job.spec.world_size,
+        plan = {"generation": job.generation, "world_size": job.world_size,
                 "master_addr": host, "master_port": port,
                 "nodes": {p.node: list(p.ranks) for p in job.placement},
                 "restore_from": restore, "command": list(job.spec.command),
-                "mesh": job.spec.mesh or f"dp_shard={job.spec.world_size}",
+                "mesh": job.mesh,
                 "created_at": time.time()}
-        reason = (f"generation {job.generation}: {job.spec.world_size} ranks on "
-                  f"{len(job.placement)} nodes, "
+        reason = (f"generation {job.generation}: {job.world_size} ranks on "
+                  f"{len(job.placement)} nodes as {job.mesh}, "
                   + (f"restoring step {job.restore_from['step']}" if job.restore_from
                      else "fresh start"))
         self._transition(job, JobState.RUNNING, reason, now, plan)
         for part in job.placement:
             start = keel_pb2.StartGeneration(
-                job=job.name, generation=job.generation, world_size=job.spec.world_size,
+                job=job.name, generation=job.generation, world_size=job.world_size,
                 local_world_size=part.local_world_size, master_addr=host, master_port=port,
                 command=list(job.spec.command), env=dict(job.spec.env),
                 restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,

@@ -5,6 +5,9 @@ Rank faults, applied by the trainer when the step starts:
     kill:rank=R,step=N           the rank SIGKILLs itself
     hang:rank=R,step=N           the rank stops making progress
     slow:rank=R,step=N,factor=F  from step N the rank's steps take F times as long
+
+Cluster faults, applied by `keel up` once rank 0 has reported step N:
+    lose_node:node=I,step=N      node I's agent and all its ranks are SIGKILLed at once
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ FIELDS = {
     "kill": {"rank", "step"},
     "hang": {"rank", "step"},
     "slow": {"rank", "step", "factor"},
+    "lose_node": {"node", "step"},
 }
 
 
@@ -42,31 +46,33 @@ def parse_fault(text: str) -> keel_pb2.Fault:
         raise BadFault(f"fault {text!r}: missing {', '.join(sorted(missing))}")
     fault = keel_pb2.Fault(kind=kind)
     try:
-        for key in ("rank", "step"):
+        for key in ("rank", "node", "step"):
+            if key not in values:
+                continue
             number = int(values[key])
             if number < 0 or (key == "step" and number < 1):
                 raise ValueError
-            if key == "rank":
-                fault.rank = number
-            else:
-                fault.step = number
+            setattr(fault, key, number)
         if "factor" in values:
             fault.factor = float(values["factor"])
             if not fault.factor > 1.0:
                 raise ValueError
     except ValueError:
-        raise BadFault(f"fault {text!r}: rank is an integer >= 0, step an integer >= 1 "
-                       f"and factor a number > 1") from None
+        raise BadFault(f"fault {text!r}: rank and node are integers >= 0, step an integer "
+                       f">= 1 and factor a number > 1") from None
     return fault
 
 
-def parse_schedule(texts: list[str], world_size: int) -> keel_pb2.FaultSchedule:
-    """Parse every ``--inject`` value; ranks must exist in a job of ``world_size``."""
+def parse_schedule(texts: list[str], world_size: int, nodes: int) -> keel_pb2.FaultSchedule:
+    """Parse every ``--inject`` value; ranks and nodes must exist in the cluster."""
     schedule = keel_pb2.FaultSchedule()
     for text in texts:
         fault = parse_fault(text)
         if fault.HasField("rank") and fault.rank >= world_size:
             raise BadFault(f"fault {text!r}: rank {fault.rank} does not exist at world "
                            f"size {world_size}")
+        if fault.HasField("node") and fault.node >= nodes:
+            raise BadFault(f"fault {text!r}: node {fault.node} does not exist in a cluster of "
+                           f"{nodes} nodes (they are numbered from 0)")
         schedule.faults.append(fault)
     return schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+from orchestrator import planner
 from protos import keel_pb2
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -41,5 +42,68 @@ def validate(spec: keel_pb2.JobSpec) -> None:
             problems.append(f"env {key!r}: not a valid environment variable name")
         elif key in RESERVED_ENV:
             problems.append(f"env {key!r}: set by Keel for every rank; remove it")
+    if spec.mesh and spec.mesh != "auto" and spec.world_size >= 1:
+        try:
+            layout = planner.Layout.parse(spec.mesh)
+            if layout.world_size != spec.world_size:
+                raise planner.LayoutError(
+                    f"layout {spec.mesh} spans {layout.world_size} ranks but world_size is "
+                    f"{spec.world_size}; make the axes multiply to the world size")
+            if spec.model.params:
+                slots = spec.world_size  # the node size is not known before placement
+                planner.validate_layout(layout, model_shape(spec), _cluster(spec, spec.world_size,
+                                                                            slots),
+                                        training_shape(spec))
+        except ValueError as exc:
+            problems.append(f"mesh: {exc}")
     if problems:
         raise InvalidSpec("; ".join(problems))
+
+
+def model_shape(spec: keel_pb2.JobSpec) -> planner.ModelShape:
+    m = spec.model
+    return planner.ModelShape(params=m.params, layers=m.layers, hidden=m.hidden,
+                              heads=m.heads, vocab=m.vocab)
+
+
+def training_shape(spec: keel_pb2.JobSpec) -> planner.Training:
+    t = spec.training
+    fields = {"seq_len": t.seq_len, "micro_batch": t.micro_batch,
+              "global_batch": t.global_batch or None, "microbatches": t.microbatches,
+              "precision": t.precision}
+    return planner.Training(**{k: v for k, v in fields.items() if v})
+
+
+def _cluster(spec: keel_pb2.JobSpec, world_size: int, gpus_per_node: int) -> planner.Cluster:
+    return planner.Cluster(world_size=world_size, gpus_per_node=gpus_per_node,
+                           gpu_memory_gb=spec.training.gpu_memory_gb or 80.0)
+
+
+def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
+                    shrink: bool) -> tuple[int, str]:
+    """The world size and layout of the next generation. Pure.
+
+    The spec's own size and layout when it is not shrinking; the planner's best layout
+    when the spec says ``auto``; when shrinking, the largest world size that fits in
+    ``free_slots`` and for which the planner finds a layout. Raises ValueError when none
+    can run.
+    """
+    free = sum(free_slots.values())
+    node_slots = max(free_slots.values(), default=0)
+    sizes = range(min(free, spec.world_size), 0, -1) if shrink else [spec.world_size]
+    problems = []
+    for world_size in sizes:
+        if not shrink and spec.mesh and spec.mesh != "auto":
+            return world_size, spec.mesh
+        if not spec.model.params:
+            # Nothing is known of the model: plain data parallel is all that is safe.
+            return world_size, f"dp_shard={world_size}"
+        try:
+            best = planner.best(model_shape(spec), _cluster(spec, world_size,
+                                                            min(node_slots, world_size)),
+                                training_shape(spec))
+        except ValueError as exc:
+            problems.append(f"world size {world_size}: {exc}")
+            continue
+        return world_size, str(best.layout)
+    raise ValueError("; ".join(problems) or "no free slots")

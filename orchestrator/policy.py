@@ -55,11 +55,13 @@ class Observed:
     state: JobState
     state_since: float                 # when the job entered ``state``
     restarts: int
-    free_slots: dict[str, int]         # connected, registered nodes not used by another job
+    generation: int = 0                # generations started so far
+    free_slots: dict[str, int] = field(default_factory=dict)  # usable nodes not busy elsewhere
     generation_nodes: frozenset[str] = frozenset()   # nodes of the current generation
     rendezvous_ready: bool = False
     exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
     lost_nodes: frozenset[str] = frozenset()         # generation nodes gone from etcd/stream
+    unreachable_nodes: frozenset[str] = frozenset()  # stream down, not (yet) declared lost
     stopped_nodes: frozenset[str] = frozenset()      # nodes that confirmed the stop
 
 
@@ -68,6 +70,7 @@ class Spec:
     world_size: int
     max_restarts: int
     rendezvous_timeout_s: float
+    min_nodes: int = 0      # a job that ran may shrink to this many nodes; 0 = never
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Decision:
     action: Action
     reason: str
     root_cause: RankExit | None = field(default=None)
+    shrink: bool = False    # PREPARE on fewer slots than the spec asks for
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
@@ -91,8 +95,17 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         if free >= spec.world_size:
             return Decision(Action.PREPARE,
                             f"{free} slots free on {nodes} nodes, need {spec.world_size}")
+        # Only a job that has run shrinks: at first start, agents join one by one and a
+        # job must not start on whichever node happened to come first.
+        if observed.generation and spec.min_nodes and nodes >= spec.min_nodes:
+            return Decision(Action.PREPARE,
+                            f"capacity lost and no spare: {free}/{spec.world_size} slots free "
+                            f"on {nodes} nodes; re-planning smaller (min_nodes "
+                            f"{spec.min_nodes})", shrink=True)
+        floor = (f", or {spec.min_nodes} nodes to shrink to" if spec.min_nodes
+                 and observed.generation else "")
         return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
-                                     f"need {spec.world_size}")
+                                     f"need {spec.world_size}{floor}")
 
     if state is JobState.STARTING:
         if observed.lost_nodes:
@@ -108,7 +121,13 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
 
     if state is JobState.RUNNING:
         cause = root_cause(observed.exits)
+        gone = observed.lost_nodes | observed.unreachable_nodes
         if cause is not None:
+            if gone and cause.node not in gone:
+                # Peers of a vanished node fail with connection errors at once, seconds
+                # before its lease expires: the vanished node is the likelier cause.
+                return Decision(Action.STOP, f"node {', '.join(sorted(gone))} unreachable; "
+                                             f"then {cause.describe()}", cause)
             return Decision(Action.STOP, cause.describe(), cause)
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")

@@ -23,12 +23,19 @@ from google.protobuf import json_format
 
 from orchestrator.auth import call_metadata
 from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator import planner
 from orchestrator.faults import parse_schedule
+from orchestrator.jobspec import validate
+from orchestrator.ledger_check import audit_checkpoint
 from orchestrator.ports import die_with_parent
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
 POLL_S = 0.5
+# The reference trainer's model and batch, passed to it explicitly so that the shape the
+# controller validates and plans with is the one that trains.
+REFERENCE = {"dim": 64, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 64,
+             "global_batch": 16}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,8 @@ class UpOptions:
     script: str | None = None
     script_args: tuple[str, ...] = ()
     inject: tuple[str, ...] = ()
+    layout: str | None = None        # None: dp_shard over every rank; "auto": the planner's
+    min_nodes: int = 1               # after losing nodes, shrink down to this many
     max_restarts: int = 3
     etcd_endpoints: tuple[str, ...] = ()
     workdir: Path | None = None
@@ -59,6 +68,8 @@ class UpOptions:
             raise ValueError(f"--script {self.script}: no such file")
         if self.timeout_s <= 0:
             raise ValueError("--timeout-s must be positive")
+        if not 0 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
 
     @property
     def world_size(self) -> int:
@@ -141,23 +152,67 @@ def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
             proc.wait()
 
 
+def _slot_memory_gb(slots: int) -> float:
+    """This machine's memory shared out among the slots (the CPU stands in for GPUs)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9 / slots
+
+
 def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
-    if options.script:
-        command = [sys.executable, "-u", str(Path(options.script).resolve()),
-                   *options.script_args]
-        steps = 0
-    else:
-        command = [sys.executable, "-u", "-m", "trainer.train", "--steps", str(options.steps),
-                   "--checkpoint-every", str(options.checkpoint_every)]
-        steps = options.steps
-    spec = keel_pb2.JobSpec(name=JOB_NAME, world_size=options.world_size, command=command,
-                            max_restarts=options.max_restarts, steps=steps,
+    """The job `keel up` submits; raises InvalidSpec or BadFault before anything starts."""
+    spec = keel_pb2.JobSpec(name=JOB_NAME, world_size=options.world_size,
+                            max_restarts=options.max_restarts, min_nodes=options.min_nodes,
                             checkpoint_dir=str(checkpoint_dir),
-                            mesh=f"dp_shard={options.world_size}")
-    schedule = parse_schedule(list(options.inject), options.world_size)
+                            mesh=options.layout or f"dp_shard={options.world_size}")
+    if options.script:
+        spec.command.extend([sys.executable, "-u", str(Path(options.script).resolve()),
+                             *options.script_args])
+    else:
+        spec.command.extend([sys.executable, "-u", "-m", "trainer.train",
+                             "--steps", str(options.steps),
+                             "--checkpoint-every", str(options.checkpoint_every),
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in REFERENCE.items())])
+        spec.steps = options.steps
+        shape = planner.ModelShape.from_dims(layers=REFERENCE["layers"],
+                                             hidden=REFERENCE["dim"],
+                                             heads=REFERENCE["heads"], vocab=REFERENCE["vocab"])
+        spec.model.CopyFrom(keel_pb2.ModelShape(
+            params=shape.params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+            vocab=shape.vocab))
+        spec.training.CopyFrom(keel_pb2.TrainingShape(
+            seq_len=REFERENCE["seq_len"], micro_batch=1,
+            global_batch=REFERENCE["global_batch"], precision="fp32",
+            gpu_memory_gb=_slot_memory_gb(options.world_size)))
+    schedule = parse_schedule(list(options.inject), options.world_size, options.nodes)
     if schedule.faults:
         spec.env["KEEL_FAULTS"] = json_format.MessageToJson(schedule, indent=None)
+    validate(spec)
     return spec
+
+
+@dataclass
+class NodeLosses:
+    """The schedule's ``lose_node`` faults, fired by killing an agent's process group
+    (the agent; its ranks die with it through their parent-death signal)."""
+    pending: list[keel_pb2.Fault]
+    lost: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, spec: keel_pb2.JobSpec) -> "NodeLosses":
+        if "KEEL_FAULTS" not in spec.env:
+            return cls([])
+        schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
+        return cls([f for f in schedule.faults if f.kind == "lose_node"])
+
+    def fire(self, step: int, cluster: "LocalCluster") -> list[str]:
+        fired = []
+        for fault in [f for f in self.pending if step >= f.step]:
+            self.pending.remove(fault)
+            agent = cluster.agents[fault.node]
+            os.killpg(agent.pid, signal.SIGKILL)
+            self.lost.add(fault.node)
+            fired.append(f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
+                         f"ranks killed) at step {step}")
+        return fired
 
 
 class Progress:
@@ -200,6 +255,9 @@ class Progress:
         step = parts[6].split("/")[0]
         return " ".join(parts[:6]) + f" {int(step) // 5 if step.isdigit() else step}"
 
+    def note(self, text: str) -> None:
+        self._line(text)
+
     def _line(self, text: str) -> None:
         if self.tty and self.last:
             sys.stderr.write("\r\033[K")
@@ -216,14 +274,16 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
               error: str = "") -> dict:
     if status is None:
         return {"state": "NOT_STARTED", "reason": error, "steps": 0, "initial_loss": None,
-                "final_loss": None, "world_size": 0, "generations": 0, "restarts": 0,
+                "final_loss": None, "world_size": 0, "layout": "", "generations": 0,
+                "restarts": 0, "data": None,
                 "wall_s": round(wall_s, 2), "workdir": str(workdir), "failures": []}
     return {
         "job": status.job, "state": status.state, "reason": error or status.reason,
         "steps": status.step, "target_steps": status.target_steps,
         "initial_loss": status.initial_loss if status.has_loss else None,
         "final_loss": status.loss if status.has_loss else None,
-        "world_size": status.world_size, "generations": status.generation,
+        "world_size": status.world_size, "layout": status.mesh,
+        "generations": status.generation,
         "restarts": status.restarts, "tokens": status.tokens, "wall_s": round(wall_s, 2),
         "last_checkpoint": ({"step": status.last_checkpoint.step,
                              "path": status.last_checkpoint.path}
@@ -232,8 +292,19 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
                       "pid": f.pid, "exit_code": f.exit_code, "signal": f.signal,
                       "last_step": f.last_step, "traceback": f.traceback}
                      for f in status.failures],
+        "data": _data_audit(status),
         "workdir": str(workdir),
     }
+
+
+def _data_audit(status: keel_pb2.JobStatus) -> dict | None:
+    """The final checkpoint's data ledger audited, or None without one (e.g. a script)."""
+    if not status.HasField("last_checkpoint"):
+        return None
+    try:
+        return audit_checkpoint(Path(status.last_checkpoint.path))
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
 
 
 def succeeded(summary: dict) -> bool:
@@ -248,8 +319,13 @@ def print_summary(summary: dict, as_json: bool) -> None:
     if summary["initial_loss"] is not None:
         loss = f", loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
     print(f"{summary['state']}: {summary['steps']} steps at world size "
-          f"{summary['world_size']}{loss}; {summary['generations']} generation(s), "
-          f"{summary['restarts']} restart(s), {summary['wall_s']:.1f} s")
+          f"{summary['world_size']} ({summary.get('layout') or '-'}){loss}; "
+          f"{summary['generations']} generation(s), {summary['restarts']} restart(s), "
+          f"{summary['wall_s']:.1f} s")
+    if summary.get("data"):
+        data = summary["data"]
+        print(f"  data: {data['consumed']}/{data['expected']} samples consumed, "
+              f"{data['duplicates']} duplicated, {data['missing']} missing")
     for failure in summary["failures"]:
         how = (f"signal {failure['signal']}" if failure["signal"]
                else f"exit code {failure['exit_code']}")
@@ -267,6 +343,7 @@ def up(options: UpOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
     cluster = LocalCluster(options, workdir)
+    losses = NodeLosses.of(spec)
     status, error = None, ""
     stop = []
     previous = {sig: signal.signal(sig, lambda *_: stop.append(1))
@@ -284,6 +361,8 @@ def up(options: UpOptions) -> int:
                 status = stub.GetJob(keel_pb2.GetJobRequest(job=spec.name),
                                      metadata=metadata, timeout=10)
                 progress.show(status)
+                for line in losses.fire(status.step, cluster):
+                    progress.note(line)
                 if status.state in ("SUCCEEDED", "FAILED"):
                     break
                 if stop:
@@ -292,8 +371,8 @@ def up(options: UpOptions) -> int:
                 if time.monotonic() > deadline:
                     error = f"timed out after {options.timeout_s:.0f} s"
                     break
-                if any(a.poll() is not None for a in cluster.agents) or \
-                        cluster.controller.poll() is not None:
+                if any(a.poll() is not None for i, a in enumerate(cluster.agents)
+                       if i not in losses.lost) or cluster.controller.poll() is not None:
                     error = f"a daemon exited unexpectedly; see {workdir / 'logs'}"
                     break
                 time.sleep(POLL_S)

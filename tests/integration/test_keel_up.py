@@ -49,7 +49,7 @@ def test_a_bad_fault_spec_is_refused_before_anything_starts(tmp_path):
     result = keel("up", "--workdir", str(tmp_path / "run"), "--inject", "explode:rank=1,step=2",
                   timeout_s=60)
     assert result.returncode == 2
-    assert "kind must be one of crash, hang, kill, slow" in result.stderr
+    assert "kind must be one of crash, hang, kill, lose_node, slow" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
 
 

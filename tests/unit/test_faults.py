@@ -13,14 +13,17 @@ def test_parse_each_rank_fault():
     assert parse_fault("hang:rank=2,step=5").kind == "hang"
     slow = parse_fault("slow:rank=3,step=10,factor=1.5")
     assert slow.factor == pytest.approx(1.5)
+    lose = parse_fault("lose_node:node=1,step=20")
+    assert (lose.kind, lose.node, lose.step, lose.HasField("rank")) == ("lose_node", 1, 20, False)
 
 
 @pytest.mark.parametrize("text,message", [
-    ("explode:rank=1,step=2", "kind must be one of"),
+    ("explode:rank=1,step=2", "kind must be one of crash, hang, kill, lose_node, slow"),
     ("crash", "write it as crash:rank=...,step=..."),
     ("crash:rank=1", "missing step"),
     ("crash:rank=1,step=2,step=3", "each once"),
-    ("crash:rank=x,step=2", "rank is an integer"),
+    ("crash:rank=x,step=2", "rank and node are integers"),
+    ("lose_node:rank=1,step=2", "is not one of node, step"),
     ("crash:rank=1,step=0", "step an integer >= 1"),
     ("slow:rank=1,step=2,factor=0.5", "factor a number > 1"),
     ("kill:rank=1,step=2,factor=2", "is not one of"),
@@ -33,8 +36,13 @@ def test_bad_faults_say_what_to_fix(text, message):
 
 def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
     with pytest.raises(BadFault, match="rank 4 does not exist at world size 4"):
-        parse_schedule(["crash:rank=4,step=1"], world_size=4)
-    schedule = parse_schedule(["crash:rank=1,step=12", "kill:rank=0,step=20"], 4)
+        parse_schedule(["crash:rank=4,step=1"], world_size=4, nodes=2)
+    with pytest.raises(BadFault, match="node 2 does not exist in a cluster of 2 nodes"):
+        parse_schedule(["lose_node:node=2,step=1"], world_size=4, nodes=2)
+    schedule = parse_schedule(["crash:rank=1,step=12", "kill:rank=0,step=20",
+                               "lose_node:node=1,step=30"], 4, 2)
     text = json_format.MessageToJson(schedule, indent=None)
     again = json_format.Parse(text, keel_pb2.FaultSchedule())
-    assert again == schedule and len(again.faults) == 2
+    assert again == schedule and len(again.faults) == 3
+    assert (again.faults[2].node, again.faults[2].step) == (1, 30)
+    assert not again.faults[2].HasField("rank")

@@ -14,29 +14,47 @@ def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb=""):
 
 def running(**kw):
     return Observed(state=JobState.RUNNING, state_since=0.0, restarts=0,
-                    free_slots={}, generation_nodes=NODES, **kw)
+                    generation_nodes=NODES, **kw)
 
 
 def test_pending_waits_for_enough_slots_and_says_how_many():
-    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, {"a": 2, "b": 0}), SPEC)
+    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, free_slots={"a": 2, "b": 0}), SPEC)
     assert d.action is Action.WAIT
     assert d.reason == "2/4 slots free on 1 nodes, need 4"
 
 
 def test_pending_prepares_when_slots_suffice():
-    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, {"a": 2, "b": 2}), SPEC)
+    d = decide(10.0, Observed(JobState.PENDING, 0.0, 0, free_slots={"a": 2, "b": 2}), SPEC)
     assert d.action is Action.PREPARE
 
 
+def test_a_job_that_lost_capacity_shrinks_to_min_nodes_but_never_at_first_start():
+    spec = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=1)
+    first = Observed(JobState.PENDING, 0.0, 0, generation=0, free_slots={"a": 2})
+    assert decide(1.0, first, spec).action is Action.WAIT
+    after_loss = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2})
+    d = decide(1.0, after_loss, spec)
+    assert d.action is Action.PREPARE and d.shrink
+    assert d.reason == ("capacity lost and no spare: 2/4 slots free on 1 nodes; "
+                        "re-planning smaller (min_nodes 1)")
+    # Without min_nodes the job waits for capacity, and says what it waits for.
+    d = decide(1.0, after_loss, SPEC)
+    assert d.action is Action.WAIT and d.reason == "2/4 slots free on 1 nodes, need 4"
+    spec2 = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=2)
+    d = decide(1.0, after_loss, spec2)
+    assert d.action is Action.WAIT
+    assert d.reason == "2/4 slots free on 1 nodes, need 4, or 2 nodes to shrink to"
+
+
 def test_starting_times_out_without_rendezvous():
-    obs = Observed(JobState.STARTING, 0.0, 0, {}, generation_nodes=NODES)
+    obs = Observed(JobState.STARTING, 0.0, 0, generation_nodes=NODES)
     assert decide(29.0, obs, SPEC).action is Action.WAIT
     d = decide(31.0, obs, SPEC)
     assert d.action is Action.STOP and "no rendezvous endpoint after 31s" in d.reason
 
 
 def test_starting_starts_once_rendezvous_is_ready():
-    obs = Observed(JobState.STARTING, 0.0, 0, {}, generation_nodes=NODES,
+    obs = Observed(JobState.STARTING, 0.0, 0, generation_nodes=NODES,
                    rendezvous_ready=True)
     assert decide(1.0, obs, SPEC).action is Action.START
 
@@ -57,6 +75,13 @@ def test_signal_death_is_named():
     assert d.reason == "rank 3 (pid 1003) on node b killed by signal 9 after step 7"
 
 
+def test_a_vanished_node_is_named_before_the_peers_that_failed_after_it():
+    d = decide(1.0, running(exits=(exit_(0, code=1, tb="RuntimeError: Connection reset"),),
+                            unreachable_nodes=frozenset({"b"})), SPEC)
+    assert d.action is Action.STOP
+    assert d.reason.startswith("node b unreachable; then rank 0 (pid 1000) on node a")
+
+
 def test_ranks_stopped_by_the_agent_are_not_failures():
     assert root_cause((exit_(0, code=-1, sig=15, stopped=True),)) is None
 
@@ -74,18 +99,18 @@ def test_lost_node_stops_a_running_generation():
 
 
 def test_stopping_waits_for_every_live_node_then_restarts():
-    obs = Observed(JobState.STOPPING, 0.0, 0, {}, generation_nodes=NODES,
+    obs = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
                    stopped_nodes=frozenset({"a"}))
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.WAIT and d.reason.endswith(": b")
-    obs = Observed(JobState.STOPPING, 0.0, 1, {}, generation_nodes=NODES,
+    obs = Observed(JobState.STOPPING, 0.0, 1, generation_nodes=NODES,
                    stopped_nodes=frozenset({"a"}), lost_nodes=frozenset({"b"}))
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.RESTART and d.reason == "generation stopped; restart 2/2"
 
 
 def test_stopping_fails_when_restarts_are_used_up():
-    obs = Observed(JobState.STOPPING, 0.0, 2, {}, generation_nodes=NODES,
+    obs = Observed(JobState.STOPPING, 0.0, 2, generation_nodes=NODES,
                    stopped_nodes=NODES)
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.FAIL and "all 2 restarts are used up" in d.reason
