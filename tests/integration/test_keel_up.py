@@ -45,12 +45,19 @@ def test_a_torchrun_style_script_is_restarted_after_failing_once_and_completes(n
     assert not (no_leaks / "run" / "logs" / "etcd.log").exists()
 
 
-def test_a_bad_fault_spec_is_refused_before_anything_starts(tmp_path):
+def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
     result = keel("up", "--workdir", str(tmp_path / "run"), "--inject", "explode:rank=1,step=2",
                   timeout_s=60)
     assert result.returncode == 2
     assert "kind must be one of crash, hang, kill, lose_node, slow" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+    for layout, message in [("pp=4", "pp=4 is more than layers=2"),
+                            ("dp_shard=2,tp=4", "spans 8 ranks but world_size is 4"),
+                            ("tp=8", "spans 8 ranks")]:
+        result = keel("up", "--workdir", str(tmp_path / "run"), "--layout", layout,
+                      timeout_s=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert not (tmp_path / "run" / "logs").exists()
 
 
 def steps_logged(workdir: Path, generation: int) -> dict[int, float]:
@@ -123,3 +130,20 @@ def test_killing_keel_up_itself_leaves_no_process_behind(tmp_path):
         proc.wait()
     wait_for(lambda: not processes_mentioning(str(run)), 30,
              what="every process of the killed keel up to exit")
+
+
+def test_restarts_across_two_layouts_consume_every_sample_exactly_once(no_leaks):
+    """dp_shard=2,tp=2 at world size 4; a rank is killed (same layout again), then a
+    node is lost with no spare, so the planner re-plans onto the surviving node and the
+    trainers reshard the last committed checkpoint into the new layout."""
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "2",
+                     "--steps", "40", "--checkpoint-every", "5",
+                     "--layout", "dp_shard=2,tp=2", "--inject", "kill:rank=3,step=15",
+                     "--inject", "lose_node:node=1,step=25")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["steps"], summary["generations"], summary["restarts"]) == (40, 3, 2)
+    assert summary["world_size"] == 2 and summary["layout"] != "dp_shard=2,tp=2"
+    assert "node-1 lost" in summary["_stderr"]
+    assert summary["data"] == {"expected": 40 * 16, "consumed": 40 * 16, "duplicates": 0,
+                               "missing": 0}
+    assert summary["final_loss"] < 0.5 * summary["initial_loss"]

@@ -4,7 +4,8 @@ import pytest
 
 from agent.config import AgentConfig
 from orchestrator.config import ControllerConfig
-from orchestrator.jobspec import InvalidSpec, validate
+from orchestrator.jobspec import InvalidSpec, size_and_layout, validate
+from orchestrator.planner import Layout
 from protos import keel_pb2
 
 
@@ -52,3 +53,42 @@ def test_agent_config_checks_its_deadline_hierarchy():
         AgentConfig(**{**base, "slots": 0})
     with pytest.raises(ValueError, match="node 'a b'"):
         AgentConfig(**{**base, "node": "a b"})
+
+
+def planned_spec(**kw):
+    spec = good_spec(mesh="dp_shard=2,tp=2", min_nodes=1, **kw)
+    spec.model.CopyFrom(keel_pb2.ModelShape(params=1.2e5, layers=2, hidden=64, heads=4,
+                                            vocab=256))
+    spec.training.CopyFrom(keel_pb2.TrainingShape(seq_len=64, micro_batch=1, global_batch=16,
+                                                  precision="fp32", gpu_memory_gb=4))
+    return spec
+
+
+def test_the_spec_layout_is_used_when_not_shrinking():
+    assert size_and_layout(planned_spec(), {"a": 2, "b": 2}, shrink=False) == \
+        (4, "dp_shard=2,tp=2")
+
+
+def test_shrinking_takes_the_largest_size_the_free_slots_hold_with_a_planned_layout():
+    world, mesh = size_and_layout(planned_spec(), {"a": 2}, shrink=True)
+    assert world == 2
+    assert Layout.parse(mesh).world_size == 2
+
+
+def test_a_size_no_layout_can_run_is_skipped():
+    # On 3 slots: dp=3 does not divide the global batch of 16, 4 heads do not split
+    # over tp=3, and 2 layers do not make 3 stages; so the job shrinks to 2.
+    world, mesh = size_and_layout(planned_spec(), {"a": 3}, shrink=True)
+    assert world == 2 and Layout.parse(mesh).world_size == 2
+
+
+def test_an_unknown_model_shrinks_to_plain_data_parallel():
+    spec = good_spec(min_nodes=1)
+    assert size_and_layout(spec, {"a": 3}, shrink=True) == (3, "dp_shard=3")
+
+
+def test_a_layout_that_does_not_fit_the_model_is_refused_at_submit():
+    spec = planned_spec()
+    spec.mesh = "pp=4"
+    with pytest.raises(InvalidSpec, match="pp=4 is more than layers=2"):
+        validate(spec)
