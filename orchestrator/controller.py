@@ -457,7 +457,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             if not self._node_usable(node, now):
                 job.lost_nodes.add(node)
         return Observed(state=job.state, state_since=job.state_since, restarts=job.restarts,
-                        generation=job.generation, free_slots=self._free_slots(job), generation_nodes=job.nodes,
+                        generation=job.generation, generation_world_size=job.world_size,
+                        free_slots=self._free_slots(job), generation_nodes=job.nodes,
                         rendezvous_ready=job.rendezvous is not None,
                         exits=tuple(job.exits.values()),
                         lost_nodes=frozenset(job.lost_nodes),

@@ -56,6 +56,7 @@ class Observed:
     state_since: float                 # when the job entered ``state``
     restarts: int
     generation: int = 0                # generations started so far
+    generation_world_size: int = 0     # ranks of the current generation (may be shrunk)
     free_slots: dict[str, int] = field(default_factory=dict)  # usable nodes not busy elsewhere
     generation_nodes: frozenset[str] = frozenset()   # nodes of the current generation
     rendezvous_ready: bool = False
@@ -131,10 +132,11 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             return Decision(Action.STOP, cause.describe(), cause)
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+        ranks = observed.generation_world_size
         done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
-        if done == spec.world_size:
+        if done == ranks:
             return Decision(Action.SUCCEED, f"all {done} ranks exited 0")
-        return Decision(Action.WAIT, f"{spec.world_size - done}/{spec.world_size} ranks running")
+        return Decision(Action.WAIT, f"{ranks - done}/{ranks} ranks running")
 
     if state is JobState.STOPPING:
         waiting = observed.generation_nodes - observed.lost_nodes - observed.stopped_nodes

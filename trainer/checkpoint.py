@@ -1,16 +1,26 @@
-"""Durable, reshardable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Durable, asynchronous, reshardable checkpoints with ``torch.distributed.checkpoint``
+(DCP).
 
 Layout under the job's checkpoint directory::
 
     step_00000010/                 committed: complete, fsynced, atomically renamed
         .metadata                  DCP's global plan, written last by the coordinator
         __0_0.distcp  __1_0.distcp one shard file per saving rank
+        ledger.json                the data ledger of the lineage (``trainer.ledger``)
     .step_00000015.g3.tmp/         being written by generation 3; never loaded
     .faults/                       one-shot fault markers (see ``trainer.runtime``)
 
-A checkpoint holds the model and optimizer (FSDP2-sharded DTensors, which DCP
-reshards on load, so a job may resume on a different world size) and the trainer state:
-steps done, samples consumed, learning rate and the torch RNG state.
+A checkpoint holds the model and optimizer under their global parameter names
+(FSDP2/tensor-parallel DTensors and pipeline stages alike, through DCP's
+state-dict helpers over every model part), so it loads under any world size and any
+layout: DCP reads whichever pieces of each tensor a rank now owns. Beside them, the
+trainer state: steps done, samples consumed, the LR scheduler, the RNG state and the
+data ledger.
+
+A save is staged (copied to CPU memory) while training waits, written in a background
+thread while training goes on, and committed by rank 0 once the write is complete:
+fsync, atomic rename to ``step_<08d>``, report to the agent, then retention. One save
+is in flight at a time.
 """
 
 from __future__ import annotations
@@ -18,49 +28,66 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from trainer.ledger import Ledger
 from trainer.runtime import Runtime
 
 METADATA_FILE = ".metadata"
 _COMMITTED = re.compile(r"step_(\d{8,})")
+# Optimizer state keyed per parameter name ("state.layers.0.mlp.w1.weight.exp_avg"),
+# not as one param_groups list per rank: ranks of different pipeline stages hold
+# different parameters, and a per-rank list would not survive a change of layout.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainerState:
     """What besides the weights a resume needs. ``step``: optimizer steps done;
-    ``samples``: global data position (samples consumed by all ranks); ``lr``: learning
-    rate; ``rng_state``: ``torch.get_rng_state()``, the same on every rank because no
-    rank draws rank-specific numbers, so one copy serves any world size."""
+    ``samples``: global data position (samples consumed by all ranks); ``scheduler``:
+    the LR scheduler's ``state_dict()``; ``rng_state``: ``torch.get_rng_state()``, the
+    same on every rank because no rank draws rank-specific numbers, so one copy serves
+    any world size; ``ledger``: the lineage's consumed sample ranges."""
 
     step: int
     samples: int
-    lr: float
+    scheduler: dict
     rng_state: torch.Tensor
+    ledger: Ledger = field(default_factory=Ledger)
 
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        # Plain tensors rather than Python numbers: DCP loads tensors in place, so
-        # the same dict serves as the load target.
+    def to_state_dict(self) -> dict:
+        # Numbers as tensors: DCP loads tensors in place, so the same dict serves as
+        # the load target. The scheduler and ledger are small Python objects, which
+        # DCP stores pickled and replaces on load.
         return {
             "step": torch.tensor(self.step, dtype=torch.int64),
             "samples": torch.tensor(self.samples, dtype=torch.int64),
-            "lr": torch.tensor(self.lr, dtype=torch.float64),
+            "scheduler": self.scheduler,
             "rng_state": self.rng_state.clone(),
+            "ledger": [list(entry) for entry in self.ledger.ranges],
         }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> TrainerState:
+    def from_state_dict(cls, state: dict) -> TrainerState:
         return cls(
-            step=int(tensors["step"]),
-            samples=int(tensors["samples"]),
-            lr=float(tensors["lr"]),
-            rng_state=tensors["rng_state"],
+            step=int(state["step"]),
+            samples=int(state["samples"]),
+            scheduler=state["scheduler"],
+            rng_state=state["rng_state"],
+            ledger=Ledger(state["ledger"]),
         )
 
 
@@ -74,18 +101,35 @@ def staging_path(checkpoint_dir: str, step: int, generation: int) -> str:
     return os.path.join(checkpoint_dir, f".step_{step:08d}.g{generation}.tmp")
 
 
-def latest_committed(checkpoint_dir: str) -> str | None:
-    """The highest ``step_*`` directory under ``checkpoint_dir`` that holds DCP
-    metadata, or None."""
+def committed_steps(checkpoint_dir: str) -> dict[int, str]:
+    """Step → path of every ``step_*`` directory under ``checkpoint_dir`` that holds DCP
+    metadata."""
     if not os.path.isdir(checkpoint_dir):
-        return None
-    found = []
+        return {}
+    found = {}
     for name in os.listdir(checkpoint_dir):
         match = _COMMITTED.fullmatch(name)
         path = os.path.join(checkpoint_dir, name)
         if match and os.path.isfile(os.path.join(path, METADATA_FILE)):
-            found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+            found[int(match.group(1))] = path
+    return found
+
+
+def latest_committed(checkpoint_dir: str) -> str | None:
+    """The highest ``step_*`` directory under ``checkpoint_dir`` that holds DCP
+    metadata, or None."""
+    found = committed_steps(checkpoint_dir)
+    return found[max(found)] if found else None
+
+
+def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
+    """The committed checkpoints (by step) that retention deletes: all but the newest
+    ``keep`` and those in ``protected`` (the one this run restored from, the one just
+    committed). ``keep`` 0 keeps everything. Pure."""
+    if keep <= 0:
+        return []
+    newest = set(sorted(steps, reverse=True)[:keep])
+    return sorted(step for step in steps if step not in newest and step not in protected)
 
 
 def restore_point(checkpoint_dir: str | None, restore_from: str | None,
@@ -115,8 +159,9 @@ def restore_point(checkpoint_dir: str | None, restore_from: str | None,
 
 def discard_staging(checkpoint_dir: str | None) -> list[str]:
     """Removes every staging directory (``.step_*.tmp``) left by ranks that died while
-    saving; returns what it removed. Call it on rank 0 before training starts, when no
-    rank of the job can be writing (the previous generation is confirmed stopped)."""
+    saving or deleting; returns what it removed. Call it on rank 0 before training
+    starts, when no rank of the job can be writing (the previous generation is
+    confirmed stopped)."""
     if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
         return []
     removed = []
@@ -127,62 +172,159 @@ def discard_staging(checkpoint_dir: str | None) -> list[str]:
     return removed
 
 
-def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Loads the checkpoint at ``path`` into ``model`` and ``optimizer`` (resharding to
-    the current world size) and returns its trainer state. Collective."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    trainer_state = TrainerState(step=0, samples=0, lr=0.0, rng_state=torch.get_rng_state()).to_tensors()
-    dcp.load({"model": model_state, "optim": optimizer_state, "trainer": trainer_state}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    return TrainerState.from_tensors(trainer_state)
+def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer: TrainerState) -> dict:
+    """What a checkpoint holds: ``model`` and ``optim`` keyed by global parameter name
+    over this rank's model ``parts`` (pipeline stages, or the one whole model) and
+    their ``optimizers`` (one per part), and ``trainer``."""
+    model_state: dict = {}
+    optimizer_state: dict = {}
+    for part, optimizer in zip(parts, optimizers):
+        model_state.update(get_model_state_dict(part, options=STATE_DICT_OPTIONS))
+        optimizer_state.update(get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS))
+    return {"model": model_state, "optim": optimizer_state, "trainer": trainer.to_state_dict()}
 
 
-def save(
-    checkpoint_dir: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainerState,
-    runtime: Runtime,
-) -> str:
-    """Writes a checkpoint of step ``state.step`` and commits it: every rank writes its
-    shards into the staging directory; once DCP has gathered every rank's write results
-    and written the metadata, rank 0 fsyncs the files, renames the directory to
-    ``step_<08d>``, fsyncs the parent and reports the checkpoint to the agent. Returns
-    the committed path. Collective; no rank returns before the commit."""
-    rank = dist.get_rank()
-    staging = staging_path(checkpoint_dir, state.step, runtime.generation)
-    final = committed_path(checkpoint_dir, state.step)
-    if rank == 0:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        # An earlier incarnation of this generation (torchrun restarts keep the
-        # generation) may have died while writing this step; its shards must not mix
-        # with ours.
-        shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
+def load(path: str, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+         template: TrainerState) -> TrainerState:
+    """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
+    resharding to the current layout, and returns its trainer state (``template``
+    gives its shape: the current scheduler's state dict and RNG state). Collective."""
+    per_part = [
+        (get_model_state_dict(part, options=STATE_DICT_OPTIONS),
+         get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS))
+        for part, optimizer in zip(parts, optimizers)
+    ]
+    target = {
+        "model": {key: value for model_state, _ in per_part for key, value in model_state.items()},
+        "optim": {key: value for _, optimizer_state in per_part for key, value in optimizer_state.items()},
+        "trainer": template.to_state_dict(),
+    }
+    dcp.load(target, checkpoint_id=path)
+    # DCP fills tensors in place but replaces other values (learning rates, step
+    # counts kept as numbers), so each part takes its keys back from the loaded dict.
+    for (part, optimizer), (model_state, optimizer_state) in zip(zip(parts, optimizers), per_part):
+        set_model_state_dict(part, {key: target["model"][key] for key in model_state}, options=STATE_DICT_OPTIONS)
+        set_optimizer_state_dict(
+            part, optimizer, {key: target["optim"][key] for key in optimizer_state}, options=STATE_DICT_OPTIONS
+        )
+    return TrainerState.from_state_dict(target["trainer"])
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_state, "optim": optimizer_state, "trainer": state.to_tensors()},
-        checkpoint_id=staging,
-    )
 
-    if rank == 0:
+@dataclass
+class _Pending:
+    """A save written in the background, to be committed when ``future`` is done."""
+
+    step: int
+    samples: int
+    staging: str
+    future: Future
+
+
+class Checkpointer:
+    """Saves checkpoints of one run and commits them, one save at a time.
+
+    ``save`` blocks while the state is staged; ``poll`` (each step, non-blocking) and
+    ``wait`` (before the next save and at exit, blocking) commit a save whose write
+    finished. With ``use_async`` False, ``save`` writes and commits before returning.
+    Every rank calls ``save`` and ``wait`` at the same steps; rank 0 alone commits.
+
+    ``keep``: committed checkpoints kept after each commit (0: all); ``restored_from``:
+    the checkpoint this run loaded, never deleted."""
+
+    def __init__(self, checkpoint_dir: str, runtime: Runtime, *, use_async: bool, keep: int,
+                 restored_from: str | None) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.runtime = runtime
+        self.use_async = use_async
+        self.keep = keep
+        self.restored_from = os.path.abspath(restored_from) if restored_from else None
+        self._rank = dist.get_rank()
+        self._pending: _Pending | None = None
+        # The newest checkpoint the agent acknowledged, i.e. the controller's likely
+        # restore point: retention must not delete it even if later reports fail.
+        self._acknowledged: str | None = None
+        # DCP's background writer gathers write results on this group while the
+        # training loop runs its own collectives on the default one; sharing a group
+        # between threads would interleave them. Gloo, because async save coordinates
+        # through CPU tensors even on GPU jobs.
+        self._group = dist.new_group(backend="gloo")
+
+    def save(self, step: int, samples: int, state: dict, ledger: Ledger, global_batch: int) -> None:
+        """Starts the checkpoint of step ``step`` (``samples``: global data position
+        after it) from ``state`` (see ``state_dict``); rank 0 writes the ledger into the
+        staging directory first. Returns once the state is staged (``use_async``) or
+        committed. Collective."""
+        self.wait()
+        staging = staging_path(self.checkpoint_dir, step, self.runtime.generation)
+        if self._rank == 0:
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
+            # An earlier incarnation of this generation (torchrun restarts keep the
+            # generation) may have died while writing this step; its shards must not
+            # mix with ours.
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+            ledger.write(staging, global_batch, step)
+        dist.barrier()
+        if self.use_async:
+            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
+            self._pending = _Pending(step, samples, staging, future)
+        else:
+            dcp.save(state, checkpoint_id=staging, process_group=self._group)
+            self._commit(step, samples, staging)
+
+    def poll(self) -> None:
+        """Commits the save in flight if its write has finished; never blocks on it."""
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is written, then commits it."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        # A failed write raises here and fails the rank: an uncommitted checkpoint
+        # must not look like progress.
+        pending.future.result()
+        self._commit(pending.step, pending.samples, pending.staging)
+
+    def _commit(self, step: int, samples: int, staging: str) -> None:
+        # DCP's coordinator (rank 0) writes the metadata only after gathering every
+        # rank's write results, so rank 0's write being done means everyone's is.
+        if self._rank != 0:
+            return
+        final = committed_path(self.checkpoint_dir, step)
         _fsync_tree(staging)
         if os.path.exists(final):
             # Whoever wrote it died before the controller recorded it, or the job was
             # restored from an earlier checkpoint: it was never committed. Move it to a
             # name that is never loaded before deleting, so a crash mid-delete leaves
             # no half checkpoint under a committed name.
-            runtime.log(f"replacing unrecorded checkpoint {final}")
-            discarded = os.path.join(checkpoint_dir, f".step_{state.step:08d}.g{runtime.generation}.discarded.tmp")
-            shutil.rmtree(discarded, ignore_errors=True)
-            os.rename(final, discarded)
-            shutil.rmtree(discarded)
+            self.runtime.log(f"replacing unrecorded checkpoint {final}")
+            self._remove(final, step, "discarded")
         os.rename(staging, final)
-        _fsync_dir(checkpoint_dir)
-        runtime.report_checkpoint(state.step, final, state.samples)
-    dist.barrier()
-    return final
+        _fsync_dir(self.checkpoint_dir)
+        if self.runtime.report_checkpoint(step, final, samples):
+            self._acknowledged = os.path.abspath(final)
+        self._retain(step)
+
+    def _retain(self, committed_step: int) -> None:
+        found = committed_steps(self.checkpoint_dir)
+        keep_paths = {self.restored_from, self._acknowledged}
+        protected = {committed_step} | {step for step, path in found.items() if os.path.abspath(path) in keep_paths}
+        doomed = expired(list(found), self.keep, protected)
+        for step in doomed:
+            self._remove(found[step], step, "expired")
+        if doomed:
+            self.runtime.log(
+                f"retention (--keep-checkpoints {self.keep}) deleted checkpoints of steps {', '.join(map(str, doomed))}"
+            )
+
+    def _remove(self, path: str, step: int, why: str) -> None:
+        doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.runtime.generation}.{why}.tmp")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        _fsync_dir(self.checkpoint_dir)
+        shutil.rmtree(doomed)
 
 
 def _fsync_tree(root: str) -> None:

@@ -1,6 +1,12 @@
 """A small Llama-style decoder: token embedding, ``layers`` blocks of pre-norm causal
 self-attention with rotary position embedding and a SwiGLU MLP, a final RMSNorm and an
-LM head. Each ``Block`` is one FSDP2 unit in the reference trainer."""
+LM head. Each ``Block`` is one FSDP2 unit in the reference trainer.
+
+Parameter names are the same in every layout: blocks live in ``layers``, a
+``ModuleDict`` keyed by the block's index in the whole model, and a pipeline stage is
+the whole model with the blocks it does not own deleted and ``tok_embeddings``,
+``norm`` and ``output`` set to None where another stage owns them. That is what lets a
+checkpoint written under one pipeline split load under any other."""
 
 from __future__ import annotations
 
@@ -73,9 +79,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention. Under tensor parallelism ``wq``/``wk``/``wv`` hold this
+    rank's heads only, so the head count is read off the projections' output."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.heads = config.heads
         self.head_dim = config.head_dim
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
@@ -83,14 +91,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        """``x``: ``[batch, seq, dim]``, the whole sequence; ``cos``/``sin``: rotary
+        tables of at least ``seq`` rows."""
+        batch, seq, _ = x.shape
         q, k, v = (
-            proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.wq, self.wk, self.wv)
         )
+        cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class SwiGLU(nn.Module):
@@ -120,15 +131,20 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """``forward(tokens [batch, seq] int64) -> logits [batch, seq, vocab]``, with
     ``seq`` ≤ ``config.max_seq_len``. Weights are a function of ``seed`` only; the
-    global torch RNG is left untouched."""
+    global torch RNG is left untouched.
+
+    A pipeline stage (see ``trainer.pipeline``) lacks some of ``tok_embeddings``,
+    ``layers`` entries, ``norm`` and ``output``: without ``tok_embeddings`` it takes the
+    previous stage's hidden state instead of tokens, and without ``output`` it returns
+    its hidden state."""
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.embedding = nn.Embedding(config.vocab, config.dim)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleDict({str(index): Block(config) for index in range(config.layers)})
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
         cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         # Derived from the config, so kept out of the state dict and the checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -149,12 +165,17 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(parameter, std=INIT_STD, generator=generator)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.config.max_seq_len}; raise max_seq_len")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.head(self.norm(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            if x.shape[1] > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence of {x.shape[1]} tokens exceeds max_seq_len {self.config.max_seq_len}; raise max_seq_len"
+                )
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x

@@ -53,10 +53,11 @@ _CHANNEL_OPTIONS = (
 )
 
 
-def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
+def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
     """Parses ``KEEL_MESH`` ("dp_shard=4" or "dp_replicate=2,dp_shard=2,tp=1") into
     dimension → size, in the order given. Unset or empty means ``dp_shard`` over all
-    ranks. The sizes must multiply to ``world_size``."""
+    ranks. The sizes must multiply to ``world_size``. ``source`` names where the text
+    came from (``KEEL_MESH``, ``--layout``) in error messages."""
     if not text:
         return {"dp_shard": world_size}
     mesh: dict[str, int] = {}
@@ -64,19 +65,19 @@ def parse_mesh(text: str | None, world_size: int) -> dict[str, int]:
         name, sep, size = part.strip().partition("=")
         if not sep or name not in MESH_DIMENSIONS or not size.isdigit() or int(size) < 1:
             raise ValueError(
-                f"KEEL_MESH={text!r}: {part.strip()!r} is not NAME=SIZE with NAME one of "
+                f"{source}={text!r}: {part.strip()!r} is not NAME=SIZE with NAME one of "
                 f"{', '.join(MESH_DIMENSIONS)} and SIZE a positive integer, "
-                f"e.g. KEEL_MESH=dp_shard={world_size}"
+                f"e.g. {source}=dp_shard={world_size}"
             )
         if name in mesh:
-            raise ValueError(f"KEEL_MESH={text!r} names {name} twice; give each dimension once")
+            raise ValueError(f"{source}={text!r} names {name} twice; give each dimension once")
         mesh[name] = int(size)
     product = 1
     for size in mesh.values():
         product *= size
     if product != world_size:
         raise ValueError(
-            f"KEEL_MESH={text!r} spans {product} ranks but WORLD_SIZE={world_size}; "
+            f"{source}={text!r} spans {product} ranks but WORLD_SIZE={world_size}; "
             f"make the sizes multiply to the world size"
         )
     return mesh

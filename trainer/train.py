@@ -1,13 +1,16 @@
-"""The reference trainer: a small Llama-style decoder on synthetic tokens, sharded with
-FSDP2 over all ranks, checkpointed with DCP, resumable on any world size.
+"""The reference trainer: a small Llama-style decoder on synthetic tokens, in any
+composite-parallel layout (FSDP2/HSDP × tensor × pipeline parallel), checkpointed
+asynchronously with DCP, resumable on any world size and layout.
 
 Launch it with torchrun (or let a Keel agent do so)::
 
-    torchrun --standalone --nproc-per-node 2 -m trainer.train --steps 40 --checkpoint-dir /tmp/ckpt
+    torchrun --standalone --nproc-per-node 4 -m trainer.train --steps 40 --layout dp_shard=2,tp=2 \\
+        --checkpoint-dir /tmp/ckpt
 
-Rank 0 prints one line per step to stdout, ``step=N loss=L tokens/s=T``: N counts
-optimizer steps from 1, L is the mean loss over ranks in nats, T the global tokens per
-second of that step. Other messages go to stderr.
+The layout comes from ``--layout``, else ``KEEL_MESH``, else ``dp_shard`` over all
+ranks. Rank 0 prints one line per step to stdout, ``step=N loss=L tokens/s=T``: N counts
+optimizer steps from 1, L is the mean loss over the global batch in nats (the same on
+every rank), T the global tokens per second of that step. Other messages go to stderr.
 """
 
 from __future__ import annotations
@@ -18,135 +21,256 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import fully_shard
 
-from trainer import checkpoint, runtime as keel_runtime
-from trainer.checkpoint import TrainerState
+from trainer import checkpoint, mesh, optim, parallelize, pipeline, runtime as keel_runtime
+from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
+from trainer.mesh import BatchPlan, Layout
 from trainer.model import ModelConfig, Transformer
+from trainer.step import TrainStep
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones, whose help says what leaving them out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.train",
-        description="Keel's reference FSDP2 trainer on a synthetic Markov-chain token stream.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Keel's reference composite-parallel trainer on a synthetic Markov-chain token stream.",
+        formatter_class=_HelpFormatter,
     )
-    parser.add_argument(
+    run = parser.add_argument_group("run")
+    run.add_argument(
         "--steps", type=int, required=True, help="target number of optimizer steps in total, counting those before a resume"
     )
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=10, help="checkpoint at every multiple of this many steps (and at the last step)"
+    run.add_argument(
+        "--global-batch", type=int, default=16,
+        help="samples per optimizer step over all ranks; must divide by data-parallel ranks × --grad-accum "
+             "(× --microbatches with pipeline parallelism)",
     )
-    parser.add_argument(
-        "--global-batch", type=int, default=16, help="samples per step over all ranks; must divide by the data-parallel size"
+    run.add_argument("--seq-len", type=int, default=64, help="tokens per sample; must divide by tp")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--dim", type=int, default=64, help="model width")
+    model.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    model.add_argument("--heads", type=int, default=4, help="attention heads; must divide by tp")
+    model.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+
+    optimizer = parser.add_argument_group("optimizer")
+    optimizer.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (a resume keeps the checkpoint's)")
+    optimizer.add_argument("--lr-schedule", choices=optim.LR_SCHEDULES, default="constant",
+                           help=f"after warm-up: constant, or cosine decay to {optim.COSINE_FLOOR:g}×lr at --steps")
+    optimizer.add_argument("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up")
+    optimizer.add_argument("--grad-accum", type=int, default=1,
+                           help="forward/backward passes per optimizer step, each on 1/N of the rank's samples")
+    optimizer.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                           help="clip gradients to this global L2 norm (over every rank and stage); default no clipping")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--layout", default=None,
+        help="ranks per mesh axis, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 or tp=2,pp=2 "
+             "(axes dp_replicate, dp_shard, tp, pp; omitted ones are 1); default $KEEL_MESH, else dp_shard over all ranks",
     )
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
-    parser.add_argument("--dim", type=int, default=64, help="model width")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (a resume keeps the checkpoint's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    parser.add_argument(
+    parallel.add_argument("--pp-schedule", choices=mesh.PP_SCHEDULES, default="1f1b",
+                          help="pipeline schedule (with pp > 1)")
+    parallel.add_argument("--microbatches", type=int, default=None,
+                          help="pipeline micro-batches per pass (with pp > 1; at least pp for 1f1b schedules); default pp")
+    parallel.add_argument("--virtual-stages", type=int, default=2,
+                          help="pipeline stages per rank for interleaved_1f1b")
+    parallel.add_argument(
+        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+        help="FSDP2: free each block's gathered parameters after its forward and gather again for the backward; "
+             "default on without pipeline parallelism, off with it (every micro-batch would gather again)",
+    )
+    parallel.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                          help="recompute each block's activations in the backward pass instead of keeping them")
+
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument(
         "--checkpoint-dir",
         default=os.environ.get("KEEL_CHECKPOINT_DIR") or None,
         help="where checkpoints live; default $KEEL_CHECKPOINT_DIR, else no checkpoints",
     )
+    ckpt.add_argument(
+        "--checkpoint-every", type=int, default=10, help="checkpoint at every multiple of this many steps (and at the last step)"
+    )
+    ckpt.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                      help="write checkpoints in the background; training waits only while the state is copied")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+                      help="after each commit keep the newest K committed checkpoints (and the one resumed from); 0 keeps all")
     args = parser.parse_args(argv)
-    for name in ("steps", "checkpoint_every", "global_batch"):
+    for name in ("steps", "checkpoint_every", "global_batch", "grad_accum", "virtual_stages"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.global_batch % world_size != 0:
-        parser.error(
-            f"--global-batch {args.global_batch} does not divide by the {world_size} data-parallel ranks; "
-            f"use a multiple of {world_size}"
-        )
+    for name in ("keep_checkpoints", "warmup_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0")
+    if args.microbatches is not None and args.microbatches < 1:
+        parser.error("--microbatches must be at least 1")
+    if args.clip_grad is not None and args.clip_grad <= 0:
+        parser.error("--clip-grad must be positive; leave it out for no clipping")
     return args
 
 
-def shard(model: Transformer, mesh) -> None:
-    """FSDP2: each block is one unit (gathered just in time, freed after use), the root
-    holds the embedding, final norm and head."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+@dataclass
+class Setup:
+    """Everything built for one run: the ``layout`` and its ``device_mesh``, this
+    rank's model ``parts`` (the whole model, or its pipeline stages), the
+    ``optimizers`` (one per part, with their learning-rate schedules), and ``step``,
+    which runs one optimizer step."""
+
+    layout: Layout
+    device_mesh: DeviceMesh
+    parts: list[nn.Module]
+    optimizers: optim.Optimizers
+    step: TrainStep
 
 
-def train_step(
-    model: Transformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """One optimizer step on this rank's micro-batch; returns its mean loss in nats
-    (detached, on ``device``)."""
-    logits = model(inputs.to(device))
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+def resolve_layout(args: argparse.Namespace, rt: keel_runtime.Runtime) -> Layout:
+    """``--layout`` if given, else the runtime's (``KEEL_MESH`` or all ``dp_shard``)."""
+    if args.layout:
+        return Layout.parse(args.layout, rt.world_size, source="--layout")
+    return Layout(**rt.mesh)
 
 
-def mean_over_ranks(loss: torch.Tensor) -> float:
-    """The mean of every rank's ``loss``; each rank has the same number of samples, so
-    this is the loss over the global batch."""
-    dist.all_reduce(loss)
-    return loss.item() / dist.get_world_size()
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, max_seq_len=args.seq_len)
 
 
-def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> None:
+def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Setup:
+    """Validates ``layout`` for ``args`` (ValueError before anything is built), then
+    builds the mesh, the model parts, parallelized, and the optimizer. Collective."""
+    config = model_config(args)
+    plan = BatchPlan.for_layout(
+        layout, global_batch=args.global_batch, grad_accum=args.grad_accum, microbatches=args.microbatches,
+        pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+    )
+    mesh.validate(layout, config, plan, dist.get_world_size())
+    device_mesh = mesh.build(layout, device.type)
+    # The whole model first, on every rank: its weights are a function of the seed, so
+    # every layout starts from the same ones.
+    model = Transformer(config, seed=args.seed)
+    stages = None
+    if layout.pp > 1:
+        num_stages = layout.pp * plan.virtual_stages
+        owned = pipeline.stage_layers(config.layers, num_stages)
+        indices = pipeline.local_stage_indices(device_mesh.get_local_rank("pp"), layout.pp, plan.virtual_stages)
+        parts = [pipeline.stage_module(model, owned[index], index == 0, index == num_stages - 1) for index in indices]
+        stages = pipeline.Stages(tuple(indices), num_stages, plan.pp_schedule, plan.microbatches,
+                                 device_mesh.get_group("pp"))
+    else:
+        parts = [model]
+    reshard_after_forward = args.reshard_after_forward if args.reshard_after_forward is not None else layout.pp == 1
+    for part in parts:
+        part.to(device)
+        parallelize.parallelize(
+            part,
+            tp_mesh=device_mesh["tp"] if layout.tp > 1 else None,
+            dp_mesh=mesh.dp_mesh(device_mesh, layout),
+            device_type=device.type,
+            activation_checkpointing=args.activation_checkpointing,
+            reshard_after_forward=reshard_after_forward,
+        )
+    optimizers = optim.Optimizers(
+        parts, lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps, schedule=args.lr_schedule
+    )
+    step = TrainStep(parts, optimizers, grad_accum=args.grad_accum, clip_grad=args.clip_grad, device=device,
+                     stages=stages)
+    return Setup(layout, device_mesh, parts, optimizers, step)
+
+
+def exchange(loss: float | None, first: int, count: int, represents: bool, device: torch.device
+             ) -> tuple[float, list[tuple[int, int]]]:
+    """One all-gather per step for what every rank needs to know: the mean loss over
+    the global batch (the mean over ranks that hold a loss — all of them, or the last
+    pipeline stage's; each covers the same number of samples) and the ``(first,
+    count)`` samples each data-parallel rank consumed (``represents``: this rank speaks
+    for its data-parallel rank, which its tensor and pipeline peers share)."""
+    mine = torch.tensor(
+        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0],
+        dtype=torch.float64, device=device,
+    )
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone).cpu()
+    mean_loss = (table[:, 0].sum() / table[:, 1].sum()).item()
+    # float64 holds sample indices exactly up to 2**53.
+    consumed = [(int(first), int(count)) for _, _, first, count in table.tolist()]
+    return mean_loss, consumed
+
+
+def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> Setup:
     """Trains until ``args.steps`` optimizer steps are done, starting fresh or from the
-    checkpoint ``checkpoint.restore_point`` names."""
+    checkpoint ``checkpoint.restore_point`` names, and returns what it trained (with
+    the last checkpoint committed)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    config = ModelConfig(
-        vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, max_seq_len=args.seq_len
-    )
-    model = Transformer(config, seed=args.seed).to(device)
-    shard(model, init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    layout = resolve_layout(args, rt)
+    run = setup(args, layout, device)
     data = SyntheticTokens(args.vocab, args.seq_len, args.seed)
+    dp_rank, represents = layout.dp_rank(rank), layout.speaks_for_its_data(rank)
 
-    state = TrainerState(step=0, samples=0, lr=args.lr, rng_state=torch.get_rng_state())
+    state = TrainerState(step=0, samples=0, scheduler=run.optimizers.scheduler_state(), rng_state=torch.get_rng_state())
     if rank == 0:
         for name in checkpoint.discard_staging(args.checkpoint_dir):
             rt.log(f"removed {name}, left by a rank that died while saving")
     restore = checkpoint.restore_point(args.checkpoint_dir, rt.restore_from, managed=bool(rt.job))
     if restore:
-        state = checkpoint.load(restore, model, optimizer)
+        state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)
+        run.optimizers.load_scheduler_state(state.scheduler)
         torch.set_rng_state(state.rng_state)
         if rank == 0:
-            rt.log(f"resumed from {restore} at step={state.step} samples={state.samples} on {world_size} ranks")
-            if state.lr != args.lr:
-                rt.log(f"keeping the checkpoint's lr={state.lr:g}, not --lr {args.lr:g}")
+            rt.log(f"resumed from {restore} at step={state.step} samples={state.samples} on {world_size} ranks as {layout}")
+            if run.optimizers.peak_lr != args.lr:
+                rt.log(f"keeping the checkpoint's lr={run.optimizers.peak_lr:g}, not --lr {args.lr:g}")
     elif rank == 0:
-        rt.log(f"fresh start on {world_size} ranks")
+        rt.log(f"fresh start on {world_size} ranks as {layout}")
+    checkpointer = None
+    if args.checkpoint_dir:
+        checkpointer = Checkpointer(args.checkpoint_dir, rt, use_async=args.async_checkpoint,
+                                    keep=args.keep_checkpoints, restored_from=restore)
 
-    step, samples = state.step, state.samples
+    step, samples, ledger = state.step, state.samples, state.ledger
     while step < args.steps:
+        if checkpointer:
+            checkpointer.poll()
         rt.inject_faults(step + 1)
         started = time.perf_counter()
-        first, count = rank_samples(samples, args.global_batch, rank, world_size)
-        loss = train_step(model, optimizer, *data.batch(first, count), device)
-        # Measured before the loss all-reduce, where every rank waits for the slowest,
+        first, count = rank_samples(samples, args.global_batch, dp_rank, layout.dp_size)
+        loss = run.step(*data.batch(first, count))
+        # Measured before the loss all-gather, where every rank waits for the slowest,
         # this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
         busy_s += rt.after_step(busy_s)
-        mean_loss = mean_over_ranks(loss)
+        mean_loss, consumed = exchange(loss, first, count, represents, device)
         step, samples = step + 1, samples + args.global_batch
+        ledger.record(step, consumed)
         rt.report_step(step, mean_loss, count * args.seq_len, busy_s)
         if rank == 0:
             tokens_per_s = args.global_batch * args.seq_len / (time.perf_counter() - started)
             print(f"step={step} loss={mean_loss:.6f} tokens/s={tokens_per_s:.0f}", flush=True)
-        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
-            saved = TrainerState(step, samples, optimizer.param_groups[0]["lr"], torch.get_rng_state())
-            checkpoint.save(args.checkpoint_dir, model, optimizer, saved, rt)
+        if checkpointer and (step % args.checkpoint_every == 0 or step == args.steps):
+            saved = TrainerState(step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger)
+            checkpointer.save(step, samples, checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
+                              ledger, args.global_batch)
+    if checkpointer:
+        checkpointer.wait()
+    return run
 
 
 @record
@@ -155,15 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     rt = keel_runtime.init()
     # The flag may name a directory Keel did not; one-shot fault markers live there too.
     rt.checkpoint_dir = args.checkpoint_dir
-    if any(size != 1 for name, size in rt.mesh.items() if name != "dp_shard"):
-        raise ValueError(
-            f"KEEL_MESH={os.environ.get('KEEL_MESH')!r}: the reference trainer runs dp_shard only; "
-            f"give dp_shard={rt.world_size}"
-        )
     if torch.cuda.is_available():
         device = torch.device("cuda", rt.local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

@@ -1,10 +1,12 @@
 """The reference trainer under real torchrun on gloo: it learns, commits checkpoints
-durably, resumes on another world size where it left off, reports to the agent's AgentLocal
-service on a Unix socket, and turns an injected crash into torchrun's root cause.
+durably (asynchronously, with a ledger and retention), resumes on another world size
+where it left off, reports to the agent's AgentLocal service on a Unix socket, and turns
+an injected crash into torchrun's root cause.
 
 Each launch costs a few seconds of interpreter and torch start-up on two cores, so the
 runs are few and shared between assertions."""
 
+import json
 import math
 import os
 import re
@@ -50,6 +52,10 @@ def step_losses(run: subprocess.CompletedProcess) -> dict[int, float]:
         assert match, f"unexpected stdout line {line!r}"
         losses[int(match.group(1))] = float(match.group(2))
     return losses
+
+
+def committed_steps(ckpt: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("step_")) for path in ckpt.iterdir() if path.name.startswith("step_"))
 
 
 class Recorder:
@@ -99,10 +105,13 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     assert abs(losses[1] - math.log(256)) < 0.3, "an untrained model should be near ln(vocab)"
     assert losses[12] < losses[1] - 1.0, f"loss did not fall: {losses}"
 
-    committed = sorted(path.name for path in ckpt.iterdir() if not path.name.startswith("."))
-    assert committed == ["step_00000005", "step_00000010", "step_00000012"]
-    assert all((ckpt / name / ".metadata").is_file() for name in committed)
+    assert committed_steps(ckpt) == [5, 10, 12]
+    assert all((ckpt / f"step_{step:08d}" / ".metadata").is_file() for step in (5, 10, 12))
     assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
+    # Every committed checkpoint carries the lineage's ledger up to its step.
+    ledger = json.loads((ckpt / "step_00000010" / "ledger.json").read_text())
+    assert ledger == {"global_batch": GLOBAL_BATCH, "step": 10,
+                      "ranges": [[step, (step - 1) * GLOBAL_BATCH, GLOBAL_BATCH] for step in range(1, 11)]}
 
     with recorder.lock:
         reported = {(report.rank, report.step): (generation, report) for generation, report in recorder.steps}
@@ -118,19 +127,22 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     ]
 
     # Plain torchrun on one rank: it finds the latest committed checkpoint itself and
-    # DCP reshards the two ranks' shards onto one.
-    resumed = torchrun(1, "--steps", "16", "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt))
+    # DCP reshards the two ranks' shards onto one. Retention keeps the newest four.
+    resumed = torchrun(1, "--steps", "16", "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt),
+                       "--keep-checkpoints", "4")
     resumed_losses = step_losses(resumed)
     assert sorted(resumed_losses) == [13, 14, 15, 16], resumed.stdout
     assert f"resumed from {ckpt / 'step_00000012'} at step=12 samples=192 on 1 ranks" in resumed.stderr
     assert resumed_losses[13] < losses[1] - 1.0, "the resumed model forgot what it learnt"
-    assert (ckpt / "step_00000015" / ".metadata").is_file() and (ckpt / "step_00000016" / ".metadata").is_file()
+    assert committed_steps(ckpt) == [10, 12, 15, 16]
+    assert "retention (--keep-checkpoints 4) deleted checkpoints of steps 5" in resumed.stderr
 
     # Keel names an earlier checkpoint (step 12 was never recorded as committed): the
     # run continues from step 10, replaces step_00000012, and - same global batch,
-    # same samples - repeats the two-rank run's losses on one rank.
+    # same samples - repeats the two-rank run's losses on one rank. Retention (keep 3)
+    # spares step 10, which it restored from, and step 12, which it just committed.
     replayed = torchrun(
-        1, "--steps", "12", "--checkpoint-every", "6",
+        1, "--steps", "12", "--checkpoint-every", "6", "--no-async-checkpoint",
         env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_RESTORE_FROM": str(ckpt / "step_00000010"), "KEEL_GENERATION": "4"},
     )
     replayed_losses = step_losses(replayed)
@@ -138,7 +150,8 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     for step in (11, 12):
         assert replayed_losses[step] == pytest.approx(losses[step], abs=1e-4)
     assert f"replacing unrecorded checkpoint {ckpt / 'step_00000012'}" in replayed.stderr
-    assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [".metadata", "__0_0.distcp", "ledger.json"]
+    assert committed_steps(ckpt) == [10, 12, 15, 16]
     assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
 
 

@@ -13,6 +13,7 @@ def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb=""):
 
 
 def running(**kw):
+    kw.setdefault("generation_world_size", 4)
     return Observed(state=JobState.RUNNING, state_since=0.0, restarts=0,
                     generation_nodes=NODES, **kw)
 
@@ -91,6 +92,12 @@ def test_running_succeeds_only_when_every_rank_exited_zero():
     assert decide(1.0, running(exits=three), SPEC).action is Action.WAIT
     d = decide(1.0, running(exits=three + (exit_(3),)), SPEC)
     assert d.action is Action.SUCCEED and d.reason == "all 4 ranks exited 0"
+
+
+def test_a_shrunken_generation_succeeds_when_its_own_ranks_are_done():
+    two = tuple(exit_(r) for r in range(2))
+    d = decide(1.0, running(exits=two, generation_world_size=2), SPEC)
+    assert d.action is Action.SUCCEED and d.reason == "all 2 ranks exited 0"
 
 
 def test_lost_node_stops_a_running_generation():
