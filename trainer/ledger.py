@@ -59,32 +59,3 @@ class Ledger:
             json.dump(self.document(global_batch, step), out, separators=(",", ":"))
             out.write("\n")
         return path
-
-
-def summarize(ranges: Iterable[Iterable[int]], expected_samples: int) -> dict[str, int]:
-    """Checks ``[step, first_sample, count]`` ranges against samples ``[0,
-    expected_samples)``. Returns ``expected`` (``expected_samples``), ``consumed`` (sum
-    of counts: sample reads, repeats included), ``duplicates`` (reads of a sample after
-    its first: a sample read three times counts 2) and ``missing`` (samples below
-    ``expected_samples`` never read). Exactly once means ``consumed == expected`` and
-    both others 0; when no range reaches past ``expected_samples``, ``consumed ==
-    expected - missing + duplicates``. Pure; linear in the number of ranges after a
-    sort, whatever their sizes."""
-    delta: dict[int, int] = {0: 0, expected_samples: 0}
-    consumed = 0
-    for _, first, count in ranges:
-        if count <= 0:
-            continue
-        consumed += count
-        delta[first] = delta.get(first, 0) + 1
-        delta[first + count] = delta.get(first + count, 0) - 1
-    duplicates = missing = 0
-    depth = 0
-    positions = sorted(delta)
-    for start, end in zip(positions, positions[1:]):
-        depth += delta[start]
-        if depth >= 2:
-            duplicates += (depth - 1) * (end - start)
-        elif depth == 0 and start < expected_samples:
-            missing += min(end, expected_samples) - start
-    return {"expected": expected_samples, "consumed": consumed, "duplicates": duplicates, "missing": missing}

@@ -19,7 +19,7 @@ from google.protobuf import json_format
 
 from protos import keel_pb2
 from trainer.checkpoint import expired
-from trainer.ledger import summarize
+from orchestrator.ledger_check import audit as summarize
 from trainer.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from trainer.ledger import LEDGER_FILE, Ledger, merge, summarize
+from orchestrator.ledger_check import audit as summarize
+from trainer.ledger import LEDGER_FILE, Ledger, merge
 
 
 def test_merge_joins_touching_ranges_of_one_step_and_drops_empty_ones():
