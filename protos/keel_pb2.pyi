@@ -7,32 +7,109 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped")
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SAVED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    HANG_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     rendezvous_ready: RendezvousReady
     rank_exited: RankExited
     steps: StepReportBatch
     checkpoint_saved: CheckpointSaved
     generation_stopped: GenerationStopped
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ...) -> None: ...
+    hang_detected: HangDetected
+    preflight: PreflightReport
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
     STOP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
     start_generation: StartGeneration
     stop_generation: StopGeneration
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ...) -> None: ...
+    checkpoint_now: CheckpointNow
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ...) -> None: ...
+
+class CheckpointNow(_message.Message):
+    __slots__ = ("job", "generation", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HangDetected(_message.Message):
+    __slots__ = ("job", "generation", "rank", "pid", "last_step", "stalled_for_s", "timeout_s", "phase", "stacks", "detected_at")
+    class StacksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    pid: int
+    last_step: int
+    stalled_for_s: float
+    timeout_s: float
+    phase: str
+    stacks: _containers.ScalarMap[int, str]
+    detected_at: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., last_step: _Optional[int] = ..., stalled_for_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., phase: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., detected_at: _Optional[float] = ...) -> None: ...
+
+class CollectiveResult(_message.Message):
+    __slots__ = ("collective", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps")
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ALGBW_GBPS_FIELD_NUMBER: _ClassVar[int]
+    BUSBW_GBPS_FIELD_NUMBER: _ClassVar[int]
+    collective: str
+    size_bytes: int
+    time_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+    def __init__(self, collective: _Optional[str] = ..., size_bytes: _Optional[int] = ..., time_s: _Optional[float] = ..., algbw_gbps: _Optional[float] = ..., busbw_gbps: _Optional[float] = ...) -> None: ...
+
+class PreflightReport(_message.Message):
+    __slots__ = ("job", "generation", "rank", "world_size", "results", "wall_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    world_size: int
+    results: _containers.RepeatedCompositeFieldContainer[CollectiveResult]
+    wall_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node", "host", "slots", "lease_id", "pid")
@@ -83,7 +160,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +181,7 @@ class StartGeneration(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -117,7 +195,8 @@ class StartGeneration(_message.Message):
     checkpoint_dir: str
     restore_from: str
     mesh: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ...) -> None: ...
+    health: HealthSpec
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
 
 class StopGeneration(_message.Message):
     __slots__ = ("job", "generation", "reason")
@@ -156,20 +235,30 @@ class RankExited(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at")
+    __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at", "data_s", "compute_s", "optimizer_s", "checkpoint_s", "checkpointing")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    DATA_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     loss: float
     tokens: int
     step_time_s: float
     at: float
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ...) -> None: ...
+    data_s: float
+    compute_s: float
+    optimizer_s: float
+    checkpoint_s: float
+    checkpointing: bool
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
     __slots__ = ("job", "generation", "reports")
@@ -204,7 +293,7 @@ class GenerationStopped(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training")
+    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +312,7 @@ class JobSpec(_message.Message):
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     world_size: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -234,7 +324,32 @@ class JobSpec(_message.Message):
     min_nodes: int
     model: ModelShape
     training: TrainingShape
-    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ...) -> None: ...
+    health: HealthSpec
+    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
+
+class HealthSpec(_message.Message):
+    __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour")
+    STRAGGLER_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HANG_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
+    HANG_K_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_PATIENCE_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_OFF_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLACEMENTS_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    straggler_policy: str
+    hang_floor_s: float
+    hang_k: float
+    first_step_timeout_s: float
+    checkpoint_timeout_s: float
+    straggler_slowdown: float
+    straggler_window: int
+    straggler_patience: int
+    preflight_off: bool
+    max_replacements_per_hour: int
+    def __init__(self, straggler_policy: _Optional[str] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("params", "layers", "hidden", "heads", "vocab")
@@ -321,7 +436,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +453,8 @@ class JobStatus(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: str
     reason: str
@@ -354,7 +471,54 @@ class JobStatus(_message.Message):
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     has_loss: bool
     mesh: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    preflight: _containers.RepeatedCompositeFieldContainer[NodePreflight]
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("kind", "node", "rank", "step", "detected_after_s", "detected_after_steps", "root_cause", "stacks", "reason", "generation", "at")
+    class StacksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AFTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    node: str
+    rank: int
+    step: int
+    detected_after_s: float
+    detected_after_steps: int
+    root_cause: str
+    stacks: _containers.ScalarMap[int, str]
+    reason: str
+    generation: int
+    at: float
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ...) -> None: ...
+
+class NodePreflight(_message.Message):
+    __slots__ = ("node", "generation", "results", "slow")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    generation: int
+    results: _containers.RepeatedCompositeFieldContainer[CollectiveResult]
+    slow: bool
+    def __init__(self, node: _Optional[str] = ..., generation: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., slow: _Optional[bool] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node", "host", "slots", "connected", "lease_id")
@@ -389,8 +553,10 @@ class LocalStepReports(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
 
 class LocalAck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("checkpoint_now",)
+    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_now: bool
+    def __init__(self, checkpoint_now: _Optional[bool] = ...) -> None: ...
 
 class Fault(_message.Message):
     __slots__ = ("kind", "rank", "node", "step", "factor")

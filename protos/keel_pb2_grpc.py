@@ -257,6 +257,11 @@ class AgentLocalStub:
                 request_serializer=protos_dot_keel__pb2.CheckpointSaved.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
                 _registered_method=True)
+        self.ReportPreflight = channel.unary_unary(
+                '/keel.v1.AgentLocal/ReportPreflight',
+                request_serializer=protos_dot_keel__pb2.PreflightReport.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
+                _registered_method=True)
 
 
 class AgentLocalServicer:
@@ -277,6 +282,12 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportPreflight(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentLocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +299,11 @@ def add_AgentLocalServicer_to_server(servicer, server):
             'ReportCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCheckpoint,
                     request_deserializer=protos_dot_keel__pb2.CheckpointSaved.FromString,
+                    response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
+            'ReportPreflight': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPreflight,
+                    request_deserializer=protos_dot_keel__pb2.PreflightReport.FromString,
                     response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
             ),
     }
@@ -347,6 +363,33 @@ class AgentLocal:
             target,
             '/keel.v1.AgentLocal/ReportCheckpoint',
             protos_dot_keel__pb2.CheckpointSaved.SerializeToString,
+            protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPreflight(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/ReportPreflight',
+            protos_dot_keel__pb2.PreflightReport.SerializeToString,
             protos_dot_keel__pb2.LocalAck.FromString,
             options,
             channel_credentials,
