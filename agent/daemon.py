@@ -7,6 +7,7 @@ event queue: controller messages, trainer reports.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -24,12 +25,17 @@ import structlog
 from agent import metrics
 from agent.config import AgentConfig
 from agent.local_server import AgentLocalService, serve
-from agent.supervisor import Supervisor
+from agent.failure import tail
+from agent.hang import HangConfig, RankProgress, find_hang
+from agent.stacks import dump_since, parse_dump, where
+from agent.supervisor import RankPhase, Supervisor
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
 
 LEADER_KEY = "/keel/controller/leader"
+STACK_DUMP_WAIT_S = 0.5      # faulthandler writes within milliseconds; slack for a busy node
+STACK_TAIL_BYTES = 65536
 
 
 class Agent:
@@ -49,13 +55,20 @@ class Agent:
         self.pending_steps: list[keel_pb2.StepReport] = []
         self.current: keel_pb2.StartGeneration | None = None
         self.stopping_generation: tuple[str, int] | None = None
+        # Guarded by step_lock: what the trainers told us, for the hang detector.
+        self.progress: dict[int, tuple[float, int, bool]] = {}  # rank -> (at, step, ckpt)
+        self.step_times: collections.deque = collections.deque(maxlen=64)
+        self.checkpoint_wanted = False
+        self.hang_reported = False
+        self.hang_config = HangConfig()
 
     # ================================================================ lifecycle
     def run(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
         self.local_server = serve(self.socket_path, AgentLocalService(
-            self._on_local_steps, lambda saved: self.events.put(("checkpoint", saved))))
+            self._on_local_steps, lambda saved: self.events.put(("checkpoint", saved)),
+            lambda report: self.events.put(("preflight", report))))
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port)
         threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
@@ -152,12 +165,22 @@ class Agent:
         self.outbox.put(keel_pb2.AgentMessage(**kind))
 
     # ============================================================ local reports
-    def _on_local_steps(self, generation: int, reports: list) -> None:
+    def _on_local_steps(self, generation: int, reports: list) -> bool:
+        """Queue reports for the controller and note progress; return whether the
+        controller's checkpoint request is to be passed on (once: the trainers agree
+        among themselves on the step)."""
+        now = time.monotonic()
         with self.step_lock:
             current = self.current
             if current is None or generation != current.generation:
-                return  # a straggling report from a generation that is gone
+                return False  # a straggling report from a generation that is gone
             self.pending_steps.extend(reports)
+            for report in reports:
+                self.progress[report.rank] = (now, report.step, report.checkpointing)
+                if report.step_time_s > 0:
+                    self.step_times.append(report.step_time_s)
+            wanted, self.checkpoint_wanted = self.checkpoint_wanted, False
+            return wanted
 
     def _flush_steps(self) -> None:
         with self.step_lock:
@@ -185,6 +208,8 @@ class Agent:
                 elif kind == "checkpoint":
                     self._flush_steps()
                     self._send(checkpoint_saved=payload)
+                elif kind == "preflight":
+                    self._send(preflight=payload)
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -198,6 +223,7 @@ class Agent:
                 self._flush_steps()
                 self._send(rank_exited=report)
             self._maybe_confirm_stop()
+            self._check_hang(now)
             metrics.RANKS_RUNNING.set(sum(1 for r in self.supervisor.ranks
                                           if r.popen.returncode is None))
             if now >= next_flush:
@@ -219,9 +245,18 @@ class Agent:
             stop = message.stop_generation
             log.info("stopping generation", job=stop.job, generation=stop.generation,
                      reason=stop.reason)
-            self.supervisor.stop(self.supervisor.of_generation(stop.job, stop.generation),
-                                 time.monotonic())
+            ranks = self.supervisor.of_generation(stop.job, stop.generation)
+            if stop.collect_stacks and not self.hang_reported:
+                self._report_stacks(ranks, hang=None)
+            self.supervisor.stop(ranks, time.monotonic())
             self.stopping_generation = (stop.job, stop.generation)
+        elif kind == "checkpoint_now":
+            request = message.checkpoint_now
+            with self.step_lock:
+                if self.current is not None and self.current.generation == request.generation:
+                    self.checkpoint_wanted = True
+            log.info("checkpoint requested", job=request.job, generation=request.generation,
+                     reason=request.reason)
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
         # A node runs one generation at a time: anything older goes first.
@@ -235,6 +270,14 @@ class Agent:
         with self.step_lock:
             self.current = start
             self.pending_steps.clear()
+            self.progress.clear()
+            self.step_times.clear()
+            self.checkpoint_wanted = False
+        self.hang_reported = False
+        health = start.health
+        self.hang_config = HangConfig(floor_s=health.hang_floor_s, k=health.hang_k,
+                                      first_step_timeout_s=health.first_step_timeout_s,
+                                      checkpoint_timeout_s=health.checkpoint_timeout_s)
         try:
             self.supervisor.start(start, self.socket_path)
         except OSError as exc:
@@ -245,6 +288,58 @@ class Agent:
                     job=start.job, generation=start.generation, rank=assignment.rank,
                     exit_code=127, traceback=f"cannot start {list(start.command)}: {exc}",
                     exited_at=time.time()))
+
+    # ===================================================================== hangs
+    def _check_hang(self, now: float) -> None:
+        current = self.current
+        if current is None or self.hang_reported or self.stopping_generation:
+            return
+        ranks = [r for r in self.supervisor.of_generation(current.job, current.generation)
+                 if r.phase is RankPhase.RUNNING]
+        if not ranks:
+            return
+        with self.step_lock:
+            progress = dict(self.progress)
+            recent = list(self.step_times)
+        hang = find_hang(now, [RankProgress(
+            rank=r.rank, pid=r.pid, started_at=r.started_at,
+            last_report_at=progress[r.rank][0] if r.rank in progress else None,
+            last_step=progress[r.rank][1] if r.rank in progress else 0,
+            checkpointing=progress[r.rank][2] if r.rank in progress else False)
+            for r in ranks], recent, self.hang_config)
+        if hang is None:
+            return
+        log.warning("hang detected", job=current.job, generation=current.generation,
+                    rank=hang.rank, reason=hang.reason)
+        self._report_stacks(ranks, hang)
+        self.supervisor.stop(ranks, now)
+        self.stopping_generation = (current.job, current.generation)
+
+    def _report_stacks(self, ranks: list, hang) -> None:
+        """SIGUSR1 every rank (faulthandler dumps its threads to stderr), read what each
+        wrote, and report the stacks, with the hang if this agent detected it."""
+        before = {r.rank: tail(r.stderr_path, STACK_TAIL_BYTES) for r in ranks}
+        for proc in ranks:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(STACK_DUMP_WAIT_S)
+        stacks = {}
+        for proc in ranks:
+            dump = dump_since(before[proc.rank], tail(proc.stderr_path, STACK_TAIL_BYTES))
+            parsed = parse_dump(dump)
+            stacks[proc.rank] = f"{where(parsed) or 'no stack dumped'}\n{dump.strip()}"
+        current = self.current
+        self.hang_reported = True
+        report = keel_pb2.HangDetected(job=current.job, generation=current.generation,
+                                       stacks=stacks, detected_at=time.time())
+        if hang is not None:
+            report.rank, report.pid, report.last_step = hang.rank, hang.pid, hang.last_step
+            report.stalled_for_s, report.timeout_s = hang.stalled_for_s, hang.timeout_s
+            report.phase = hang.phase
+        self._flush_steps()
+        self._send(hang_detected=report)
 
     def _maybe_confirm_stop(self) -> None:
         if self.stopping_generation is None:

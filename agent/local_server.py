@@ -13,16 +13,24 @@ MAX_REPORTS_PER_CALL = 4096
 
 
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
-    def __init__(self, on_steps: Callable[[int, list], None],
-                 on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None]):
+    def __init__(self, on_steps: Callable[[int, list], bool],
+                 on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
+                 on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None):
+        """``on_steps(generation, reports)`` returns whether the controller has asked
+        this generation for a checkpoint (answered to the trainer in the ack)."""
         self._on_steps = on_steps
         self._on_checkpoint = on_checkpoint
+        self._on_preflight = on_preflight
 
     def ReportSteps(self, request, context):
         if len(request.reports) > MAX_REPORTS_PER_CALL:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"at most {MAX_REPORTS_PER_CALL} reports per call")
-        self._on_steps(request.generation, list(request.reports))
+        wanted = self._on_steps(request.generation, list(request.reports))
+        return keel_pb2.LocalAck(checkpoint_now=bool(wanted))
+
+    def ReportPreflight(self, request, context):
+        self._on_preflight(request)
         return keel_pb2.LocalAck()
 
     def ReportCheckpoint(self, request, context):

@@ -45,6 +45,17 @@ def _read_token(token_file: str | None) -> str:
 @click.option("--min-nodes", type=int, default=1, show_default=True,
               help="After losing nodes with no spare, re-plan onto as few as this many "
                    "(0: never shrink, wait for capacity).")
+@click.option("--spares", type=int, default=0, show_default=True,
+              help="Extra agents that wait as hot spares for failed or slow nodes.")
+@click.option("--straggler-policy", type=click.Choice(["replace", "exclude", "alert"]),
+              default="replace", show_default=True,
+              help="What to do with a persistently slow node: checkpoint and swap in a "
+                   "spare, checkpoint and re-plan without it, or only report it.")
+@click.option("--hang-timeout-s", type=float, default=30.0, show_default=True,
+              help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
+                   "median step time) without progress.")
+@click.option("--no-preflight", is_flag=True,
+              help="Skip the collective bandwidth sweep before each generation's first step.")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
               help="Generations restarted after failures before the job fails.")
 @click.option("--etcd-endpoints", default="", envvar="KEEL_ETCD_ENDPOINTS",
@@ -57,7 +68,8 @@ def _read_token(token_file: str | None) -> str:
               help="Print the summary as one JSON object on stdout.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
-       max_restarts, etcd_endpoints, workdir, timeout_s, as_json, script_args):
+       spares, straggler_policy, hang_timeout_s, no_preflight, max_restarts, etcd_endpoints,
+       workdir, timeout_s, as_json, script_args):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
 
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
@@ -71,7 +83,9 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
         options = UpOptions(
             nodes=nodes, slots_per_node=slots_per_node, steps=steps,
             checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
-            inject=tuple(inject), layout=layout, min_nodes=min_nodes,
+            inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
+            straggler_policy=straggler_policy, hang_timeout_s=hang_timeout_s,
+            preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
             workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, json=as_json)

@@ -24,6 +24,10 @@ from google.protobuf import json_format
 from orchestrator import metrics
 from orchestrator.auth import TokenInterceptor
 from orchestrator.config import ControllerConfig
+from orchestrator.diagnosis import culprit, summarize as summarize_stacks
+from orchestrator.guardrails import restart_backoff_s
+from orchestrator.health import resolve as resolve_health
+from orchestrator.job_health import REPLACE_CHECKPOINT_WAIT_S, JobHealth, Replacement
 from orchestrator.jobspec import InvalidSpec, size_and_layout, validate
 from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.placement import NodeRanks, place
@@ -83,6 +87,7 @@ class JobRuntime:
     token_window: collections.deque = field(default_factory=collections.deque)
     last_checkpoint: dict | None = None
     last_wait_reason: str = ""
+    health: JobHealth | None = None
 
     @property
     def name(self) -> str:
@@ -163,6 +168,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 continue
             spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
             job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
+                             health=JobHealth(name, resolve_health(spec.health)),
                              state_rev=state.mod_revision, state_since=time.monotonic(),
                              generation=state.value["generation"],
                              restarts=state.value["restarts"],
@@ -278,7 +284,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                              exit_code=body.exit_code, signal=body.signal,
                              exited_at=body.exited_at, stopped_by_agent=body.stopped_by_agent,
                              traceback=body.traceback, stderr_tail=body.stderr_tail,
-                             last_step=body.last_step)
+                             last_step=body.last_step, reported_at=time.time())
             job.exits[body.rank] = exit_
             log.info("rank exited", job=job.name, generation=job.generation,
                      node=session.node, rank=body.rank, exit_code=body.exit_code,
@@ -297,6 +303,17 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             if job is not None:
                 job.stopped_nodes.add(session.node)
                 self.wake.set()
+        elif kind == "hang_detected":
+            job = self._job_for(body.job, body.generation)
+            if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
+                self._on_hang(job, session.node, body)
+        elif kind == "preflight":
+            job = self._job_for(body.job, body.generation)
+            if job is not None:
+                for node in job.health.add_preflight(session.node, body):
+                    self._on_slow_node(job, node, time.monotonic(), job.step, 0,
+                                       "preflight: collective bus bandwidth below half of "
+                                       "its peers'")
         elif kind == "hello":
             log.warning("ignoring a second Hello on one stream", node=session.node)
 
@@ -311,6 +328,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                     job.initial_loss, job.has_loss = report.loss, True
         while job.token_window and job.token_window[-1][0] - job.token_window[0][0] > TOKENS_WINDOW_S:
             job.token_window.popleft()
+        job.health.add_steps(reports)
         metrics.JOB_STEP.labels(job=job.name).set(job.step)
 
     def _on_checkpoint(self, job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> None:
@@ -328,6 +346,75 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             log.info("checkpoint committed", job=job.name, generation=job.generation,
                      step=saved.step, path=saved.path)
 
+    # ================================================================== health
+    def _on_hang(self, job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
+        """Record a hang (or the stacks another agent collected for it) in one event."""
+        health = job.health
+        if health.hang_event is None:
+            if not report.phase:
+                return  # stacks for a stop that was not a hang
+            health.hang_event = health.event(
+                "hang", "", node=node, rank=report.rank, step=report.last_step,
+                detected_after_s=report.stalled_for_s)
+            health.hang_event.reason = (
+                f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
+                f"{report.stalled_for_s:.1f}s after step {report.last_step} "
+                f"(timeout {report.timeout_s:.1f}s, {report.phase})")
+        event = health.hang_event
+        for rank, stack in report.stacks.items():
+            event.stacks[rank] = stack
+        stacks = dict(event.stacks)
+        blamed = culprit(stacks)
+        if blamed is not None:
+            event.rank = blamed
+            event.node = health.rank_nodes.get(blamed, event.node)
+        event.root_cause = summarize_stacks(stacks)
+        health.avoid = {event.node}
+        self.wake.set()
+
+    def _on_slow_node(self, job: JobRuntime, node: str, now: float, step: int,
+                      after_steps: int, reason: str) -> None:
+        """A straggler (or a node slow in preflight): event, guard rails, then the job's
+        policy: alert only, or checkpoint now and replace/exclude it."""
+        health = job.health
+        health.event("straggler", reason, node=node, step=step,
+                     detected_after_steps=after_steps)
+        if health.note_flag(node, now):
+            health.event("cordoned", f"{node} flagged twice within an hour; no job will be "
+                                     f"placed on it again", node=node, step=step)
+        policy = health.spec.straggler_policy
+        if policy == "alert" or health.replacing is not None or job.state is not JobState.RUNNING:
+            return
+        if not health.may_replace(now):
+            health.event("alert", f"not replacing {node}: "
+                                  f"{health.spec.max_replacements_per_hour} replacements "
+                                  f"in the last hour already", node=node, step=step)
+            return
+        health.replacing = Replacement(node=node, reason=reason, after_step=job.step,
+                                       requested_at=now, policy=policy)
+        for part in job.placement:
+            session = self.sessions.get(part.node)
+            if session is not None and session.connected:
+                session.send(keel_pb2.ControllerMessage(checkpoint_now=keel_pb2.CheckpointNow(
+                    job=job.name, generation=job.generation,
+                    reason=f"{policy} straggler {node}")))
+
+    def _replacement_ready(self, job: JobRuntime, now: float) -> str:
+        """The reason to stop for a pending replacement, once its checkpoint committed
+        (or waiting for it took too long)."""
+        pending = job.health.replacing
+        if pending is None:
+            return ""
+        committed = job.last_checkpoint and job.last_checkpoint["step"] > pending.after_step \
+            and job.last_checkpoint["generation"] == job.generation
+        if committed:
+            return (f"{pending.policy} straggler {pending.node} after checkpoint at step "
+                    f"{job.last_checkpoint['step']}")
+        if now - pending.requested_at > REPLACE_CHECKPOINT_WAIT_S:
+            return (f"{pending.policy} straggler {pending.node}; no checkpoint within "
+                    f"{REPLACE_CHECKPOINT_WAIT_S:.0f}s, restoring the last committed one")
+        return ""
+
     # ================================================================ operators
     def SubmitJob(self, request, context):
         spec = keel_pb2.JobSpec()
@@ -341,7 +428,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"job {spec.name!r} exists; choose another name")
             job = JobRuntime(spec=spec, state=JobState.PENDING, state_rev=0,
-                             state_since=time.monotonic(), reason="submitted")
+                             state_since=time.monotonic(), reason="submitted",
+                             health=JobHealth(spec.name, resolve_health(spec.health)))
             try:
                 revision = self.store.create_job(
                     spec.name, json_format.MessageToDict(spec), job.record())
@@ -381,6 +469,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 samples=ck["samples"]))
         for failure in job.failures:
             status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
+        status.events.extend(job.health.events)
+        status.preflight.extend(job.health.preflight_status())
         return status
 
     def ListNodes(self, request, context):
@@ -443,8 +533,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             return False
         return session.connected or now - session.disconnected_at < self.config.node_lost_grace_s
 
-    def _free_slots(self, job: JobRuntime) -> dict[str, int]:
-        busy = set()
+    def _free_slots(self, job: JobRuntime, avoid: bool = True) -> dict[str, int]:
+        busy = set(job.health.cordoned) | (job.health.avoid if avoid else set())
         for other in self.jobs.values():
             if other is not job and other.state in (JobState.STARTING, JobState.RUNNING,
                                                     JobState.STOPPING):
@@ -452,26 +542,53 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         return {name: s.slots for name, s in self.sessions.items()
                 if s.connected and name in self.registered and name not in busy}
 
-    def _observe(self, job: JobRuntime, now: float) -> Observed:
-        for node in job.nodes:
+    def _observe(self, job: JobRuntime, now: float, avoid: bool = True) -> Observed:
+        for node in job.nodes - job.lost_nodes:
             if not self._node_usable(node, now):
                 job.lost_nodes.add(node)
+                session = self.sessions.get(node)
+                gone_for = now - session.disconnected_at if session and not session.connected else 0.0
+                job.health.event("node_lost", f"{node}: agent stream down {gone_for:.1f}s "
+                                              f"or its etcd lease expired", node=node,
+                                 step=job.step, detected_after_s=gone_for)
+                job.health.avoid.add(node)
+        hang = job.health.hang_event
+        hang_reason = (hang.reason + (f"; {hang.root_cause}" if hang.root_cause else "")
+                       if hang is not None and job.state is JobState.RUNNING else "")
         return Observed(state=job.state, state_since=job.state_since, restarts=job.restarts,
                         generation=job.generation, generation_world_size=job.world_size,
-                        free_slots=self._free_slots(job), generation_nodes=job.nodes,
+                        free_slots=self._free_slots(job, avoid), generation_nodes=job.nodes,
                         rendezvous_ready=job.rendezvous is not None,
                         exits=tuple(job.exits.values()),
                         lost_nodes=frozenset(job.lost_nodes),
                         unreachable_nodes=frozenset(
                             n for n in job.nodes - job.lost_nodes
                             if n in self.sessions and not self.sessions[n].connected),
-                        stopped_nodes=frozenset(job.stopped_nodes))
+                        stopped_nodes=frozenset(job.stopped_nodes),
+                        hang=hang_reason,
+                        replace=self._replacement_ready(job, now)
+                        if job.state is JobState.RUNNING else "",
+                        backoff_s=restart_backoff_s(job.restarts))
 
     def _reconcile(self, job: JobRuntime, now: float) -> None:
         spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
                     rendezvous_timeout_s=self.config.rendezvous_timeout_s,
                     min_nodes=job.spec.min_nodes)
+        if job.state is JobState.RUNNING:
+            for flag in job.health.evaluate_stragglers():
+                self._on_slow_node(job, flag.node, now, flag.flagged_at_step,
+                                   flag.flagged_at_step - flag.slow_since_step, flag.reason)
         decision = decide(now, self._observe(job, now), spec)
+        if (decision.action is Action.WAIT and job.state is JobState.PENDING
+                and job.health.avoid - job.lost_nodes):
+            # No spare to replace a suspect node: run on it rather than not at all.
+            fallback = decide(now, self._observe(job, now, avoid=False), spec)
+            if fallback.action is Action.PREPARE:
+                suspects = sorted(job.health.avoid - job.lost_nodes)
+                job.health.event("alert", f"no spare to replace {', '.join(suspects)}; "
+                                          f"restarting on it", node=suspects[0])
+                job.health.avoid &= job.lost_nodes
+                decision = fallback
         if decision.action is Action.WAIT:
             if decision.reason != job.last_wait_reason:
                 job.last_wait_reason = decision.reason
@@ -513,7 +630,21 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         if decision.shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
         self._transition(job, JobState.STARTING, reason, now, generation=job.generation + 1)
+        previous = job.nodes
         job.placement, job.world_size, job.mesh = placement, world_size, mesh
+        health = job.health
+        out = sorted(health.avoid & previous)
+        if out:
+            newcomers = sorted(job.nodes - previous)
+            health.replacement_times.append(now)
+            if newcomers and not decision.shrink:
+                health.event("replaced", f"{', '.join(out)} replaced by "
+                                         f"{', '.join(newcomers)}", node=out[0])
+            else:
+                health.event("excluded", f"{', '.join(out)} excluded; re-planned to "
+                                         f"{mesh} at world size {world_size}", node=out[0])
+        health.avoid.clear()
+        health.new_generation(job.generation, {r: p.node for p in placement for r in p.ranks})
         job.rendezvous = None
         job.exits.clear()
         job.stopped_nodes.clear()
@@ -544,7 +675,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 local_world_size=part.local_world_size, master_addr=host, master_port=port,
                 command=list(job.spec.command), env=dict(job.spec.env),
                 restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
-                restore_from=restore, mesh=plan["mesh"])
+                restore_from=restore, mesh=plan["mesh"], health=job.health.spec)
+            if job.health.spec.preflight_off:
+                start.env["KEEL_PREFLIGHT"] = "0"
             for local_rank, rank in enumerate(part.ranks):
                 start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
             self.sessions[part.node].send(keel_pb2.ControllerMessage(start_generation=start))
@@ -557,12 +690,18 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 "pid": cause.pid, "exitCode": cause.exit_code, "signal": cause.signal,
                 "traceback": cause.traceback[-8000:], "stderrTail": cause.stderr_tail[-4000:],
                 "exitedAt": cause.exited_at, "lastStep": cause.last_step})
+            job.health.event(
+                "crash", decision.reason, node=cause.node, rank=cause.rank,
+                step=cause.last_step,
+                detected_after_s=max(0.0, cause.reported_at - cause.exited_at),
+                root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
         self._transition(job, JobState.STOPPING, decision.reason, now)
         for node in job.nodes - job.lost_nodes:
             session = self.sessions.get(node)
             if session is not None and session.connected:
                 session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
-                    job=job.name, generation=job.generation, reason=decision.reason)))
+                    job=job.name, generation=job.generation, reason=decision.reason,
+                    collect_stacks=decision.collect_stacks)))
 
     def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
         self._transition(job, JobState.PENDING, decision.reason, now,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from orchestrator import planner
+from orchestrator import health, planner
 from protos import keel_pb2
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -42,6 +42,10 @@ def validate(spec: keel_pb2.JobSpec) -> None:
             problems.append(f"env {key!r}: not a valid environment variable name")
         elif key in RESERVED_ENV:
             problems.append(f"env {key!r}: set by Keel for every rank; remove it")
+    try:
+        health.resolve(spec.health)
+    except health.InvalidHealth as exc:
+        problems.append(f"health: {exc}")
     if spec.mesh and spec.mesh != "auto" and spec.world_size >= 1:
         try:
             layout = planner.Layout.parse(spec.mesh)

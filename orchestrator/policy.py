@@ -35,6 +35,7 @@ class RankExit:
     traceback: str = ""
     stderr_tail: str = ""
     last_step: int = 0
+    reported_at: float = 0.0   # unix seconds, when the controller heard of it
 
     @property
     def failed(self) -> bool:
@@ -63,6 +64,9 @@ class Observed:
     exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
     lost_nodes: frozenset[str] = frozenset()         # generation nodes gone from etcd/stream
     unreachable_nodes: frozenset[str] = frozenset()  # stream down, not (yet) declared lost
+    hang: str = ""                     # an agent declared a rank hung: its reason
+    replace: str = ""                  # a node replacement is ready to go: its reason
+    backoff_s: float = 0.0             # wait this long in PENDING after a failure
     stopped_nodes: frozenset[str] = frozenset()      # nodes that confirmed the stop
 
 
@@ -80,6 +84,7 @@ class Decision:
     reason: str
     root_cause: RankExit | None = field(default=None)
     shrink: bool = False    # PREPARE on fewer slots than the spec asks for
+    collect_stacks: bool = False  # STOP of a hang: every agent dumps stacks first
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
@@ -91,6 +96,10 @@ def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
 def decide(now: float, observed: Observed, spec: Spec) -> Decision:
     state = observed.state
     if state is JobState.PENDING:
+        waited = now - observed.state_since
+        if waited < observed.backoff_s:
+            return Decision(Action.WAIT, f"backing off {observed.backoff_s:.1f}s after "
+                                         f"restart {observed.restarts}")
         free = sum(observed.free_slots.values())
         nodes = sum(1 for s in observed.free_slots.values() if s > 0)
         if free >= spec.world_size:
@@ -121,6 +130,8 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         return Decision(Action.WAIT, "waiting for the rendezvous endpoint")
 
     if state is JobState.RUNNING:
+        if observed.hang:
+            return Decision(Action.STOP, observed.hang, collect_stacks=True)
         cause = root_cause(observed.exits)
         gone = observed.lost_nodes | observed.unreachable_nodes
         if cause is not None:
@@ -132,6 +143,8 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             return Decision(Action.STOP, cause.describe(), cause)
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+        if observed.replace:
+            return Decision(Action.STOP, observed.replace)
         ranks = observed.generation_world_size
         done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
         if done == ranks:

@@ -49,6 +49,10 @@ class UpOptions:
     inject: tuple[str, ...] = ()
     layout: str | None = None        # None: dp_shard over every rank; "auto": the planner's
     min_nodes: int = 1               # after losing nodes, shrink down to this many
+    spares: int = 0                  # extra agents that wait as hot spares
+    straggler_policy: str = "replace"
+    hang_timeout_s: float = 30.0     # floor of the hang timeout (k x median step above it)
+    preflight: bool = True
     max_restarts: int = 3
     etcd_endpoints: tuple[str, ...] = ()
     workdir: Path | None = None
@@ -70,6 +74,8 @@ class UpOptions:
             raise ValueError("--timeout-s must be positive")
         if not 0 <= self.min_nodes <= self.nodes:
             raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
+        if self.spares < 0:
+            raise ValueError("--spares must be 0 or more")
 
     @property
     def world_size(self) -> int:
@@ -121,7 +127,7 @@ class LocalCluster:
                 raise RuntimeError("controller did not start within 30 s")
             time.sleep(0.05)
         self.address = address_file.read_text().strip()
-        for i in range(self.options.nodes):
+        for i in range(self.options.nodes + self.options.spares):
             self.agents.append(self._spawn(
                 ["-m", "agent", "--node", f"node-{i}", "--slots", str(self.options.slots_per_node),
                  "--etcd-endpoints", self.endpoints, "--token-file", str(token_file),
@@ -182,7 +188,13 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
             seq_len=REFERENCE["seq_len"], micro_batch=1,
             global_batch=REFERENCE["global_batch"], precision="fp32",
             gpu_memory_gb=_slot_memory_gb(options.world_size)))
-    schedule = parse_schedule(list(options.inject), options.world_size, options.nodes)
+    spec.health.CopyFrom(keel_pb2.HealthSpec(
+        straggler_policy=options.straggler_policy, hang_floor_s=options.hang_timeout_s,
+        first_step_timeout_s=max(options.hang_timeout_s, 120.0),
+        checkpoint_timeout_s=max(options.hang_timeout_s, 120.0),
+        preflight_off=not options.preflight))
+    schedule = parse_schedule(list(options.inject), options.world_size,
+                              options.nodes + options.spares)
     if schedule.faults:
         spec.env["KEEL_FAULTS"] = json_format.MessageToJson(schedule, indent=None)
     validate(spec)
@@ -222,6 +234,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.last = ""
         self.failures_shown = 0
+        self.events_shown = 0
 
     def show(self, status: keel_pb2.JobStatus) -> None:
         for failure in status.failures[self.failures_shown:]:
@@ -233,6 +246,12 @@ class Progress:
                        + (f" — {failure.traceback.strip().splitlines()[-1]}"
                           if failure.traceback.strip() else ""))
         self.failures_shown = len(status.failures)
+        for event in status.events[self.events_shown:]:
+            if event.kind != "crash":  # crashes are shown above with their traceback
+                self._line(f"event: {event.kind} {event.node} — {event.reason}"
+                           + (f"; {event.root_cause.splitlines()[0]}"
+                              if event.kind == "hang" and event.root_cause else ""))
+        self.events_shown = len(status.events)
         target = f"/{status.target_steps}" if status.target_steps else ""
         loss = f"{status.loss:.4f}" if status.has_loss else "-"
         text = (f"{status.state:<9} gen {status.generation} world {status.world_size} "
@@ -275,7 +294,7 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
     if status is None:
         return {"state": "NOT_STARTED", "reason": error, "steps": 0, "initial_loss": None,
                 "final_loss": None, "world_size": 0, "layout": "", "generations": 0,
-                "restarts": 0, "data": None,
+                "restarts": 0, "data": None, "events": [], "preflight": [],
                 "wall_s": round(wall_s, 2), "workdir": str(workdir), "failures": []}
     return {
         "job": status.job, "state": status.state, "reason": error or status.reason,
@@ -293,8 +312,29 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
                       "last_step": f.last_step, "traceback": f.traceback}
                      for f in status.failures],
         "data": _data_audit(status),
+        "events": [_event_json(e) for e in status.events],
+        "preflight": [{"node": p.node, "generation": p.generation, "slow": p.slow,
+                       "results": [{"collective": r.collective, "size_bytes": r.size_bytes,
+                                    "time_s": r.time_s, "algbw_gbps": r.algbw_gbps,
+                                    "busbw_gbps": r.busbw_gbps} for r in p.results]}
+                      for p in status.preflight],
         "workdir": str(workdir),
     }
+
+
+def _event_json(event: keel_pb2.Event) -> dict:
+    out = {"kind": event.kind, "node": event.node,
+           "rank": event.rank if event.HasField("rank") else None, "step": event.step,
+           "generation": event.generation, "reason": event.reason}
+    if event.kind in ("crash", "hang", "node_lost"):
+        out["detected_after_s"] = round(event.detected_after_s, 3)
+    if event.kind == "straggler":
+        out["detected_after_steps"] = event.detected_after_steps
+    if event.root_cause:
+        out["root_cause"] = event.root_cause
+    if event.stacks:
+        out["stacks"] = {str(rank): stack for rank, stack in sorted(event.stacks.items())}
+    return out
 
 
 def _data_audit(status: keel_pb2.JobStatus) -> dict | None:

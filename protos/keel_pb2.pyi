@@ -199,14 +199,16 @@ class StartGeneration(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
 
 class StopGeneration(_message.Message):
-    __slots__ = ("job", "generation", "reason")
+    __slots__ = ("job", "generation", "reason", "collect_stacks")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_STACKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    collect_stacks: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., collect_stacks: _Optional[bool] = ...) -> None: ...
 
 class RankExited(_message.Message):
     __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step")

@@ -121,3 +121,23 @@ def test_stopping_fails_when_restarts_are_used_up():
                    stopped_nodes=NODES)
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.FAIL and "all 2 restarts are used up" in d.reason
+
+
+def test_a_hang_stops_the_generation_and_asks_for_stacks():
+    d = decide(1.0, running(hang="rank 1 made no progress for 5.2 s"), SPEC)
+    assert d.action is Action.STOP and d.collect_stacks
+    assert d.reason == "rank 1 made no progress for 5.2 s"
+
+
+def test_a_ready_replacement_stops_the_generation_with_its_reason():
+    d = decide(1.0, running(replace="replacing straggler node-1"), SPEC)
+    assert d.action is Action.STOP and not d.collect_stacks
+    assert d.reason == "replacing straggler node-1"
+
+
+def test_restarts_back_off_before_the_next_generation():
+    obs = Observed(JobState.PENDING, 10.0, 2, generation=2, free_slots={"a": 2, "b": 2},
+                   backoff_s=1.0)
+    d = decide(10.5, obs, SPEC)
+    assert d.action is Action.WAIT and d.reason == "backing off 1.0s after restart 2"
+    assert decide(11.0, obs, SPEC).action is Action.PREPARE

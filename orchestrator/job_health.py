@@ -1,0 +1,153 @@
+"""A job's health record: its events, the straggler detector's state, the remediation
+in flight, and the guard rails' memory. The controller feeds it what agents report and
+asks it what to do; the judgements themselves are the pure functions it calls."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from orchestrator import guardrails
+from orchestrator.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+MAX_EVENTS = 1000
+# Preflight: a node whose bus bandwidth is below this share of the nodes' median is slow.
+PREFLIGHT_SLOW_SHARE = 0.5
+# A straggler replacement waits this long for its checkpoint before going ahead from the
+# last committed one.
+REPLACE_CHECKPOINT_WAIT_S = 60.0
+
+
+@dataclass
+class Replacement:
+    node: str
+    reason: str
+    after_step: int          # the checkpoint asked for comes after this step
+    requested_at: float      # monotonic
+    policy: str              # replace or exclude
+
+
+@dataclass(eq=False)
+class JobHealth:
+    job: str
+    spec: keel_pb2.HealthSpec                       # resolved, no zeros
+    events: list[keel_pb2.Event] = field(default_factory=list)
+    rank_nodes: dict[int, str] = field(default_factory=dict)
+    generation: int = 0
+    straggler_state: object = field(default_factory=initial_state)
+    samples: list[StepSample] = field(default_factory=list)
+    flag_times: dict[str, list[float]] = field(default_factory=dict)
+    replacement_times: list[float] = field(default_factory=list)
+    cordoned: set[str] = field(default_factory=set)
+    avoid: set[str] = field(default_factory=set)    # keep out of the next placement
+    hang_event: keel_pb2.Event | None = None
+    replacing: Replacement | None = None
+    preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(
+        default_factory=dict)
+    preflight_flagged: set[str] = field(default_factory=set)
+
+    @property
+    def straggler_config(self) -> StragglerConfig:
+        return StragglerConfig(slowdown=self.spec.straggler_slowdown,
+                               window=self.spec.straggler_window,
+                               patience=self.spec.straggler_patience)
+
+    # ------------------------------------------------------------------ events
+    def event(self, kind: str, reason: str, **fields) -> keel_pb2.Event:
+        event = keel_pb2.Event(kind=kind, reason=reason, generation=self.generation,
+                               at=time.time(), **fields)
+        self.events.append(event)
+        del self.events[:-MAX_EVENTS]
+        log.info("event", job=self.job, generation=self.generation, kind=kind,
+                 node=event.node, rank=event.rank if event.HasField("rank") else None,
+                 step=event.step, reason=reason)
+        return event
+
+    # ------------------------------------------------------------- generations
+    def new_generation(self, generation: int, rank_nodes: dict[int, str]) -> None:
+        self.generation = generation
+        self.rank_nodes = rank_nodes
+        self.straggler_state = initial_state()
+        self.samples.clear()
+        self.hang_event = None
+        self.replacing = None
+        self.preflight.clear()
+        self.preflight_flagged.clear()
+
+    # -------------------------------------------------------------- stragglers
+    def add_steps(self, reports) -> None:
+        for report in reports:
+            node = self.rank_nodes.get(report.rank)
+            if node is None:
+                continue
+            # The rank's own time for the step, measured before it waits on its peers:
+            # a slow rank shows here, its healthy peers do not.
+            seconds = report.step_time_s
+            if seconds > 0:
+                self.samples.append(StepSample(rank=report.rank, node=node, step=report.step,
+                                               step_time_s=seconds))
+
+    def evaluate_stragglers(self) -> list[Flag]:
+        if not self.samples:
+            return []
+        samples, self.samples = self.samples, []
+        self.straggler_state, flags, cleared = evaluate(self.straggler_state, samples,
+                                                        self.straggler_config)
+        for node in cleared:
+            log.info("straggler cleared", job=self.job, node=node)
+        return flags
+
+    def note_flag(self, node: str, now: float) -> bool:
+        """Remember a flag on ``node``; True if it is now to be cordoned."""
+        times = self.flag_times.setdefault(node, [])
+        times.append(now)
+        if node not in self.cordoned and guardrails.should_cordon(times, now):
+            self.cordoned.add(node)
+            return True
+        return False
+
+    def may_replace(self, now: float) -> bool:
+        return guardrails.replacement_allowed(self.replacement_times, now,
+                                              self.spec.max_replacements_per_hour)
+
+    # --------------------------------------------------------------- preflight
+    def add_preflight(self, node: str, report: keel_pb2.PreflightReport) -> list[str]:
+        """Keep each node's slowest rank per collective and size; return nodes newly
+        found far below their peers."""
+        mine = self.preflight.setdefault(node, {})
+        for result in report.results:
+            key = (result.collective, result.size_bytes)
+            if key not in mine or result.busbw_gbps < mine[key].busbw_gbps:
+                mine[key] = result
+        newly = []
+        for name in self.slow_preflight_nodes():
+            if name not in self.preflight_flagged:
+                self.preflight_flagged.add(name)
+                newly.append(name)
+        return newly
+
+    def slow_preflight_nodes(self) -> set[str]:
+        if len(self.preflight) < 2:
+            return set()
+        slow = set()
+        keys = {k for results in self.preflight.values() for k in results}
+        for key in keys:
+            figures = {n: r[key].busbw_gbps for n, r in self.preflight.items() if key in r}
+            if len(figures) < 2:
+                continue
+            median = statistics.median(figures.values())
+            slow |= {n for n, bw in figures.items() if bw < PREFLIGHT_SLOW_SHARE * median}
+        return slow
+
+    def preflight_status(self) -> list[keel_pb2.NodePreflight]:
+        slow = self.slow_preflight_nodes()
+        return [keel_pb2.NodePreflight(node=node, generation=self.generation,
+                                       results=[results[k] for k in sorted(results)],
+                                       slow=node in slow)
+                for node, results in sorted(self.preflight.items())]

@@ -1,0 +1,224 @@
+"""Which nodes are stragglers: a pure decision over per-rank step times.
+
+Ranks report ``(rank, node, step, step_time_s)``, where ``step_time_s`` is the rank's
+own compute time for the step, measured before it waits on its peers (after that wait
+every rank looks as slow as the slowest). ``evaluate`` buffers reports until a window
+of ``config.window`` steps is complete, scores every node against the median of the other nodes' ranks
+over that window, and flags a node only after ``config.patience`` slow windows in a
+row; a flagged node is cleared only after as many windows below ``config.recover``.
+No I/O, no clock reads: time here is counted in steps.
+
+Windows lie on a fixed grid of steps, ``1..window``, ``window+1..2*window``, ..., so
+that the same reports give the same windows whatever order they arrive in. The state
+belongs to one generation: a rank that stops reporting holds every later window open,
+so the controller starts from ``initial_state()`` when it starts a generation.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    # 1.25x: a healthy cluster's per-rank step times spread by about +-10 % (data-dependent
+    # work, kernel scheduling), so the slowest of them stays near 1.1/0.9 = 1.22x the
+    # median; a throttling GPU, a failing link or a noisy neighbour shows 1.5x and more.
+    slowdown: float = 1.25   # flag when node step time / the other nodes' median exceeds this
+    # Clearing at a lower ratio than flagging is the hysteresis: a node hovering at the
+    # threshold stays in one state instead of flapping between flagged and clear.
+    recover: float = 1.10    # a flagged node is cleared only below this ratio
+    # A rank's median over 5 steps ignores up to 2 spikes (a GC pause, a data stall).
+    window: int = 5          # steps per evaluation
+    patience: int = 2        # consecutive slow windows to flag, fast windows to clear
+    # With 2 ranks the median is their mean: a rank must then run at
+    # 2 x slowdown / (1 + slowdown) of its peer to be flagged (1.67x at 1.25).
+    min_ranks: int = 2       # windows with fewer reporting ranks are not scored
+
+    def __post_init__(self):
+        if not self.recover >= 1:
+            raise ValueError(f"recover={self.recover}: must be at least 1 (a node is "
+                             f"cleared when it runs below recover x the other nodes' median), "
+                             f"e.g. 1.10")
+        if not self.slowdown > self.recover:
+            raise ValueError(f"slowdown={self.slowdown} must be above recover="
+                             f"{self.recover}, or a node could be flagged and cleared by "
+                             f"the same ratio; e.g. slowdown=1.25 with recover=1.10")
+        if self.window < 1:
+            raise ValueError(f"window={self.window}: give at least 1 step per evaluation "
+                             f"(5 suppresses one-step spikes)")
+        if self.patience < 1:
+            raise ValueError(f"patience={self.patience}: give at least 1 window "
+                             f"(2 keeps a single slow window from flagging a node)")
+        if self.min_ranks < 2:
+            raise ValueError(f"min_ranks={self.min_ranks}: give at least 2; a single rank "
+                             f"has nothing to be compared against")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """Rank ``rank`` on node ``node`` computed step ``step`` (numbered from 1) in
+    ``step_time_s`` seconds, not counting the wait for its peers."""
+    rank: int
+    node: str
+    step: int
+    step_time_s: float
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"step={self.step} of rank {self.rank}: steps are numbered "
+                             f"from 1")
+        if not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
+            raise ValueError(f"step_time_s={self.step_time_s} of rank {self.rank} at step "
+                             f"{self.step}: report the positive seconds the step took")
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    """A node's slowest rank's median step time over one window, as a multiple of the
+    median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks; ``slowest_rank`` is that rank."""
+    node: str
+    ratio: float
+    ranks: int
+    slowest_rank: int
+
+
+@dataclass(frozen=True)
+class NodeStreak:
+    """How a node scored over the windows evaluated so far."""
+    node: str
+    slow_windows: int = 0      # consecutive windows above config.slowdown
+    fast_windows: int = 0      # consecutive windows below config.recover while flagged
+    slow_since_step: int = 0   # first step of the window that began the slow streak; 0 = none
+
+
+@dataclass(frozen=True)
+class StragglerState:
+    """What ``evaluate`` carries from one call to the next; build it with ``initial_state``."""
+    last_step: int = 0                      # every window through this step is evaluated
+    ranks: frozenset[int] = frozenset()     # every rank that reported so far
+    pending: tuple[StepSample, ...] = ()    # reports after last_step, one per (rank, step)
+    streaks: tuple[NodeStreak, ...] = ()    # by node name
+    flagged: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Node ``node`` ran ``ratio`` x the other nodes' median in the window ending at step
+    ``flagged_at_step``, slow in every window since step ``slow_since_step``."""
+    node: str
+    ratio: float
+    slow_since_step: int
+    flagged_at_step: int
+    reason: str
+
+
+def initial_state() -> StragglerState:
+    return StragglerState()
+
+
+def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
+    """Each node's score over the samples of one window, sorted by node: every rank's
+    median step time, and per node the ratio of its slowest rank (a node is as slow as
+    its slowest rank, since its peers wait for it) to the median of the ranks on the
+    other nodes. Leaving the node out keeps a slow node from raising its own yardstick:
+    on two nodes the cluster median would be the mean of the slow and the fast, and a
+    1.5x node would score only 1.2x."""
+    times: dict[int, list[float]] = {}
+    node_of: dict[int, str] = {}
+    for sample in samples:
+        times.setdefault(sample.rank, []).append(sample.step_time_s)
+        node_of[sample.rank] = sample.node
+    rank_median = {rank: statistics.median(values) for rank, values in times.items()}
+    by_node: dict[str, list[int]] = {}
+    for rank in sorted(rank_median):
+        by_node.setdefault(node_of[rank], []).append(rank)
+    scores = []
+    for node in sorted(by_node):
+        slowest = max(by_node[node], key=lambda rank: (rank_median[rank], -rank))
+        others = [m for rank, m in rank_median.items() if node_of[rank] != node]
+        reference = statistics.median(others or rank_median.values())
+        scores.append(NodeScore(node, rank_median[slowest] / reference,
+                                len(by_node[node]), slowest))
+    return scores
+
+
+def evaluate(state: StragglerState, samples: Iterable[StepSample],
+             config: StragglerConfig) -> tuple[StragglerState, list[Flag], list[str]]:
+    """Adds newly arrived ``samples`` (any order; repeats and steps already evaluated
+    are ignored) and evaluates every window that is now complete. Returns the new
+    state, the flags raised in this call (a flagged node is not flagged again until it
+    is cleared) and the nodes cleared in this call, in the order they happened."""
+    pending = {(s.rank, s.step): s for s in state.pending}
+    for sample in samples:
+        if sample.step > state.last_step:
+            pending.setdefault((sample.rank, sample.step), sample)
+    ranks = state.ranks | {rank for rank, _ in pending}
+    streaks = {s.node: s for s in state.streaks}
+    flagged = set(state.flagged)
+    last_step = state.last_step
+    flags: list[Flag] = []
+    cleared: list[str] = []
+
+    while pending:
+        first = (min(step for _, step in pending) - 1) // config.window * config.window + 1
+        last = first + config.window - 1
+        if not _complete(first, last, ranks, pending):
+            break
+        window = [pending.pop(key) for key in sorted(pending) if key[1] <= last]
+        last_step = last
+        if len({s.rank for s in window}) < config.min_ranks:
+            continue
+        for score in score_window(window):
+            streak = streaks.get(score.node, NodeStreak(score.node))
+            if score.node in flagged:
+                if score.ratio < config.recover:
+                    streak = replace(streak, fast_windows=streak.fast_windows + 1)
+                    if streak.fast_windows >= config.patience:
+                        streak = NodeStreak(score.node)
+                        flagged.discard(score.node)
+                        cleared.append(score.node)
+                else:
+                    streak = replace(streak, fast_windows=0)
+            elif score.ratio > config.slowdown:
+                streak = replace(streak, slow_windows=streak.slow_windows + 1,
+                                 slow_since_step=streak.slow_since_step or first)
+                if streak.slow_windows >= config.patience:
+                    flagged.add(score.node)
+                    flags.append(_flag(score, streak, first, last, config))
+            else:
+                streak = NodeStreak(score.node)
+            streaks[score.node] = streak
+
+    new_state = StragglerState(
+        last_step=last_step, ranks=frozenset(ranks),
+        pending=tuple(pending[key] for key in sorted(pending)),
+        streaks=tuple(streaks[node] for node in sorted(streaks)),
+        flagged=frozenset(flagged))
+    return new_state, flags, cleared
+
+
+def _complete(first: int, last: int, ranks: Collection[int],
+              pending: dict[tuple[int, int], StepSample]) -> bool:
+    """Whether every rank seen so far is done with steps ``first..last``: it reported
+    all of them, or a later step (then a missing one was lost, and waiting is futile)."""
+    latest: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for rank, step in pending:
+        latest[rank] = max(latest.get(rank, 0), step)
+        if first <= step <= last:
+            count[rank] = count.get(rank, 0) + 1
+    return all(count.get(rank, 0) == last - first + 1 or latest.get(rank, 0) > last
+               for rank in ranks)
+
+
+def _flag(score: NodeScore, streak: NodeStreak, first: int, last: int,
+          config: StragglerConfig) -> Flag:
+    windows = "1 window" if streak.slow_windows == 1 else f"{streak.slow_windows} windows in a row"
+    reason = (f"{score.node} step time {score.ratio:.2f}x the other nodes' median over steps "
+              f"{first}-{last} (slowest rank {score.slowest_rank}; {windows} since step "
+              f"{streak.slow_since_step}, threshold {config.slowdown:g}x)")
+    return Flag(score.node, score.ratio, streak.slow_since_step, last, reason)

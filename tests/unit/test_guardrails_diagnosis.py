@@ -1,0 +1,41 @@
+from orchestrator.diagnosis import culprit, summarize, waiting_in_collective
+from orchestrator.guardrails import replacement_allowed, restart_backoff_s, should_cordon
+
+HUNG = ("time.sleep in inject_faults (trainer/runtime.py:312)\n"
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/x/trainer/runtime.py", line 312 in inject_faults\n'
+        '  File "/x/trainer/train.py", line 250 in train\n')
+WAITING = ("all_gather in exchange (trainer/train.py:140)\n"
+           "Thread 0x00007f02 (most recent call first):\n"
+           '  File "/x/torch/distributed/distributed_c10d.py", line 3900 in all_gather\n'
+           '  File "/x/trainer/train.py", line 140 in exchange\n')
+
+
+def test_the_rank_outside_collectives_is_the_culprit():
+    stacks = {0: WAITING, 1: HUNG, 2: WAITING}
+    assert not waiting_in_collective(HUNG) and waiting_in_collective(WAITING)
+    assert culprit(stacks) == 1
+    assert summarize(stacks) == ("rank 1 stopped in time.sleep in inject_faults "
+                                 "(trainer/runtime.py:312); ranks 0, 2 waiting in collectives")
+
+
+def test_when_everyone_waits_the_culprit_is_elsewhere():
+    assert culprit({0: WAITING}) is None
+    assert summarize({0: WAITING}).startswith("every reporting rank was waiting")
+
+
+def test_cordon_after_two_flags_within_an_hour():
+    assert not should_cordon([100.0], now=200.0)
+    assert should_cordon([100.0, 150.0], now=200.0)
+    assert not should_cordon([100.0, 150.0], now=100.0 + 3700.0 + 50.0)
+
+
+def test_replacements_are_capped_per_hour():
+    assert replacement_allowed([], 0.0, per_hour=2)
+    assert not replacement_allowed([10.0, 20.0], 30.0, per_hour=2)
+    assert replacement_allowed([10.0, 20.0], 3700.0, per_hour=2)
+
+
+def test_restart_backoff_doubles_and_is_capped():
+    assert [restart_backoff_s(r) for r in range(5)] == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert restart_backoff_s(50) == 30.0

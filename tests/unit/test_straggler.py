@@ -1,0 +1,205 @@
+"""The straggler detector on synthetic step-time series: 4 ranks on 2 nodes (ranks 0, 1
+on node-0; 2, 3 on node-1), 40 steps of 0.1 s, noise drawn from seeded generators."""
+
+import random
+import re
+
+import pytest
+
+from orchestrator.straggler import (Flag, StepSample, StragglerConfig, evaluate,
+                                    initial_state, score_window)
+
+NODE = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
+BASE_S = 0.1
+STEPS = 40
+CONFIG = StragglerConfig()
+SEEDS = range(10)
+
+
+def series(seed, noise, factor=lambda rank, step: 1.0, steps=STEPS):
+    """Every rank's sample for every step: ``BASE_S x factor x (1 +- noise)``."""
+    rng = random.Random(seed)
+    return [StepSample(rank, NODE[rank], step,
+                       BASE_S * factor(rank, step) * rng.uniform(1 - noise, 1 + noise))
+            for step in range(1, steps + 1) for rank in NODE]
+
+
+def per_window(rank, ratios):
+    """A factor that slows ``rank`` by ``ratios[i]`` in the i-th window of 5 steps."""
+    return lambda r, step: ratios[(step - 1) // 5] if r == rank else 1.0
+
+
+def run(samples, config=CONFIG):
+    """Feeds the samples one step at a time, as the agents' batches arrive; returns the
+    flags and the (step, node) of every clear."""
+    state, flags, clears = initial_state(), [], []
+    for step in sorted({s.step for s in samples}):
+        state, new_flags, cleared = evaluate(state, [s for s in samples if s.step == step],
+                                             config)
+        flags += new_flags
+        clears += [(state.last_step, node) for node in cleared]
+    return flags, clears
+
+
+SERIES = [
+    ("uniform noise +-10% on all ranks", 0.10, lambda r, s: 1.0, None),
+    ("rank 2 1.5x slower from step 10", 0.05, lambda r, s: 1.5 if r == 2 and s >= 10 else 1.0,
+     "node-1"),
+    ("all ranks 2x for steps 15-25", 0.10, lambda r, s: 2.0 if 15 <= s <= 25 else 1.0, None),
+    ("rank 1 5x for one step at step 12", 0.10, lambda r, s: 5.0 if r == 1 and s == 12 else 1.0,
+     None),
+]
+
+
+@pytest.mark.parametrize("name, noise, factor, flagged_node", SERIES,
+                         ids=[case[0] for case in SERIES])
+def test_series(name, noise, factor, flagged_node):
+    for seed in SEEDS:
+        flags, clears = run(series(seed, noise, factor))
+        assert [f.node for f in flags] == ([flagged_node] if flagged_node else []), (name, seed)
+        assert clears == []
+        for flag in flags:
+            assert flag.flagged_at_step - 10 <= 10, (name, seed, flag)
+            assert flag.slow_since_step == 11 and flag.flagged_at_step == 20
+            assert flag.ratio > 1.35
+
+
+def test_the_window_median_alone_absorbs_a_one_step_spike():
+    spike = SERIES[3][2]
+    for seed in SEEDS:
+        assert run(series(seed, 0.10, spike), StragglerConfig(patience=1)) == ([], [])
+
+
+def test_flag_names_the_node_the_window_the_streak_and_the_threshold():
+    flags, _ = run(series(0, 0.0, per_window(2, [1, 1, 1.52, 1.52]), steps=20))
+    assert flags == [Flag("node-1", pytest.approx(1.52), 11, 20,
+                          "node-1 step time 1.52x the other nodes' median over steps 16-20 "
+                          "(slowest rank 2; 2 windows in a row since step 11, "
+                          "threshold 1.25x)")]
+
+
+HYSTERESIS = [
+    ("alternating 1.2x/1.3x windows never reach patience",
+     [1.3, 1.2] * 4, [], []),
+    ("flagged once, then hovering between recover and slowdown stays flagged",
+     [1.3, 1.3] + [1.2, 1.3] * 3, [10], []),
+    ("a slow node is flagged once, not every window",
+     [1.5] * 8, [10], []),
+    ("recovers to 1.0x: cleared after patience windows, flagged again later",
+     [1.0, 1.5, 1.5, 1.0, 1.0, 1.5, 1.5, 1.0], [15, 35], [25]),
+    ("one fast window between slow ones does not clear",
+     [1.5, 1.5, 1.0, 1.5, 1.0, 1.5, 1.0, 1.5], [10], []),
+    ("recovering only to 1.2x does not clear",
+     [1.5, 1.5, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2], [10], []),
+]
+
+
+@pytest.mark.parametrize("name, ratios, flagged_at, cleared_at", HYSTERESIS,
+                         ids=[case[0] for case in HYSTERESIS])
+def test_hysteresis(name, ratios, flagged_at, cleared_at):
+    flags, clears = run(series(0, 0.0, per_window(2, ratios)))
+    assert [f.flagged_at_step for f in flags] == flagged_at, name
+    assert {f.node for f in flags} <= {"node-1"}
+    assert clears == [(step, "node-1") for step in cleared_at], name
+
+
+def test_patience_counts_in_windows_both_ways():
+    config = StragglerConfig(patience=3)
+    flags, clears = run(series(0, 0.0, per_window(2, [1.5, 1.5, 1.5, 1.0, 1.0, 1.0, 1, 1])),
+                        config)
+    assert [f.flagged_at_step for f in flags] == [15]
+    assert clears == [(30, "node-1")]
+
+
+def test_arrival_order_and_repeats_do_not_change_the_flags():
+    samples = series(3, 0.05, per_window(2, [1.0, 1.5, 1.5, 1.0, 1.0, 1.5, 1.5, 1.0]))
+    expected = run(samples)
+    assert [f.flagged_at_step for f in expected[0]] == [15, 35]
+
+    # Everything at once, shuffled and twice over.
+    shuffled = samples * 2
+    random.Random(1).shuffle(shuffled)
+    state, flags, cleared = evaluate(initial_state(), shuffled, CONFIG)
+    assert flags == expected[0] and cleared == ["node-1"]
+    assert state.last_step == STEPS and state.pending == ()
+
+    # In batches of 7 steps, each shuffled, each sent twice, each repeating the
+    # previous batch (already evaluated steps must be ignored, not scored again).
+    state, flags, clears, previous = initial_state(), [], [], []
+    rng = random.Random(2)
+    for start in range(1, STEPS + 1, 7):
+        batch = [s for s in samples if start <= s.step < start + 7]
+        arrived = batch * 2 + previous
+        rng.shuffle(arrived)
+        state, new_flags, cleared = evaluate(state, arrived, CONFIG)
+        flags += new_flags
+        clears += [(state.last_step, node) for node in cleared]
+        previous = batch
+    assert flags == expected[0]
+    assert [node for _, node in clears] == [node for _, node in expected[1]]
+
+
+def test_a_window_waits_for_every_rank_seen_and_closes_without_a_lost_report():
+    samples = series(0, 0.0)
+    first_two_windows = [s for s in samples if s.step <= 10]
+    # Rank 3 has not sent steps 4-5 yet: window 1-5 stays open.
+    early = [s for s in first_two_windows if not (s.rank == 3 and s.step >= 4)]
+    state, _, _ = evaluate(initial_state(), [s for s in early if s.step <= 5], CONFIG)
+    assert state.last_step == 0
+    # Rank 3's step 4 is lost, but it reported later steps: waiting is futile.
+    state, _, _ = evaluate(state, [s for s in first_two_windows
+                                   if s.step > 5 or (s.rank == 3 and s.step == 5)], CONFIG)
+    assert state.last_step == 10 and state.pending == ()
+    # The lost report arriving late is older than what was evaluated: ignored.
+    late = next(s for s in samples if s.rank == 3 and s.step == 4)
+    assert evaluate(state, [late], CONFIG)[0] == state
+
+
+def test_too_few_ranks_are_not_compared():
+    lone = [s for s in series(0, 0.0, lambda r, s: 3.0) if s.rank == 0]
+    state, flags, cleared = evaluate(initial_state(), lone, CONFIG)
+    assert (flags, cleared) == ([], []) and state.last_step == STEPS
+    config = StragglerConfig(min_ranks=5)
+    assert run(series(0, 0.0, per_window(2, [1.5] * 8)), config) == ([], [])
+
+
+def test_a_node_is_as_slow_as_its_slowest_rank():
+    # Rank medians 0.1, 0.1 (node-0) and 0.15, 0.1 (node-1): node-1 is 1.5x node-0's
+    # median through rank 2; node-0 is 0.1 / median(0.15, 0.1) = 0.8x node-1's.
+    window = series(0, 0.0, lambda r, s: 1.5 if r == 2 else 1.0, steps=5)
+    window[3:4] = [StepSample(3, "node-1", 1, 10.0)]   # one spike: the median ignores it
+    node0, node1 = score_window(window)
+    assert (node0.node, node0.ratio, node0.ranks) == ("node-0", pytest.approx(0.8), 2)
+    assert (node1.node, node1.ratio, node1.ranks, node1.slowest_rank) == (
+        "node-1", pytest.approx(1.5), 2, 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(recover=0.9), "recover=0.9: must be at least 1"),
+    (dict(slowdown=1.1, recover=1.1), "slowdown=1.1 must be above recover=1.1"),
+    (dict(slowdown=1.05), "e.g. slowdown=1.25 with recover=1.10"),
+    (dict(window=0), "window=0: give at least 1 step"),
+    (dict(patience=0), "patience=0: give at least 1 window"),
+    (dict(min_ranks=1), "min_ranks=1: give at least 2"),
+])
+def test_config_validation_says_how_to_fix_it(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StragglerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(step=0, step_time_s=0.1), "steps are numbered from 1"),
+    (dict(step=1, step_time_s=0.0), "report the positive seconds the step took"),
+    (dict(step=1, step_time_s=float("nan")), "report the positive seconds"),
+])
+def test_step_sample_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StepSample(rank=0, node="node-0", **kwargs)
+
+
+def test_on_two_nodes_a_slow_node_is_measured_against_the_other_one():
+    # With the cluster median a 1.5x node of two would score (1.5 / 1.25) = 1.2x.
+    window = [StepSample(0, "node-0", step, 0.1) for step in range(1, 6)] + \
+             [StepSample(1, "node-1", step, 0.15) for step in range(1, 6)]
+    node0, node1 = score_window(window)
+    assert node1.ratio == pytest.approx(1.5) and node0.ratio == pytest.approx(1 / 1.5)
