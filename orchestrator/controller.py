@@ -620,14 +620,21 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
         free = self._free_slots(job)
+        shrink, ceiling = decision.shrink, 0
+        excluded = job.health.exclude_next
+        if excluded:
+            # The exclude policy drops the node even when a spare could take its place.
+            shrink = True
+            ceiling = job.world_size - sum(len(p.ranks) for p in job.placement
+                                           if p.node in excluded)
         try:
-            world_size, mesh = size_and_layout(job.spec, free, decision.shrink)
+            world_size, mesh = size_and_layout(job.spec, free, shrink, ceiling)
         except ValueError as exc:
             self._transition(job, JobState.FAILED, f"no layout can run: {exc}", now)
             return
         placement = place(world_size, free)
         reason = decision.reason
-        if decision.shrink:
+        if shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
         self._transition(job, JobState.STARTING, reason, now, generation=job.generation + 1)
         previous = job.nodes
@@ -637,13 +644,14 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         if out:
             newcomers = sorted(job.nodes - previous)
             health.replacement_times.append(now)
-            if newcomers and not decision.shrink:
+            if newcomers and not shrink:
                 health.event("replaced", f"{', '.join(out)} replaced by "
                                          f"{', '.join(newcomers)}", node=out[0])
             else:
                 health.event("excluded", f"{', '.join(out)} excluded; re-planned to "
                                          f"{mesh} at world size {world_size}", node=out[0])
         health.avoid.clear()
+        health.exclude_next.clear()
         health.new_generation(job.generation, {r: p.node for p in placement for r in p.ranks})
         job.rendezvous = None
         job.exits.clear()
@@ -683,6 +691,11 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             self.sessions[part.node].send(keel_pb2.ControllerMessage(start_generation=start))
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        pending = job.health.replacing
+        if pending is not None and decision.reason.startswith(pending.policy):
+            job.health.avoid.add(pending.node)
+            if pending.policy == "exclude":
+                job.health.exclude_next.add(pending.node)
         cause = decision.root_cause
         if cause is not None:
             job.failures.append({

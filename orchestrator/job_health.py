@@ -46,6 +46,7 @@ class JobHealth:
     replacement_times: list[float] = field(default_factory=list)
     cordoned: set[str] = field(default_factory=set)
     avoid: set[str] = field(default_factory=set)    # keep out of the next placement
+    exclude_next: set[str] = field(default_factory=set)  # and re-plan smaller without them
     hang_event: keel_pb2.Event | None = None
     replacing: Replacement | None = None
     preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(

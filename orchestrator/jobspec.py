@@ -84,17 +84,18 @@ def _cluster(spec: keel_pb2.JobSpec, world_size: int, gpus_per_node: int) -> pla
 
 
 def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
-                    shrink: bool) -> tuple[int, str]:
+                    shrink: bool, max_world_size: int = 0) -> tuple[int, str]:
     """The world size and layout of the next generation. Pure.
 
     The spec's own size and layout when it is not shrinking; the planner's best layout
     when the spec says ``auto``; when shrinking, the largest world size that fits in
-    ``free_slots`` and for which the planner finds a layout. Raises ValueError when none
-    can run.
+    ``free_slots`` (and ``max_world_size``, when given) and for which the planner finds
+    a layout. Raises ValueError when none can run.
     """
     free = sum(free_slots.values())
     node_slots = max(free_slots.values(), default=0)
-    sizes = range(min(free, spec.world_size), 0, -1) if shrink else [spec.world_size]
+    ceiling = min(free, spec.world_size, max_world_size or spec.world_size)
+    sizes = range(ceiling, 0, -1) if shrink else [spec.world_size]
     problems = []
     for world_size in sizes:
         if not shrink and spec.mesh and spec.mesh != "auto":

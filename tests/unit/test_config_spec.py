@@ -92,3 +92,10 @@ def test_a_layout_that_does_not_fit_the_model_is_refused_at_submit():
     spec.mesh = "pp=4"
     with pytest.raises(InvalidSpec, match="pp=4 is more than layers=2"):
         validate(spec)
+
+
+def test_excluding_a_node_caps_the_size_even_when_a_spare_is_free():
+    # 2 + 2 slots free (a spare among them), but the exclude policy drops a node of 2.
+    world, mesh = size_and_layout(planned_spec(), {"a": 2, "c": 2}, shrink=True,
+                                  max_world_size=2)
+    assert world == 2 and Layout.parse(mesh).world_size == 2
