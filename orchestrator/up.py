@@ -322,6 +322,17 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
     }
 
 
+def _wait_for_agents(stub, metadata, count: int, workdir: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        nodes = stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=metadata, timeout=10).nodes
+        if sum(1 for n in nodes if n.connected) >= count:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"only {sum(1 for n in nodes if n.connected)}/{count} agents joined "
+                       f"within {timeout_s:.0f} s; see {workdir / 'logs'}")
+
+
 def _event_json(event: keel_pb2.Event) -> dict:
     out = {"kind": event.kind, "node": event.node,
            "rank": event.rank if event.HasField("rank") else None, "step": event.step,
@@ -394,6 +405,9 @@ def up(options: UpOptions) -> int:
         with grpc.insecure_channel(cluster.address) as channel:
             stub = keel_pb2_grpc.ControllerStub(channel)
             metadata = call_metadata(cluster.token)
+            # Every agent joins before the job is submitted, so the placement is by node
+            # name and the spares are the last nodes, whatever order they started in.
+            _wait_for_agents(stub, metadata, options.nodes + options.spares, workdir)
             stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec), metadata=metadata,
                            timeout=10)
             deadline = time.monotonic() + options.timeout_s

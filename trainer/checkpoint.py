@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -229,7 +230,8 @@ class Checkpointer:
     Every rank calls ``save`` and ``wait`` at the same steps; rank 0 alone commits.
 
     ``keep``: committed checkpoints kept after each commit (0: all); ``restored_from``:
-    the checkpoint this run loaded, never deleted."""
+    the checkpoint this run loaded, never deleted. ``take_blocked_s`` says how long
+    ``save`` and ``poll`` held up the caller, for the step reports."""
 
     def __init__(self, checkpoint_dir: str, runtime: Runtime, *, use_async: bool, keep: int,
                  restored_from: str | None) -> None:
@@ -240,6 +242,7 @@ class Checkpointer:
         self.restored_from = os.path.abspath(restored_from) if restored_from else None
         self._rank = dist.get_rank()
         self._pending: _Pending | None = None
+        self._blocked_s = 0.0
         # The newest checkpoint the agent acknowledged, i.e. the controller's likely
         # restore point: retention must not delete it even if later reports fail.
         self._acknowledged: str | None = None
@@ -254,6 +257,7 @@ class Checkpointer:
         after it) from ``state`` (see ``state_dict``); rank 0 writes the ledger into the
         staging directory first. Returns once the state is staged (``use_async``) or
         committed. Collective."""
+        started = time.perf_counter()
         self.wait()
         staging = staging_path(self.checkpoint_dir, step, self.runtime.generation)
         if self._rank == 0:
@@ -271,11 +275,20 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=staging, process_group=self._group)
             self._commit(step, samples, staging)
+        self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
         """Commits the save in flight if its write has finished; never blocks on it."""
         if self._pending is not None and self._pending.future.done():
+            started = time.perf_counter()
             self.wait()
+            self._blocked_s += time.perf_counter() - started
+
+    def take_blocked_s(self) -> float:
+        """Seconds ``save`` and ``poll`` blocked their caller (staging, a synchronous
+        write, rank 0's commit) since the last call."""
+        blocked_s, self._blocked_s = self._blocked_s, 0.0
+        return blocked_s
 
     def wait(self) -> None:
         """Blocks until the save in flight is written, then commits it."""

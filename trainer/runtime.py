@@ -1,6 +1,6 @@
 """The library a training script uses to live under Keel: the rank's identity from its
-environment, step and checkpoint reports to the node agent, stack dumps on SIGUSR1 and
-scripted fault injection.
+environment, step, checkpoint and preflight reports to the node agent, the agent's
+checkpoint requests, stack dumps on SIGUSR1 and scripted fault injection.
 
 Everything degrades to a no-op under plain ``torchrun``: without ``KEEL_AGENT_SOCKET``
 nothing is sent, without ``KEEL_FAULTS`` nothing is injected. Reporting never blocks or
@@ -12,14 +12,14 @@ step N fires when step N starts, and a report for step N is sent after it finish
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 from google.protobuf import json_format
@@ -28,6 +28,7 @@ from protos import keel_pb2, keel_pb2_grpc
 
 STEP_REPORT_DEADLINE_S = 2.0
 CHECKPOINT_REPORT_DEADLINE_S = 5.0
+PREFLIGHT_REPORT_DEADLINE_S = 5.0
 # Batches go out at least this often so the agent's hang detector, which measures the
 # age of the latest report, sees progress within a fraction of a second.
 REPORT_INTERVAL_S = 0.25
@@ -135,67 +136,82 @@ def claim_fault(checkpoint_dir: str | None, index: int, note: str) -> bool:
 
 class _StepReporter:
     """Sends queued step reports from a daemon thread, in batches of up to
-    ``REPORT_BATCH_SIZE`` at least every ``REPORT_INTERVAL_S`` seconds."""
+    ``REPORT_BATCH_SIZE`` at least every ``REPORT_INTERVAL_S`` seconds; a report flagged
+    ``checkpointing`` goes out at once, so the agent knows of the save before it starts.
+    Sets ``checkpoint_requested`` when an ack carries ``checkpoint_now``.
+
+    Queuing a report is an append to a deque: the thread is woken only when a batch
+    is full or a report is urgent, not per step, because waking it each step (a
+    ``queue.Queue`` put) costs the training loop tens of microseconds of thread
+    switching."""
 
     _STOP = object()
 
-    def __init__(self, stub: keel_pb2_grpc.AgentLocalStub, generation: int, log) -> None:
+    def __init__(self, stub: keel_pb2_grpc.AgentLocalStub, generation: int, log,
+                 checkpoint_requested: threading.Event) -> None:
         self._stub = stub
         self._generation = generation
         self._log = log
-        self._queue: queue.Queue = queue.Queue()
+        self._checkpoint_requested = checkpoint_requested
+        # Step reports, and flush and stop markers; appends and pops are atomic.
+        self._pending: collections.deque = collections.deque()
+        self._wake = threading.Event()
         self._agent_failing = False
         self._dropping = False
         self._thread = threading.Thread(target=self._run, name="keel-step-reporter", daemon=True)
         self._thread.start()
 
     def put(self, report: keel_pb2.StepReport) -> None:
-        if self._queue.qsize() >= MAX_PENDING_REPORTS:
+        if len(self._pending) >= MAX_PENDING_REPORTS:
             if not self._dropping:
                 self._log(f"{MAX_PENDING_REPORTS} step reports unsent; dropping new ones until the agent catches up")
                 self._dropping = True
             return
         self._dropping = False
-        self._queue.put(report)
+        self._pending.append(report)
+        if report.checkpointing or len(self._pending) == REPORT_BATCH_SIZE:
+            self._wake.set()
 
     def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
         """Waits until every report queued so far was sent (or dropped); False if that
         took longer than ``timeout_s``."""
         done = threading.Event()
-        self._queue.put(done)
+        self._pending.append(done)
+        self._wake.set()
         return done.wait(timeout_s)
 
     def close(self, timeout_s: float = FLUSH_WAIT_S) -> None:
-        self._queue.put(self._STOP)
+        self._pending.append(self._STOP)
+        self._wake.set()
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        batch: list[keel_pb2.StepReport] = []
-        send_by = 0.0
         while True:
-            try:
-                timeout = max(0.0, send_by - time.monotonic()) if batch else None
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if isinstance(item, keel_pb2.StepReport):
-                if not batch:
-                    send_by = time.monotonic() + REPORT_INTERVAL_S
-                batch.append(item)
-                if len(batch) < REPORT_BATCH_SIZE:
+            self._wake.wait(REPORT_INTERVAL_S)
+            # Whatever is appended after this clear wakes the next wait; whatever was
+            # appended before it is drained below.
+            self._wake.clear()
+            batch: list[keel_pb2.StepReport] = []
+            while self._pending:
+                item = self._pending.popleft()
+                if isinstance(item, keel_pb2.StepReport):
+                    batch.append(item)
+                    if len(batch) == REPORT_BATCH_SIZE:
+                        self._send(batch)
+                        batch = []
                     continue
-            self._send(batch)
-            batch = []
-            if isinstance(item, threading.Event):
+                self._send(batch)
+                batch = []
+                if item is self._STOP:
+                    return
                 item.set()
-            elif item is self._STOP:
-                return
+            self._send(batch)
 
     def _send(self, batch: list[keel_pb2.StepReport]) -> None:
         if not batch:
             return
         try:
-            self._stub.ReportSteps(
+            ack = self._stub.ReportSteps(
                 keel_pb2.LocalStepReports(generation=self._generation, reports=batch),
                 timeout=STEP_REPORT_DEADLINE_S,
             )
@@ -210,6 +226,8 @@ class _StepReporter:
         if self._agent_failing:
             self._log("agent answers step reports again")
             self._agent_failing = False
+        if ack.checkpoint_now:
+            self._checkpoint_requested.set()
 
 
 class Runtime:
@@ -251,12 +269,13 @@ class Runtime:
         self._channel: grpc.Channel | None = None
         self._stub: keel_pb2_grpc.AgentLocalStub | None = None
         self._reporter: _StepReporter | None = None
+        self._checkpoint_requested = threading.Event()
         if agent_socket:
             # Creating a channel does not connect; the first RPC does, from the
             # reporter thread, so a missing agent never delays training.
             self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
             self._stub = keel_pb2_grpc.AgentLocalStub(self._channel)
-            self._reporter = _StepReporter(self._stub, generation, self.log)
+            self._reporter = _StepReporter(self._stub, generation, self.log, self._checkpoint_requested)
 
     def log(self, message: str) -> None:
         """Writes one line to stderr, tagged with job, generation and rank."""
@@ -266,10 +285,27 @@ class Runtime:
             flush=True,
         )
 
-    def report_step(self, step: int, loss: float, tokens: int, step_time_s: float) -> None:
+    def report_step(
+        self,
+        step: int,
+        loss: float,
+        tokens: int,
+        step_time_s: float,
+        *,
+        data_s: float = 0.0,
+        compute_s: float = 0.0,
+        optimizer_s: float = 0.0,
+        checkpoint_s: float = 0.0,
+        checkpointing: bool = False,
+    ) -> None:
         """Queues the report of finished step ``step`` for the agent and returns at once.
         ``tokens`` are the tokens this rank processed in the step; ``step_time_s`` is its
-        wall time in seconds. A no-op without an agent socket."""
+        own time for the step in seconds, before waiting on peers. The phases, in
+        seconds: ``data_s`` (reading the batch), ``compute_s`` (forward and backward),
+        ``optimizer_s``, and ``checkpoint_s``, the time the loop was blocked by a
+        checkpoint since the previous report. ``checkpointing``: a checkpoint save
+        follows this step; such a report is sent at once, so call this before the save.
+        A no-op without an agent socket."""
         if self._reporter is None:
             return
         self._reporter.put(
@@ -280,8 +316,54 @@ class Runtime:
                 tokens=tokens,
                 step_time_s=step_time_s,
                 at=time.time(),
+                data_s=data_s,
+                compute_s=compute_s,
+                optimizer_s=optimizer_s,
+                checkpoint_s=checkpoint_s,
+                checkpointing=checkpointing,
             )
         )
+
+    def take_checkpoint_request(self) -> bool:
+        """Whether the agent asked for a checkpoint (``checkpoint_now`` in a step-report
+        ack) since the last call; the request is cleared. Only this rank's own agent
+        connection is seen, so fold the answer into a collective before acting on it."""
+        if not self._checkpoint_requested.is_set():
+            return False
+        self._checkpoint_requested.clear()
+        return True
+
+    def report_preflight(self, results: Sequence, wall_s: float) -> bool:
+        """Sends this rank's preflight sweep to the agent: ``results`` are objects with
+        the fields of ``CollectiveResult`` (``trainer.preflight.Result``), ``wall_s`` the
+        sweep's wall time in seconds. Blocks for at most ``PREFLIGHT_REPORT_DEADLINE_S``
+        seconds; returns whether the agent acknowledged. Failures are logged, never
+        raised. A no-op (False) without an agent socket."""
+        if self._stub is None:
+            return False
+        report = keel_pb2.PreflightReport(
+            job=self.job,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            results=[
+                keel_pb2.CollectiveResult(
+                    collective=result.collective,
+                    size_bytes=result.size_bytes,
+                    time_s=result.time_s,
+                    algbw_gbps=result.algbw_gbps,
+                    busbw_gbps=result.busbw_gbps,
+                )
+                for result in results
+            ],
+            wall_s=wall_s,
+        )
+        try:
+            self._stub.ReportPreflight(report, timeout=PREFLIGHT_REPORT_DEADLINE_S)
+        except grpc.RpcError as error:
+            self.log(f"cannot report preflight ({error.code().name}: {error.details()})")
+            return False
+        return True
 
     def report_checkpoint(self, step: int, path: str, samples: int) -> bool:
         """Tells the agent that the checkpoint of step ``step`` is durable at ``path``

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from trainer import pipeline
 from trainer.clipping import clip_grad_norm_
 from trainer.optim import Optimizers
+from trainer.phases import PhaseTimer
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class TrainStep:
         """Whether this rank computes the loss (without a pipeline, every rank)."""
         return self.stages is None or self.stages.is_last
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer | None = None) -> float | None:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss = torch.zeros((), device=self.device)
         passes = zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))
@@ -74,9 +75,13 @@ class TrainStep:
                 loss += self._forward_backward(pass_inputs, pass_targets, last=index == self.grad_accum - 1)
             else:
                 loss += self._pipeline_pass(pass_inputs, pass_targets)
+        if timer is not None:
+            timer.lap("compute_s")
         if self.clip_grad is not None:
             self.grad_norm = clip_grad_norm_([p for part in self.parts for p in part.parameters()], self.clip_grad)
         self.optimizers.step()
+        if timer is not None:
+            timer.lap("optimizer_s")
         return loss.item() if self.holds_loss else None
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:

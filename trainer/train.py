@@ -11,6 +11,12 @@ The layout comes from ``--layout``, else ``KEEL_MESH``, else ``dp_shard`` over a
 ranks. Rank 0 prints one line per step to stdout, ``step=N loss=L tokens/s=T``: N counts
 optimizer steps from 1, L is the mean loss over the global batch in nats (the same on
 every rank), T the global tokens per second of that step. Other messages go to stderr.
+
+A generation starts with a barrier that names missing ranks and a preflight sweep of
+the collectives (``trainer.preflight``); collectives get ``--startup-timeout-s`` until
+the first step is done and ``--collective-timeout-s`` after it (``trainer.watchdog``).
+Each step is reported to the Keel agent with its phases; when the agent asks for a
+checkpoint, every rank saves after the same step.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,12 +36,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import checkpoint, mesh, optim, parallelize, pipeline, runtime as keel_runtime
+from trainer import checkpoint, mesh, optim, parallelize, pipeline, preflight, runtime as keel_runtime, watchdog
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.mesh import BatchPlan, Layout
 from trainer.model import ModelConfig, Transformer
+from trainer.phases import PhaseTimer
 from trainer.step import TrainStep
+
+# Rank 0 may hold up its peers this long, outside any collective, when it commits a
+# checkpoint: flushing the step reports, then reporting the checkpoint to the agent.
+# The collective timeout must leave room for it (and for the fsync before it).
+COMMIT_REPORT_S = keel_runtime.FLUSH_WAIT_S + keel_runtime.CHECKPOINT_REPORT_DEADLINE_S
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -113,6 +126,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="write checkpoints in the background; training waits only while the state is copied")
     ckpt.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
                       help="after each commit keep the newest K committed checkpoints (and the one resumed from); 0 keeps all")
+
+    health = parser.add_argument_group("health")
+    health.add_argument(
+        "--startup-timeout-s", type=float, default=300.0,
+        help="collective timeout until the first step is done: rendezvous, start barrier, preflight, "
+             "checkpoint load, first step",
+    )
+    health.add_argument(
+        "--collective-timeout-s", type=float, default=60.0,
+        help="collective timeout after the first step; a rank stuck in a collective fails after this long. "
+             "Keep it above the agent's hang timeout, so the agent names the hung rank first, and above rank 0's "
+             f"checkpoint commit (fsync, then up to {COMMIT_REPORT_S:g} s reporting it), which its peers wait out",
+    )
+    health.add_argument(
+        "--preflight", action=argparse.BooleanOptionalAction, default=os.environ.get("KEEL_PREFLIGHT", "1") != "0",
+        help="time all_reduce, all_gather and reduce_scatter over all ranks before the first step and report "
+             "the bandwidths to the agent; default on unless $KEEL_PREFLIGHT=0. Skipped on one rank",
+    )
+    health.add_argument("--preflight-sizes-mb", default=",".join(f"{size:g}" for size in preflight.DEFAULT_SIZES_MB),
+                        help="comma-separated buffer sizes in MiB to time each collective at (the job's bucket sizes)")
+    health.add_argument("--preflight-budget-s", type=float, default=preflight.DEFAULT_BUDGET_S,
+                        help="stop the preflight sweep once it has taken this long (checked between measurements)")
     args = parser.parse_args(argv)
     for name in ("steps", "checkpoint_every", "global_batch", "grad_accum", "virtual_stages"):
         if getattr(args, name) < 1:
@@ -124,6 +159,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--microbatches must be at least 1")
     if args.clip_grad is not None and args.clip_grad <= 0:
         parser.error("--clip-grad must be positive; leave it out for no clipping")
+    if os.environ.get("KEEL_PREFLIGHT", "1") not in ("0", "1"):
+        parser.error(f"KEEL_PREFLIGHT={os.environ['KEEL_PREFLIGHT']!r} must be 0 (off) or 1 (on)")
+    try:
+        args.preflight_sizes_mb = [float(size) for size in args.preflight_sizes_mb.split(",")]
+    except ValueError:
+        parser.error(f"--preflight-sizes-mb {args.preflight_sizes_mb!r} is not a comma-separated list of numbers, "
+                     f"e.g. 1,8")
+    if min(args.preflight_sizes_mb) <= 0:
+        parser.error("--preflight-sizes-mb must all be positive")
+    if args.preflight_budget_s <= 0:
+        parser.error("--preflight-budget-s must be positive; use --no-preflight to skip the sweep")
+    if args.collective_timeout_s <= COMMIT_REPORT_S:
+        parser.error(
+            f"--collective-timeout-s {args.collective_timeout_s:g} must exceed {COMMIT_REPORT_S:g} s, the longest "
+            f"rank 0 reports a checkpoint while its peers wait in the next collective"
+        )
+    if args.startup_timeout_s < max(args.collective_timeout_s, args.preflight_budget_s):
+        parser.error(
+            f"--startup-timeout-s {args.startup_timeout_s:g} must be at least --collective-timeout-s "
+            f"({args.collective_timeout_s:g}) and --preflight-budget-s ({args.preflight_budget_s:g}): "
+            f"start-up covers the preflight and the first step"
+        )
     return args
 
 
@@ -194,15 +251,28 @@ def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Set
     return Setup(layout, device_mesh, parts, optimizers, step)
 
 
-def exchange(loss: float | None, first: int, count: int, represents: bool, device: torch.device
-             ) -> tuple[float, list[tuple[int, int]]]:
+@dataclass(frozen=True)
+class Exchanged:
+    """What every rank knows after a step's exchange: the ``mean_loss`` over the
+    global batch, the ``(first, count)`` samples each rank ``consumed``, and whether
+    any rank's agent asked for a checkpoint (``checkpoint_requested``)."""
+
+    mean_loss: float
+    consumed: list[tuple[int, int]]
+    checkpoint_requested: bool
+
+
+def exchange_step(loss: float | None, first: int, count: int, represents: bool, checkpoint_requested: bool,
+                  device: torch.device) -> Exchanged:
     """One all-gather per step for what every rank needs to know: the mean loss over
     the global batch (the mean over ranks that hold a loss — all of them, or the last
-    pipeline stage's; each covers the same number of samples) and the ``(first,
-    count)`` samples each data-parallel rank consumed (``represents``: this rank speaks
-    for its data-parallel rank, which its tensor and pipeline peers share)."""
+    pipeline stage's; each covers the same number of samples), the ``(first, count)``
+    samples each data-parallel rank consumed (``represents``: this rank speaks for its
+    data-parallel rank, which its tensor and pipeline peers share), and whether any
+    rank was asked for a checkpoint (``checkpoint_requested`` on this rank), so that
+    all save after the same step."""
     mine = torch.tensor(
-        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0],
+        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0, float(checkpoint_requested)],
         dtype=torch.float64, device=device,
     )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -210,8 +280,33 @@ def exchange(loss: float | None, first: int, count: int, represents: bool, devic
     table = torch.stack(everyone).cpu()
     mean_loss = (table[:, 0].sum() / table[:, 1].sum()).item()
     # float64 holds sample indices exactly up to 2**53.
-    consumed = [(int(first), int(count)) for _, _, first, count in table.tolist()]
-    return mean_loss, consumed
+    consumed = [(int(first), int(count)) for _, _, first, count, _ in table.tolist()]
+    return Exchanged(mean_loss, consumed, bool(table[:, 4].any()))
+
+
+def exchange(loss: float | None, first: int, count: int, represents: bool, device: torch.device
+             ) -> tuple[float, list[tuple[int, int]]]:
+    """``exchange_step`` for loops without checkpoint requests: the mean loss and the
+    consumed samples."""
+    shared = exchange_step(loss, first, count, represents, False, device)
+    return shared.mean_loss, shared.consumed
+
+
+def checkpoint_due(step: int, args: argparse.Namespace, requested: bool) -> bool:
+    """Whether a checkpoint follows step ``step``: at every multiple of
+    ``--checkpoint-every``, at the last step, and when an agent asked for one."""
+    return step % args.checkpoint_every == 0 or step == args.steps or requested
+
+
+def run_preflight(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> None:
+    """The collective sweep before the first step (unless switched off, or on one
+    rank): each rank reports its figures to its agent, rank 0 logs a summary."""
+    if not args.preflight or dist.get_world_size() == 1:
+        return
+    sweep = preflight.run(args.preflight_sizes_mb, args.preflight_budget_s, device)
+    rt.report_preflight(sweep.results, sweep.wall_s)
+    if dist.get_rank() == 0:
+        rt.log(preflight.summary(sweep, dist.get_world_size(), args.preflight_budget_s))
 
 
 def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> Setup:
@@ -219,6 +314,7 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
     checkpoint ``checkpoint.restore_point`` names, and returns what it trained (with
     the last checkpoint committed)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    run_preflight(args, rt, device)
     torch.manual_seed(args.seed)
     layout = resolve_layout(args, rt)
     run = setup(args, layout, device)
@@ -245,26 +341,42 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         checkpointer = Checkpointer(args.checkpoint_dir, rt, use_async=args.async_checkpoint,
                                     keep=args.keep_checkpoints, restored_from=restore)
 
+    timer = PhaseTimer(device)
+    first_step = state.step + 1
     step, samples, ledger = state.step, state.samples, state.ledger
     while step < args.steps:
         if checkpointer:
             checkpointer.poll()
         rt.inject_faults(step + 1)
         started = time.perf_counter()
+        timer.start()
         first, count = rank_samples(samples, args.global_batch, dp_rank, layout.dp_size)
-        loss = run.step(*data.batch(first, count))
-        # Measured before the loss all-gather, where every rank waits for the slowest,
-        # this is the rank's own step time: what the straggler detector compares.
+        inputs, targets = data.batch(first, count)
+        timer.lap("data_s")
+        loss = run.step(inputs, targets, timer)
+        # Measured before the exchange's all-gather, where every rank waits for the
+        # slowest, this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
         busy_s += rt.after_step(busy_s)
-        mean_loss, consumed = exchange(loss, first, count, represents, device)
+        shared = exchange_step(loss, first, count, represents, rt.take_checkpoint_request(), device)
         step, samples = step + 1, samples + args.global_batch
-        ledger.record(step, consumed)
-        rt.report_step(step, mean_loss, count * args.seq_len, busy_s)
+        ledger.record(step, shared.consumed)
+        if step == first_step:
+            watchdog.set_collective_timeout(
+                args.collective_timeout_s, [run.device_mesh.get_group(name) for name in mesh.MESH_DIM_NAMES]
+            )
+        save = checkpointer is not None and checkpoint_due(step, args, shared.checkpoint_requested)
+        # Sent before the save starts, so the agent's hang detector gives it the
+        # checkpoint's budget; the time it blocks is in the next step's report.
+        rt.report_step(step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds(), checkpointing=save,
+                       checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0)
         if rank == 0:
             tokens_per_s = args.global_batch * args.seq_len / (time.perf_counter() - started)
-            print(f"step={step} loss={mean_loss:.6f} tokens/s={tokens_per_s:.0f}", flush=True)
-        if checkpointer and (step % args.checkpoint_every == 0 or step == args.steps):
+            print(f"step={step} loss={shared.mean_loss:.6f} tokens/s={tokens_per_s:.0f}", flush=True)
+            if shared.checkpoint_requested:
+                rt.log(f"the agent asked for a checkpoint: saving after step {step}" if checkpointer
+                       else "the agent asked for a checkpoint, but there is no --checkpoint-dir: not saving")
+        if save:
             saved = TrainerState(step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger)
             checkpointer.save(step, samples, checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
                               ledger, args.global_batch)
@@ -279,14 +391,18 @@ def main(argv: list[str] | None = None) -> int:
     rt = keel_runtime.init()
     # The flag may name a directory Keel did not; one-shot fault markers live there too.
     rt.checkpoint_dir = args.checkpoint_dir
+    startup_timeout = timedelta(seconds=args.startup_timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", rt.local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+        watchdog.arm_nccl(args.checkpoint_dir)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=startup_timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=startup_timeout)
     try:
+        # monitored_barrier is gloo's; a GPU job's default group is NCCL's.
+        watchdog.start_barrier(args.startup_timeout_s, None if device.type == "cpu" else dist.new_group(backend="gloo"))
         train(args, rt, device)
     except BaseException as error:
         # The traceback keeps train()'s frames alive, and with them the model; drop

@@ -83,6 +83,14 @@ def test_keel_up_trains_the_reference_model_at_world_size_4(no_leaks):
     assert summary["final_loss"] < 0.5 * summary["initial_loss"]
     assert summary["last_checkpoint"]["step"] == 40
     assert "step 40/40" in summary["_stderr"], "live progress was not shown"
+    # A fault-free run flags nothing.
+    assert summary["events"] == [], summary["events"]
+    # Preflight: each node's figures for the three collectives, before step 1.
+    assert sorted(p["node"] for p in summary["preflight"]) == ["node-0", "node-1"]
+    for node in summary["preflight"]:
+        assert {r["collective"] for r in node["results"]} == \
+            {"all_reduce", "all_gather", "reduce_scatter"}
+        assert all(r["busbw_gbps"] > 0 and r["algbw_gbps"] > 0 for r in node["results"])
 
 
 def test_a_crash_and_a_kill_are_each_recovered_from_the_committed_checkpoint(no_leaks):
@@ -92,6 +100,11 @@ def test_a_crash_and_a_kill_are_each_recovered_from_the_committed_checkpoint(no_
                      "--inject", "kill:rank=2,step=25")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["steps"], summary["generations"], summary["restarts"]) == (40, 3, 2)
+
+    # The crash is reported with its traceback within a second of the exit.
+    crash_event = next(e for e in summary["events"] if e["kind"] == "crash")
+    assert crash_event["rank"] == 1 and crash_event["detected_after_s"] < 1.0
+    assert "RuntimeError: injected crash at step 12 on rank 1" in crash_event["root_cause"]
 
     crash, kill = summary["failures"]
     assert (crash["generation"], crash["rank"], crash["node"], crash["exit_code"]) == \
@@ -147,3 +160,46 @@ def test_restarts_across_two_layouts_consume_every_sample_exactly_once(no_leaks)
     assert summary["data"] == {"expected": 40 * 16, "consumed": 40 * 16, "duplicates": 0,
                                "missing": 0}
     assert summary["final_loss"] < 0.5 * summary["initial_loss"]
+
+
+def test_a_hang_is_detected_within_its_timeout_and_the_stuck_rank_is_named(no_leaks):
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
+                     "--steps", "20", "--checkpoint-every", "5", "--hang-timeout-s", "3",
+                     "--inject", "hang:rank=1,step=8")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["steps"], summary["restarts"]) == (20, 1)
+    hang = next(e for e in summary["events"] if e["kind"] == "hang")
+    assert hang["rank"] == 1 and hang["node"] == "node-1"
+    # Declared after at least the 3 s timeout, and within a report flush of it.
+    assert 3.0 <= hang["detected_after_s"] < 5.0, hang
+    assert "inject_faults" in hang["stacks"]["1"], hang["stacks"]["1"][:2000]
+    assert "rank 1 stopped in" in hang["root_cause"]
+    assert "0" in hang["stacks"], "the waiting peer's stack is part of the report"
+
+
+def test_a_slow_rank_is_flagged_and_its_node_replaced_by_the_spare(no_leaks):
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
+                     "--spares", "1", "--steps", "40", "--checkpoint-every", "10",
+                     "--inject", "slow:rank=1,step=10,factor=1.5")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    kinds = [e["kind"] for e in summary["events"]]
+    straggler = next(e for e in summary["events"] if e["kind"] == "straggler")
+    assert straggler["node"] == "node-1"
+    assert straggler["step"] - 10 <= 10 and straggler["detected_after_steps"] <= 10
+    replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
+    assert replaced["node"] == "node-1" and "node-2" in replaced["reason"]
+    assert kinds.count("straggler") == 1, summary["events"]
+    assert (summary["steps"], summary["world_size"], summary["generations"]) == (40, 2, 2)
+
+
+def test_a_lost_node_is_replaced_by_the_spare(no_leaks):
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
+                     "--spares", "1", "--steps", "30", "--checkpoint-every", "5",
+                     "--inject", "lose_node:node=1,step=10")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    lost = next(e for e in summary["events"] if e["kind"] == "node_lost")
+    assert lost["node"] == "node-1"
+    replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
+    assert replaced["node"] == "node-1" and "node-2" in replaced["reason"]
+    assert (summary["steps"], summary["world_size"]) == (30, 2)
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["missing"] == 0

@@ -1,15 +1,23 @@
 """Fault injection in ``trainer.runtime``: which scheduled faults a rank applies, when,
 and that crash/kill/hang fire once per checkpoint directory across generations. Runs
 in-process: crash raises, and kill/hang are exercised only where their marker already
-exists, so they must not fire."""
+exists, so they must not fire. Also the runtime's side of the agent channel, against
+the agent's real AgentLocal service on a Unix socket: phases, checkpoint requests in
+the acks, preflight reports."""
 
 import os
+import shutil
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 from google.protobuf import json_format
 
+from agent.local_server import AgentLocalService, serve
 from protos import keel_pb2
+from tests.conftest import wait_for
 from trainer import runtime
 from trainer.runtime import claim_fault, fault_marker_path, parse_fault_schedule, parse_mesh, rank_faults
 
@@ -159,3 +167,89 @@ def test_a_missing_agent_never_fails_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("cannot report steps to the agent") == 1
     assert "cannot report checkpoint step=10" in err
+
+
+class Agent:
+    """The agent's real AgentLocal service on a Unix socket, recording what it hears
+    and asking for a checkpoint in the ack of its ``ask_in_ack``-th ReportSteps call."""
+
+    def __init__(self, ask_in_ack: int = 0) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[list[keel_pb2.StepReport]] = []
+        self.preflights: list[keel_pb2.PreflightReport] = []
+        self.ask_in_ack = ask_in_ack
+        # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+        self.directory = tempfile.mkdtemp(prefix="keel-rt-")
+        self.socket = os.path.join(self.directory, "agent.sock")
+        self.server = serve(self.socket, AgentLocalService(self.on_steps, lambda _: None, self.preflights.append))
+
+    def on_steps(self, generation: int, reports: list) -> bool:
+        with self.lock:
+            self.calls.append(reports)
+            return len(self.calls) == self.ask_in_ack
+
+    def reports(self) -> list[keel_pb2.StepReport]:
+        with self.lock:
+            return [report for call in self.calls for report in call]
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def agent():
+    served = Agent(ask_in_ack=2)
+    yield served
+    served.stop()
+
+
+def agent_env(socket: str) -> dict:
+    return {"RANK": "1", "WORLD_SIZE": "2", "KEEL_JOB": "demo", "KEEL_GENERATION": "4", "KEEL_AGENT_SOCKET": socket}
+
+
+def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypatch):
+    # Batches would otherwise wait a minute: only the flag can make this one leave.
+    monkeypatch.setattr(runtime, "REPORT_INTERVAL_S", 60.0)
+    rt = runtime.init(agent_env(agent.socket))
+    rt.report_step(7, loss=2.5, tokens=512, step_time_s=0.5, data_s=0.01, compute_s=0.3, optimizer_s=0.1,
+                   checkpoint_s=0.2, checkpointing=True)
+    (report,) = wait_for(agent.reports, 5, what="the checkpointing report")
+    assert (report.rank, report.step, report.step_time_s, report.checkpointing) == (1, 7, 0.5, True)
+    assert (report.data_s, report.compute_s, report.optimizer_s, report.checkpoint_s) == (0.01, 0.3, 0.1, 0.2)
+    rt.close()
+
+
+def test_checkpoint_now_in_an_ack_is_taken_once(agent):
+    rt = runtime.init(agent_env(agent.socket))
+    assert not rt.take_checkpoint_request()
+    rt.report_step(1, loss=2.5, tokens=512, step_time_s=0.5, checkpointing=True)
+    wait_for(lambda: len(agent.calls) == 1, 5, what="the first ack")
+    assert not rt.take_checkpoint_request(), "the first ack did not ask"
+    rt.report_step(2, loss=2.4, tokens=512, step_time_s=0.5, checkpointing=True)
+    wait_for(rt.take_checkpoint_request, 5, what="the request in the second ack")
+    assert not rt.take_checkpoint_request(), "a request is taken once"
+    rt.close()
+
+
+@dataclass
+class Figure:
+    collective: str
+    size_bytes: int
+    time_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+
+
+def test_preflight_reports_reach_the_agent(agent):
+    rt = runtime.init(agent_env(agent.socket))
+    assert rt.report_preflight([Figure("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)], wall_s=0.7)
+    (report,) = agent.preflights
+    assert (report.job, report.generation, report.rank, report.world_size, report.wall_s) == ("demo", 4, 1, 2, 0.7)
+    assert [(r.collective, r.size_bytes, r.time_s, r.algbw_gbps, r.busbw_gbps) for r in report.results] == [
+        ("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)
+    ]
+    rt.close()
+    plain = runtime.init({"RANK": "0", "WORLD_SIZE": "2"})
+    assert plain.report_preflight([], wall_s=0.1) is False
+    assert not plain.take_checkpoint_request()

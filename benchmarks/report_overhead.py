@@ -1,0 +1,146 @@
+"""What step reporting (``trainer.runtime``) costs the training loop.
+
+The reference trainer's loop — batch, forward/backward/optimizer, the per-step
+exchange — runs on one rank (world size 1, gloo, one CPU thread), in alternating
+blocks of steps with reporting on and off, round after round (the order flips every
+round), so that drift of the machine hits both alike. With reporting on, every step
+is timed by phase and queued for the agent, and the reporter thread sends batches
+over gRPC to a real agent-local server (``agent.local_server``, no-op callbacks) on a
+Unix socket, in its own process as on a node. Reporting off is the same loop without
+the ``report_step`` call.
+
+Prints the figure: the median step time with reporting against without. On a shared
+machine the noise between blocks can exceed the effect, so a second line gives the
+spread of the per-round differences (each round's block medians, paired) and the
+time the ``report_step`` call itself takes in the loop::
+
+    python benchmarks/report_overhead.py [--rounds 30] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from agent.local_server import AgentLocalService, serve  # noqa: E402
+from trainer import runtime, train  # noqa: E402
+from trainer.data import SyntheticTokens, rank_samples  # noqa: E402
+from trainer.mesh import Layout  # noqa: E402
+from trainer.phases import PhaseTimer  # noqa: E402
+
+WARMUP_STEPS = 20
+
+
+def agent(socket_path: str, ready, reports, calls) -> None:
+    """The agent's side: its AgentLocal service, counting what it is sent."""
+
+    def on_steps(generation: int, batch: list) -> bool:
+        with reports.get_lock():
+            reports.value += len(batch)
+            calls.value += 1
+        return False
+
+    server = serve(socket_path, AgentLocalService(on_steps, lambda _: None))
+    ready.set()
+    server.wait_for_termination()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30, help="rounds of one block with reporting and one without")
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+
+    workdir = tempfile.mkdtemp(prefix="keel-bench-")
+    socket_path = os.path.join(workdir, "agent.sock")
+    spawn = multiprocessing.get_context("spawn")
+    ready, reports, calls = spawn.Event(), spawn.Value("q", 0), spawn.Value("q", 0)
+    server = spawn.Process(target=agent, args=(socket_path, ready, reports, calls), daemon=True)
+    server.start()
+    if not ready.wait(60):
+        raise TimeoutError("the agent-local server did not start within 60 s")
+
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
+    rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1", "KEEL_JOB": "bench", "KEEL_GENERATION": "1",
+                       "KEEL_AGENT_SOCKET": socket_path})
+    total_steps = WARMUP_STEPS + 2 * options.rounds * options.steps
+    args = train.parse_args(["--steps", str(total_steps), "--no-preflight"])
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    run = train.setup(args, Layout(dp_shard=1), device)
+    data = SyntheticTokens(args.vocab, args.seq_len, args.seed)
+    timer = PhaseTimer(device)
+    step, samples = 0, 0
+    call_s: list[float] = []
+
+    def block(steps: int, report: bool) -> list[float]:
+        """Runs ``steps`` steps of the trainer's loop; returns each one's wall seconds."""
+        nonlocal step, samples
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            timer.start()
+            first, count = rank_samples(samples, args.global_batch, 0, 1)
+            inputs, targets = data.batch(first, count)
+            timer.lap("data_s")
+            loss = run.step(inputs, targets, timer)
+            busy_s = time.perf_counter() - started
+            shared = train.exchange_step(loss, first, count, True, rt.take_checkpoint_request(), device)
+            step, samples = step + 1, samples + args.global_batch
+            if report:
+                reporting = time.perf_counter()
+                rt.report_step(step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds())
+                call_s.append(time.perf_counter() - reporting)
+            times.append(time.perf_counter() - started)
+        return times
+
+    block(WARMUP_STEPS, report=True)
+    call_s.clear()
+    with_reports: list[float] = []
+    without: list[float] = []
+    paired: list[float] = []
+    for round_index in range(options.rounds):
+        medians = {}
+        for report in (True, False) if round_index % 2 == 0 else (False, True):
+            times = block(options.steps, report)
+            (with_reports if report else without).extend(times)
+            medians[report] = statistics.median(times)
+        paired.append(100 * (medians[True] - medians[False]) / medians[False])
+
+    rt.close()
+    dist.destroy_process_group()
+    server.terminate()
+    server.join()
+    shutil.rmtree(workdir, ignore_errors=True)
+    on, off = statistics.median(with_reports), statistics.median(without)
+    sent = options.rounds * options.steps + WARMUP_STEPS
+    print(
+        f"report overhead: {100 * (on - off) / off:+.2f} % of step time "
+        f"(median step {1000 * on:.2f} ms with reporting, {1000 * off:.2f} ms without, "
+        f"{options.rounds} rounds × {options.steps} steps each way; world size 1, gloo, 1 CPU thread; "
+        f"the agent got {reports.value}/{sent} reports in {calls.value} calls)"
+    )
+    quartiles = statistics.quantiles(paired, n=4)
+    print(
+        f"spread: per-round differences median {statistics.median(paired):+.2f} %, middle half "
+        f"{quartiles[0]:+.2f} % to {quartiles[2]:+.2f} %; the report_step call takes "
+        f"{1e6 * statistics.median(call_s):.1f} µs (median) = {100 * statistics.median(call_s) / off:.3f} % of a step"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
