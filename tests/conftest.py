@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from agent.local_server import AgentLocalService, serve
 from orchestrator.etcd_server import EmbeddedEtcd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,3 +73,21 @@ def keel(*args: str, timeout_s: float = 300, cwd: Path = REPO) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@contextlib.contextmanager
+def local_agent(recorder):
+    """The agent's real AgentLocal service on a Unix socket, calling ``recorder``'s
+    ``on_steps``, ``on_checkpoint`` and (if it has one) ``on_preflight``; yields the
+    socket path for KEEL_AGENT_SOCKET."""
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    directory = tempfile.mkdtemp(prefix="keel-agent-")
+    socket_path = os.path.join(directory, "agent.sock")
+    server = serve(socket_path, AgentLocalService(
+        recorder.on_steps, recorder.on_checkpoint,
+        getattr(recorder, "on_preflight", lambda _report: None)))
+    try:
+        yield socket_path
+    finally:
+        server.stop(grace=None)
+        shutil.rmtree(directory, ignore_errors=True)

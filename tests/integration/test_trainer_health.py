@@ -5,17 +5,15 @@ figures; and, with two bare gloo processes, that a late rank is named by the sta
 barrier and that the shortened collective timeout applies."""
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import pytest
 
-from agent.local_server import AgentLocalService, serve
 from protos import keel_pb2
+from tests.conftest import local_agent
 from tests.integration.test_trainer_torchrun import REPO, committed_steps, step_losses, torchrun
 from trainer import preflight
 from trainer.preflight import bus_bandwidth
@@ -59,13 +57,9 @@ class Recorder:
 
 @pytest.fixture
 def agent():
-    directory = tempfile.mkdtemp(prefix="keel-agent-")
-    socket_path = os.path.join(directory, "agent.sock")
     recorder = Recorder()
-    server = serve(socket_path, AgentLocalService(recorder.on_steps, recorder.on_checkpoint, recorder.on_preflight))
-    yield socket_path, recorder
-    server.stop(grace=None)
-    shutil.rmtree(directory, ignore_errors=True)
+    with local_agent(recorder) as socket_path:
+        yield socket_path, recorder
 
 
 def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent):

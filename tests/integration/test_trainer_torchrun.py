@@ -10,18 +10,16 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 from google.protobuf import json_format
 
-from agent.local_server import AgentLocalService, serve
 from protos import keel_pb2
+from tests.conftest import local_agent
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\d+\.\d+) tokens/s=(\d+)$")
@@ -77,15 +75,9 @@ class Recorder:
 
 @pytest.fixture
 def agent():
-    """The agent's own AgentLocal service on a Unix socket, recording what it hears."""
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
-    directory = tempfile.mkdtemp(prefix="keel-agent-")
-    socket_path = os.path.join(directory, "agent.sock")
     recorder = Recorder()
-    server = serve(socket_path, AgentLocalService(recorder.on_steps, recorder.on_checkpoint))
-    yield socket_path, recorder
-    server.stop(grace=None)
-    shutil.rmtree(directory, ignore_errors=True)
+    with local_agent(recorder) as socket_path:
+        yield socket_path, recorder
 
 
 def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):

@@ -39,3 +39,23 @@ def test_replacements_are_capped_per_hour():
 def test_restart_backoff_doubles_and_is_capped():
     assert [restart_backoff_s(r) for r in range(5)] == [0.0, 0.5, 1.0, 2.0, 4.0]
     assert restart_backoff_s(50) == 30.0
+
+
+def test_preflight_flags_a_node_far_below_its_peers_once():
+    from orchestrator.health import DEFAULTS
+    from orchestrator.job_health import JobHealth
+    from protos import keel_pb2
+
+    def report(busbw):
+        return keel_pb2.PreflightReport(results=[keel_pb2.CollectiveResult(
+            collective="all_reduce", size_bytes=1 << 20, busbw_gbps=busbw)])
+
+    health = JobHealth("j", DEFAULTS)
+    assert health.add_preflight("node-0", report(10.0)) == []
+    assert health.add_preflight("node-1", report(9.0)) == []
+    assert health.add_preflight("node-2", report(2.0)) == ["node-2"]
+    # A second rank of the same node keeps the node's slowest figure; no second flag.
+    assert health.add_preflight("node-2", report(8.0)) == []
+    status = {p.node: p for p in health.preflight_status()}
+    assert status["node-2"].slow and not status["node-0"].slow
+    assert status["node-2"].results[0].busbw_gbps == 2.0
