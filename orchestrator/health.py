@@ -7,6 +7,8 @@ must be at least the floor.
 
 from __future__ import annotations
 
+import math
+
 from protos import keel_pb2
 
 POLICIES = ("replace", "exclude", "alert")
@@ -35,7 +37,11 @@ def resolve(spec: keel_pb2.HealthSpec) -> keel_pb2.HealthSpec:
     resolved.CopyFrom(DEFAULTS)
     for field, value in spec.ListFields():
         setattr(resolved, field.name, value)
-    problems = []
+    problems = [f"{field.name}={value}: must be a finite number"
+                for field, value in resolved.ListFields()
+                if isinstance(value, float) and not math.isfinite(value)]
+    if problems:
+        raise InvalidHealth("; ".join(problems))
     if resolved.straggler_policy not in POLICIES:
         problems.append(f"straggler_policy {resolved.straggler_policy!r}: use one of "
                         f"{', '.join(POLICIES)}")

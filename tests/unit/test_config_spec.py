@@ -99,3 +99,17 @@ def test_excluding_a_node_caps_the_size_even_when_a_spare_is_free():
     world, mesh = size_and_layout(planned_spec(), {"a": 2, "c": 2}, shrink=True,
                                   max_world_size=2)
     assert world == 2 and Layout.parse(mesh).world_size == 2
+
+
+def test_health_settings_are_validated_with_the_fix():
+    from orchestrator.health import InvalidHealth, resolve
+    assert resolve(keel_pb2.HealthSpec()).hang_floor_s == 30.0
+    for spec, message in [
+        (keel_pb2.HealthSpec(hang_floor_s=float("nan")), "hang_floor_s=nan: must be a finite"),
+        (keel_pb2.HealthSpec(straggler_policy="panic"), "use one of replace, exclude, alert"),
+        (keel_pb2.HealthSpec(hang_floor_s=0.5), "must be at least 1 s"),
+        (keel_pb2.HealthSpec(hang_floor_s=500), "first_step_timeout_s=300.0: must be at least"),
+        (keel_pb2.HealthSpec(straggler_slowdown=1.05), "must be above 1.1"),
+    ]:
+        with pytest.raises(InvalidHealth, match=message):
+            resolve(spec)
