@@ -209,5 +209,14 @@ def agent(ctx):
     os.execv(sys.executable, [sys.executable, "-m", "agent", *ctx.args])
 
 
+def _register_operator_commands() -> None:
+    from orchestrator import operator_cli
+    for command in (operator_cli.status, operator_cli.nodes, operator_cli.jobs,
+                    operator_cli.events):
+        main.add_command(command)
+
+
+_register_operator_commands()
+
 if __name__ == "__main__":
     main()

@@ -452,6 +452,11 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
             return self._status(job)
 
+    def ListJobs(self, request, context):
+        with self.lock:
+            return keel_pb2.ListJobsReply(jobs=[self._status(job) for _, job in
+                                                sorted(self.jobs.items())])
+
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
         window = job.token_window
         span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0

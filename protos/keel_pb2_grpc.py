@@ -51,6 +51,11 @@ class ControllerStub:
                 request_serializer=protos_dot_keel__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/keel.v1.Controller/ListJobs',
+                request_serializer=protos_dot_keel__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.ListJobsReply.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/keel.v1.Controller/ListNodes',
                 request_serializer=protos_dot_keel__pb2.ListNodesRequest.SerializeToString,
@@ -84,6 +89,12 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListNodes(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -107,6 +118,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=protos_dot_keel__pb2.GetJobRequest.FromString,
                     response_serializer=protos_dot_keel__pb2.JobStatus.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=protos_dot_keel__pb2.ListJobsRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.ListJobsReply.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -197,6 +213,33 @@ class Controller:
             '/keel.v1.Controller/GetJob',
             protos_dot_keel__pb2.GetJobRequest.SerializeToString,
             protos_dot_keel__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/ListJobs',
+            protos_dot_keel__pb2.ListJobsRequest.SerializeToString,
+            protos_dot_keel__pb2.ListJobsReply.FromString,
             options,
             channel_credentials,
             insecure,
