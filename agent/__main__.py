@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
+from agent import tls
 from agent.config import AgentConfig
 from agent.daemon import run
 from agent.logs import configure
@@ -20,7 +20,8 @@ from agent.logs import configure
               help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).",
               envvar="KEEL_ETCD_ENDPOINTS")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
-              help="File holding the controller's token (else env KEEL_TOKEN).")
+              help="File holding the join token, or the controller's only token (else "
+                   "--tls-dir's join.token, else env KEEL_TOKEN).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=".keel/agent",
               show_default=True, help="Where rank logs and error files go.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -33,17 +34,17 @@ from agent.logs import configure
               help="SIGTERM to SIGKILL grace when stopping ranks.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port.")
+@tls.options
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
-         stop_grace_s, metrics_port):
+         stop_grace_s, metrics_port, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
-    token = Path(token_file).read_text().strip() if token_file else os.environ.get(
-        "KEEL_TOKEN", "")
     try:
         config = AgentConfig(
+            **tls.settings(node, token_file, **security),
             node=node, slots=slots,
             etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
-            token=token, run_dir=Path(run_dir).resolve(), host=host, controller=controller,
+            run_dir=Path(run_dir).resolve(), host=host, controller=controller,
             lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, metrics_port=metrics_port)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from agent.tls import EtcdCredentials, TlsFiles
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -14,7 +16,7 @@ class AgentConfig:
     node: str
     slots: int
     etcd_endpoints: tuple[str, ...]
-    token: str
+    token: str = field(repr=False)       # the join token (or the controller's only one)
     run_dir: Path                         # rank logs and error files
     host: str = "127.0.0.1"               # address peers reach this node's ranks on
     controller: str | None = None         # host:port; None = discover through etcd
@@ -25,6 +27,8 @@ class AgentConfig:
     etcd_timeout_s: float | None = None   # default: lease_ttl_s / 3
     reconnect_max_s: float = 5.0          # back-off cap between controller reconnects
     metrics_port: int | None = None
+    tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
+    etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 
     def __post_init__(self):
         if not NODE_NAME.match(self.node):
@@ -35,8 +39,8 @@ class AgentConfig:
         if not self.etcd_endpoints:
             raise ValueError("etcd_endpoints: give at least one host:port")
         if not self.token:
-            raise ValueError("token: the agent needs the controller's token "
-                             "(--token-file or KEEL_TOKEN)")
+            raise ValueError("token: the agent needs the join token (--token-file, "
+                             "--tls-dir's join.token, or KEEL_TOKEN)")
         # Deadline hierarchy: lease refresh (ttl/3) < lease TTL; etcd calls must fail
         # well before the lease would lapse; supervision ticks many times per grace.
         if self.lease_ttl_s < 2:

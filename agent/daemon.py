@@ -22,7 +22,7 @@ import etcd3
 import grpc
 import structlog
 
-from agent import metrics
+from agent import metrics, tls
 from agent.config import AgentConfig
 from agent.local_server import AgentLocalService, serve
 from agent.failure import tail
@@ -42,7 +42,9 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         host, _, port = config.etcd_endpoints[0].rpartition(":")
-        self.etcd = etcd3.client(host=host, port=int(port), timeout=config.etcd_timeout_s)
+        self.etcd = etcd3.client(host=host, port=int(port), timeout=config.etcd_timeout_s,
+                                 **(config.etcd_credentials.client_kwargs()
+                                    if config.etcd_credentials else {}))
         self.events: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -61,6 +63,9 @@ class Agent:
         self.checkpoint_wanted = False
         self.hang_reported = False
         self.hang_config = HangConfig()
+        # Exits and commits of the current generation, sent again after every Hello:
+        # a controller that took over may have missed them (both are idempotent there).
+        self.replay: list[keel_pb2.AgentMessage] = []
 
     # ================================================================ lifecycle
     def run(self) -> None:
@@ -130,9 +135,19 @@ class Agent:
             backoff = min(backoff * 2, self.config.reconnect_max_s)
 
     def _requests(self, closed: threading.Event):
-        yield keel_pb2.AgentMessage(hello=keel_pb2.Hello(
-            node=self.config.node, host=self.config.host, slots=self.config.slots,
-            lease_id=self.lease.id, pid=os.getpid()))
+        hello = keel_pb2.Hello(node=self.config.node, host=self.config.host,
+                               slots=self.config.slots, lease_id=self.lease.id,
+                               pid=os.getpid())
+        current = self.current
+        if current is not None:
+            running = [r for r in self.supervisor.of_generation(current.job, current.generation)
+                       if r.phase is RankPhase.RUNNING]
+            if running:
+                hello.running_job, hello.running_generation = current.job, current.generation
+                hello.running.extend(keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
+                                     for r in running)
+        yield keel_pb2.AgentMessage(hello=hello)
+        yield from list(self.replay)
         while not closed.is_set():
             try:
                 message = self.outbox.get(timeout=0.2)
@@ -145,7 +160,7 @@ class Agent:
     def _stream_once(self, address: str) -> None:
         closed = threading.Event()
         metadata = (("authorization", f"Bearer {self.config.token}"),)
-        with grpc.insecure_channel(address) as channel:
+        with tls.channel(address, self.config.tls) as channel:
             stub = keel_pb2_grpc.ControllerStub(channel)
             try:
                 for message in stub.Connect(self._requests(closed), metadata=metadata):
@@ -208,6 +223,7 @@ class Agent:
                 elif kind == "checkpoint":
                     self._flush_steps()
                     self._send(checkpoint_saved=payload)
+                    self.replay.append(keel_pb2.AgentMessage(checkpoint_saved=payload))
                 elif kind == "preflight":
                     self._send(preflight=payload)
             except queue.Empty:
@@ -222,6 +238,7 @@ class Agent:
                                           and report.signal == 0 else "failed").inc()
                 self._flush_steps()
                 self._send(rank_exited=report)
+                self.replay.append(keel_pb2.AgentMessage(rank_exited=report))
             self._maybe_confirm_stop()
             self._check_hang(now)
             metrics.RANKS_RUNNING.set(sum(1 for r in self.supervisor.ranks
@@ -267,6 +284,7 @@ class Agent:
                         count=len(leftovers))
             self.supervisor.stop_all(self.config.stop_grace_s + 2)
             self.supervisor.ranks.clear()
+        self.replay = []
         with self.step_lock:
             self.current = start
             self.pending_steps.clear()

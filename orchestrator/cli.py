@@ -8,18 +8,14 @@ from pathlib import Path
 
 import click
 
+from orchestrator import tls
+
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 @click.group(context_settings=CONTEXT)
 def main():
     """Keel: fault-tolerant training orchestration on torch.distributed."""
-
-
-def _read_token(token_file: str | None) -> str:
-    if token_file:
-        return Path(token_file).read_text().strip()
-    return os.environ.get("KEEL_TOKEN", "")
 
 
 @main.command(context_settings=CONTEXT)
@@ -37,7 +33,8 @@ def _read_token(token_file: str | None) -> str:
 @click.option("--inject", multiple=True, metavar="FAULT",
               help="Deterministic fault, repeatable: crash:rank=R,step=N | "
                    "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
-                   "lose_node:node=I,step=N (node I's agent and ranks killed at once).")
+                   "lose_node:node=I,step=N (node I's agent and ranks killed at once) | "
+                   "kill_leader:step=N (the leading controller SIGKILLed).")
 @click.option("--layout", default=None, metavar="LAYOUT",
               help="Parallel layout, e.g. dp_shard=2,tp=2 (axes dp_replicate, dp_shard, tp, "
                    "pp; omitted ones are 1), or 'auto' for the planner's choice. Default: "
@@ -45,6 +42,9 @@ def _read_token(token_file: str | None) -> str:
 @click.option("--min-nodes", type=int, default=1, show_default=True,
               help="After losing nodes with no spare, re-plan onto as few as this many "
                    "(0: never shrink, wait for capacity).")
+@click.option("--controllers", type=int, default=1, show_default=True,
+              help="Controllers to run; beyond the first they wait as standbys and take "
+                   "over (without restarting the job) if the leader dies.")
 @click.option("--spares", type=int, default=0, show_default=True,
               help="Extra agents that wait as hot spares for failed or slow nodes.")
 @click.option("--straggler-policy", type=click.Choice(["replace", "exclude", "alert"]),
@@ -64,12 +64,17 @@ def _read_token(token_file: str | None) -> str:
               help="Logs and checkpoints go here (default: a new temporary directory, kept).")
 @click.option("--timeout-s", type=float, default=3600, show_default=True,
               help="Give up (non-zero exit) if the job has not ended by then.")
+@tls.etcd_options
+@click.option("--tls", "use_tls", is_flag=True,
+              help="Mutual TLS and role tokens: `keel certs init` into WORKDIR/tls (reused "
+                   "if there), agents given the join token, keel up the operator's.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
-       spares, straggler_policy, hang_timeout_s, no_preflight, max_restarts, etcd_endpoints,
-       workdir, timeout_s, as_json, script_args):
+       controllers, spares, straggler_policy, hang_timeout_s, no_preflight, max_restarts,
+       etcd_endpoints,
+       workdir, timeout_s, use_tls, as_json, script_args, **etcd):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
 
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
@@ -84,11 +89,13 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
             nodes=nodes, slots_per_node=slots_per_node, steps=steps,
             checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
             inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
+            controllers=controllers,
             straggler_policy=straggler_policy, hang_timeout_s=hang_timeout_s,
             preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
-            workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, json=as_json)
+            workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, tls=use_tls,
+            etcd_credentials=tls.etcd_credentials(**etcd), json=as_json)
         code = run_up(options)
     except ValueError as exc:  # bad options, faults or job spec: nothing was started
         raise click.UsageError(str(exc)) from exc
@@ -167,7 +174,8 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
 @click.option("--etcd-endpoints", required=True, envvar="KEEL_ETCD_ENDPOINTS",
               help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
-              help="File holding the token every client must send (else env KEEL_TOKEN).")
+              help="File holding the one token every client must send, valid for every "
+                   "role (else the role tokens, else env KEEL_TOKEN).")
 @click.option("--listen", default="127.0.0.1:0", show_default=True,
               help="host:port to serve gRPC on; port 0 picks a free one.")
 @click.option("--advertise-host", default="127.0.0.1", show_default=True,
@@ -180,9 +188,19 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
               help="A node whose agent stream is down this long is lost.")
 @click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
               help="Rank 0's agent must publish a rendezvous port within this.")
+@tls.role_token_options
+@tls.tls_options("controller", "ca.pem, controller.pem, controller.key and the three "
+                                "role tokens")
+@tls.etcd_options
 def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
-               metrics_port, node_lost_grace_s, rendezvous_timeout_s):
-    """Run the controller daemon in the foreground."""
+               metrics_port, node_lost_grace_s, rendezvous_timeout_s, **security):
+    """Run the controller daemon in the foreground.
+
+    Serves mutual TLS when given certificates (--tls-dir, or --ca/--cert/--key), else
+    plaintext. Tokens: --token-file is one token for every role; otherwise the join,
+    operator and reader tokens (flags, then --tls-dir) give each client only its role's
+    calls.
+    """
     from orchestrator.config import ControllerConfig
     from orchestrator.controller import run
     from orchestrator.logs import configure
@@ -190,7 +208,8 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
     try:
         config = ControllerConfig(
             etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
-            token=_read_token(token_file), listen=listen, advertise_host=advertise_host,
+            **tls.controller_settings(token_file, security),
+            listen=listen, advertise_host=advertise_host,
             address_file=Path(address_file) if address_file else None,
             metrics_port=metrics_port, node_lost_grace_s=node_lost_grace_s,
             rendezvous_timeout_s=rendezvous_timeout_s)
@@ -211,8 +230,9 @@ def agent(ctx):
 
 def _register_operator_commands() -> None:
     from orchestrator import operator_cli
+    from orchestrator.certs import certs
     for command in (operator_cli.status, operator_cli.nodes, operator_cli.jobs,
-                    operator_cli.events):
+                    operator_cli.events, certs):
         main.add_command(command)
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from orchestrator.auth import Tokens
+from orchestrator.tls import EtcdCredentials, TlsFiles
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
     etcd_endpoints: tuple[str, ...]
-    token: str
+    token: str = field(repr=False)       # one token for every role, unless `tokens`
     listen: str = "127.0.0.1:0"          # host:port; port 0 binds a free one
     advertise_host: str = "127.0.0.1"    # how agents and operators reach this controller
     tick_s: float = 0.2                  # reconcile period
@@ -19,6 +22,9 @@ class ControllerConfig:
     rendezvous_timeout_s: float = 30.0   # rank 0's agent must publish a port within this
     metrics_port: int | None = None      # Prometheus endpoint; None = not served
     address_file: Path | None = None     # write "host:port" here once serving
+    tokens: Tokens | None = None         # per-role tokens (join, operator, reader)
+    tls: TlsFiles | None = None          # mutual TLS on the gRPC port; None = plaintext
+    etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 
     def __post_init__(self):
         if not self.etcd_endpoints:
@@ -27,8 +33,9 @@ class ControllerConfig:
             host, _, port = ep.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"etcd endpoint {ep!r}: write it as host:port")
-        if not self.token:
-            raise ValueError("token: the controller needs one (--token-file or KEEL_TOKEN)")
+        if not self.token and self.tokens is None:
+            raise ValueError("token: the controller needs one (--token-file, KEEL_TOKEN, "
+                             "or the role tokens of --tls-dir)")
         # Deadline hierarchy: a tick must fit many times into every timeout it enforces,
         # and etcd calls must fail before a node is given up on.
         if not 0 < self.tick_s <= self.node_lost_grace_s / 4:

@@ -22,7 +22,7 @@ import structlog
 from google.protobuf import json_format
 
 from orchestrator import metrics
-from orchestrator.auth import TokenInterceptor
+from orchestrator.auth import TokenInterceptor, certificate_mismatch
 from orchestrator.config import ControllerConfig
 from orchestrator.diagnosis import culprit, summarize as summarize_stacks
 from orchestrator.guardrails import restart_backoff_s
@@ -33,6 +33,7 @@ from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.placement import NodeRanks, place
 from orchestrator.policy import Action, Decision, Observed, RankExit, Spec, decide
 from orchestrator.store import Store, StaleRevision, connect
+from orchestrator.tls import add_port
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
@@ -88,6 +89,7 @@ class JobRuntime:
     last_checkpoint: dict | None = None
     last_wait_reason: str = ""
     health: JobHealth | None = None
+    initial_loss_stored: bool = False
 
     @property
     def name(self) -> str:
@@ -101,14 +103,16 @@ class JobRuntime:
         """The job state as stored in etcd."""
         return {"state": self.state.value, "generation": self.generation,
                 "restarts": self.restarts, "reason": self.reason,
-                "failures": self.failures[-20:]}
+                "failures": self.failures[-20:],
+                "initial_loss": self.initial_loss if self.has_loss else None}
 
 
 class Controller(keel_pb2_grpc.ControllerServicer):
     def __init__(self, config: ControllerConfig):
         self.config = config
         self.id = uuid.uuid4().hex[:12]
-        self.store = Store(connect(list(config.etcd_endpoints), config.etcd_timeout_s))
+        self.store = Store(connect(list(config.etcd_endpoints), config.etcd_timeout_s,
+                                   config.etcd_credentials))
         self.lock = threading.RLock()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -118,21 +122,23 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.server: grpc.Server | None = None
         self.address = ""
         self._leader_lease = None
+        self.is_leader = False
+        self.leader_since = 0.0
+        self.lease_refreshed_at = 0.0
 
     # ================================================================ lifecycle
     def serve(self) -> str:
-        """Bind, publish the address in etcd, start the reconcile loop; return host:port."""
-        self._load_jobs()
+        """Bind, start campaigning for leadership and, once leading, reconciling; return
+        host:port. A standby answers every call with UNAVAILABLE and the leader's address."""
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
-                                  interceptors=[TokenInterceptor(self.config.token)])
+                                  interceptors=[TokenInterceptor(self.config.tokens
+                                                                 or self.config.token)])
         keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port(self.config.listen)
+        port = add_port(self.server, self.config.listen, self.config.tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.config.listen}")
         self.server.start()
         self.address = f"{self.config.advertise_host}:{port}"
-        self._leader_lease = self.store.client.lease(int(self.config.leader_ttl_s))
-        self.store.publish_controller(self.address, self._leader_lease.id)
         if self.config.address_file:
             tmp = self.config.address_file.with_suffix(".tmp")
             tmp.write_text(self.address)
@@ -141,8 +147,68 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             metrics.serve(self.config.metrics_port)
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
         log.info("controller serving", address=self.address, controller_id=self.id,
-                 jobs=len(self.jobs))
+                 mutual_tls=self.config.tls is not None,
+                 role_tokens=self.config.tokens is not None)
         return self.address
+
+    # =============================================================== leadership
+    def _campaign(self, now: float) -> None:
+        """One try at the leader key; on success rebuild everything from etcd."""
+        # A standby keeps its lease alive between tries, and takes a new one if it lapsed.
+        alive = False
+        if self._leader_lease is not None:
+            try:
+                alive = self._leader_lease.refresh()[0].TTL > 0
+            except Exception:
+                alive = False
+        if not alive:
+            self._leader_lease = self.store.client.lease(int(self.config.leader_ttl_s))
+        if not self.store.campaign(self.id, self.address, self._leader_lease.id):
+            return
+        with self.lock:
+            self.jobs.clear()
+            self._load_jobs()
+            self.leader_since, self.lease_refreshed_at = now, now
+            self.is_leader = True
+        metrics.LEADER.set(1)
+        log.info("leading", controller_id=self.id, address=self.address, jobs=len(self.jobs))
+
+    def _keep_leading(self, now: float) -> bool:
+        """Refresh the leader lease; step down if it lapsed. True while leading."""
+        try:
+            response = self._leader_lease.refresh()[0]
+            if response.TTL > 0:
+                self.lease_refreshed_at = now
+                return True
+            reason = "leader lease expired"
+        except Exception as exc:
+            if now - self.lease_refreshed_at < self.config.leader_ttl_s:
+                return True  # etcd hiccup: the lease may still be alive
+            reason = f"cannot refresh the leader lease: {exc}"
+        self._step_down(reason)
+        return False
+
+    def _step_down(self, reason: str) -> None:
+        with self.lock:
+            self.is_leader = False
+            for session in self.sessions.values():
+                session.connected = False
+                session.close()
+            self.sessions.clear()
+            self.jobs.clear()
+        self._leader_lease = None
+        metrics.LEADER.set(0)
+        log.warning("stepped down", controller_id=self.id, reason=reason)
+
+    def _require_leader(self, context) -> None:
+        if not self.is_leader:
+            leader = None
+            try:
+                leader = self.store.controller_address()
+            except Exception:
+                pass
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"standby controller; the leader is at {leader or 'unknown'}")
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         self.stopping.set()
@@ -181,10 +247,16 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                     job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
             checkpoints = self.store.checkpoints(name)
             job.last_checkpoint = checkpoints[-1] if checkpoints else None
+            if state.value.get("initial_loss") is not None:
+                job.initial_loss = job.loss = state.value["initial_loss"]
+                job.has_loss = job.initial_loss_stored = True
+            job.health.new_generation(job.generation,
+                                      {r: p.node for p in job.placement for r in p.ranks})
             self.jobs[name] = job
 
     # =================================================================== agents
     def Connect(self, request_iterator, context):
+        self._require_leader(context)
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -193,6 +265,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         problem = self._check_hello(hello)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = certificate_mismatch(context.auth_context(), hello.node)
+        if problem:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         try:
             lease_alive = self.store.lease_alive(hello.lease_id)
             if lease_alive:
@@ -217,6 +292,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         context.add_callback(session.close)
         session.send(keel_pb2.ControllerMessage(
             welcome=keel_pb2.Welcome(controller_id=self.id)))
+        if hello.running_job:
+            self._adopt_or_stop(session, hello)
         log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
                  agents=self._connected_count())
         reader = threading.Thread(target=self._read_agent, args=(session, request_iterator),
@@ -228,6 +305,25 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             if message is None:
                 break
             yield message
+
+    def _adopt_or_stop(self, session: AgentSession, hello: keel_pb2.Hello) -> None:
+        """An agent that (re)connects with ranks running keeps them if they belong to the
+        job's running generation; anything else is stopped cleanly."""
+        with self.lock:
+            job = self.jobs.get(hello.running_job)
+            current = (job is not None and job.state is JobState.RUNNING
+                       and job.generation == hello.running_generation
+                       and session.node in job.nodes)
+        if current:
+            log.info("adopted running ranks", job=hello.running_job, node=session.node,
+                     generation=hello.running_generation,
+                     ranks=[r.rank for r in hello.running])
+            return
+        log.info("stopping stale ranks", job=hello.running_job, node=session.node,
+                 generation=hello.running_generation)
+        session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
+            job=hello.running_job, generation=hello.running_generation,
+            reason="not the job's running generation")))
 
     def _check_hello(self, hello: keel_pb2.Hello) -> str:
         if not NODE_NAME.match(hello.node):
@@ -341,10 +437,11 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             log.error("could not record checkpoint", job=job.name, step=saved.step,
                       error=str(exc))
             return
-        if fresh:
-            job.last_checkpoint = record
-            log.info("checkpoint committed", job=job.name, generation=job.generation,
-                     step=saved.step, path=saved.path)
+        if not fresh and job.last_checkpoint and job.last_checkpoint["step"] >= saved.step:
+            return  # a replay after a reconnect, already known
+        job.last_checkpoint = record
+        log.info("checkpoint committed", job=job.name, generation=job.generation,
+                 step=saved.step, path=saved.path)
 
     # ================================================================== health
     def _on_hang(self, job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
@@ -417,6 +514,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     # ================================================================ operators
     def SubmitJob(self, request, context):
+        self._require_leader(context)
         spec = keel_pb2.JobSpec()
         spec.CopyFrom(request.spec)
         try:
@@ -446,6 +544,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         return keel_pb2.SubmitJobReply(job=spec.name)
 
     def GetJob(self, request, context):
+        self._require_leader(context)
         with self.lock:
             job = self.jobs.get(request.job)
             if job is None:
@@ -453,6 +552,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             return self._status(job)
 
     def ListJobs(self, request, context):
+        self._require_leader(context)
         with self.lock:
             return keel_pb2.ListJobsReply(jobs=[self._status(job) for _, job in
                                                 sorted(self.jobs.items())])
@@ -479,6 +579,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         return status
 
     def ListNodes(self, request, context):
+        self._require_leader(context)
         with self.lock:
             reply = keel_pb2.ListNodesReply()
             for name in sorted(set(self.registered) | set(self.sessions)):
@@ -501,12 +602,19 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 break
             now = time.monotonic()
             try:
-                if now >= next_refresh:
-                    self._leader_lease.refresh()
+                if not self.is_leader:
+                    if now >= next_refresh:
+                        next_refresh = now + self.config.leader_ttl_s / 4
+                        self._campaign(now)
+                    if not self.is_leader:
+                        continue
+                elif now >= next_refresh:
                     next_refresh = now + self.config.leader_ttl_s / 3
+                    if not self._keep_leading(now):
+                        continue
                 registered = self.store.nodes()
             except Exception as exc:
-                log.warning("etcd read failed; retrying next tick", error=str(exc))
+                log.warning("etcd call failed; retrying next tick", error=str(exc))
                 continue
             with self.lock:
                 self.registered = registered
@@ -534,8 +642,11 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _node_usable(self, node: str, now: float) -> bool:
         session = self.sessions.get(node)
-        if node not in self.registered or session is None:
+        if node not in self.registered:
             return False
+        if session is None:
+            # A controller that just took over gives agents time to reconnect.
+            return now - self.leader_since < self.config.node_lost_grace_s
         return session.connected or now - session.disconnected_at < self.config.node_lost_grace_s
 
     def _free_slots(self, job: JobRuntime, avoid: bool = True) -> dict[str, int]:
@@ -579,6 +690,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
                     rendezvous_timeout_s=self.config.rendezvous_timeout_s,
                     min_nodes=job.spec.min_nodes)
+        if job.has_loss and not job.initial_loss_stored:
+            # Stored once, so a controller taking over reports the job's real start.
+            job.state_rev = self.store.update_job_state(job.name, job.record(), job.state_rev)
+            job.initial_loss_stored = True
         if job.state is JobState.RUNNING:
             for flag in job.health.evaluate_stragglers():
                 self._on_slow_node(job, flag.node, now, flag.flagged_at_step,

@@ -8,6 +8,7 @@ Rank faults, applied by the trainer when the step starts:
 
 Cluster faults, applied by `keel up` once rank 0 has reported step N:
     lose_node:node=I,step=N      node I's agent and all its ranks are SIGKILLed at once
+    kill_leader:step=N           the leading controller is SIGKILLed (a standby takes over)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ FIELDS = {
     "hang": {"rank", "step"},
     "slow": {"rank", "step", "factor"},
     "lose_node": {"node", "step"},
+    "kill_leader": {"step"},
 }
 
 

@@ -2,6 +2,7 @@
 
 from prometheus_client import Counter, Gauge, start_http_server
 
+LEADER = Gauge("keel_controller_leader", "1 while this controller leads, 0 on standby")
 NODES = Gauge("keel_nodes_connected", "Agents connected and registered in etcd")
 JOB_STATE = Gauge("keel_job_state", "Job lifecycle state as an index: 0 PENDING, "
                   "1 STARTING, 2 RUNNING, 3 STOPPING, 4 SUCCEEDED, 5 FAILED", ["job"])

@@ -5,14 +5,13 @@ prints a table, or JSON with ``--json``."""
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 
 import click
 import grpc
 from google.protobuf import json_format
 
+from orchestrator import tls
 from orchestrator.auth import call_metadata
 from orchestrator.store import Store, connect
 from protos import keel_pb2, keel_pb2_grpc
@@ -32,28 +31,45 @@ def connection_options(command):
         help="etcd host:port list to find the controller in (env KEEL_ETCD_ENDPOINTS).")(command)
     command = click.option(
         "--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
-        help="File holding the controller's token (else env KEEL_TOKEN).")(command)
+        help="File holding your token: the operator or reader token, or the controller's "
+             "only one (else --tls-dir's operator.token or reader.token, else env "
+             "KEEL_TOKEN).")(command)
+    command = tls.tls_options("operator (or reader)",
+                              "ca.pem and operator.pem/.key/.token, or if it has none, "
+                              "reader.pem/.key/.token")(command)
+    command = tls.etcd_options(command)
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON instead of a table.")(command)
 
 
 class Client:
     def __init__(self, controller: str | None, etcd_endpoints: str | None,
-                 token_file: str | None):
-        token = (Path(token_file).read_text().strip() if token_file
-                 else os.environ.get("KEEL_TOKEN", ""))
+                 token_file: str | None, **security):
+        try:
+            token, tls_files, etcd_credentials = tls.client_settings(token_file, security)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
         if not token:
-            raise click.UsageError("give --token-file or set KEEL_TOKEN")
+            raise click.UsageError("give --token-file, --tls-dir or set KEEL_TOKEN")
         if not controller:
             if not etcd_endpoints:
                 raise click.UsageError("give --controller HOST:PORT, or --etcd-endpoints to "
                                        "find the leader")
             endpoints = [e.strip() for e in etcd_endpoints.split(",") if e.strip()]
-            controller = Store(connect(endpoints, RPC_TIMEOUT_S)).controller_address()
+            try:
+                controller = Store(connect(endpoints, RPC_TIMEOUT_S,
+                                           etcd_credentials)).controller_address()
+            except grpc.RpcError as exc:  # e.g. PERMISSION_DENIED: etcd user or password
+                raise click.ClickException(f"etcd at {etcd_endpoints}: {exc.code().name}: "
+                                           f"{exc.details()}") from None
+            except Exception as exc:  # etcd3's ConnectionFailedError and kin
+                raise click.ClickException(f"etcd at {etcd_endpoints}: {exc}; check "
+                                           f"--etcd-endpoints and the --etcd-* "
+                                           f"credentials") from None
             if not controller:
                 raise click.ClickException(f"no controller is published in etcd at "
                                            f"{etcd_endpoints}; is one running?")
-        self.channel = grpc.insecure_channel(controller)
+        self.channel = tls.channel(controller, tls_files)
         self.stub = keel_pb2_grpc.ControllerStub(self.channel)
         self.metadata = call_metadata(token)
         self.address = controller
@@ -105,9 +121,9 @@ def _event_line(event: keel_pb2.Event) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @connection_options
-def status(controller, etcd_endpoints, token_file, as_json):
+def status(controller, etcd_endpoints, token_file, as_json, **security):
     """The controller, its nodes and every job at a glance."""
-    client = Client(controller, etcd_endpoints, token_file)
+    client = Client(controller, etcd_endpoints, token_file, **security)
     nodes = client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
     jobs = client.call("ListJobs", keel_pb2.ListJobsRequest()).jobs
     if as_json:
@@ -124,9 +140,9 @@ def status(controller, etcd_endpoints, token_file, as_json):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @connection_options
-def nodes(controller, etcd_endpoints, token_file, as_json):
+def nodes(controller, etcd_endpoints, token_file, as_json, **security):
     """Registered nodes: host, slots, whether their agent is connected, their lease."""
-    client = Client(controller, etcd_endpoints, token_file)
+    client = Client(controller, etcd_endpoints, token_file, **security)
     found = client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
     if as_json:
         click.echo(json.dumps([_dict(n) for n in found]))
@@ -138,10 +154,10 @@ def nodes(controller, etcd_endpoints, token_file, as_json):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @connection_options
-def jobs(controller, etcd_endpoints, token_file, as_json):
+def jobs(controller, etcd_endpoints, token_file, as_json, **security):
     """Every job: state, generation, world size, layout, step, loss, stragglers, last
     checkpoint."""
-    client = Client(controller, etcd_endpoints, token_file)
+    client = Client(controller, etcd_endpoints, token_file, **security)
     found = client.call("ListJobs", keel_pb2.ListJobsRequest()).jobs
     if as_json:
         click.echo(json.dumps([_dict(j) for j in found]))
@@ -154,10 +170,10 @@ def jobs(controller, etcd_endpoints, token_file, as_json):
 @click.option("--follow", "-f", is_flag=True,
               help="Keep printing new events until the job ends (or Ctrl-C).")
 @connection_options
-def events(job, follow, controller, etcd_endpoints, token_file, as_json):
+def events(job, follow, controller, etcd_endpoints, token_file, as_json, **security):
     """A job's detections and actions (crash, hang, straggler, node_lost, replaced,
     excluded, cordoned, alert), oldest first."""
-    client = Client(controller, etcd_endpoints, token_file)
+    client = Client(controller, etcd_endpoints, token_file, **security)
     shown = 0
     while True:
         status_ = client.call("GetJob", keel_pb2.GetJobRequest(job=job))

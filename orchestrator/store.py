@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import etcd3
+
+if TYPE_CHECKING:
+    from orchestrator.tls import EtcdCredentials
 
 PREFIX = "/keel"
 
@@ -27,10 +31,13 @@ class StaleRevision(Exception):
     """A guarded write lost: the key changed since it was read."""
 
 
-def connect(endpoints: list[str], timeout_s: float) -> etcd3.Etcd3Client:
-    """An etcd client for the first of ``endpoints`` ("host:port")."""
+def connect(endpoints: list[str], timeout_s: float,
+            credentials: EtcdCredentials | None = None) -> etcd3.Etcd3Client:
+    """An etcd client for the first of ``endpoints`` ("host:port"), over TLS and/or
+    with a user and password if ``credentials`` say so."""
     host, _, port = endpoints[0].rpartition(":")
-    return etcd3.client(host=host, port=int(port), timeout=timeout_s)
+    return etcd3.client(host=host, port=int(port), timeout=timeout_s,
+                        **(credentials.client_kwargs() if credentials else {}))
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,23 @@ class Store:
         return info.TTL > 0
 
     # ------------------------------------------------------------------- leader
-    def publish_controller(self, address: str, lease_id: int | None = None) -> None:
-        self.client.put(f"{PREFIX}/controller/leader", json.dumps({"address": address}),
-                        lease=lease_id)
+    def campaign(self, controller_id: str, address: str, lease_id: int) -> bool:
+        """Take the leader key on ``lease_id`` if nobody holds it; True if we lead."""
+        key = f"{PREFIX}/controller/leader"
+        tx = self.client.transactions
+        ok, _ = self.client.transaction(
+            compare=[tx.version(key) == 0],
+            success=[tx.put(key, json.dumps({"address": address, "id": controller_id}),
+                            lease=lease_id)],
+            failure=[])
+        return ok
+
+    def leader(self) -> dict | None:
+        """The leading controller's ``{"address", "id"}``, or None."""
+        return self._get(f"{PREFIX}/controller/leader").value
 
     def controller_address(self) -> str | None:
-        value = self._get(f"{PREFIX}/controller/leader").value
+        value = self.leader()
         return value["address"] if value else None
 
     # --------------------------------------------------------------------- jobs

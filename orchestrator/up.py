@@ -22,12 +22,15 @@ import grpc
 from google.protobuf import json_format
 
 from orchestrator.auth import call_metadata
+from orchestrator.certs import init_once
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator import planner
 from orchestrator.faults import parse_schedule
 from orchestrator.jobspec import validate
 from orchestrator.ledger_check import audit_checkpoint
 from orchestrator.ports import die_with_parent
+from orchestrator.store import Store, connect
+from orchestrator.tls import EtcdCredentials, TlsFiles, channel, etcd_flags, resolve_tls
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
@@ -50,6 +53,7 @@ class UpOptions:
     layout: str | None = None        # None: dp_shard over every rank; "auto": the planner's
     min_nodes: int = 1               # after losing nodes, shrink down to this many
     spares: int = 0                  # extra agents that wait as hot spares
+    controllers: int = 1             # more than one: standbys take over from the leader
     straggler_policy: str = "replace"
     hang_timeout_s: float = 30.0     # floor of the hang timeout (k x median step above it)
     preflight: bool = True
@@ -59,6 +63,8 @@ class UpOptions:
     timeout_s: float = 3600.0
     lease_ttl_s: float = 5.0
     stop_grace_s: float = 5.0
+    tls: bool = False                # mutual TLS and role tokens, from <workdir>/tls
+    etcd_credentials: EtcdCredentials | None = None  # of the --etcd-endpoints cluster
     json: bool = False
 
     def __post_init__(self):
@@ -76,6 +82,11 @@ class UpOptions:
             raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
         if self.spares < 0:
             raise ValueError("--spares must be 0 or more")
+        if self.controllers < 1:
+            raise ValueError("--controllers must be at least 1")
+        if self.etcd_credentials and not self.etcd_endpoints:
+            raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user are for the etcd "
+                             "of --etcd-endpoints; the embedded one needs none")
 
     @property
     def world_size(self) -> int:
@@ -89,9 +100,10 @@ class LocalCluster:
     workdir: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     etcd: EmbeddedEtcd | None = None
-    controller: subprocess.Popen | None = None
+    controllers: list[subprocess.Popen] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)   # of each controller, in order
     agents: list[subprocess.Popen] = field(default_factory=list)
-    address: str = ""
+    client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
 
     @property
     def endpoints(self) -> str:
@@ -103,34 +115,53 @@ class LocalCluster:
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=die_with_parent)
 
+    def _credentials(self) -> list[str]:
+        """The daemons' credential flags. Plain: one token for everything. With --tls:
+        a CA and certificates in <workdir>/tls, agents given only the join token and
+        keel up itself the operator's. Then the etcd credentials, if any."""
+        etcd = etcd_flags(self.options.etcd_credentials)
+        if self.options.etcd_credentials and self.options.etcd_credentials.password:
+            # The daemons inherit it from here: a flag would show in ps.
+            os.environ["KEEL_ETCD_PASSWORD"] = self.options.etcd_credentials.password
+        if not self.options.tls:
+            token_file = self.workdir / "token"
+            token_file.touch(mode=0o600)
+            token_file.write_text(self.token)
+            return ["--token-file", str(token_file), *etcd]
+        tls_dir = init_once(self.workdir / "tls")
+        self.token = (tls_dir / "operator.token").read_text().strip()
+        self.client_tls = resolve_tls(tls_dir, "operator")
+        return ["--tls-dir", str(tls_dir), *etcd]
+
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        token_file = self.workdir / "token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(self.token)
+        credentials = self._credentials()
         if not self.options.etcd_endpoints:
             # keel up has no gRPC threads yet, so etcd can be tied to it like the daemons.
             self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
                                      data_parent=self.workdir, die_with_parent=True).start()
-        address_file = self.workdir / "controller.address"
-        address_file.unlink(missing_ok=True)
-        self.controller = self._spawn(
-            ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
-             "--token-file", str(token_file), "--address-file", str(address_file)],
-            "controller.log")
-        deadline = time.monotonic() + 30
-        while not address_file.exists():
-            if self.controller.poll() is not None:
-                raise RuntimeError(f"controller exited with code {self.controller.returncode}; "
-                                   f"see {self.workdir / 'logs' / 'controller.log'}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("controller did not start within 30 s")
-            time.sleep(0.05)
-        self.address = address_file.read_text().strip()
+        for i in range(self.options.controllers):
+            address_file = self.workdir / f"controller-{i}.address"
+            address_file.unlink(missing_ok=True)
+            log_name = "controller.log" if i == 0 else f"controller-{i}.log"
+            controller = self._spawn(
+                ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
+                 *credentials, "--address-file", str(address_file)],
+                log_name)
+            self.controllers.append(controller)
+            deadline = time.monotonic() + 30
+            while not address_file.exists():
+                if controller.poll() is not None:
+                    raise RuntimeError(f"controller exited with code {controller.returncode}; "
+                                       f"see {self.workdir / 'logs' / log_name}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("controller did not start within 30 s")
+                time.sleep(0.05)
+            self.addresses.append(address_file.read_text().strip())
         for i in range(self.options.nodes + self.options.spares):
             self.agents.append(self._spawn(
                 ["-m", "agent", "--node", f"node-{i}", "--slots", str(self.options.slots_per_node),
-                 "--etcd-endpoints", self.endpoints, "--token-file", str(token_file),
+                 "--etcd-endpoints", self.endpoints, *credentials,
                  "--run-dir", str(self.workdir / "nodes" / f"node-{i}"),
                  "--lease-ttl-s", str(self.options.lease_ttl_s),
                  "--stop-grace-s", str(self.options.stop_grace_s)],
@@ -140,7 +171,7 @@ class LocalCluster:
         """Agents first (they stop their ranks), then the controller, then etcd."""
         grace = self.options.stop_grace_s + 5
         _terminate(self.agents, grace)
-        _terminate([self.controller] if self.controller else [], grace)
+        _terminate(self.controllers, grace)
         if self.etcd is not None:
             self.etcd.stop()
 
@@ -202,29 +233,93 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
 
 
 @dataclass
-class NodeLosses:
-    """The schedule's ``lose_node`` faults, fired by killing an agent's process group
-    (the agent; its ranks die with it through their parent-death signal)."""
+class ClusterFaults:
+    """The schedule's faults that `keel up` fires itself once rank 0 reports their step:
+    ``lose_node`` kills an agent's process group (its ranks die with it through their
+    parent-death signal), ``kill_leader`` SIGKILLs the leading controller."""
     pending: list[keel_pb2.Fault]
-    lost: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)              # agent indexes
+    killed_controllers: set[int] = field(default_factory=set)
 
     @classmethod
-    def of(cls, spec: keel_pb2.JobSpec) -> "NodeLosses":
+    def of(cls, spec: keel_pb2.JobSpec) -> "ClusterFaults":
         if "KEEL_FAULTS" not in spec.env:
             return cls([])
         schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
-        return cls([f for f in schedule.faults if f.kind == "lose_node"])
+        return cls([f for f in schedule.faults if f.kind in ("lose_node", "kill_leader")])
 
-    def fire(self, step: int, cluster: "LocalCluster") -> list[str]:
+    def fire(self, step: int, cluster: "LocalCluster", leader: str | None) -> list[str]:
         fired = []
         for fault in [f for f in self.pending if step >= f.step]:
+            if fault.kind == "lose_node":
+                agent = cluster.agents[fault.node]
+                os.killpg(agent.pid, signal.SIGKILL)
+                self.lost.add(fault.node)
+                fired.append(f"injected: node-{fault.node} lost (agent pid {agent.pid} and "
+                             f"its ranks killed) at step {step}")
+            elif leader in cluster.addresses:
+                index = cluster.addresses.index(leader)
+                os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
+                self.killed_controllers.add(index)
+                fired.append(f"injected: leader controller {leader} killed at step {step}")
+            else:
+                continue  # no leader right now: fire once one leads
             self.pending.remove(fault)
-            agent = cluster.agents[fault.node]
-            os.killpg(agent.pid, signal.SIGKILL)
-            self.lost.add(fault.node)
-            fired.append(f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
-                         f"ranks killed) at step {step}")
         return fired
+
+
+class LeaderClient:
+    """Calls the leading controller, found in etcd, following it when it changes."""
+
+    def __init__(self, endpoints: list[str], token: str, wait_s: float = 60.0,
+                 tls_files: TlsFiles | None = None,
+                 etcd_credentials: EtcdCredentials | None = None):
+        self.store = Store(connect(endpoints, 5.0, etcd_credentials))
+        self.metadata = call_metadata(token)
+        self.tls_files = tls_files
+        self.wait_s = wait_s
+        self.address: str | None = None
+        self.channel: grpc.Channel | None = None
+        self.leaders: list[str] = []     # every leader seen, in order
+
+    def _stub(self) -> keel_pb2_grpc.ControllerStub:
+        leader = self.store.leader()
+        if leader is None:
+            raise NoLeader("no controller leads yet")
+        if leader["address"] != self.address:
+            if self.channel is not None:
+                self.channel.close()
+            self.address = leader["address"]
+            self.channel = channel(self.address, self.tls_files)
+        if not self.leaders or self.leaders[-1] != leader["id"]:
+            self.leaders.append(leader["id"])
+        return keel_pb2_grpc.ControllerStub(self.channel)
+
+    def call(self, method: str, request):
+        """One call to the leader; while there is none (a failover), retry for up to
+        ``wait_s`` seconds."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return getattr(self._stub(), method)(request, metadata=self.metadata,
+                                                     timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE or \
+                        time.monotonic() > deadline:
+                    raise
+            except Exception as exc:  # no leader yet, or etcd briefly unreachable
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no leading controller within {self.wait_s:.0f} s: "
+                                       f"{exc}") from exc
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+class NoLeader(Exception):
+    pass
 
 
 class Progress:
@@ -322,10 +417,11 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
     }
 
 
-def _wait_for_agents(stub, metadata, count: int, workdir: Path, timeout_s: float = 60.0) -> None:
+def _wait_for_agents(client: LeaderClient, count: int, workdir: Path,
+                     timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        nodes = stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=metadata, timeout=10).nodes
+        nodes = client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
         if sum(1 for n in nodes if n.connected) >= count:
             return
         time.sleep(0.1)
@@ -394,29 +490,36 @@ def up(options: UpOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
     cluster = LocalCluster(options, workdir)
-    losses = NodeLosses.of(spec)
-    status, error = None, ""
+    faults = ClusterFaults.of(spec)
+    status, error, leader_changes = None, "", 0
+    failovers_s: list[float] = []     # from killing a leader to its successor answering
+    killed_at = None
     stop = []
     previous = {sig: signal.signal(sig, lambda *_: stop.append(1))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     progress = Progress()
     try:
         cluster.start()
-        with grpc.insecure_channel(cluster.address) as channel:
-            stub = keel_pb2_grpc.ControllerStub(channel)
-            metadata = call_metadata(cluster.token)
+        client = LeaderClient(cluster.endpoints.split(","), cluster.token,
+                              tls_files=cluster.client_tls,
+                              etcd_credentials=options.etcd_credentials)
+        try:
             # Every agent joins before the job is submitted, so the placement is by node
             # name and the spares are the last nodes, whatever order they started in.
-            _wait_for_agents(stub, metadata, options.nodes + options.spares, workdir)
-            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec), metadata=metadata,
-                           timeout=10)
+            _wait_for_agents(client, options.nodes + options.spares, workdir)
+            client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
             deadline = time.monotonic() + options.timeout_s
             while True:
-                status = stub.GetJob(keel_pb2.GetJobRequest(job=spec.name),
-                                     metadata=metadata, timeout=10)
+                status = client.call("GetJob", keel_pb2.GetJobRequest(job=spec.name))
+                if len(client.leaders) - 1 > leader_changes and killed_at is not None:
+                    failovers_s.append(round(time.monotonic() - killed_at, 2))
+                    killed_at = None
+                leader_changes = len(client.leaders) - 1
                 progress.show(status)
-                for line in losses.fire(status.step, cluster):
+                for line in faults.fire(status.step, cluster, client.address):
                     progress.note(line)
+                    if "leader controller" in line:
+                        killed_at = time.monotonic()
                 if status.state in ("SUCCEEDED", "FAILED"):
                     break
                 if stop:
@@ -426,10 +529,14 @@ def up(options: UpOptions) -> int:
                     error = f"timed out after {options.timeout_s:.0f} s"
                     break
                 if any(a.poll() is not None for i, a in enumerate(cluster.agents)
-                       if i not in losses.lost) or cluster.controller.poll() is not None:
+                       if i not in faults.lost) or \
+                        any(c.poll() is not None for i, c in enumerate(cluster.controllers)
+                            if i not in faults.killed_controllers):
                     error = f"a daemon exited unexpectedly; see {workdir / 'logs'}"
                     break
                 time.sleep(POLL_S)
+        finally:
+            client.close()
     except (RuntimeError, grpc.RpcError) as exc:
         error = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     finally:
@@ -438,6 +545,8 @@ def up(options: UpOptions) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     summary = summarize(status, time.monotonic() - started, workdir, error)
+    summary["leader_changes"] = leader_changes
+    summary["failovers_s"] = failovers_s
     print_summary(summary, options.json)
     if succeeded(summary) and not error:
         return 0

@@ -47,7 +47,10 @@ def cluster(etcd, no_leaks):
         wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,
                  what="controller address")
         assert proc.poll() is None, (tmp / "controller.log").read_text()
-        return (tmp / "address").read_text().strip()
+        address = (tmp / "address").read_text().strip()
+        wait_for(lambda: Cluster.store.controller_address() == address, 30,
+                 what="the controller to lead")
+        return address
 
     def agent(node, token_file="token", ttl="2"):
         proc = spawn(["-m", "agent", "--node", node, "--slots", "2", "--etcd-endpoints",
