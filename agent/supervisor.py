@@ -163,7 +163,7 @@ class Supervisor:
             job=proc.job, generation=proc.generation, rank=proc.rank, pid=proc.pid,
             exit_code=code if code >= 0 else -1, signal=-code if code < 0 else 0,
             traceback=traceback, stderr_tail=stderr_tail[-4000:], exited_at=exited_at,
-            stopped_by_agent=stopped, last_step=proc.last_step)
+            stopped_by_agent=stopped, last_step=proc.last_step, reaped_at=time.time())
 
     def generation_done(self, job: str, generation: int) -> bool:
         """True when every rank of the generation is reaped, its group empty."""

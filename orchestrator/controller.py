@@ -380,7 +380,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                              exit_code=body.exit_code, signal=body.signal,
                              exited_at=body.exited_at, stopped_by_agent=body.stopped_by_agent,
                              traceback=body.traceback, stderr_tail=body.stderr_tail,
-                             last_step=body.last_step, reported_at=time.time())
+                             last_step=body.last_step, reported_at=time.time(),
+                             reaped_at=body.reaped_at)
             job.exits[body.rank] = exit_
             log.info("rank exited", job=job.name, generation=job.generation,
                      node=session.node, rank=body.rank, exit_code=body.exit_code,
@@ -826,7 +827,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             job.health.event(
                 "crash", decision.reason, node=cause.node, rank=cause.rank,
                 step=cause.last_step,
-                detected_after_s=max(0.0, cause.reported_at - cause.exited_at),
+                # From the process's exit (reaped within one agent tick of it) to the
+                # controller knowing, traceback included.
+                detected_after_s=max(0.0, cause.reported_at - (cause.reaped_at or cause.exited_at)),
                 root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
         self._transition(job, JobState.STOPPING, decision.reason, now)
         for node in job.nodes - job.lost_nodes:

@@ -36,6 +36,7 @@ class RankExit:
     stderr_tail: str = ""
     last_step: int = 0
     reported_at: float = 0.0   # unix seconds, when the controller heard of it
+    reaped_at: float = 0.0     # unix seconds, when its agent reaped the process
 
     @property
     def failed(self) -> bool:

@@ -217,7 +217,7 @@ class StopGeneration(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., collect_stacks: _Optional[bool] = ...) -> None: ...
 
 class RankExited(_message.Message):
-    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step")
+    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step", "reaped_at")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class RankExited(_message.Message):
     EXITED_AT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    REAPED_AT_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -240,7 +241,8 @@ class RankExited(_message.Message):
     exited_at: float
     stopped_by_agent: bool
     last_step: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ...) -> None: ...
+    reaped_at: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ..., reaped_at: _Optional[float] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at", "data_s", "compute_s", "optimizer_s", "checkpoint_s", "checkpointing")
