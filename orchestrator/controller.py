@@ -813,7 +813,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
         pending = job.health.replacing
-        if pending is not None and decision.reason.startswith(pending.policy):
+        if pending is not None and decision.replacement:
             job.health.avoid.add(pending.node)
             if pending.policy == "exclude":
                 job.health.exclude_next.add(pending.node)

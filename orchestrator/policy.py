@@ -86,6 +86,7 @@ class Decision:
     root_cause: RankExit | None = field(default=None)
     shrink: bool = False    # PREPARE on fewer slots than the spec asks for
     collect_stacks: bool = False  # STOP of a hang: every agent dumps stacks first
+    replacement: bool = False     # STOP to carry out a node replacement
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
@@ -145,7 +146,7 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
         if observed.replace:
-            return Decision(Action.STOP, observed.replace)
+            return Decision(Action.STOP, observed.replace, replacement=True)
         ranks = observed.generation_world_size
         done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
         if done == ranks:

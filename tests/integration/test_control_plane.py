@@ -18,9 +18,10 @@ TOKEN = "s3cret-token"
 
 
 def spawn(args, log_path):
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    # The child keeps its own copy of the log's descriptor; ours is closed at once.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, *args], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def stop(proc, grace_s=10):

@@ -131,7 +131,7 @@ def test_a_hang_stops_the_generation_and_asks_for_stacks():
 
 def test_a_ready_replacement_stops_the_generation_with_its_reason():
     d = decide(1.0, running(replace="replacing straggler node-1"), SPEC)
-    assert d.action is Action.STOP and not d.collect_stacks
+    assert d.action is Action.STOP and d.replacement and not d.collect_stacks
     assert d.reason == "replacing straggler node-1"
 
 
