@@ -9,6 +9,7 @@ import click
 from agent import tls
 from agent.config import AgentConfig
 from agent.daemon import run
+from agent.leftovers import RunDirInUse
 from agent.logs import configure
 
 
@@ -49,7 +50,10 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lea
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     configure("agent", node=node)
-    run(config)
+    try:
+        run(config)
+    except RunDirInUse as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

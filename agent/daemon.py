@@ -18,12 +18,12 @@ import tempfile
 import threading
 import time
 
-import etcd3
 import grpc
 import structlog
 
-from agent import metrics, tls
+from agent import leftovers, metrics, tls
 from agent.config import AgentConfig
+from agent.etcd_client import EtcdClient
 from agent.local_server import AgentLocalService, serve
 from agent.failure import tail
 from agent.hang import HangConfig, RankProgress, find_hang
@@ -41,15 +41,14 @@ STACK_TAIL_BYTES = 65536
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
-        host, _, port = config.etcd_endpoints[0].rpartition(":")
-        self.etcd = etcd3.client(host=host, port=int(port), timeout=config.etcd_timeout_s,
-                                 **(config.etcd_credentials.client_kwargs()
-                                    if config.etcd_credentials else {}))
+        self.etcd = EtcdClient(list(config.etcd_endpoints), config.etcd_timeout_s,
+                               config.etcd_credentials)
         self.events: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.supervisor = Supervisor(config.run_dir, config.stop_grace_s)
         self.lease = None
+        self.stream_call = None      # the Connect call in progress, to cancel on a new lease
         self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
         self.socket_path = f"{self.socket_dir}/agent.sock"
         self.local_server: grpc.Server | None = None
@@ -70,6 +69,7 @@ class Agent:
     # ================================================================ lifecycle
     def run(self) -> None:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        leftovers.take_over(self.config.run_dir, self.socket_path)
         self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
         self.local_server = serve(self.socket_path, AgentLocalService(
             self._on_local_steps, lambda saved: self.events.put(("checkpoint", saved)),
@@ -91,6 +91,8 @@ class Agent:
 
     def _shutdown(self) -> None:
         self.supervisor.stop_all(self.config.stop_grace_s + 2)
+        # Whatever the ranks started outside their process groups goes too.
+        leftovers.kill_marked(self.socket_path)
         self.outbox.put(None)
         if self.local_server is not None:
             self.local_server.stop(0.5).wait()
@@ -106,9 +108,27 @@ class Agent:
         period = self.config.lease_ttl_s / 3
         while not self.stopping.wait(period):
             try:
-                self.lease.refresh()
-            except Exception as exc:
+                alive = self.lease.refresh()[0].TTL > 0
+            except Exception as exc:  # etcd down or restarting: it keeps leases across
                 log.warning("lease refresh failed", error=str(exc), lease_id=self.lease.id)
+                continue
+            if not alive:
+                self._register_again()
+
+    def _register_again(self) -> None:
+        """The lease is gone (it expired while etcd was out of reach, or etcd lost its
+        data): take a new one and say Hello again on it, ranks still running."""
+        try:
+            lease = self.etcd.lease(int(self.config.lease_ttl_s))
+        except Exception as exc:
+            log.warning("cannot grant a new lease; retrying", error=str(exc))
+            return
+        log.warning("etcd lease lost; registering again", old_lease_id=self.lease.id,
+                    lease_id=lease.id)
+        self.lease = lease
+        call = self.stream_call
+        if call is not None:
+            call.cancel()  # the stream loop reconnects at once with a Hello on the new lease
 
     # =================================================================== stream
     def _controller_address(self) -> str | None:
@@ -140,12 +160,13 @@ class Agent:
                                pid=os.getpid())
         current = self.current
         if current is not None:
-            running = [r for r in self.supervisor.of_generation(current.job, current.generation)
-                       if r.phase is RankPhase.RUNNING]
-            if running:
-                hello.running_job, hello.running_generation = current.job, current.generation
-                hello.running.extend(keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
-                                     for r in running)
+            # The generation this agent runs, even when all its ranks here have exited
+            # (their exits are replayed right after this Hello).
+            hello.running_job, hello.running_generation = current.job, current.generation
+            hello.running.extend(
+                keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
+                for r in self.supervisor.of_generation(current.job, current.generation)
+                if r.popen.returncode is None)
         yield keel_pb2.AgentMessage(hello=hello)
         yield from list(self.replay)
         while not closed.is_set():
@@ -162,8 +183,9 @@ class Agent:
         metadata = (("authorization", f"Bearer {self.config.token}"),)
         with tls.channel(address, self.config.tls) as channel:
             stub = keel_pb2_grpc.ControllerStub(channel)
+            self.stream_call = stub.Connect(self._requests(closed), metadata=metadata)
             try:
-                for message in stub.Connect(self._requests(closed), metadata=metadata):
+                for message in self.stream_call:
                     if message.WhichOneof("kind") == "welcome":
                         log.info("connected to controller", address=address,
                                  controller_id=message.welcome.controller_id)
@@ -174,6 +196,7 @@ class Agent:
                     log.warning("controller stream ended", address=address,
                                 code=str(exc.code()), details=exc.details())
             finally:
+                self.stream_call = None
                 closed.set()
 
     def _send(self, **kind) -> None:
@@ -277,12 +300,14 @@ class Agent:
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
         # A node runs one generation at a time: anything older goes first.
-        leftovers = [r for r in self.supervisor.ranks if r.generation != start.generation
-                     or r.job != start.job]
-        if leftovers:
+        older = [r for r in self.supervisor.ranks if r.generation != start.generation
+                 or r.job != start.job]
+        if older:
             log.warning("stopping ranks of an older generation before starting",
-                        count=len(leftovers))
+                        count=len(older))
             self.supervisor.stop_all(self.config.stop_grace_s + 2)
+            for job, generation in {(r.job, r.generation) for r in older}:
+                leftovers.kill_marked(self.socket_path, job, generation)
             self.supervisor.ranks.clear()
         self.replay = []
         with self.step_lock:
@@ -364,6 +389,10 @@ class Agent:
             return
         job, generation = self.stopping_generation
         if self.supervisor.generation_done(job, generation):
+            escaped = leftovers.kill_marked(self.socket_path, job, generation)
+            if escaped:
+                log.warning("killed processes the ranks had moved out of their process "
+                            "groups", job=job, generation=generation, count=escaped)
             self.supervisor.forget(job, generation)
             self.stopping_generation = None
             with self.step_lock:

@@ -34,7 +34,10 @@ def main():
               help="Deterministic fault, repeatable: crash:rank=R,step=N | "
                    "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
                    "lose_node:node=I,step=N (node I's agent and ranks killed at once) | "
-                   "kill_leader:step=N (the leading controller SIGKILLed).")
+                   "kill_leader:step=N (the leading controller SIGKILLed) | "
+                   "restart_etcd:step=N (etcd SIGKILLed, back 2 s later on its data) | "
+                   "kill_agent:node=I,step=N (node I's agent SIGKILLed, then started "
+                   "again).")
 @click.option("--layout", default=None, metavar="LAYOUT",
               help="Parallel layout, e.g. dp_shard=2,tp=2 (axes dp_replicate, dp_shard, tp, "
                    "pp; omitted ones are 1), or 'auto' for the planner's choice. Default: "

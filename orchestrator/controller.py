@@ -79,6 +79,7 @@ class JobRuntime:
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)
     lost_nodes: set[str] = field(default_factory=set)
+    vanished: dict[str, list[int]] = field(default_factory=dict)  # node -> ranks gone with its agent
     # progress, from step reports
     step: int = 0
     loss: float = 0.0
@@ -90,6 +91,7 @@ class JobRuntime:
     last_wait_reason: str = ""
     health: JobHealth | None = None
     initial_loss_stored: bool = False
+    unrecorded: list[dict] = field(default_factory=list)   # commits etcd has not taken yet
 
     @property
     def name(self) -> str:
@@ -292,8 +294,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         context.add_callback(session.close)
         session.send(keel_pb2.ControllerMessage(
             welcome=keel_pb2.Welcome(controller_id=self.id)))
-        if hello.running_job:
-            self._adopt_or_stop(session, hello)
+        self._account_for_ranks(session, hello)
         log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
                  agents=self._connected_count())
         reader = threading.Thread(target=self._read_agent, args=(session, request_iterator),
@@ -306,10 +307,40 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 break
             yield message
 
-    def _adopt_or_stop(self, session: AgentSession, hello: keel_pb2.Hello) -> None:
-        """An agent that (re)connects with ranks running keeps them if they belong to the
-        job's running generation; anything else is stopped cleanly."""
+    def _account_for_ranks(self, session: AgentSession, hello: keel_pb2.Hello) -> None:
+        """Square what a (re)connecting agent runs with the plan. Ranks of the job's
+        running generation are adopted; anything else it runs is stopped cleanly; and
+        ranks planned on the node that the agent does not know of died with a previous
+        agent (or never started), which ends their generation."""
         with self.lock:
+            for job in self.jobs.values():
+                if session.node not in job.nodes:
+                    continue
+                if (job.state is JobState.STARTING and job.rendezvous is None
+                        and job.placement[0].node == session.node):
+                    # The request may have been lost with the previous stream.
+                    session.send(keel_pb2.ControllerMessage(
+                        prepare_rendezvous=keel_pb2.PrepareRendezvous(
+                            job=job.name, generation=job.generation)))
+                if job.state not in (JobState.RUNNING, JobState.STOPPING) or (
+                        hello.running_job == job.name
+                        and hello.running_generation == job.generation):
+                    continue
+                if job.state is JobState.STOPPING:
+                    job.stopped_nodes.add(session.node)  # nothing of it runs there
+                    continue
+                missing = [r for part in job.placement if part.node == session.node
+                           for r in part.ranks if r not in job.exits]
+                if missing and session.node not in job.vanished:
+                    job.vanished[session.node] = missing
+                    job.health.event(
+                        "agent_restarted",
+                        f"the agent of {session.node} (pid {hello.pid}) came back without "
+                        f"rank(s) {', '.join(map(str, missing))} of generation "
+                        f"{job.generation}: they died with its previous incarnation",
+                        node=session.node, step=job.step)
+            if not hello.running_job:
+                return
             job = self.jobs.get(hello.running_job)
             current = (job is not None and job.state is JobState.RUNNING
                        and job.generation == hello.running_generation
@@ -431,18 +462,27 @@ class Controller(keel_pb2_grpc.ControllerServicer):
     def _on_checkpoint(self, job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> None:
         record = {"step": saved.step, "path": saved.path, "generation": saved.generation,
                   "samples": saved.samples, "recorded_at": time.time()}
+        self._record_checkpoint(job, record)
+
+    def _record_checkpoint(self, job: JobRuntime, record: dict) -> None:
+        """Commit a checkpoint in etcd; while etcd is out of reach it waits in
+        ``job.unrecorded`` and the reconcile loop tries again. Not recorded means not
+        committed: until then the restore point stays the previous one."""
         try:
-            fresh = self.store.record_checkpoint(job.name, record)
+            self.store.record_checkpoint(job.name, record)
         except Exception as exc:
-            # Not recorded means not committed: the restore point stays the previous one.
-            log.error("could not record checkpoint", job=job.name, step=saved.step,
-                      error=str(exc))
+            if record not in job.unrecorded:
+                job.unrecorded.append(record)
+                log.warning("could not record checkpoint; will retry", job=job.name,
+                            step=record["step"], error=str(exc))
             return
-        if not fresh and job.last_checkpoint and job.last_checkpoint["step"] >= saved.step:
-            return  # a replay after a reconnect, already known
+        if record in job.unrecorded:
+            job.unrecorded.remove(record)
+        if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
+            return  # a replay after a reconnect, or a late retry of an older one
         job.last_checkpoint = record
-        log.info("checkpoint committed", job=job.name, generation=job.generation,
-                 step=saved.step, path=saved.path)
+        log.info("checkpoint committed", job=job.name, generation=record["generation"],
+                 step=record["step"], path=record["path"])
 
     # ================================================================== health
     def _on_hang(self, job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
@@ -595,7 +635,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     # ================================================================ reconcile
     def _loop(self) -> None:
-        next_refresh = 0.0
+        next_refresh, etcd_down_since = 0.0, 0.0
         while not self.stopping.is_set():
             self.wake.wait(self.config.tick_s)
             self.wake.clear()
@@ -615,8 +655,13 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                         continue
                 registered = self.store.nodes()
             except Exception as exc:
-                log.warning("etcd call failed; retrying next tick", error=str(exc))
+                if not etcd_down_since:
+                    etcd_down_since = now
+                    log.warning("etcd unreachable; retrying every tick", error=str(exc))
                 continue
+            if etcd_down_since:
+                log.info("etcd reachable again", down_s=round(now - etcd_down_since, 2))
+                etcd_down_since = 0.0
             with self.lock:
                 self.registered = registered
                 metrics.NODES.set(sum(1 for n in registered
@@ -678,6 +723,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                         rendezvous_ready=job.rendezvous is not None,
                         exits=tuple(job.exits.values()),
                         lost_nodes=frozenset(job.lost_nodes),
+                        vanished_nodes=frozenset(job.vanished),
                         unreachable_nodes=frozenset(
                             n for n in job.nodes - job.lost_nodes
                             if n in self.sessions and not self.sessions[n].connected),
@@ -691,6 +737,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
                     rendezvous_timeout_s=self.config.rendezvous_timeout_s,
                     min_nodes=job.spec.min_nodes)
+        for record in list(job.unrecorded):
+            self._record_checkpoint(job, record)
         if job.has_loss and not job.initial_loss_stored:
             # Stored once, so a controller taking over reports the job's real start.
             job.state_rev = self.store.update_job_state(job.name, job.record(), job.state_rev)
@@ -778,6 +826,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()
+        job.vanished.clear()
         checkpoints = self.store.checkpoints(job.name)
         job.restore_from = checkpoints[-1] if checkpoints else None
         self.sessions[placement[0].node].send(keel_pb2.ControllerMessage(

@@ -37,8 +37,7 @@ class EmbeddedEtcd:
                  log_path: Path | None = None, data_parent: Path | None = None,
                  die_with_parent: bool = False):
         """``data_parent``: where the temporary data directory goes (default: the system
-        temp dir). ``die_with_parent``: SIGKILL etcd if this process dies; only safe
-        before this process starts gRPC threads (it runs Python between fork and exec)."""
+        temp dir). ``die_with_parent``: SIGKILL etcd if this process dies."""
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.log_path = log_path
@@ -60,31 +59,41 @@ class EmbeddedEtcd:
         for _ in range(3):
             self.data_dir = Path(tempfile.mkdtemp(prefix="keel-etcd-", dir=self.data_parent))
             self.client_port, self.peer_port = ports.free_port(), ports.free_port()
-            log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
             try:
-                self.proc = subprocess.Popen(
-                    [str(etcd_binary()),
-                     "--name", "keel-local",
-                     "--data-dir", str(self.data_dir),
-                     "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-                     "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
-                     "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-                     "--initial-cluster", f"keel-local=http://127.0.0.1:{self.peer_port}",
-                     "--log-level", "warn"],
-                    stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    preexec_fn=ports.die_with_parent if self.die_with_parent else None)
-            finally:
-                if log is not subprocess.DEVNULL:
-                    log.close()
-            try:
-                self._wait_healthy()
+                self._launch()
                 return self
             except RuntimeError as exc:
                 last_error = str(exc)
                 self.stop()
         raise RuntimeError(f"embedded etcd did not start: {last_error}")
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Crash etcd (SIGKILL) and start it again after ``down_s`` seconds on the same
+        ports and data directory: what its clients see of an etcd restart."""
+        self.proc.kill()
+        self.proc.wait()
+        time.sleep(down_s)
+        self._launch()
+
+    def _launch(self) -> None:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                [*(ports.tied_to_this_process() if self.die_with_parent else []),
+                 str(etcd_binary()),
+                 "--name", "keel-local",
+                 "--data-dir", str(self.data_dir),
+                 "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                 "--initial-cluster", f"keel-local=http://127.0.0.1:{self.peer_port}",
+                 "--log-level", "warn"],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

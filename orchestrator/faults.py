@@ -9,6 +9,9 @@ Rank faults, applied by the trainer when the step starts:
 Cluster faults, applied by `keel up` once rank 0 has reported step N:
     lose_node:node=I,step=N      node I's agent and all its ranks are SIGKILLed at once
     kill_leader:step=N           the leading controller is SIGKILLed (a standby takes over)
+    restart_etcd:step=N          etcd is SIGKILLed and started again on its data 2 s later
+    kill_agent:node=I,step=N     node I's agent is SIGKILLed (its ranks die with it) and
+                                 started again on the same node
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ FIELDS = {
     "slow": {"rank", "step", "factor"},
     "lose_node": {"node", "step"},
     "kill_leader": {"step"},
+    "restart_etcd": {"step"},
+    "kill_agent": {"node", "step"},
 }
+# Fired by `keel up` itself rather than by a rank.
+CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent"})
 
 
 class BadFault(ValueError):

@@ -65,6 +65,7 @@ class Observed:
     exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
     lost_nodes: frozenset[str] = frozenset()         # generation nodes gone from etcd/stream
     unreachable_nodes: frozenset[str] = frozenset()  # stream down, not (yet) declared lost
+    vanished_nodes: frozenset[str] = frozenset()     # agent came back without its ranks
     hang: str = ""                     # an agent declared a rank hung: its reason
     replace: str = ""                  # a node replacement is ready to go: its reason
     backoff_s: float = 0.0             # wait this long in PENDING after a failure
@@ -135,7 +136,7 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         if observed.hang:
             return Decision(Action.STOP, observed.hang, collect_stacks=True)
         cause = root_cause(observed.exits)
-        gone = observed.lost_nodes | observed.unreachable_nodes
+        gone = observed.lost_nodes | observed.unreachable_nodes | observed.vanished_nodes
         if cause is not None:
             if gone and cause.node not in gone:
                 # Peers of a vanished node fail with connection errors at once, seconds
@@ -145,6 +146,9 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             return Decision(Action.STOP, cause.describe(), cause)
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+        if observed.vanished_nodes:
+            return Decision(Action.STOP, f"the agent of {', '.join(sorted(observed.vanished_nodes))} "
+                                         f"restarted; its ranks died with it")
         if observed.replace:
             return Decision(Action.STOP, observed.replace, replacement=True)
         ranks = observed.generation_world_size

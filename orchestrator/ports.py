@@ -1,10 +1,8 @@
 """Helpers for the local processes `keel up` starts: free ports, parent-death signals."""
 
-import ctypes
-import signal
+import os
 import socket
-
-PR_SET_PDEATHSIG = 1
+import sys
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -18,10 +16,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: have the kernel SIGKILL this child when its parent dies.
+def tied_to_this_process() -> list[str]:
+    """Argv prefix that runs a command so the kernel SIGKILLs it when this process dies.
 
-    Runs Python between fork and exec, which is only safe in a parent that has no gRPC
-    (or other) threads yet; the agent, which has them, uses ``agent.launch`` instead.
+    It is the agent's exec wrapper (``python -m agent.launch PID CMD...``), run as a
+    program: it sets PR_SET_PDEATHSIG after the fork, in a fresh interpreter, which a
+    ``preexec_fn`` cannot do safely once this process has gRPC threads.
     """
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return [sys.executable, "-m", "agent.launch", str(os.getpid())]

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import etcd3
+from orchestrator.etcd_client import EtcdClient
 
 if TYPE_CHECKING:
     from orchestrator.tls import EtcdCredentials
@@ -32,12 +32,11 @@ class StaleRevision(Exception):
 
 
 def connect(endpoints: list[str], timeout_s: float,
-            credentials: EtcdCredentials | None = None) -> etcd3.Etcd3Client:
-    """An etcd client for the first of ``endpoints`` ("host:port"), over TLS and/or
-    with a user and password if ``credentials`` say so."""
-    host, _, port = endpoints[0].rpartition(":")
-    return etcd3.client(host=host, port=int(port), timeout=timeout_s,
-                        **(credentials.client_kwargs() if credentials else {}))
+            credentials: EtcdCredentials | None = None) -> EtcdClient:
+    """An etcd client over ``endpoints`` ("host:port", failing over between them), over
+    TLS and/or with a user and password if ``credentials`` say so, that survives etcd
+    restarts."""
+    return EtcdClient(endpoints, timeout_s, credentials)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class Versioned:
 
 
 class Store:
-    def __init__(self, client: etcd3.Etcd3Client):
+    def __init__(self, client: EtcdClient):
         self.client = client
 
     # ------------------------------------------------------------------ helpers

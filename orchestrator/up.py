@@ -25,15 +25,16 @@ from orchestrator.auth import call_metadata
 from orchestrator.certs import init_once
 from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator import planner
-from orchestrator.faults import parse_schedule
+from orchestrator.faults import CLUSTER_FAULTS, parse_schedule
 from orchestrator.jobspec import validate
 from orchestrator.ledger_check import audit_checkpoint
-from orchestrator.ports import die_with_parent
+from orchestrator.ports import tied_to_this_process
 from orchestrator.store import Store, connect
 from orchestrator.tls import EtcdCredentials, TlsFiles, channel, etcd_flags, resolve_tls
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
+ETCD_DOWN_S = 2.0    # restart_etcd: how long etcd stays down
 POLL_S = 0.5
 # The reference trainer's model and batch, passed to it explicitly so that the shape the
 # controller validates and plans with is the one that trains.
@@ -104,6 +105,7 @@ class LocalCluster:
     addresses: list[str] = field(default_factory=list)   # of each controller, in order
     agents: list[subprocess.Popen] = field(default_factory=list)
     client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
+    agent_credentials: list[str] = field(default_factory=list)
 
     @property
     def endpoints(self) -> str:
@@ -111,9 +113,9 @@ class LocalCluster:
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         with open(self.workdir / "logs" / log_name, "ab") as log:
-            return subprocess.Popen([sys.executable, *args], stdout=log, stderr=log,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            return subprocess.Popen([*tied_to_this_process(), sys.executable, *args],
+                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
 
     def _credentials(self) -> list[str]:
         """The daemons' credential flags. Plain: one token for everything. With --tls:
@@ -137,7 +139,6 @@ class LocalCluster:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         credentials = self._credentials()
         if not self.options.etcd_endpoints:
-            # keel up has no gRPC threads yet, so etcd can be tied to it like the daemons.
             self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
                                      data_parent=self.workdir, die_with_parent=True).start()
         for i in range(self.options.controllers):
@@ -158,14 +159,21 @@ class LocalCluster:
                     raise RuntimeError("controller did not start within 30 s")
                 time.sleep(0.05)
             self.addresses.append(address_file.read_text().strip())
+        self.agent_credentials = credentials
         for i in range(self.options.nodes + self.options.spares):
-            self.agents.append(self._spawn(
-                ["-m", "agent", "--node", f"node-{i}", "--slots", str(self.options.slots_per_node),
-                 "--etcd-endpoints", self.endpoints, *credentials,
-                 "--run-dir", str(self.workdir / "nodes" / f"node-{i}"),
-                 "--lease-ttl-s", str(self.options.lease_ttl_s),
-                 "--stop-grace-s", str(self.options.stop_grace_s)],
-                f"agent-node-{i}.log"))
+            self.agents.append(self.start_agent(i))
+
+    def start_agent(self, index: int) -> subprocess.Popen:
+        """Agent ``node-INDEX``, on its run directory (a restarted one finds there what
+        its predecessor left running)."""
+        return self._spawn(
+            ["-m", "agent", "--node", f"node-{index}",
+             "--slots", str(self.options.slots_per_node),
+             "--etcd-endpoints", self.endpoints, *self.agent_credentials,
+             "--run-dir", str(self.workdir / "nodes" / f"node-{index}"),
+             "--lease-ttl-s", str(self.options.lease_ttl_s),
+             "--stop-grace-s", str(self.options.stop_grace_s)],
+            f"agent-node-{index}.log")
 
     def stop(self) -> None:
         """Agents first (they stop their ranks), then the controller, then etcd."""
@@ -226,6 +234,8 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
         preflight_off=not options.preflight))
     schedule = parse_schedule(list(options.inject), options.world_size,
                               options.nodes + options.spares)
+    if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in schedule.faults):
+        raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints")
     if schedule.faults:
         spec.env["KEEL_FAULTS"] = json_format.MessageToJson(schedule, indent=None)
     validate(spec)
@@ -236,7 +246,9 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
 class ClusterFaults:
     """The schedule's faults that `keel up` fires itself once rank 0 reports their step:
     ``lose_node`` kills an agent's process group (its ranks die with it through their
-    parent-death signal), ``kill_leader`` SIGKILLs the leading controller."""
+    parent-death signal), ``kill_leader`` SIGKILLs the leading controller,
+    ``restart_etcd`` crashes etcd and starts it again on its data after
+    ``ETCD_DOWN_S``, and ``kill_agent`` SIGKILLs an agent and starts it again."""
     pending: list[keel_pb2.Fault]
     lost: set[int] = field(default_factory=set)              # agent indexes
     killed_controllers: set[int] = field(default_factory=set)
@@ -246,7 +258,7 @@ class ClusterFaults:
         if "KEEL_FAULTS" not in spec.env:
             return cls([])
         schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
-        return cls([f for f in schedule.faults if f.kind in ("lose_node", "kill_leader")])
+        return cls([f for f in schedule.faults if f.kind in CLUSTER_FAULTS])
 
     def fire(self, step: int, cluster: "LocalCluster", leader: str | None) -> list[str]:
         fired = []
@@ -257,6 +269,18 @@ class ClusterFaults:
                 self.lost.add(fault.node)
                 fired.append(f"injected: node-{fault.node} lost (agent pid {agent.pid} and "
                              f"its ranks killed) at step {step}")
+            elif fault.kind == "kill_agent":
+                agent = cluster.agents[fault.node]
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+                cluster.agents[fault.node] = cluster.start_agent(fault.node)
+                fired.append(f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed "
+                             f"at step {step} and started again (pid "
+                             f"{cluster.agents[fault.node].pid})")
+            elif fault.kind == "restart_etcd":
+                cluster.etcd.restart(down_s=ETCD_DOWN_S)
+                fired.append(f"injected: etcd killed at step {step}, back after "
+                             f"{ETCD_DOWN_S:.0f} s on its data")
             elif leader in cluster.addresses:
                 index = cluster.addresses.index(leader)
                 os.killpg(cluster.controllers[index].pid, signal.SIGKILL)

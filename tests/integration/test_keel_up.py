@@ -49,7 +49,7 @@ def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
     result = keel("up", "--workdir", str(tmp_path / "run"), "--inject", "explode:rank=1,step=2",
                   timeout_s=60)
     assert result.returncode == 2
-    assert "kind must be one of crash, hang, kill, kill_leader, lose_node, slow" in result.stderr
+    assert "kind must be one of crash, hang, kill, kill_agent, kill_leader, lose_node, restart_etcd, slow" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
     for layout, message in [("pp=4", "pp=4 is more than layers=2"),
                             ("dp_shard=2,tp=4", "spans 8 ranks but world_size is 4"),
@@ -221,3 +221,40 @@ def test_a_killed_leader_is_replaced_by_the_standby_without_restarting_the_job(n
     assert failover < 5.0 + 3.0, summary["failovers_s"]
     # The new leader reports the job's real start, stored in etcd, not its own first.
     assert summary["initial_loss"] > 5.0 and summary["final_loss"] < 0.5 * summary["initial_loss"]
+
+
+def test_an_etcd_restart_mid_run_restarts_nothing(no_leaks):
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
+                     "--steps", "40", "--checkpoint-every", "5", "--no-preflight",
+                     "--inject", "restart_etcd:step=10")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert "injected: etcd killed" in summary["_stderr"]
+    assert (summary["steps"], summary["generations"], summary["restarts"]) == (40, 1, 0)
+    assert summary["leader_changes"] == 0 and summary["events"] == []
+    # Checkpoints taken while etcd was down were committed once it came back.
+    assert summary["last_checkpoint"]["step"] == 40
+    assert summary["data"] == {"expected": 640, "consumed": 640, "duplicates": 0,
+                               "missing": 0}
+
+
+SCRIPT_WITH_HELPER = REPO / "tests" / "integration" / "scripts" / "stepper_with_helper.py"
+
+
+def test_a_restarted_agent_kills_what_its_predecessor_left_and_the_job_goes_on(no_leaks):
+    markers = no_leaks / "markers"
+    markers.mkdir()
+    summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
+                     "--no-preflight", "--inject", "kill_agent:node=1,step=8",
+                     "--script", str(SCRIPT_WITH_HELPER), "--", str(markers), "20")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["state"], summary["generations"], summary["restarts"]) == \
+        ("SUCCEEDED", 2, 1)
+    restarted = next(e for e in summary["events"] if e["kind"] == "agent_restarted")
+    assert restarted["node"] == "node-1" and "rank(s) 1 of generation 1" in restarted["reason"]
+    # Generation 1's helpers, moved out of their ranks' process groups, were all gone
+    # before generation 2 started: node-1's killed by its new agent, node-0's by its
+    # agent confirming the stop.
+    assert sorted(p.name for p in markers.glob("helper-g1-*")) == ["helper-g1-r0",
+                                                                    "helper-g1-r1"]
+    for rank in (0, 1):
+        assert (markers / f"alive-g2-r{rank}").read_text() == ""

@@ -18,7 +18,8 @@ def test_parse_each_rank_fault():
 
 
 @pytest.mark.parametrize("text,message", [
-    ("explode:rank=1,step=2", "kind must be one of crash, hang, kill, kill_leader, lose_node, slow"),
+    ("explode:rank=1,step=2", "kind must be one of crash, hang, kill, kill_agent, kill_leader, "
+                              "lose_node, restart_etcd, slow"),
     ("crash", "write it as crash:rank=...,step=..."),
     ("crash:rank=1", "missing step"),
     ("crash:rank=1,step=2,step=3", "each once"),

@@ -1,0 +1,100 @@
+"""What a dead agent left behind on its node, found and killed by the next one.
+
+A rank dies with its agent (``agent.launch``), but processes the rank started do not:
+they are re-parented and keep running, holding GPU memory and ports. Every process of
+a rank inherits ``KEEL_AGENT_SOCKET``, whose path is new for each agent incarnation, so
+an agent records its own in ``RUN_DIR/agent.json`` and its successor on the same run
+directory kills every process still carrying it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+STATE_FILE = "agent.json"
+KILL_WAIT_S = 5.0
+
+
+class RunDirInUse(RuntimeError):
+    """Another live agent owns this run directory."""
+
+
+def carrying(*markers: str) -> list[int]:
+    """PIDs of live processes (not zombies, not us) whose environment holds every one
+    of ``markers`` ("NAME=value")."""
+    needles = [b"\0" + m.encode() + b"\0" for m in markers]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = b"\0" + (entry / "environ").read_bytes()
+            if not all(n in environ for n in needles):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def kill_marked(socket_path: str, job: str = "", generation: int = 0) -> int:
+    """SIGKILL every process started for the agent whose socket is ``socket_path`` (only
+    those of ``job``'s ``generation`` if given) and wait until they are gone; return
+    how many there were."""
+    markers = [f"KEEL_AGENT_SOCKET={socket_path}"]
+    if job:
+        markers += [f"KEEL_JOB={job}", f"KEEL_GENERATION={generation}"]
+    found = carrying(*markers)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    left, deadline = found, time.monotonic() + KILL_WAIT_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = carrying(*markers)
+    if left:
+        log.error("processes survived SIGKILL", pids=left)
+    return len(found)
+
+
+def _is_agent(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, PermissionError, ProcessLookupError):
+        return False
+    return b"agent" in argv or any(a.endswith(b"keel") for a in argv[:2])
+
+
+def take_over(run_dir: Path, socket_path: str) -> int:
+    """Kill what the previous agent on ``run_dir`` left running and record ours;
+    return how many processes were killed. Raises RunDirInUse if that agent lives."""
+    state_file = run_dir / STATE_FILE
+    try:
+        previous = json.loads(state_file.read_text())
+    except (FileNotFoundError, ValueError):
+        previous = None
+    killed = 0
+    if previous:
+        if previous["pid"] != os.getpid() and _is_agent(previous["pid"]):
+            raise RunDirInUse(f"agent pid {previous['pid']} is running on run dir {run_dir}; "
+                              f"stop it or give this agent another --run-dir")
+        killed = kill_marked(previous["socket"])
+        if killed:
+            log.warning("killed processes the previous agent left running", count=killed,
+                        previous_agent_pid=previous["pid"])
+    tmp = state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "socket": socket_path}))
+    tmp.replace(state_file)
+    return killed

@@ -1,0 +1,65 @@
+"""An etcd client that outlives etcd restarts and brief outages.
+
+python3-etcd3's own client, as it comes, does not: after one UNAVAILABLE it refuses its
+endpoint for 300 s (``Endpoint.time_retry``), gRPC's reconnect back-off grows to two
+minutes, and with etcd auth it logs in once, while etcd forgets its tokens when it
+restarts. This client retries a failed endpoint after ``ENDPOINT_RETRY_S``, fails over
+between every endpoint given, caps the reconnect back-off, and logs in again when etcd
+no longer knows its token. A call during an outage still fails (callers retry, as every
+loop of ours does); the call after etcd is back succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc
+from etcd3.client import EtcdTokenCallCredentials
+
+if TYPE_CHECKING:
+    from orchestrator.tls import EtcdCredentials
+
+ENDPOINT_RETRY_S = 0.5
+# gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
+# this instead.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+class EtcdClient(etcd3.MultiEndpointEtcd3Client):
+    def __init__(self, endpoints: list[str], timeout_s: float,
+                 credentials: EtcdCredentials | None = None):
+        """``endpoints``: "host:port" of every etcd member; ``timeout_s``: deadline of
+        each call."""
+        kwargs = credentials.client_kwargs() if credentials else {}
+        secure = "ca_cert" in kwargs
+        creds = (self.get_secure_creds(kwargs["ca_cert"], kwargs.get("cert_key"),
+                                       kwargs.get("cert_cert")) if secure else None)
+        members = []
+        for endpoint in endpoints:
+            host, _, port = endpoint.rpartition(":")
+            members.append(etcd3.Endpoint(host, int(port), secure=secure, creds=creds,
+                                          time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS))
+        self._user, self._password = kwargs.get("user"), kwargs.get("password")
+        super().__init__(endpoints=members, timeout=timeout_s, user=self._user,
+                         password=self._password, failover=True)
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError):
+        if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._user:
+            # etcd restarted and forgot our token: the next call goes with a new one.
+            try:
+                self._log_in()
+            except grpc.RpcError:
+                pass  # etcd not ready yet: the next failure tries again
+        super()._manage_grpc_errors(exc)
+
+    def _log_in(self) -> None:
+        response = self.authstub.Authenticate(
+            etcdrpc.AuthenticateRequest(name=self._user, password=self._password),
+            self.timeout)
+        self.metadata = (("token", response.token),)
+        self.call_credentials = grpc.metadata_call_credentials(
+            EtcdTokenCallCredentials(response.token))
