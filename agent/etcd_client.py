@@ -47,8 +47,10 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
             members.append(etcd3.Endpoint(host, int(port), secure=secure, creds=creds,
                                           time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS))
         self._user, self._password = kwargs.get("user"), kwargs.get("password")
-        super().__init__(endpoints=members, timeout=timeout_s, user=self._user,
-                         password=self._password, failover=True)
+        self._secure = secure
+        super().__init__(endpoints=members, timeout=timeout_s, failover=True)
+        if self._user:
+            self._log_in()
 
     def _manage_grpc_errors(self, exc: grpc.RpcError):
         if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._user:
@@ -64,5 +66,6 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
             etcdrpc.AuthenticateRequest(name=self._user, password=self._password),
             self.timeout)
         self.metadata = (("token", response.token),)
+        # gRPC sends call credentials over TLS only; in plaintext the metadata carries it.
         self.call_credentials = grpc.metadata_call_credentials(
-            EtcdTokenCallCredentials(response.token))
+            EtcdTokenCallCredentials(response.token)) if self._secure else None

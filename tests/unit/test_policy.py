@@ -141,3 +141,13 @@ def test_restarts_back_off_before_the_next_generation():
     d = decide(10.5, obs, SPEC)
     assert d.action is Action.WAIT and d.reason == "backing off 1.0s after restart 2"
     assert decide(11.0, obs, SPEC).action is Action.PREPARE
+
+
+def test_ranks_that_vanished_with_a_restarted_agent_end_the_generation():
+    d = decide(1.0, running(vanished_nodes=frozenset({"b"})), SPEC)
+    assert d.action is Action.STOP
+    assert d.reason == "the agent of b restarted; its ranks died with it"
+    # A peer that failed for want of them is not the root cause.
+    d = decide(1.0, running(vanished_nodes=frozenset({"b"}),
+                            exits=(exit_(0, code=1, node="a", tb="ConnectionResetError"),)), SPEC)
+    assert d.action is Action.STOP and d.reason.startswith("node b unreachable; then rank 0")
