@@ -35,6 +35,12 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "GetJob": frozenset({Role.READER, Role.OPERATOR}),
     SERVICE + "ListJobs": frozenset({Role.READER, Role.OPERATOR}),
     SERVICE + "ListNodes": frozenset({Role.READER, Role.OPERATOR}),
+    SERVICE + "CordonNode": frozenset({Role.OPERATOR}),
+    SERVICE + "UncordonNode": frozenset({Role.OPERATOR}),
+    SERVICE + "DrainNode": frozenset({Role.OPERATOR}),
+    SERVICE + "ReplaceNode": frozenset({Role.OPERATOR}),
+    SERVICE + "CheckpointJob": frozenset({Role.OPERATOR}),
+    SERVICE + "StopJob": frozenset({Role.OPERATOR}),
 }
 
 

@@ -235,7 +235,7 @@ def _register_operator_commands() -> None:
     from orchestrator import operator_cli
     from orchestrator.certs import certs
     for command in (operator_cli.status, operator_cli.nodes, operator_cli.jobs,
-                    operator_cli.events, certs):
+                    operator_cli.events, *operator_cli.MUTATING, certs):
         main.add_command(command)
 
 

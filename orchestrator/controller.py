@@ -7,7 +7,6 @@ answer. Handlers only record what they hear; they never decide.
 
 from __future__ import annotations
 
-import collections
 import queue
 import re
 import signal
@@ -28,8 +27,10 @@ from orchestrator.diagnosis import culprit, summarize as summarize_stacks
 from orchestrator.guardrails import restart_backoff_s
 from orchestrator.health import resolve as resolve_health
 from orchestrator.job_health import REPLACE_CHECKPOINT_WAIT_S, JobHealth, Replacement
-from orchestrator.jobspec import InvalidSpec, size_and_layout, validate
+from orchestrator.job_runtime import JobRuntime
+from orchestrator.jobspec import size_and_layout
 from orchestrator.lifecycle import JobState, check_transition
+from orchestrator.operator_service import OperatorService
 from orchestrator.placement import NodeRanks, place
 from orchestrator.policy import Action, Decision, Observed, RankExit, Spec, decide
 from orchestrator.store import Store, StaleRevision, connect
@@ -61,55 +62,7 @@ class AgentSession:
         self.outbox.put(None)
 
 
-@dataclass(eq=False)
-class JobRuntime:
-    spec: keel_pb2.JobSpec
-    state: JobState
-    state_rev: int
-    state_since: float
-    generation: int = 0
-    restarts: int = 0
-    reason: str = ""
-    failures: list[dict] = field(default_factory=list)
-    placement: list[NodeRanks] = field(default_factory=list)
-    world_size: int = 0          # of the current generation (the spec's until one starts)
-    mesh: str = ""               # layout of the current generation
-    rendezvous: tuple[str, int] | None = None
-    restore_from: dict | None = None
-    exits: dict[int, RankExit] = field(default_factory=dict)
-    stopped_nodes: set[str] = field(default_factory=set)
-    lost_nodes: set[str] = field(default_factory=set)
-    vanished: dict[str, list[int]] = field(default_factory=dict)  # node -> ranks gone with its agent
-    # progress, from step reports
-    step: int = 0
-    loss: float = 0.0
-    initial_loss: float = 0.0
-    has_loss: bool = False
-    tokens: int = 0
-    token_window: collections.deque = field(default_factory=collections.deque)
-    last_checkpoint: dict | None = None
-    last_wait_reason: str = ""
-    health: JobHealth | None = None
-    initial_loss_stored: bool = False
-    unrecorded: list[dict] = field(default_factory=list)   # commits etcd has not taken yet
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def nodes(self) -> frozenset[str]:
-        return frozenset(p.node for p in self.placement)
-
-    def record(self) -> dict:
-        """The job state as stored in etcd."""
-        return {"state": self.state.value, "generation": self.generation,
-                "restarts": self.restarts, "reason": self.reason,
-                "failures": self.failures[-20:],
-                "initial_loss": self.initial_loss if self.has_loss else None}
-
-
-class Controller(keel_pb2_grpc.ControllerServicer):
+class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
     def __init__(self, config: ControllerConfig):
         self.config = config
         self.id = uuid.uuid4().hex[:12]
@@ -121,6 +74,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.sessions: dict[str, AgentSession] = {}
         self.jobs: dict[str, JobRuntime] = {}
         self.registered: dict[str, dict] = {}   # node records last read from etcd
+        self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.server: grpc.Server | None = None
         self.address = ""
         self._leader_lease = None
@@ -170,6 +124,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         with self.lock:
             self.jobs.clear()
             self._load_jobs()
+            self.cordons = self.store.cordons()
             self.leader_since, self.lease_refreshed_at = now, now
             self.is_leader = True
         metrics.LEADER.set(1)
@@ -241,7 +196,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                              generation=state.value["generation"],
                              restarts=state.value["restarts"],
                              reason=state.value.get("reason", ""),
-                             failures=state.value.get("failures", []))
+                             failures=state.value.get("failures", []),
+                             stop_requested=state.value.get("stop_requested", ""),
+                             stop_now=state.value.get("stop_now", False),
+                             planned_stop=state.value.get("planned_stop", False))
             plan = self.store.plan(name, job.generation) if job.generation else None
             if plan:
                 job.world_size, job.mesh = plan["world_size"], plan["mesh"]
@@ -448,6 +406,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
     def _on_steps(self, job: JobRuntime, reports) -> None:
         for report in reports:
             job.tokens += report.tokens
+            if report.step_time_s > 0:
+                job.step_times.append(report.step_time_s)
             job.token_window.append((report.at, report.tokens))
             if report.rank == 0 and report.step >= job.step:
                 job.step = report.step
@@ -517,9 +477,15 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         health = job.health
         health.event("straggler", reason, node=node, step=step,
                      detected_after_steps=after_steps)
-        if health.note_flag(node, now):
-            health.event("cordoned", f"{node} flagged twice within an hour; no job will be "
-                                     f"placed on it again", node=node, step=step)
+        if health.note_flag(node, now) and node not in self.cordons:
+            reason = f"flagged slow twice within an hour in job {job.name}"
+            try:
+                self._cordon(node, reason, by="straggler detector", drain=False)
+                health.event("cordoned", f"{node} {reason}; no new generation will be "
+                                         f"placed on it until `keel uncordon {node}`",
+                             node=node, step=step)
+            except Exception as exc:
+                health.event("alert", f"could not cordon {node} ({reason}): {exc}", node=node)
         policy = health.spec.straggler_policy
         if policy == "alert" or health.replacing is not None or job.state is not JobState.RUNNING:
             return
@@ -528,110 +494,64 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                                   f"{health.spec.max_replacements_per_hour} replacements "
                                   f"in the last hour already", node=node, step=step)
             return
-        health.replacing = Replacement(node=node, reason=reason, after_step=job.step,
-                                       requested_at=now, policy=policy)
+        self._begin(job, Replacement(node=node, reason=f"{policy} straggler {node}",
+                                     after_step=job.step, requested_at=now, policy=policy))
+
+    def _begin(self, job: JobRuntime, operation: Replacement) -> None:
+        """Start a checkpoint-then-stop: ask every rank for a checkpoint now (unless the
+        operation skips it); the policy stops the generation once it is committed."""
+        job.health.replacing = operation
+        if operation.checkpoint:
+            self._request_checkpoint(job, operation.reason)
+        self.wake.set()
+
+    def _request_checkpoint(self, job: JobRuntime, reason: str) -> None:
         for part in job.placement:
             session = self.sessions.get(part.node)
             if session is not None and session.connected:
                 session.send(keel_pb2.ControllerMessage(checkpoint_now=keel_pb2.CheckpointNow(
-                    job=job.name, generation=job.generation,
-                    reason=f"{policy} straggler {node}")))
+                    job=job.name, generation=job.generation, reason=reason)))
+
+    def _cordon(self, node: str, reason: str, by: str, drain: bool) -> dict:
+        record = {"reason": reason, "by": by, "drain": drain, "at": time.time()}
+        self.store.cordon(node, record)
+        self.cordons[node] = record
+        log.info("node cordoned", node=node, reason=reason, by=by, drain=drain)
+        self.wake.set()
+        return record
+
+    def _ensure_operations(self, job: JobRuntime, now: float) -> None:
+        """Level-based: a running job that the operator stopped, or that runs on a
+        draining node, has its checkpoint-then-stop under way (again, after a failover)."""
+        pending = job.health.replacing
+        if job.stop_requested:
+            if pending is None or pending.policy != "stop":
+                self._begin(job, Replacement(node="", reason=job.stop_requested,
+                                             after_step=job.step, requested_at=now,
+                                             policy="stop", checkpoint=not job.stop_now))
+            return
+        draining = sorted(n for n in job.nodes if self.cordons.get(n, {}).get("drain"))
+        if draining and pending is None:
+            self._begin(job, Replacement(node=draining[0], reason=f"drain {', '.join(draining)}",
+                                         after_step=job.step, requested_at=now,
+                                         policy="drain"))
 
     def _replacement_ready(self, job: JobRuntime, now: float) -> str:
-        """The reason to stop for a pending replacement, once its checkpoint committed
-        (or waiting for it took too long)."""
+        """The reason to stop for a pending checkpoint-then-stop, once its checkpoint
+        committed (or waiting for it took too long, or it asked for none)."""
         pending = job.health.replacing
         if pending is None:
             return ""
+        if not pending.checkpoint:
+            return f"{pending.reason}, without a final checkpoint"
         committed = job.last_checkpoint and job.last_checkpoint["step"] > pending.after_step \
             and job.last_checkpoint["generation"] == job.generation
         if committed:
-            return (f"{pending.policy} straggler {pending.node} after checkpoint at step "
-                    f"{job.last_checkpoint['step']}")
+            return f"{pending.reason} after checkpoint at step {job.last_checkpoint['step']}"
         if now - pending.requested_at > REPLACE_CHECKPOINT_WAIT_S:
-            return (f"{pending.policy} straggler {pending.node}; no checkpoint within "
+            return (f"{pending.reason}; no checkpoint within "
                     f"{REPLACE_CHECKPOINT_WAIT_S:.0f}s, restoring the last committed one")
         return ""
-
-    # ================================================================ operators
-    def SubmitJob(self, request, context):
-        self._require_leader(context)
-        spec = keel_pb2.JobSpec()
-        spec.CopyFrom(request.spec)
-        try:
-            validate(spec)
-        except InvalidSpec as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {exc}")
-        with self.lock:
-            if spec.name in self.jobs:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"job {spec.name!r} exists; choose another name")
-            job = JobRuntime(spec=spec, state=JobState.PENDING, state_rev=0,
-                             state_since=time.monotonic(), reason="submitted",
-                             health=JobHealth(spec.name, resolve_health(spec.health)))
-            try:
-                revision = self.store.create_job(
-                    spec.name, json_format.MessageToDict(spec), job.record())
-            except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
-            if not revision:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"job {spec.name!r} exists in etcd; choose another name")
-            job.state_rev = revision
-            self.jobs[spec.name] = job
-        log.info("job submitted", job=spec.name, world_size=spec.world_size,
-                 max_restarts=spec.max_restarts)
-        self.wake.set()
-        return keel_pb2.SubmitJobReply(job=spec.name)
-
-    def GetJob(self, request, context):
-        self._require_leader(context)
-        with self.lock:
-            job = self.jobs.get(request.job)
-            if job is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-            return self._status(job)
-
-    def ListJobs(self, request, context):
-        self._require_leader(context)
-        with self.lock:
-            return keel_pb2.ListJobsReply(jobs=[self._status(job) for _, job in
-                                                sorted(self.jobs.items())])
-
-    def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
-        window = job.token_window
-        span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
-        rate = sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
-        status = keel_pb2.JobStatus(
-            job=job.name, state=job.state.value, reason=job.reason,
-            generation=job.generation, world_size=job.world_size or job.spec.world_size,
-            mesh=job.mesh, restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
-            loss=job.loss, initial_loss=job.initial_loss, has_loss=job.has_loss,
-            tokens_per_s=rate, tokens=job.tokens)
-        if job.last_checkpoint:
-            ck = job.last_checkpoint
-            status.last_checkpoint.CopyFrom(keel_pb2.CommittedCheckpoint(
-                step=ck["step"], path=ck["path"], generation=ck["generation"],
-                samples=ck["samples"]))
-        for failure in job.failures:
-            status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
-        status.events.extend(job.health.events)
-        status.preflight.extend(job.health.preflight_status())
-        return status
-
-    def ListNodes(self, request, context):
-        self._require_leader(context)
-        with self.lock:
-            reply = keel_pb2.ListNodesReply()
-            for name in sorted(set(self.registered) | set(self.sessions)):
-                session = self.sessions.get(name)
-                record = self.registered.get(name, {})
-                reply.nodes.append(keel_pb2.NodeInfo(
-                    node=name, host=record.get("host", session.host if session else ""),
-                    slots=record.get("slots", session.slots if session else 0),
-                    connected=bool(session and session.connected),
-                    lease_id=record.get("lease_id", 0)))
-            return reply
 
     # ================================================================ reconcile
     def _loop(self) -> None:
@@ -696,7 +616,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         return session.connected or now - session.disconnected_at < self.config.node_lost_grace_s
 
     def _free_slots(self, job: JobRuntime, avoid: bool = True) -> dict[str, int]:
-        busy = set(job.health.cordoned) | (job.health.avoid if avoid else set())
+        busy = set(self.cordons) | (job.health.avoid if avoid else set())
         for other in self.jobs.values():
             if other is not job and other.state in (JobState.STARTING, JobState.RUNNING,
                                                     JobState.STOPPING):
@@ -731,7 +651,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                         hang=hang_reason,
                         replace=self._replacement_ready(job, now)
                         if job.state is JobState.RUNNING else "",
-                        backoff_s=restart_backoff_s(job.restarts))
+                        backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.restarts),
+                        stop_requested=job.stop_requested, planned_stop=job.planned_stop)
 
     def _reconcile(self, job: JobRuntime, now: float) -> None:
         spec = Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
@@ -747,6 +668,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             for flag in job.health.evaluate_stragglers():
                 self._on_slow_node(job, flag.node, now, flag.flagged_at_step,
                                    flag.flagged_at_step - flag.slow_since_step, flag.reason)
+            self._ensure_operations(job, now)
         decision = decide(now, self._observe(job, now), spec)
         if (decision.action is Action.WAIT and job.state is JobState.PENDING
                 and job.health.avoid - job.lost_nodes):
@@ -767,11 +689,12 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         job.last_wait_reason = ""
         handler = {Action.PREPARE: self._prepare, Action.START: self._start,
                    Action.STOP: self._stop, Action.RESTART: self._restart,
-                   Action.SUCCEED: self._finish, Action.FAIL: self._finish}[decision.action]
+                   Action.SUCCEED: self._finish, Action.FAIL: self._finish,
+                   Action.CANCEL: self._finish}[decision.action]
         handler(job, decision, now)
 
     def _transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
-                    plan: dict | None = None, **changes: int) -> None:
+                    plan: dict | None = None, **changes: int | bool) -> None:
         """Persist the new state and ``changes`` (generation, restarts) in one
         revision-guarded write, and only then adopt them."""
         check_transition(job.state, target)
@@ -789,6 +712,15 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
         free = self._free_slots(job)
+        if job.health.swap is not None:
+            out, into = job.health.swap
+            job.health.swap = None
+            wanted = (job.nodes - {out}) | {into}
+            if wanted <= free.keys() and sum(free[n] for n in wanted) >= job.spec.world_size:
+                free = {n: free[n] for n in wanted}
+            else:
+                job.health.event("alert", f"{into} can no longer take {out}'s place; "
+                                          f"placing on any free node", node=out)
         shrink, ceiling = decision.shrink, 0
         excluded = job.health.exclude_next
         if excluded:
@@ -805,7 +737,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         reason = decision.reason
         if shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
-        self._transition(job, JobState.STARTING, reason, now, generation=job.generation + 1)
+        self._transition(job, JobState.STARTING, reason, now, generation=job.generation + 1,
+                         planned_stop=False)
         previous = job.nodes
         job.placement, job.world_size, job.mesh = placement, world_size, mesh
         health = job.health
@@ -862,10 +795,12 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
         pending = job.health.replacing
-        if pending is not None and decision.replacement:
+        if pending is not None and decision.replacement and pending.node:
             job.health.avoid.add(pending.node)
             if pending.policy == "exclude":
                 job.health.exclude_next.add(pending.node)
+            if pending.with_node:
+                job.health.swap = (pending.node, pending.with_node)
         cause = decision.root_cause
         if cause is not None:
             job.failures.append({
@@ -880,7 +815,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 # controller knowing, traceback included.
                 detected_after_s=max(0.0, cause.reported_at - (cause.reaped_at or cause.exited_at)),
                 root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
-        self._transition(job, JobState.STOPPING, decision.reason, now)
+        self._transition(job, JobState.STOPPING, decision.reason, now,
+                         planned_stop=decision.replacement)
         for node in job.nodes - job.lost_nodes:
             session = self.sessions.get(node)
             if session is not None and session.connected:
@@ -889,12 +825,18 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                     collect_stacks=decision.collect_stacks)))
 
     def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        if decision.replacement:
+            # Planned: spends no restart; planned_stop stays set through PENDING, so the
+            # next generation starts without a failure's back-off.
+            self._transition(job, JobState.PENDING, decision.reason, now)
+            return
         self._transition(job, JobState.PENDING, decision.reason, now,
                          restarts=job.restarts + 1)
         metrics.JOB_RESTARTS.labels(job=job.name).inc()
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
-        target = JobState.SUCCEEDED if decision.action is Action.SUCCEED else JobState.FAILED
+        target = {Action.SUCCEED: JobState.SUCCEEDED, Action.FAIL: JobState.FAILED,
+                  Action.CANCEL: JobState.CANCELLED}[decision.action]
         self._transition(job, target, decision.reason, now)
 
 

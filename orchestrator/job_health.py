@@ -26,11 +26,15 @@ REPLACE_CHECKPOINT_WAIT_S = 60.0
 
 @dataclass
 class Replacement:
-    node: str
+    """A checkpoint-then-stop in flight: a node replaced (straggler or operator),
+    excluded, drained, or the whole job stopped by its operator."""
+    node: str                # the node leaving the job; "" for a job stop
     reason: str
     after_step: int          # the checkpoint asked for comes after this step
     requested_at: float      # monotonic
-    policy: str              # replace or exclude
+    policy: str              # replace, exclude, drain or stop
+    with_node: str = ""      # replace: the node to take its place ("" = any free one)
+    checkpoint: bool = True  # False: stop at once from the last committed checkpoint
 
 
 @dataclass(eq=False)
@@ -44,8 +48,8 @@ class JobHealth:
     samples: list[StepSample] = field(default_factory=list)
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
-    cordoned: set[str] = field(default_factory=set)
     avoid: set[str] = field(default_factory=set)    # keep out of the next placement
+    swap: tuple[str, str] | None = None              # (out, in) for the next placement
     exclude_next: set[str] = field(default_factory=set)  # and re-plan smaller without them
     hang_event: keel_pb2.Event | None = None
     replacing: Replacement | None = None
@@ -105,13 +109,11 @@ class JobHealth:
         return flags
 
     def note_flag(self, node: str, now: float) -> bool:
-        """Remember a flag on ``node``; True if it is now to be cordoned."""
+        """Remember a flag on ``node``; True if it has been flagged often enough to be
+        cordoned."""
         times = self.flag_times.setdefault(node, [])
         times.append(now)
-        if node not in self.cordoned and guardrails.should_cordon(times, now):
-            self.cordoned.add(node)
-            return True
-        return False
+        return guardrails.should_cordon(times, now)
 
     def may_replace(self, now: float) -> bool:
         return guardrails.replacement_allowed(self.replacement_times, now,

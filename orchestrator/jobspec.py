@@ -19,7 +19,12 @@ MAX_RESTARTS_LIMIT = 1000
 
 
 class InvalidSpec(ValueError):
-    """A job spec that cannot run; the message lists every problem found."""
+    """A job spec that cannot run; ``problems`` lists every problem found, and the
+    message joins them."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
 
 
 def validate(spec: keel_pb2.JobSpec) -> None:
@@ -61,7 +66,7 @@ def validate(spec: keel_pb2.JobSpec) -> None:
         except ValueError as exc:
             problems.append(f"mesh: {exc}")
     if problems:
-        raise InvalidSpec("; ".join(problems))
+        raise InvalidSpec(problems)
 
 
 def model_shape(spec: keel_pb2.JobSpec) -> planner.ModelShape:

@@ -12,19 +12,21 @@ class JobState(str, enum.Enum):
     STOPPING = "STOPPING"    # a generation is being torn down after a failure
     SUCCEEDED = "SUCCEEDED"  # every rank of a generation exited 0
     FAILED = "FAILED"        # restarts exhausted or the spec cannot be run
+    CANCELLED = "CANCELLED"  # stopped by an operator
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED}),
+    JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
     JobState.RUNNING: frozenset({JobState.STOPPING, JobState.SUCCEEDED}),
-    JobState.STOPPING: frozenset({JobState.PENDING, JobState.FAILED}),
+    JobState.STOPPING: frozenset({JobState.PENDING, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
 }
 
 

@@ -21,6 +21,7 @@ class Action(str, enum.Enum):
     RESTART = "RESTART"      # the stopped generation is gone: plan the next one
     SUCCEED = "SUCCEED"
     FAIL = "FAIL"
+    CANCEL = "CANCEL"        # the operator stopped the job and nothing of it runs
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,11 @@ class Observed:
     unreachable_nodes: frozenset[str] = frozenset()  # stream down, not (yet) declared lost
     vanished_nodes: frozenset[str] = frozenset()     # agent came back without its ranks
     hang: str = ""                     # an agent declared a rank hung: its reason
-    replace: str = ""                  # a node replacement is ready to go: its reason
+    replace: str = ""                  # a checkpoint-then-stop (node replacement, drain,
+                                       # operator stop) is ready to go: its reason
+    stop_requested: str = ""           # the operator stopped the job: their reason
+    planned_stop: bool = False         # the generation was stopped on purpose (a node
+                                       # replaced or drained), not by a failure
     backoff_s: float = 0.0             # wait this long in PENDING after a failure
     stopped_nodes: frozenset[str] = frozenset()      # nodes that confirmed the stop
 
@@ -98,6 +103,11 @@ def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
 
 def decide(now: float, observed: Observed, spec: Spec) -> Decision:
     state = observed.state
+    if observed.stop_requested:
+        if state is JobState.PENDING:
+            return Decision(Action.CANCEL, observed.stop_requested)
+        if state is JobState.STARTING:
+            return Decision(Action.STOP, observed.stop_requested)
     if state is JobState.PENDING:
         waited = now - observed.state_since
         if waited < observed.backoff_s:
@@ -162,6 +172,12 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         if waiting:
             return Decision(Action.WAIT, f"waiting for {len(waiting)} node(s) to stop their "
                                          f"ranks: {', '.join(sorted(waiting))}")
+        if observed.stop_requested:
+            return Decision(Action.CANCEL, observed.stop_requested)
+        if observed.planned_stop:
+            # A move planned around a checkpoint is no failure: it spends no restart.
+            return Decision(Action.RESTART, "generation stopped as planned; starting the "
+                                            "next one", replacement=True)
         if observed.restarts >= spec.max_restarts:
             return Decision(Action.FAIL, f"generation failed and all {spec.max_restarts} "
                                          f"restarts are used up")

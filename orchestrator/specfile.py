@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
 import tomllib
 from pathlib import Path
 
@@ -30,10 +29,6 @@ _INT_RANGES = {
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
           list: "a list", dict: "a mapping", type(None): "null"}
-# InvalidSpec joins its problems with "; ", which also occurs inside one problem
-# ("...; remove it"); every problem starts with a top-level field name, so split there.
-_PROBLEM_START = re.compile(
-    r"; (?=(?:%s)\b)" % "|".join(keel_pb2.JobSpec.DESCRIPTOR.fields_by_name))
 
 
 class SpecFileError(ValueError):
@@ -77,7 +72,7 @@ def parse(data: object, source: str) -> keel_pb2.JobSpec:
     try:
         jobspec.validate(spec)
     except jobspec.InvalidSpec as exc:
-        raise _error(source, _PROBLEM_START.split(str(exc))) from None
+        raise _error(source, exc.problems) from None
     return spec
 
 

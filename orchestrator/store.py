@@ -8,6 +8,7 @@ Layout (all values JSON):
     /keel/jobs/<job>/state                 lifecycle state, generation, restarts
     /keel/jobs/<job>/generations/<g>       the plan of generation g
     /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
+    /keel/cordons/<node>                   a cordoned (or draining) node: why, since when
 
 Writes happen on membership and generation changes only, never per step. Every
 write that decides something is a transaction guarded by the revision it read.
@@ -74,6 +75,18 @@ class Store:
     def lease_alive(self, lease_id: int) -> bool:
         info = self.client.get_lease_info(lease_id)
         return info.TTL > 0
+
+    def cordon(self, node: str, record: dict) -> None:
+        """Keep new generations off ``node``; ``record``: reason, by, drain, at."""
+        self.client.put(f"{PREFIX}/cordons/{node}", json.dumps(record))
+
+    def uncordon(self, node: str) -> bool:
+        """Lift a cordon; False if the node was not cordoned."""
+        return self.client.delete(f"{PREFIX}/cordons/{node}")
+
+    def cordons(self) -> dict[str, dict]:
+        return {key.rsplit("/", 1)[1]: value
+                for key, value in self._prefix(f"{PREFIX}/cordons/").items()}
 
     # ------------------------------------------------------------------- leader
     def campaign(self, controller_id: str, address: str, lease_id: int) -> bool:

@@ -544,7 +544,7 @@ def up(options: UpOptions) -> int:
                     progress.note(line)
                     if "leader controller" in line:
                         killed_at = time.monotonic()
-                if status.state in ("SUCCEEDED", "FAILED"):
+                if status.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
                     break
                 if stop:
                     error = "interrupted"

@@ -446,7 +446,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +465,7 @@ class JobStatus(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: str
     reason: str
@@ -483,7 +484,8 @@ class JobStatus(_message.Message):
     mesh: str
     events: _containers.RepeatedCompositeFieldContainer[Event]
     preflight: _containers.RepeatedCompositeFieldContainer[NodePreflight]
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ...) -> None: ...
+    step_time_s: float
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("kind", "node", "rank", "step", "detected_after_s", "detected_after_steps", "root_cause", "stacks", "reason", "generation", "at")
@@ -531,18 +533,84 @@ class NodePreflight(_message.Message):
     def __init__(self, node: _Optional[str] = ..., generation: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., slow: _Optional[bool] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node", "host", "slots", "connected", "lease_id")
+    __slots__ = ("node", "host", "slots", "connected", "lease_id", "state", "cordon_reason", "job")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CORDON_REASON_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     slots: int
     connected: bool
     lease_id: int
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., connected: _Optional[bool] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    state: str
+    cordon_reason: str
+    job: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., connected: _Optional[bool] = ..., lease_id: _Optional[int] = ..., state: _Optional[str] = ..., cordon_reason: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("node", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReplaceNodeRequest(_message.Message):
+    __slots__ = ("node", "with_node")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WITH_NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    with_node: str
+    def __init__(self, node: _Optional[str] = ..., with_node: _Optional[str] = ...) -> None: ...
+
+class NodeReply(_message.Message):
+    __slots__ = ("node", "message")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    message: str
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CheckpointJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CheckpointJobReply(_message.Message):
+    __slots__ = ("job", "generation", "after_step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    after_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+
+class StopJobRequest(_message.Message):
+    __slots__ = ("job", "now", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    now: bool
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., now: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StopJobReply(_message.Message):
+    __slots__ = ("job", "state", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    state: str
+    message: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

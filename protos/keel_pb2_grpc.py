@@ -61,6 +61,36 @@ class ControllerStub:
                 request_serializer=protos_dot_keel__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.ListNodesReply.FromString,
                 _registered_method=True)
+        self.CordonNode = channel.unary_unary(
+                '/keel.v1.Controller/CordonNode',
+                request_serializer=protos_dot_keel__pb2.NodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.NodeReply.FromString,
+                _registered_method=True)
+        self.UncordonNode = channel.unary_unary(
+                '/keel.v1.Controller/UncordonNode',
+                request_serializer=protos_dot_keel__pb2.NodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.NodeReply.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/keel.v1.Controller/DrainNode',
+                request_serializer=protos_dot_keel__pb2.NodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.NodeReply.FromString,
+                _registered_method=True)
+        self.ReplaceNode = channel.unary_unary(
+                '/keel.v1.Controller/ReplaceNode',
+                request_serializer=protos_dot_keel__pb2.ReplaceNodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.NodeReply.FromString,
+                _registered_method=True)
+        self.CheckpointJob = channel.unary_unary(
+                '/keel.v1.Controller/CheckpointJob',
+                request_serializer=protos_dot_keel__pb2.CheckpointJobRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.CheckpointJobReply.FromString,
+                _registered_method=True)
+        self.StopJob = channel.unary_unary(
+                '/keel.v1.Controller/StopJob',
+                request_serializer=protos_dot_keel__pb2.StopJobRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.StopJobReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -101,6 +131,49 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CordonNode(self, request, context):
+        """No new generation is placed on a cordoned node; what runs there keeps running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UncordonNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """Cordon, then move the job off the node: checkpoint now, and the next generation
+        runs on a spare or a re-planned smaller layout. The node is drained once no
+        generation runs on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplaceNode(self, request, context):
+        """Checkpoint now, then the next generation runs without the node (on with_node if
+        given, else on any free node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckpointJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopJob(self, request, context):
+        """Checkpoint now (unless now is set), stop every rank, and end the job CANCELLED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +201,36 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=protos_dot_keel__pb2.ListNodesRequest.FromString,
                     response_serializer=protos_dot_keel__pb2.ListNodesReply.SerializeToString,
+            ),
+            'CordonNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.CordonNode,
+                    request_deserializer=protos_dot_keel__pb2.NodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.NodeReply.SerializeToString,
+            ),
+            'UncordonNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncordonNode,
+                    request_deserializer=protos_dot_keel__pb2.NodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.NodeReply.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=protos_dot_keel__pb2.NodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.NodeReply.SerializeToString,
+            ),
+            'ReplaceNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplaceNode,
+                    request_deserializer=protos_dot_keel__pb2.ReplaceNodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.NodeReply.SerializeToString,
+            ),
+            'CheckpointJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointJob,
+                    request_deserializer=protos_dot_keel__pb2.CheckpointJobRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.CheckpointJobReply.SerializeToString,
+            ),
+            'StopJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopJob,
+                    request_deserializer=protos_dot_keel__pb2.StopJobRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.StopJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +370,168 @@ class Controller:
             '/keel.v1.Controller/ListNodes',
             protos_dot_keel__pb2.ListNodesRequest.SerializeToString,
             protos_dot_keel__pb2.ListNodesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CordonNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/CordonNode',
+            protos_dot_keel__pb2.NodeRequest.SerializeToString,
+            protos_dot_keel__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncordonNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/UncordonNode',
+            protos_dot_keel__pb2.NodeRequest.SerializeToString,
+            protos_dot_keel__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/DrainNode',
+            protos_dot_keel__pb2.NodeRequest.SerializeToString,
+            protos_dot_keel__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplaceNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/ReplaceNode',
+            protos_dot_keel__pb2.ReplaceNodeRequest.SerializeToString,
+            protos_dot_keel__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/CheckpointJob',
+            protos_dot_keel__pb2.CheckpointJobRequest.SerializeToString,
+            protos_dot_keel__pb2.CheckpointJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/StopJob',
+            protos_dot_keel__pb2.StopJobRequest.SerializeToString,
+            protos_dot_keel__pb2.StopJobReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,8 +53,8 @@ def cluster(etcd, no_leaks):
                  what="the controller to lead")
         return address
 
-    def agent(node, token_file="token", ttl="2"):
-        proc = spawn(["-m", "agent", "--node", node, "--slots", "2", "--etcd-endpoints",
+    def agent(node, token_file="token", ttl="2", slots="2"):
+        proc = spawn(["-m", "agent", "--node", node, "--slots", slots, "--etcd-endpoints",
                       etcd.endpoint, "--token-file", str(tmp / token_file),
                       "--run-dir", str(tmp / node), "--lease-ttl-s", ttl],
                      tmp / f"{node}.log")

@@ -56,8 +56,9 @@ def test_random_requests_never_take_the_controller_down_or_touch_etcd(cluster): 
         @settings(max_examples=120, deadline=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture,
                                          HealthCheck.too_slow])
-        @given(spec=specs, job=text, stream=st.lists(agent_messages, min_size=1, max_size=4))
-        def poke(spec, job, stream):
+        @given(spec=specs, job=text, node=text,
+               stream=st.lists(agent_messages, min_size=1, max_size=4))
+        def poke(spec, job, node, stream):
             try:
                 stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec), metadata=metadata,
                                timeout=5)
@@ -69,6 +70,21 @@ def test_random_requests_never_take_the_controller_down_or_touch_etcd(cluster): 
                 stub.GetJob(keel_pb2.GetJobRequest(job=job), metadata=metadata, timeout=5)
             except grpc.RpcError as err:
                 assert err.code() is grpc.StatusCode.NOT_FOUND, err
+            for method, request in [
+                    ("CordonNode", keel_pb2.NodeRequest(node=node, reason=job)),
+                    ("UncordonNode", keel_pb2.NodeRequest(node=node)),
+                    ("DrainNode", keel_pb2.NodeRequest(node=node, reason=job)),
+                    ("ReplaceNode", keel_pb2.ReplaceNodeRequest(node=node, with_node=job)),
+                    ("CheckpointJob", keel_pb2.CheckpointJobRequest(job=job)),
+                    ("StopJob", keel_pb2.StopJobRequest(job=job, reason=node))]:
+                try:
+                    getattr(stub, method)(request, metadata=metadata, timeout=5)
+                    # Only a stop of a job it accepted can succeed: no node is known.
+                    assert method == "StopJob" and job in accepted, method
+                except grpc.RpcError as err:
+                    assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                          grpc.StatusCode.NOT_FOUND,
+                                          grpc.StatusCode.FAILED_PRECONDITION), (method, err)
             try:
                 list(stub.Connect(iter(stream), metadata=metadata, timeout=2))
             except grpc.RpcError as err:
@@ -86,4 +102,4 @@ def test_random_requests_never_take_the_controller_down_or_touch_etcd(cluster): 
     after = etcd_snapshot(cluster.store)
     new_keys = {key.decode() for key in set(after) - set(before)}
     assert all(key.split("/")[3] in accepted for key in new_keys), new_keys
-    assert not [k for k in new_keys if k.startswith("/keel/nodes/")]
+    assert not [k for k in new_keys if k.startswith(("/keel/nodes/", "/keel/cordons/"))]

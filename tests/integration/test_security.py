@@ -143,6 +143,12 @@ def test_mutual_tls_and_role_tokens(secure, etcd):
                   "--json", timeout_s=60)
     assert listed.returncode == 0, listed.stderr
     assert [n["node"] for n in json.loads(listed.stdout)] == ["node-a"]
+    # ... and cannot steer: a mutating command is refused and changes nothing.
+    refused = keel("drain", "node-a", "--etcd-endpoints", etcd.endpoint, "--tls-dir",
+                   str(reader_dir), timeout_s=60)
+    assert refused.returncode == 1
+    assert "the reader token cannot call DrainNode; use the operator token" in refused.stderr
+    assert secure.store.cordons() == {}
 
 
 def test_keel_up_with_tls(no_leaks):

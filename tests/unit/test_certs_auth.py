@@ -33,6 +33,10 @@ def test_every_controller_rpc_is_in_the_role_table_and_mutating_ones_are_operato
     assert METHOD_ROLES[SERVICE + "SubmitJob"] == {Role.OPERATOR}
     for name in READ_ONLY:
         assert METHOD_ROLES[SERVICE + name] == {Role.READER, Role.OPERATOR}
+    mutating = methods - {SERVICE + "Connect"} - {SERVICE + n for n in READ_ONLY}
+    assert SERVICE + "DrainNode" in mutating and SERVICE + "StopJob" in mutating
+    for method in mutating:
+        assert METHOD_ROLES[method] == {Role.OPERATOR}, method
 
 
 @pytest.mark.parametrize("token,method,allowed", [

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from agent.leftovers import RunDirInUse, carrying, take_over
+from tests.conftest import wait_for
 
 
 def _dead_pid() -> int:
@@ -25,7 +28,9 @@ def test_processes_left_by_the_previous_agent_are_killed_and_ours_recorded(tmp_p
     other = subprocess.Popen(["sleep", "60"], env={**env, "KEEL_AGENT_SOCKET": socket + "x"})
     try:
         (tmp_path / "agent.json").write_text(json.dumps({"pid": _dead_pid(), "socket": socket}))
-        assert carrying(f"KEEL_AGENT_SOCKET={socket}") == [left.pid]
+        # (Until it has exec'd, the child still carries our environment.)
+        wait_for(lambda: carrying(f"KEEL_AGENT_SOCKET={socket}") == [left.pid], 10,
+                 what="the leftover to carry its marker")
         assert take_over(tmp_path, "/new/agent.sock") == 1
         assert left.wait(5) == -9
         assert other.poll() is None, "a process of another agent was killed"
@@ -40,6 +45,9 @@ def test_processes_left_by_the_previous_agent_are_killed_and_ours_recorded(tmp_p
 def test_a_run_dir_owned_by_a_live_agent_is_refused(tmp_path):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "agent"])
     try:
+        # Until it has exec'd, the child still shows our command line.
+        wait_for(lambda: b"agent" in Path(f"/proc/{live.pid}/cmdline").read_bytes(), 10,
+                 what="the stand-in agent to start")
         (tmp_path / "agent.json").write_text(json.dumps({"pid": live.pid, "socket": "/s"}))
         with pytest.raises(RunDirInUse, match=f"agent pid {live.pid} is running"):
             take_over(tmp_path, "/new/agent.sock")

@@ -1,7 +1,7 @@
 """The controller's decisions, from observed states built by hand."""
 
 from orchestrator.lifecycle import JobState
-from orchestrator.policy import Action, Observed, RankExit, Spec, decide, root_cause
+from orchestrator.policy import Action, Decision, Observed, RankExit, Spec, decide, root_cause
 
 SPEC = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0)
 NODES = frozenset({"a", "b"})
@@ -151,3 +151,34 @@ def test_ranks_that_vanished_with_a_restarted_agent_end_the_generation():
     d = decide(1.0, running(vanished_nodes=frozenset({"b"}),
                             exits=(exit_(0, code=1, node="a", tb="ConnectionResetError"),)), SPEC)
     assert d.action is Action.STOP and d.reason.startswith("node b unreachable; then rank 0")
+
+
+def test_an_operator_stop_cancels_at_once_when_nothing_runs_else_after_the_stop():
+    why = "stopped by the operator: maintenance"
+    pending = Observed(JobState.PENDING, 0.0, 1, free_slots={"a": 2, "b": 2},
+                       stop_requested=why)
+    assert decide(1.0, pending, SPEC) == Decision(Action.CANCEL, why)
+    starting = Observed(JobState.STARTING, 0.0, 0, stop_requested=why)
+    assert decide(1.0, starting, SPEC).action is Action.STOP
+    # Running, it waits for its checkpoint-then-stop to be ready (``replace``) ...
+    assert decide(1.0, running(stop_requested=why), SPEC).action is Action.WAIT
+    ready = decide(1.0, running(stop_requested=why, replace=why + " after checkpoint"), SPEC)
+    assert ready.action is Action.STOP and ready.replacement
+    # ... and once every node stopped its ranks, the job ends instead of restarting,
+    # even with restarts to spare.
+    stopping = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
+                        stopped_nodes=NODES, stop_requested=why)
+    assert decide(1.0, stopping, SPEC) == Decision(Action.CANCEL, why)
+    waiting = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
+                       stopped_nodes=frozenset({"a"}), stop_requested=why)
+    assert decide(1.0, waiting, SPEC).action is Action.WAIT
+
+
+def test_a_planned_stop_restarts_without_spending_a_restart():
+    spent = Spec(world_size=4, max_restarts=0, rendezvous_timeout_s=30.0)
+    stopped = dict(generation_nodes=NODES, stopped_nodes=NODES)
+    failed = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, **stopped), spent)
+    assert failed.action is Action.FAIL
+    planned = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, planned_stop=True, **stopped),
+                     spent)
+    assert planned.action is Action.RESTART and planned.replacement

@@ -1,6 +1,5 @@
 """The committed generated code is exactly what keel.proto generates."""
 
-from pathlib import Path
 
 from protos.generate import ROOT, generate
 

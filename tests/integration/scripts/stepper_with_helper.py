@@ -8,7 +8,6 @@ the pids of earlier generations' helpers that are still alive (none, if the agen
 cleaned up after them).
 """
 
-import os
 import subprocess
 import sys
 import time
