@@ -7,6 +7,7 @@ answer. Handlers only record what they hear; they never decide.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -39,6 +40,7 @@ from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
 
+EVENT_STORE_LIMIT = 256 * 1024   # bytes of one event's JSON in etcd (etcd takes 1.5 MiB)
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_SLOTS = 1024
 TOKENS_WINDOW_S = 10.0
@@ -212,6 +214,8 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                 job.has_loss = job.initial_loss_stored = True
             job.health.new_generation(job.generation,
                                       {r: p.node for p in job.placement for r in p.ranks})
+            job.health.restore([json_format.ParseDict(e, keel_pb2.Event())
+                                for e in self.store.events(name)])
             self.jobs[name] = job
 
     # =================================================================== agents
@@ -467,6 +471,7 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
             event.rank = blamed
             event.node = health.rank_nodes.get(blamed, event.node)
         event.root_cause = summarize_stacks(stacks)
+        health.changed(event)
         health.avoid = {event.node}
         self.wake.set()
 
@@ -597,6 +602,27 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                         except Exception:
                             log.exception("reconcile failed; retrying next tick",
                                           job=job.name)
+                    self._save_events(job)
+
+    def _save_events(self, job: JobRuntime) -> None:
+        """Write the job's new and changed events to etcd, so the next leader shows
+        them too; what etcd does not take now is tried again next tick."""
+        health = job.health
+        try:
+            for seq in list(health.dropped):
+                self.store.delete_event(job.name, seq)
+                health.dropped.remove(seq)
+            for seq, event in list(health.unsaved.items()):
+                stored = json_format.MessageToDict(event)
+                if len(json.dumps(stored)) > EVENT_STORE_LIMIT:
+                    # Thousands of ranks' stacks: keep where each one is, not the dump.
+                    stored["stacks"] = {rank: stack.split("\n", 1)[0]
+                                        for rank, stack in stored.get("stacks", {}).items()}
+                self.store.put_event(job.name, seq, stored)
+                if health.unsaved.get(seq) is event:
+                    del health.unsaved[seq]
+        except Exception as exc:
+            log.warning("could not save events; will retry", job=job.name, error=str(exc))
 
     def _reload(self, job: JobRuntime) -> None:
         state = self.store.job_state(job.name)

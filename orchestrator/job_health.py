@@ -42,6 +42,9 @@ class JobHealth:
     job: str
     spec: keel_pb2.HealthSpec                       # resolved, no zeros
     events: list[keel_pb2.Event] = field(default_factory=list)
+    next_seq: int = 1
+    unsaved: dict[int, keel_pb2.Event] = field(default_factory=dict)  # seq -> to (re)write
+    dropped: list[int] = field(default_factory=list)   # seqs trimmed here, still in etcd
     rank_nodes: dict[int, str] = field(default_factory=dict)
     generation: int = 0
     straggler_state: object = field(default_factory=initial_state)
@@ -66,13 +69,27 @@ class JobHealth:
     # ------------------------------------------------------------------ events
     def event(self, kind: str, reason: str, **fields) -> keel_pb2.Event:
         event = keel_pb2.Event(kind=kind, reason=reason, generation=self.generation,
-                               at=time.time(), **fields)
+                               at=time.time(), seq=self.next_seq, **fields)
+        self.next_seq += 1
         self.events.append(event)
+        self.unsaved[event.seq] = event
+        for old in self.events[:-MAX_EVENTS]:
+            self.unsaved.pop(old.seq, None)
+            self.dropped.append(old.seq)
         del self.events[:-MAX_EVENTS]
         log.info("event", job=self.job, generation=self.generation, kind=kind,
                  node=event.node, rank=event.rank if event.HasField("rank") else None,
                  step=event.step, reason=reason)
         return event
+
+    def changed(self, event: keel_pb2.Event) -> None:
+        """``event`` was updated after it was made (stacks arriving for a hang)."""
+        self.unsaved[event.seq] = event
+
+    def restore(self, events: list[keel_pb2.Event]) -> None:
+        """The events a previous leader saved, oldest first."""
+        self.events = events[-MAX_EVENTS:]
+        self.next_seq = events[-1].seq + 1 if events else 1
 
     # ------------------------------------------------------------- generations
     def new_generation(self, generation: int, rank_nodes: dict[int, str]) -> None:

@@ -182,12 +182,13 @@ def events(job, follow, controller, etcd_endpoints, token_file, as_json, **secur
     """A job's detections and actions (crash, hang, straggler, node_lost,
     agent_restarted, replaced, excluded, cordoned, alert, operator), oldest first."""
     client = Client(controller, etcd_endpoints, token_file, **security)
-    shown = 0
+    shown = 0   # the last event's seq
     while True:
         status_ = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
-        for event in status_.events[shown:]:
-            click.echo(json.dumps(_dict(event)) if as_json else _event_line(event))
-        shown = len(status_.events)
+        for event in status_.events:
+            if event.seq > shown:
+                click.echo(json.dumps(_dict(event)) if as_json else _event_line(event))
+        shown = max([shown, *(e.seq for e in status_.events)])
         if not follow or status_.state in TERMINAL:
             return
         time.sleep(FOLLOW_POLL_S)

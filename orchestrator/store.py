@@ -8,6 +8,7 @@ Layout (all values JSON):
     /keel/jobs/<job>/state                 lifecycle state, generation, restarts
     /keel/jobs/<job>/generations/<g>       the plan of generation g
     /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
+    /keel/jobs/<job>/events/<seq>          detections and actions, as the job reports them
     /keel/cordons/<node>                   a cordoned (or draining) node: why, since when
 
 Writes happen on membership and generation changes only, never per step. Every
@@ -149,6 +150,18 @@ class Store:
 
     def plan(self, name: str, generation: int) -> dict | None:
         return self._get(f"{PREFIX}/jobs/{name}/generations/{generation}").value
+
+    # ------------------------------------------------------------------- events
+    def put_event(self, name: str, seq: int, event: dict) -> None:
+        self.client.put(f"{PREFIX}/jobs/{name}/events/{seq:012d}", json.dumps(event))
+
+    def delete_event(self, name: str, seq: int) -> None:
+        self.client.delete(f"{PREFIX}/jobs/{name}/events/{seq:012d}")
+
+    def events(self, name: str) -> list[dict]:
+        """A job's saved events, oldest first."""
+        found = self._prefix(f"{PREFIX}/jobs/{name}/events/")
+        return [found[k] for k in sorted(found)]
 
     # -------------------------------------------------------------- checkpoints
     def record_checkpoint(self, name: str, record: dict) -> bool:

@@ -488,7 +488,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("kind", "node", "rank", "step", "detected_after_s", "detected_after_steps", "root_cause", "stacks", "reason", "generation", "at")
+    __slots__ = ("kind", "node", "rank", "step", "detected_after_s", "detected_after_steps", "root_cause", "stacks", "reason", "generation", "at", "seq")
     class StacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,7 @@ class Event(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     kind: str
     node: str
     rank: int
@@ -518,7 +519,8 @@ class Event(_message.Message):
     reason: str
     generation: int
     at: float
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ...) -> None: ...
+    seq: int
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class NodePreflight(_message.Message):
     __slots__ = ("node", "generation", "results", "slow")

@@ -41,10 +41,12 @@ def cluster(etcd, no_leaks):
     started = []
 
     def controller():
+        (tmp / "address").unlink(missing_ok=True)
         proc = spawn(["-m", "orchestrator.cli", "controller", "--etcd-endpoints", etcd.endpoint,
                       "--token-file", str(tmp / "token"), "--address-file",
                       str(tmp / "address")], tmp / "controller.log")
         started.append(proc)
+        Cluster.controllers.append(proc)
         wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,
                  what="controller address")
         assert proc.poll() is None, (tmp / "controller.log").read_text()
@@ -64,6 +66,7 @@ def cluster(etcd, no_leaks):
     class Cluster:
         store = Store(connect([etcd.endpoint], 5))
         path = tmp
+        controllers: list[subprocess.Popen] = []
     Cluster.controller, Cluster.agent = staticmethod(controller), staticmethod(agent)
     yield Cluster
     for proc in reversed(started):

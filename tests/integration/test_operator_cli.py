@@ -48,6 +48,16 @@ def test_status_nodes_jobs_and_events(cluster, etcd):  # noqa: F811
     assert events.returncode == 0 and " crash " in events.stdout
     assert "exited with code 3" in events.stdout
 
+    # Events are kept in etcd: the next leader shows them, numbered as before.
+    first, = cluster.controllers
+    first.kill()
+    first.wait()
+    address = cluster.controller()
+    again = [json.loads(line) for line in
+             keel("events", "exits-3", *common, "--json", timeout_s=60).stdout.splitlines()]
+    assert [(e["kind"], e["seq"]) for e in again] == [("crash", "1")]
+    assert "exited with code 3" in again[0]["reason"]
+
     (cluster.path / "wrong").write_text("nope")
     refused = keel("status", "--controller", address, "--token-file",
                    str(cluster.path / "wrong"), timeout_s=60)
