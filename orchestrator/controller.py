@@ -774,10 +774,11 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
             health.replacement_times.append(now)
             if newcomers and not shrink:
                 health.event("replaced", f"{', '.join(out)} replaced by "
-                                         f"{', '.join(newcomers)}", node=out[0])
+                                         f"{', '.join(newcomers)}", node=out[0], step=job.step)
             else:
                 health.event("excluded", f"{', '.join(out)} excluded; re-planned to "
-                                         f"{mesh} at world size {world_size}", node=out[0])
+                                         f"{mesh} at world size {world_size}", node=out[0],
+                             step=job.step)
         health.avoid.clear()
         health.exclude_next.clear()
         health.new_generation(job.generation, {r: p.node for p in placement for r in p.ranks})

@@ -91,8 +91,8 @@ class Client:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
 
 

@@ -117,7 +117,8 @@ class OperatorService:
             slots=record.get("slots", session.slots if session else 0),
             connected=bool(session and session.connected),
             lease_id=record.get("lease_id", 0), state=state,
-            cordon_reason=f"{cordon['reason']} (by {cordon['by']})" if cordon else "",
+            cordon_reason=("" if cordon is None else cordon["reason"] if cordon["by"] == "operator"
+                           else f"{cordon['reason']} (by the {cordon['by']})"),
             job=job.name if job is not None else "")
 
     def _job_on(self, node: str) -> JobRuntime | None:
@@ -148,12 +149,16 @@ class OperatorService:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, nothing changed: "
                                                        f"{exc}")
 
+    def _spare_slots(self, job: JobRuntime) -> dict[str, int]:
+        """Free slots on nodes the job does not run on now."""
+        return {n: s for n, s in self._free_slots(job).items() if n not in job.nodes}
+
     def _where_it_goes(self, job: JobRuntime, node: str) -> str:
         """How the job will do without ``node``, judged from the free nodes now."""
         needed = sum(len(p.ranks) for p in job.placement if p.node == node)
-        free = sum(self._free_slots(job).values())
+        free = sum(self._spare_slots(job).values())
         if free >= needed:
-            return f"on free nodes ({free} slots free, {needed} needed)"
+            return f"on free nodes ({free} slot(s) free, {needed} needed)"
         if job.spec.min_nodes:
             return (f"on a re-planned smaller layout (no free node for its {needed} "
                     f"rank(s); min_nodes {job.spec.min_nodes})")
@@ -232,7 +237,7 @@ class OperatorService:
                               f"job {job.name} is already under way to "
                               f"{job.health.replacing.reason}; wait for its next generation")
             needed = sum(len(p.ranks) for p in job.placement if p.node == request.node)
-            free = self._free_slots(job)
+            free = self._spare_slots(job)
             if request.with_node:
                 self._known_node(request.with_node, context)
                 problem = ""

@@ -76,6 +76,8 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
     assert "bad fan" in cluster.store.cordons()["node-c"]["reason"]
     refused = cli("replace", "node-b", "--with", "node-c", ok=False)
     assert "node-c cannot take node-b's place: it is cordoned" in refused.stderr
+    refused = cli("replace", "node-b", ok=False)
+    assert "no free node can take node-b's 1 rank(s)" in refused.stderr
     cli("uncordon", "node-c")
     assert nodes()["node-c"]["state"] == "ready" and cluster.store.cordons() == {}
 
@@ -87,6 +89,7 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
 
     # Drain node-a: generation 3 runs on the free node-b; node-a ends drained.
     drained = cli("drain", "node-a", "--wait", "--timeout-s", "120")
+    assert "runs without it on free nodes (1 slot(s) free, 1 needed)" in drained.stdout
     assert "node-a drained" in drained.stdout
     found = wait_for(lambda: running_on(3), 120, 0.5, what="generation 3 stepping")
     assert {n for n, v in nodes().items() if v["job"] == "steer"} == {"node-b", "node-c"}
