@@ -1,7 +1,7 @@
 """An etcd client that outlives etcd restarts and brief outages.
 
-(The controller has the same client in ``orchestrator.etcd_client``; the agent and the
-controller share no code, only ``protos/``.)
+(The controller has the same client in ``orchestrator.etcd_client``: the agent and the
+controller share no code, only ``protos/``, so a unit test keeps the two the same.)
 
 python3-etcd3's own client, as it comes, does not: after one UNAVAILABLE it refuses its
 endpoint for 300 s (``Endpoint.time_retry``), gRPC's reconnect back-off grows to two
