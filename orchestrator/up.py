@@ -532,6 +532,11 @@ def up(options: UpOptions) -> int:
             # name and the spares are the last nodes, whatever order they started in.
             _wait_for_agents(client, options.nodes + options.spares, workdir)
             client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
+            credentials = " ".join([*(["--tls-dir", str(workdir / "tls")] if options.tls
+                                      else ["--token-file", str(workdir / "token")]),
+                                    *etcd_flags(options.etcd_credentials)])
+            progress.note(f"job {spec.name} submitted; from another shell: keel status "
+                          f"--etcd-endpoints {cluster.endpoints} {credentials}")
             deadline = time.monotonic() + options.timeout_s
             while True:
                 status = client.call("GetJob", keel_pb2.GetJobRequest(job=spec.name))

@@ -60,3 +60,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    train.exit_without_finalizing(0)
