@@ -644,8 +644,7 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
     def _free_slots(self, job: JobRuntime, avoid: bool = True) -> dict[str, int]:
         busy = set(self.cordons) | (job.health.avoid if avoid else set())
         for other in self.jobs.values():
-            if other is not job and other.state in (JobState.STARTING, JobState.RUNNING,
-                                                    JobState.STOPPING):
+            if other is not job and other.state.holds_nodes:
                 busy |= other.nodes
         return {name: s.slots for name, s in self.sessions.items()
                 if s.connected and name in self.registered and name not in busy}

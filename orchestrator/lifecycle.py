@@ -15,6 +15,11 @@ class JobState(str, enum.Enum):
     CANCELLED = "CANCELLED"  # stopped by an operator
 
     @property
+    def holds_nodes(self) -> bool:
+        """A generation is placed on nodes: being started, running, or being stopped."""
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+
+    @property
     def terminal(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 

@@ -24,9 +24,6 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
-
-
 class OperatorService:
     def SubmitJob(self, request, context):
         self._require_leader(context)
@@ -125,7 +122,7 @@ class OperatorService:
         """The job whose current generation runs (or is being started or stopped) on
         ``node``."""
         return next((j for j in self.jobs.values()
-                     if j.state in ACTIVE and node in j.nodes), None)
+                     if j.state.holds_nodes and node in j.nodes), None)
 
     def _known_node(self, name: str, context) -> None:
         if not name:
