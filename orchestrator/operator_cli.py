@@ -6,6 +6,7 @@ sentence, or JSON with ``--json``."""
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 
@@ -138,8 +139,10 @@ def status(controller, etcd_endpoints, token_file, as_json, **security):
                                "jobs": [_dict(j) for j in jobs]}))
         return
     connected = sum(1 for n in nodes if n.connected)
+    held = collections.Counter(n.state for n in nodes if n.state != "ready")
     click.echo(f"controller {client.address}: {connected}/{len(nodes)} nodes connected, "
-               f"{sum(n.slots for n in nodes if n.connected)} slots, {len(jobs)} job(s)")
+               f"{sum(n.slots for n in nodes if n.connected)} slots, {len(jobs)} job(s)"
+               + "".join(f", {count} {state}" for state, count in sorted(held.items())))
     if jobs:
         click.echo(_table(JOB_HEADERS, [_job_row(j) for j in jobs]))
 
