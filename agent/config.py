@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.tls import EtcdCredentials, TlsFiles
+from agent.etcd_client import EtcdCredentials
+from agent.tls import TlsFiles
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 

@@ -1,4 +1,5 @@
-"""An etcd client that outlives etcd restarts and brief outages.
+"""An etcd client that outlives etcd restarts and brief outages, and the credentials it
+uses.
 
 (The controller has the same client in ``orchestrator.etcd_client``: the agent and the
 controller share no code, only ``protos/``, so a unit test keeps the two the same.)
@@ -14,15 +15,13 @@ loop of ours does); the call after etcd is back succeeds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import etcd3
 import grpc
 from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
-
-if TYPE_CHECKING:
-    from agent.tls import EtcdCredentials
 
 ENDPOINT_RETRY_S = 0.5
 # gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
@@ -30,6 +29,34 @@ ENDPOINT_RETRY_S = 0.5
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """How an etcd client proves itself: TLS (``ca`` alone to verify the server,
+    ``cert``/``key`` too when etcd demands client certificates) and/or a user and
+    password (etcd auth enabled)."""
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--etcd-cert and --etcd-key go together")
+        if self.cert and not self.ca:
+            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server "
+                             "certificate)")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go "
+                             "together")
+
+    def client_kwargs(self) -> dict:
+        """Keyword arguments of python3-etcd3's clients."""
+        found = {"ca_cert": self.ca, "cert_cert": self.cert, "cert_key": self.key,
+                 "user": self.user, "password": self.password}
+        return {k: str(v) for k, v in found.items() if v}
 
 
 class EtcdClient(etcd3.MultiEndpointEtcd3Client):

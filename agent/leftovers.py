@@ -74,7 +74,7 @@ def _is_agent(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (FileNotFoundError, PermissionError, ProcessLookupError):
         return False
-    return b"agent" in argv or any(a.endswith(b"keel") for a in argv[:2])
+    return b"agent" in argv  # `python -m agent`; `keel agent` execs into it
 
 
 def take_over(run_dir: Path, socket_path: str) -> int:

@@ -13,12 +13,13 @@ the last resort for the token. Without any of them the channel is plaintext.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import grpc
 
+from agent.etcd_client import EtcdCredentials
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -32,33 +33,6 @@ class TlsFiles:
         for flag, path in (("--ca", self.ca), ("--cert", self.cert), ("--key", self.key)):
             if not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
-
-
-@dataclass(frozen=True)
-class EtcdCredentials:
-    """etcd TLS (``ca``; ``cert``/``key`` for client certificates) and/or user and
-    password."""
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("--etcd-cert and --etcd-key go together")
-        if self.cert and not self.ca:
-            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server "
-                             "certificate)")
-        if bool(self.user) != bool(self.password):
-            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go "
-                             "together")
-
-    def client_kwargs(self) -> dict:
-        """Keyword arguments of ``etcd3.client``."""
-        found = {"ca_cert": self.ca, "cert_cert": self.cert, "cert_key": self.key,
-                 "user": self.user, "password": self.password}
-        return {k: str(v) for k, v in found.items() if v}
 
 
 def channel(address: str, files: TlsFiles | None) -> grpc.Channel:

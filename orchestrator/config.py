@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.auth import Tokens
-from orchestrator.tls import EtcdCredentials, TlsFiles
+from orchestrator.etcd_client import EtcdCredentials
+from orchestrator.tls import TlsFiles
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from google.protobuf import json_format
 
 from orchestrator import tls
 from orchestrator.auth import call_metadata
+from orchestrator.lifecycle import JobState
 from orchestrator.store import Store, connect
 from protos import keel_pb2, keel_pb2_grpc
 
 RPC_TIMEOUT_S = 10.0
 FOLLOW_POLL_S = 1.0
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
@@ -192,7 +192,7 @@ def events(job, follow, controller, etcd_endpoints, token_file, as_json, **secur
             if event.seq > shown:
                 click.echo(json.dumps(_dict(event)) if as_json else _event_line(event))
         shown = max([shown, *(e.seq for e in status_.events)])
-        if not follow or status_.state in TERMINAL:
+        if not follow or JobState(status_.state).terminal:
             return
         time.sleep(FOLLOW_POLL_S)
 
@@ -305,7 +305,7 @@ def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_
         ck = status_.last_checkpoint
         if status_.HasField("last_checkpoint") and ck.step > reply.after_step:
             return ck
-        if status_.state in TERMINAL or status_.generation != reply.generation:
+        if JobState(status_.state).terminal or status_.generation != reply.generation:
             raise click.ClickException(f"job {reply.job} is {status_.state} in generation "
                                        f"{status_.generation}; no checkpoint after step "
                                        f"{reply.after_step} was committed")
@@ -357,8 +357,11 @@ def stop(job, now, reason, wait, timeout_s, controller, etcd_endpoints, token_fi
     if wait:
         if not as_json:
             click.echo(reply.message)
-        status_ = _wait(f"job {job} to stop", timeout_s, lambda: (
-            s := client.call("GetJob", keel_pb2.GetJobRequest(job=job))).state in TERMINAL and s)
+
+        def ended():
+            found = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
+            return found if JobState(found.state).terminal else None
+        status_ = _wait(f"job {job} to stop", timeout_s, ended)
         reply = keel_pb2.StopJobReply(job=job, state=status_.state,
                                       message=f"job {job} {status_.state}: {status_.reason}")
     click.echo(json.dumps(_dict(reply)) if as_json else reply.message)

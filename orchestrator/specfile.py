@@ -46,6 +46,10 @@ def load(path: str | Path) -> keel_pb2.JobSpec:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise SpecFileError(f"{path}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecFileError(f"{path}: not UTF-8 text; save the spec as UTF-8") from None
     try:
         data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
     except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"

@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from orchestrator.etcd_client import EtcdClient
-
-if TYPE_CHECKING:
-    from orchestrator.tls import EtcdCredentials
+from orchestrator.etcd_client import EtcdClient, EtcdCredentials
 
 PREFIX = "/keel"
 

@@ -11,12 +11,13 @@ With none of ``--tls-dir``/``--ca``/``--cert``/``--key`` the connection is plain
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import grpc
 
+from orchestrator.etcd_client import EtcdCredentials
 from orchestrator.auth import Role, Tokens
 
 
@@ -94,34 +95,6 @@ def channel(address: str, files: TlsFiles | None) -> grpc.Channel:
 
 
 # ----------------------------------------------------------------------- etcd
-@dataclass(frozen=True)
-class EtcdCredentials:
-    """How an etcd client proves itself: TLS (``ca`` alone to verify the server,
-    ``cert``/``key`` too when etcd demands client certificates) and/or a user and
-    password (etcd auth enabled)."""
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("--etcd-cert and --etcd-key go together")
-        if self.cert and not self.ca:
-            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server "
-                             "certificate)")
-        if bool(self.user) != bool(self.password):
-            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go "
-                             "together")
-
-    def client_kwargs(self) -> dict:
-        """Keyword arguments of ``etcd3.client``."""
-        found = {"ca_cert": self.ca, "cert_cert": self.cert, "cert_key": self.key,
-                 "user": self.user, "password": self.password}
-        return {k: str(v) for k, v in found.items() if v}
-
-
 def etcd_credentials(etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None,
                      etcd_password=None, **_) -> EtcdCredentials | None:
     """The etcd credentials of the ``etcd_options`` flags; None if none is given."""

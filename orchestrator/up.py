@@ -27,10 +27,12 @@ from orchestrator.etcd_server import EmbeddedEtcd
 from orchestrator import planner
 from orchestrator.faults import CLUSTER_FAULTS, parse_schedule
 from orchestrator.jobspec import validate
+from orchestrator.lifecycle import JobState
 from orchestrator.ledger_check import audit_checkpoint
 from orchestrator.ports import tied_to_this_process
 from orchestrator.store import Store, connect
-from orchestrator.tls import EtcdCredentials, TlsFiles, channel, etcd_flags, resolve_tls
+from orchestrator.etcd_client import EtcdCredentials
+from orchestrator.tls import TlsFiles, channel, etcd_flags, resolve_tls
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
@@ -549,7 +551,7 @@ def up(options: UpOptions) -> int:
                     progress.note(line)
                     if "leader controller" in line:
                         killed_at = time.monotonic()
-                if status.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                if JobState(status.state).terminal:
                     break
                 if stop:
                     error = "interrupted"

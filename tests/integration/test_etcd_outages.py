@@ -7,9 +7,8 @@ import subprocess
 import etcd3
 import pytest
 
-from orchestrator.etcd_client import EtcdClient
+from orchestrator.etcd_client import EtcdClient, EtcdCredentials
 from orchestrator.etcd_server import etcd_binary
-from orchestrator.tls import EtcdCredentials
 from tests.conftest import wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 

@@ -182,3 +182,10 @@ def test_missing_file(tmp_path):
     with pytest.raises(SpecFileError) as exc:
         load(str(path))
     assert str(exc.value) == f"{path}: no such file"
+
+
+def test_a_file_that_is_not_utf8_text_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_bytes(b'name = "\xff"\n')
+    with pytest.raises(SpecFileError, match=r"job\.toml: not UTF-8 text; save the spec as UTF-8"):
+        load(path)
