@@ -65,6 +65,9 @@ class Agent:
         # Exits and commits of the current generation, sent again after every Hello:
         # a controller that took over may have missed them (both are idempotent there).
         self.replay: list[keel_pb2.AgentMessage] = []
+        # Guarded by step_lock: each rank's latest report of the current generation,
+        # sent again after every Hello (marked replayed) for the step and loss.
+        self.latest_steps: dict[int, keel_pb2.StepReport] = {}
 
     # ================================================================ lifecycle
     def run(self) -> None:
@@ -168,6 +171,12 @@ class Agent:
                 for r in self.supervisor.of_generation(current.job, current.generation)
                 if r.popen.returncode is None)
         yield keel_pb2.AgentMessage(hello=hello)
+        with self.step_lock:
+            latest = [self.latest_steps[rank] for rank in sorted(self.latest_steps)]
+        if current is not None and latest:
+            yield keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
+                job=current.job, generation=current.generation, reports=latest,
+                replayed=True))
         yield from list(self.replay)
         while not closed.is_set():
             try:
@@ -215,6 +224,9 @@ class Agent:
             self.pending_steps.extend(reports)
             for report in reports:
                 self.progress[report.rank] = (now, report.step, report.checkpointing)
+                latest = self.latest_steps.get(report.rank)
+                if latest is None or report.step >= latest.step:
+                    self.latest_steps[report.rank] = report
                 if report.step_time_s > 0:
                     self.step_times.append(report.step_time_s)
             wanted, self.checkpoint_wanted = self.checkpoint_wanted, False
@@ -314,6 +326,7 @@ class Agent:
             self.current = start
             self.pending_steps.clear()
             self.progress.clear()
+            self.latest_steps.clear()
             self.step_times.clear()
             self.checkpoint_wanted = False
         self.hang_reported = False

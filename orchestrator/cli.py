@@ -35,7 +35,8 @@ def main():
                    "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
                    "lose_node:node=I,step=N (node I's agent and ranks killed at once) | "
                    "kill_leader:step=N (the leading controller SIGKILLed) | "
-                   "restart_etcd:step=N (etcd SIGKILLed, back 2 s later on its data) | "
+                   "restart_etcd:step=N[,down=S] (etcd SIGKILLed, back S s later on its data; "
+                   "default 2) | "
                    "kill_agent:node=I,step=N (node I's agent SIGKILLed, then started "
                    "again).")
 @click.option("--layout", default=None, metavar="LAYOUT",

@@ -155,7 +155,9 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                 session.close()
             self.sessions.clear()
             self.jobs.clear()
-        self._leader_lease = None
+        # The lease is kept: if etcd comes back with it alive and our key on it, nobody
+        # led meanwhile and the next campaign takes the lead again at once, instead of
+        # waiting a whole TTL for our own key to lapse.
         metrics.LEADER.set(0)
         log.warning("stepped down", controller_id=self.id, reason=reason)
 
@@ -383,7 +385,10 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         elif kind == "steps":
             job = self._job_for(body.job, body.generation)
             if job is not None:
-                self._on_steps(job, body.reports)
+                if body.replayed:
+                    self._on_progress(job, body.reports)
+                else:
+                    self._on_steps(job, body.reports)
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
             if job is not None and job.state is JobState.RUNNING:
@@ -407,21 +412,25 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         elif kind == "hello":
             log.warning("ignoring a second Hello on one stream", node=session.node)
 
+    def _on_progress(self, job: JobRuntime, reports) -> None:
+        """The job's step and loss are rank 0's latest."""
+        for report in reports:
+            if report.rank == 0 and report.step >= job.step:
+                job.step, job.loss = report.step, report.loss
+        metrics.JOB_STEP.labels(job=job.name).set(job.step)
+
     def _on_steps(self, job: JobRuntime, reports) -> None:
         for report in reports:
             job.tokens += report.tokens
             if report.step_time_s > 0:
                 job.step_times.append(report.step_time_s)
             job.token_window.append((report.at, report.tokens))
-            if report.rank == 0 and report.step >= job.step:
-                job.step = report.step
-                job.loss = report.loss
-                if not job.has_loss:
-                    job.initial_loss, job.has_loss = report.loss, True
+            if report.rank == 0 and not job.has_loss:
+                job.initial_loss, job.has_loss = report.loss, True
+        self._on_progress(job, reports)
         while job.token_window and job.token_window[-1][0] - job.token_window[0][0] > TOKENS_WINDOW_S:
             job.token_window.popleft()
         job.health.add_steps(reports)
-        metrics.JOB_STEP.labels(job=job.name).set(job.step)
 
     def _on_checkpoint(self, job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> None:
         record = {"step": saved.step, "path": saved.path, "generation": saved.generation,

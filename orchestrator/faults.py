@@ -9,7 +9,9 @@ Rank faults, applied by the trainer when the step starts:
 Cluster faults, applied by `keel up` once rank 0 has reported step N:
     lose_node:node=I,step=N      node I's agent and all its ranks are SIGKILLed at once
     kill_leader:step=N           the leading controller is SIGKILLed (a standby takes over)
-    restart_etcd:step=N          etcd is SIGKILLed and started again on its data 2 s later
+    restart_etcd:step=N[,down=S] etcd is SIGKILLed and started again on its data S s
+                                 later (default 2; past the 5 s leader lease, the
+                                 controller steps down and leads again when etcd is back)
     kill_agent:node=I,step=N     node I's agent is SIGKILLed (its ranks die with it) and
                                  started again on the same node
 """
@@ -28,6 +30,7 @@ FIELDS = {
     "restart_etcd": {"step"},
     "kill_agent": {"node", "step"},
 }
+OPTIONAL = {"restart_etcd": {"down"}}
 # Fired by `keel up` itself rather than by a rank.
 CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent"})
 
@@ -40,15 +43,16 @@ def parse_fault(text: str) -> keel_pb2.Fault:
     kind, sep, rest = text.strip().partition(":")
     if kind not in FIELDS:
         raise BadFault(f"fault {text!r}: kind must be one of {', '.join(sorted(FIELDS))}")
+    allowed = FIELDS[kind] | OPTIONAL.get(kind, set())
     if not sep or not rest:
         raise BadFault(f"fault {text!r}: write it as {kind}:"
                        + ",".join(f"{f}=..." for f in sorted(FIELDS[kind])))
     values = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key not in FIELDS[kind] or key in values:
+        if not eq or key not in allowed or key in values:
             raise BadFault(f"fault {text!r}: {item!r} is not one of "
-                           f"{', '.join(sorted(FIELDS[kind]))} (each once)")
+                           f"{', '.join(sorted(allowed))} (each once)")
         values[key] = value
     missing = FIELDS[kind] - values.keys()
     if missing:
@@ -66,9 +70,13 @@ def parse_fault(text: str) -> keel_pb2.Fault:
             fault.factor = float(values["factor"])
             if not fault.factor > 1.0:
                 raise ValueError
+        if "down" in values:
+            fault.down_s = float(values["down"])
+            if not 0 < fault.down_s <= 600:
+                raise ValueError
     except ValueError:
         raise BadFault(f"fault {text!r}: rank and node are integers >= 0, step an integer "
-                       f">= 1 and factor a number > 1") from None
+                       f">= 1, factor a number > 1 and down seconds in (0, 600]") from None
     return fault
 
 

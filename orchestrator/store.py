@@ -87,15 +87,19 @@ class Store:
 
     # ------------------------------------------------------------------- leader
     def campaign(self, controller_id: str, address: str, lease_id: int) -> bool:
-        """Take the leader key on ``lease_id`` if nobody holds it; True if we lead."""
+        """Take the leader key on ``lease_id`` if nobody holds it, or if it is still
+        ours (we stepped down while etcd was out of reach, and nobody led since);
+        True if we lead."""
         key = f"{PREFIX}/controller/leader"
+        value = json.dumps({"address": address, "id": controller_id})
         tx = self.client.transactions
-        ok, _ = self.client.transaction(
-            compare=[tx.version(key) == 0],
-            success=[tx.put(key, json.dumps({"address": address, "id": controller_id}),
-                            lease=lease_id)],
-            failure=[])
-        return ok
+        for held in (tx.version(key) == 0, tx.value(key) == value):
+            ok, _ = self.client.transaction(compare=[held],
+                                            success=[tx.put(key, value, lease=lease_id)],
+                                            failure=[])
+            if ok:
+                return True
+        return False
 
     def leader(self) -> dict | None:
         """The leading controller's ``{"address", "id"}``, or None."""

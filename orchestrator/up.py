@@ -36,7 +36,7 @@ from orchestrator.tls import TlsFiles, channel, etcd_flags, resolve_tls
 from protos import keel_pb2, keel_pb2_grpc
 
 JOB_NAME = "keel-up"
-ETCD_DOWN_S = 2.0    # restart_etcd: how long etcd stays down
+ETCD_DOWN_S = 2.0    # restart_etcd: how long etcd stays down unless its down= says
 POLL_S = 0.5
 # The reference trainer's model and batch, passed to it explicitly so that the shape the
 # controller validates and plans with is the one that trains.
@@ -249,8 +249,8 @@ class ClusterFaults:
     """The schedule's faults that `keel up` fires itself once rank 0 reports their step:
     ``lose_node`` kills an agent's process group (its ranks die with it through their
     parent-death signal), ``kill_leader`` SIGKILLs the leading controller,
-    ``restart_etcd`` crashes etcd and starts it again on its data after
-    ``ETCD_DOWN_S``, and ``kill_agent`` SIGKILLs an agent and starts it again."""
+    ``restart_etcd`` crashes etcd and starts it again on its data after its
+    ``down_s`` (``ETCD_DOWN_S`` by default), and ``kill_agent`` SIGKILLs an agent and starts it again."""
     pending: list[keel_pb2.Fault]
     lost: set[int] = field(default_factory=set)              # agent indexes
     killed_controllers: set[int] = field(default_factory=set)
@@ -280,9 +280,10 @@ class ClusterFaults:
                              f"at step {step} and started again (pid "
                              f"{cluster.agents[fault.node].pid})")
             elif fault.kind == "restart_etcd":
-                cluster.etcd.restart(down_s=ETCD_DOWN_S)
+                down_s = fault.down_s or ETCD_DOWN_S
+                cluster.etcd.restart(down_s=down_s)
                 fired.append(f"injected: etcd killed at step {step}, back after "
-                             f"{ETCD_DOWN_S:.0f} s on its data")
+                             f"{down_s:g} s on its data")
             elif leader in cluster.addresses:
                 index = cluster.addresses.index(leader)
                 os.killpg(cluster.controllers[index].pid, signal.SIGKILL)

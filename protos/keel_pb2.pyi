@@ -271,14 +271,16 @@ class StepReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
-    __slots__ = ("job", "generation", "reports")
+    __slots__ = ("job", "generation", "reports", "replayed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     reports: _containers.RepeatedCompositeFieldContainer[StepReport]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("job", "generation", "step", "path", "samples")
@@ -649,18 +651,20 @@ class LocalAck(_message.Message):
     def __init__(self, checkpoint_now: _Optional[bool] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("kind", "rank", "node", "step", "factor")
+    __slots__ = ("kind", "rank", "node", "step", "factor", "down_s")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
+    DOWN_S_FIELD_NUMBER: _ClassVar[int]
     kind: str
     rank: int
     node: int
     step: int
     factor: float
-    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ...) -> None: ...
+    down_s: float
+    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ...) -> None: ...
 
 class FaultSchedule(_message.Message):
     __slots__ = ("faults",)

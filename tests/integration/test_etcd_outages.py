@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.etcd_client import EtcdClient, EtcdCredentials
 from orchestrator.etcd_server import etcd_binary
+from orchestrator.store import Store, connect
 from tests.conftest import wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 
@@ -61,3 +62,19 @@ def test_an_agent_whose_lease_vanished_registers_again(cluster):  # noqa: F811
     assert again["lease_id"] != first["lease_id"]
     assert cluster.store.lease_alive(again["lease_id"])
     assert "etcd lease lost; registering again" in (cluster.path / "node-a.log").read_text()
+
+
+def test_a_controller_that_stepped_down_leads_again_while_its_key_is_still_there(etcd):
+    store = Store(connect([etcd.endpoint], 5))
+    mine, theirs = store.client.lease(30), store.client.lease(30)
+    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id)
+    assert not store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
+    # A stepped down (etcd was out of reach past its lease) but nobody led since:
+    # the key is still A's, so A takes it again rather than waiting for it to lapse.
+    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id)
+    assert store.leader() == {"address": "127.0.0.1:1", "id": "ctl-a"}
+    # Once A's lease is gone, the key goes with it: B leads, and A may not take it back.
+    mine.revoke()
+    assert store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
+    assert not store.campaign("ctl-a", "127.0.0.1:1", mine.id)
+    assert store.leader()["id"] == "ctl-b"

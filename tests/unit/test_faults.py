@@ -15,6 +15,8 @@ def test_parse_each_rank_fault():
     assert slow.factor == pytest.approx(1.5)
     lose = parse_fault("lose_node:node=1,step=20")
     assert (lose.kind, lose.node, lose.step, lose.HasField("rank")) == ("lose_node", 1, 20, False)
+    assert parse_fault("restart_etcd:step=4").down_s == 0.0  # keel up's default
+    assert parse_fault("restart_etcd:step=4,down=7.5").down_s == pytest.approx(7.5)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -28,6 +30,10 @@ def test_parse_each_rank_fault():
     ("crash:rank=1,step=0", "step an integer >= 1"),
     ("slow:rank=1,step=2,factor=0.5", "factor a number > 1"),
     ("kill:rank=1,step=2,factor=2", "is not one of"),
+    ("restart_etcd:step=2,down=0", "down seconds in (0, 600]"),
+    ("restart_etcd:step=2,down=soon", "down seconds in (0, 600]"),
+    ("crash:rank=1,step=2,down=3", "is not one of rank, step"),
+    ("restart_etcd:down=3", "missing step"),
 ])
 def test_bad_faults_say_what_to_fix(text, message):
     with pytest.raises(BadFault, match=message.replace(".", r"\.")
