@@ -56,34 +56,34 @@ class Agent:
         self.pending_steps: list[keel_pb2.StepReport] = []
         self.current: keel_pb2.StartGeneration | None = None
         self.stopping_generation: tuple[str, int] | None = None
-        # Guarded by step_lock: what the trainers told us, for the hang detector.
-        self.progress: dict[int, tuple[float, int, bool]] = {}  # rank -> (at, step, ckpt)
+        # Guarded by step_lock: each rank's latest report of the current generation and
+        # when it arrived (monotonic): progress for the hang detector, and sent again
+        # after every Hello (marked replayed) for the job's step and loss.
+        self.latest: dict[int, tuple[float, keel_pb2.StepReport]] = {}
         self.step_times: collections.deque = collections.deque(maxlen=64)
         self.checkpoint_wanted = False
         self.hang_reported = False
         self.hang_config = HangConfig()
-        # Exits and commits of the current generation, sent again after every Hello:
-        # a controller that took over may have missed them (both are idempotent there).
+        # Exits and the newest commit of the current generation, sent again after every
+        # Hello: a controller that took over may have missed them (both are idempotent
+        # there, and an older commit than the newest changes nothing).
         self.replay: list[keel_pb2.AgentMessage] = []
-        # Guarded by step_lock: each rank's latest report of the current generation,
-        # sent again after every Hello (marked replayed) for the step and loss.
-        self.latest_steps: dict[int, keel_pb2.StepReport] = {}
 
     # ================================================================ lifecycle
     def run(self) -> None:
-        self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        leftovers.take_over(self.config.run_dir, self.socket_path)
-        self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
-        self.local_server = serve(self.socket_path, AgentLocalService(
-            self._on_local_steps, lambda saved: self.events.put(("checkpoint", saved)),
-            lambda report: self.events.put(("preflight", report))))
-        if self.config.metrics_port is not None:
-            metrics.serve(self.config.metrics_port)
-        threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
-        threading.Thread(target=self._stream_forever, name="stream", daemon=True).start()
-        log.info("agent started", slots=self.config.slots, lease_id=self.lease.id,
-                 socket=self.socket_path)
         try:
+            self.config.run_dir.mkdir(parents=True, exist_ok=True)
+            leftovers.take_over(self.config.run_dir, self.socket_path)
+            self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
+            self.local_server = serve(self.socket_path, AgentLocalService(
+                self._on_local_steps, lambda saved: self.events.put(("checkpoint", saved)),
+                lambda report: self.events.put(("preflight", report))))
+            if self.config.metrics_port is not None:
+                metrics.serve(self.config.metrics_port)
+            threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
+            threading.Thread(target=self._stream_forever, name="stream", daemon=True).start()
+            log.info("agent started", slots=self.config.slots, lease_id=self.lease.id,
+                     socket=self.socket_path)
             self._main_loop()
         finally:
             self._shutdown()
@@ -100,7 +100,8 @@ class Agent:
         if self.local_server is not None:
             self.local_server.stop(0.5).wait()
         try:
-            self.lease.revoke()  # the node record goes at once, not after the TTL
+            if self.lease is not None:
+                self.lease.revoke()  # the node record goes at once, not after the TTL
         except Exception as exc:
             log.warning("could not revoke lease", error=str(exc))
         shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -150,7 +151,11 @@ class Agent:
                 log.warning("cannot read the controller address from etcd", error=str(exc))
             if address:
                 started = time.monotonic()
-                self._stream_once(address)
+                try:
+                    self._stream_once(address)
+                except Exception as exc:  # e.g. TLS files unreadable: retry, never die
+                    log.error("cannot connect to the controller", address=address,
+                              error=f"{type(exc).__name__}: {exc}")
                 if time.monotonic() - started > 10:
                     backoff = 0.1
             if self.stopping.wait(backoff):
@@ -172,7 +177,8 @@ class Agent:
                 if r.popen.returncode is None)
         yield keel_pb2.AgentMessage(hello=hello)
         with self.step_lock:
-            latest = [self.latest_steps[rank] for rank in sorted(self.latest_steps)]
+            latest = [report for _, report in sorted(self.latest.values(),
+                                                     key=lambda seen: seen[1].rank)]
         if current is not None and latest:
             yield keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
                 job=current.job, generation=current.generation, reports=latest,
@@ -223,10 +229,7 @@ class Agent:
                 return False  # a straggling report from a generation that is gone
             self.pending_steps.extend(reports)
             for report in reports:
-                self.progress[report.rank] = (now, report.step, report.checkpointing)
-                latest = self.latest_steps.get(report.rank)
-                if latest is None or report.step >= latest.step:
-                    self.latest_steps[report.rank] = report
+                self.latest[report.rank] = (now, report)  # a rank reports in step order
                 if report.step_time_s > 0:
                     self.step_times.append(report.step_time_s)
             wanted, self.checkpoint_wanted = self.checkpoint_wanted, False
@@ -236,13 +239,11 @@ class Agent:
         with self.step_lock:
             reports, self.pending_steps = self.pending_steps, []
             current = self.current
+            last = {rank: report.step for rank, (_, report) in self.latest.items()}
         if not reports or current is None:
             return
-        last = {}
-        for report in reports:
-            last[report.rank] = max(last.get(report.rank, 0), report.step)
         for proc in self.supervisor.of_generation(current.job, current.generation):
-            proc.last_step = max(proc.last_step, last.get(proc.rank, 0))
+            proc.last_step = last.get(proc.rank, proc.last_step)
         self._send(steps=keel_pb2.StepReportBatch(job=current.job,
                                                   generation=current.generation,
                                                   reports=reports))
@@ -258,6 +259,8 @@ class Agent:
                 elif kind == "checkpoint":
                     self._flush_steps()
                     self._send(checkpoint_saved=payload)
+                    self.replay = [m for m in self.replay
+                                   if m.WhichOneof("kind") != "checkpoint_saved"]
                     self.replay.append(keel_pb2.AgentMessage(checkpoint_saved=payload))
                 elif kind == "preflight":
                     self._send(preflight=payload)
@@ -298,8 +301,9 @@ class Agent:
             log.info("stopping generation", job=stop.job, generation=stop.generation,
                      reason=stop.reason)
             ranks = self.supervisor.of_generation(stop.job, stop.generation)
-            if stop.collect_stacks and not self.hang_reported:
-                self._report_stacks(ranks, hang=None)
+            running = [r for r in ranks if r.phase is RankPhase.RUNNING]
+            if stop.collect_stacks and running and not self.hang_reported:
+                self._report_stacks(stop.job, stop.generation, running, hang=None)
             self.supervisor.stop(ranks, time.monotonic())
             self.stopping_generation = (stop.job, stop.generation)
         elif kind == "checkpoint_now":
@@ -325,19 +329,19 @@ class Agent:
         with self.step_lock:
             self.current = start
             self.pending_steps.clear()
-            self.progress.clear()
-            self.latest_steps.clear()
+            self.latest.clear()
             self.step_times.clear()
             self.checkpoint_wanted = False
         self.hang_reported = False
         health = start.health
-        self.hang_config = HangConfig(floor_s=health.hang_floor_s, k=health.hang_k,
-                                      first_step_timeout_s=health.first_step_timeout_s,
-                                      checkpoint_timeout_s=health.checkpoint_timeout_s)
         try:
+            self.hang_config = HangConfig(floor_s=health.hang_floor_s, k=health.hang_k,
+                                          first_step_timeout_s=health.first_step_timeout_s,
+                                          checkpoint_timeout_s=health.checkpoint_timeout_s)
             self.supervisor.start(start, self.socket_path)
-        except OSError as exc:
-            # The command cannot be executed at all: report it as the rank's failure.
+        except (ValueError, OSError) as exc:
+            # A health budget that makes no sense, or a command that cannot be executed
+            # at all: report it as the ranks' failure, with the reason.
             log.error("cannot start ranks", error=str(exc), command=list(start.command))
             for assignment in start.ranks:
                 self._send(rank_exited=keel_pb2.RankExited(
@@ -355,25 +359,27 @@ class Agent:
         if not ranks:
             return
         with self.step_lock:
-            progress = dict(self.progress)
+            latest = dict(self.latest)
             recent = list(self.step_times)
-        hang = find_hang(now, [RankProgress(
-            rank=r.rank, pid=r.pid, started_at=r.started_at,
-            last_report_at=progress[r.rank][0] if r.rank in progress else None,
-            last_step=progress[r.rank][1] if r.rank in progress else 0,
-            checkpointing=progress[r.rank][2] if r.rank in progress else False)
-            for r in ranks], recent, self.hang_config)
+        progress = []
+        for r in ranks:
+            at, report = latest.get(r.rank, (None, keel_pb2.StepReport()))
+            progress.append(RankProgress(rank=r.rank, pid=r.pid, started_at=r.started_at,
+                                         last_report_at=at, last_step=report.step,
+                                         checkpointing=report.checkpointing))
+        hang = find_hang(now, progress, recent, self.hang_config)
         if hang is None:
             return
         log.warning("hang detected", job=current.job, generation=current.generation,
                     rank=hang.rank, reason=hang.reason)
-        self._report_stacks(ranks, hang)
+        self._report_stacks(current.job, current.generation, ranks, hang)
         self.supervisor.stop(ranks, now)
         self.stopping_generation = (current.job, current.generation)
 
-    def _report_stacks(self, ranks: list, hang) -> None:
-        """SIGUSR1 every rank (faulthandler dumps its threads to stderr), read what each
-        wrote, and report the stacks, with the hang if this agent detected it."""
+    def _report_stacks(self, job: str, generation: int, ranks: list, hang) -> None:
+        """SIGUSR1 every rank of ``ranks``, all running (faulthandler dumps its threads
+        to stderr), read what each wrote, and report the stacks of ``job``'s
+        ``generation``, with the hang if this agent detected it."""
         before = {r.rank: tail(r.stderr_path, STACK_TAIL_BYTES) for r in ranks}
         for proc in ranks:
             try:
@@ -386,10 +392,9 @@ class Agent:
             dump = dump_since(before[proc.rank], tail(proc.stderr_path, STACK_TAIL_BYTES))
             parsed = parse_dump(dump)
             stacks[proc.rank] = f"{where(parsed) or 'no stack dumped'}\n{dump.strip()}"
-        current = self.current
         self.hang_reported = True
-        report = keel_pb2.HangDetected(job=current.job, generation=current.generation,
-                                       stacks=stacks, detected_at=time.time())
+        report = keel_pb2.HangDetected(job=job, generation=generation, stacks=stacks,
+                                       detected_at=time.time())
         if hang is not None:
             report.rank, report.pid, report.last_step = hang.rank, hang.pid, hang.last_step
             report.stalled_for_s, report.timeout_s = hang.stalled_for_s, hang.timeout_s

@@ -69,32 +69,48 @@ def kill_marked(socket_path: str, job: str = "", generation: int = 0) -> int:
     return len(found)
 
 
-def _is_agent(pid: int) -> bool:
+def started_at(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22);
+    None if there is no such process. A pid and its start time name one process: a
+    pid alone may have been reused."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, PermissionError, ProcessLookupError):
-        return False
-    return b"agent" in argv  # `python -m agent`; `keel agent` execs into it
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _previous(state_file: Path) -> dict | None:
+    """The previous agent's record, or None if there is none that makes sense."""
+    try:
+        previous = json.loads(state_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(previous, dict) or not isinstance(previous.get("pid"), int) or \
+            not isinstance(previous.get("socket"), str):
+        log.warning("ignoring a malformed agent record", path=str(state_file))
+        return None
+    return previous
 
 
 def take_over(run_dir: Path, socket_path: str) -> int:
     """Kill what the previous agent on ``run_dir`` left running and record ours;
     return how many processes were killed. Raises RunDirInUse if that agent lives."""
     state_file = run_dir / STATE_FILE
-    try:
-        previous = json.loads(state_file.read_text())
-    except (FileNotFoundError, ValueError):
-        previous = None
+    previous = _previous(state_file)
     killed = 0
     if previous:
-        if previous["pid"] != os.getpid() and _is_agent(previous["pid"]):
-            raise RunDirInUse(f"agent pid {previous['pid']} is running on run dir {run_dir}; "
+        pid = previous["pid"]
+        if pid != os.getpid() and started_at(pid) is not None and \
+                started_at(pid) == previous.get("started"):
+            raise RunDirInUse(f"agent pid {pid} is running on run dir {run_dir}; "
                               f"stop it or give this agent another --run-dir")
         killed = kill_marked(previous["socket"])
         if killed:
             log.warning("killed processes the previous agent left running", count=killed,
-                        previous_agent_pid=previous["pid"])
+                        previous_agent_pid=pid)
     tmp = state_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "socket": socket_path}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "started": started_at(os.getpid()),
+                               "socket": socket_path}))
     tmp.replace(state_file)
     return killed

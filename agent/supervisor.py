@@ -64,8 +64,6 @@ class RankProcess:
     exited_at: float = 0.0
     last_step: int = 0
     started_at: float = field(default_factory=time.monotonic)
-    last_report_at: float | None = None   # monotonic, when its latest step report arrived
-    checkpointing: bool = False           # its latest report said a checkpoint follows
     exit_report: keel_pb2.RankExited | None = field(default=None)
 
     @property

@@ -250,7 +250,8 @@ class ClusterFaults:
     ``lose_node`` kills an agent's process group (its ranks die with it through their
     parent-death signal), ``kill_leader`` SIGKILLs the leading controller,
     ``restart_etcd`` crashes etcd and starts it again on its data after its
-    ``down_s`` (``ETCD_DOWN_S`` by default), and ``kill_agent`` SIGKILLs an agent and starts it again."""
+    ``down_s`` (``ETCD_DOWN_S`` by default), and ``kill_agent`` SIGKILLs an agent and
+    starts it again."""
     pending: list[keel_pb2.Fault]
     lost: set[int] = field(default_factory=set)              # agent indexes
     killed_controllers: set[int] = field(default_factory=set)

@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-
-from pathlib import Path
 
 import pytest
 
-from agent.leftovers import RunDirInUse, carrying, take_over
+from agent.leftovers import RunDirInUse, carrying, started_at, take_over
 from tests.conftest import wait_for
 
 
@@ -35,23 +32,32 @@ def test_processes_left_by_the_previous_agent_are_killed_and_ours_recorded(tmp_p
         assert left.wait(5) == -9
         assert other.poll() is None, "a process of another agent was killed"
         assert json.loads((tmp_path / "agent.json").read_text()) == {
-            "pid": os.getpid(), "socket": "/new/agent.sock"}
+            "pid": os.getpid(), "started": started_at(os.getpid()), "socket": "/new/agent.sock"}
     finally:
         for proc in (left, other):
             proc.kill()
             proc.wait()
 
 
-def test_a_run_dir_owned_by_a_live_agent_is_refused(tmp_path):
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "agent"])
+def test_a_run_dir_owned_by_a_live_agent_is_refused_and_a_reused_pid_is_not(tmp_path):
+    live = subprocess.Popen(["sleep", "60"])
     try:
-        # Until it has exec'd, the child still shows our command line.
-        wait_for(lambda: b"agent" in Path(f"/proc/{live.pid}/cmdline").read_bytes(), 10,
-                 what="the stand-in agent to start")
-        (tmp_path / "agent.json").write_text(json.dumps({"pid": live.pid, "socket": "/s"}))
+        record = {"pid": live.pid, "started": started_at(live.pid), "socket": "/s"}
+        (tmp_path / "agent.json").write_text(json.dumps(record))
         with pytest.raises(RunDirInUse, match=f"agent pid {live.pid} is running"):
             take_over(tmp_path, "/new/agent.sock")
-        assert json.loads((tmp_path / "agent.json").read_text())["pid"] == live.pid
+        assert json.loads((tmp_path / "agent.json").read_text()) == record
+        # The same pid with another start time is another process (the pid was reused).
+        (tmp_path / "agent.json").write_text(json.dumps({**record, "started": 1}))
+        assert take_over(tmp_path, "/new/agent.sock") == 0
+        assert json.loads((tmp_path / "agent.json").read_text())["pid"] == os.getpid()
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.parametrize("text", ["[]", '{"pid": "12"}', '{"socket": "/s"}', "not json"])
+def test_a_malformed_record_is_treated_as_no_previous_agent(tmp_path, text):
+    (tmp_path / "agent.json").write_text(text)
+    assert take_over(tmp_path, "/new/agent.sock") == 0
+    assert json.loads((tmp_path / "agent.json").read_text())["socket"] == "/new/agent.sock"
