@@ -3,11 +3,12 @@
 
 Layout under the job's checkpoint directory::
 
-    step_00000010/                 committed: complete, fsynced, atomically renamed
+    step_00000010/                 committed: complete, durable, atomically renamed
         .metadata                  DCP's global plan, written last by the coordinator
         __0_0.distcp  __1_0.distcp one shard file per saving rank
         ledger.json                the data ledger of the lineage (``trainer.ledger``)
     .step_00000015.g3.tmp/         being written by generation 3; never loaded
+    .step_00000005.g3.expired.tmp/ removed by retention, being deleted; never loaded
     .faults/                       one-shot fault markers (see ``trainer.runtime``)
 
 A checkpoint holds the model and optimizer under their global parameter names
@@ -21,6 +22,22 @@ A save is staged (copied to CPU memory) while training waits, written in a backg
 thread while training goes on, and committed by rank 0 once the write is complete:
 fsync, atomic rename to ``step_<08d>``, report to the agent, then retention. One save
 is in flight at a time.
+
+Durability: a committed checkpoint survives power loss. The fsyncs are split between
+DCP and us. ``dcp.save``/``dcp.async_save`` given only a ``checkpoint_id`` write
+through a ``FileSystemWriter`` with its default ``sync_files=True``, under which every
+rank fsyncs each shard file it wrote before reporting its write done, and the
+coordinator fsyncs ``.metadata`` (as ``.metadata.tmp``) before renaming it into place;
+all of that happens before rank 0's save completes. DCP fsyncs no directory, and the
+ledger is ours, so the commit fsyncs ``ledger.json``, then the staging directory (making
+the entries of the shard files, ``.metadata`` and ``ledger.json`` durable), renames it,
+and fsyncs the checkpoint directory (making the new name durable). Never pass DCP a
+writer with ``sync_files=False``: the shard files would then go unsynced.
+
+Retention (and the replacement of an unrecorded checkpoint) renames a checkpoint aside
+to a ``.tmp`` name, durably, and deletes it in a background thread, so the training
+thread, and the ranks waiting for rank 0's commit, do not wait for the files to go.
+``wait`` waits for those deletions; ``discard_staging`` removes any a crash left.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ import os
 import re
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.ledger import Ledger
+from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.runtime import Runtime
 
 METADATA_FILE = ".metadata"
@@ -228,6 +245,8 @@ class Checkpointer:
     ``wait`` (before the next save and at exit, blocking) commit a save whose write
     finished. With ``use_async`` False, ``save`` writes and commits before returning.
     Every rank calls ``save`` and ``wait`` at the same steps; rank 0 alone commits.
+    Checkpoints that retention removes are deleted in the background; ``wait`` (hence
+    also ``save``) waits for those deletions, and raises if one failed.
 
     ``keep``: committed checkpoints kept after each commit (0: all); ``restored_from``:
     the checkpoint this run loaded, never deleted. ``take_blocked_s`` says how long
@@ -246,6 +265,9 @@ class Checkpointer:
         # The newest checkpoint the agent acknowledged, i.e. the controller's likely
         # restore point: retention must not delete it even if later reports fail.
         self._acknowledged: str | None = None
+        # Rank 0 deletes removed checkpoints here, off the training thread.
+        self._deleter: ThreadPoolExecutor | None = None
+        self._deletions: list[Future] = []
         # DCP's background writer gathers write results on this group while the
         # training loop runs its own collectives on the default one; sharing a group
         # between threads would interleave them. Gloo, because async save coordinates
@@ -278,10 +300,11 @@ class Checkpointer:
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
-        """Commits the save in flight if its write has finished; never blocks on it."""
+        """Commits the save in flight if its write has finished; never blocks on it
+        (nor on the deletions the commit's retention starts)."""
         if self._pending is not None and self._pending.future.done():
             started = time.perf_counter()
-            self.wait()
+            self._commit_pending()
             self._blocked_s += time.perf_counter() - started
 
     def take_blocked_s(self) -> float:
@@ -291,7 +314,15 @@ class Checkpointer:
         return blocked_s
 
     def wait(self) -> None:
-        """Blocks until the save in flight is written, then commits it."""
+        """Blocks until the save in flight is written, then commits it, and until the
+        checkpoints removed so far are deleted (the process may end after this call
+        without running its threads to completion)."""
+        self._commit_pending()
+        deletions, self._deletions = self._deletions, []
+        for deletion in deletions:
+            deletion.result()
+
+    def _commit_pending(self) -> None:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -302,11 +333,14 @@ class Checkpointer:
 
     def _commit(self, step: int, samples: int, staging: str) -> None:
         # DCP's coordinator (rank 0) writes the metadata only after gathering every
-        # rank's write results, so rank 0's write being done means everyone's is.
+        # rank's write results, so rank 0's write being done means everyone's is, and
+        # DCP has fsynced every shard file and .metadata (see the module docstring).
         if self._rank != 0:
             return
         final = committed_path(self.checkpoint_dir, step)
-        _fsync_tree(staging)
+        # What DCP leaves unsynced: our ledger and the staging directory's entries.
+        _fsync_file(os.path.join(staging, LEDGER_FILE))
+        _fsync_dir(staging)
         if os.path.exists(final):
             # Whoever wrote it died before the controller recorded it, or the job was
             # restored from an earlier checkpoint: it was never committed. Move it to a
@@ -333,23 +367,24 @@ class Checkpointer:
             )
 
     def _remove(self, path: str, step: int, why: str) -> None:
+        """Renames ``path`` to a name that is never loaded, durably, and deletes it in
+        the background: a crash mid-delete leaves no half checkpoint under a committed
+        name, only a ``.tmp`` directory that ``discard_staging`` removes."""
         doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.runtime.generation}.{why}.tmp")
         shutil.rmtree(doomed, ignore_errors=True)
         os.rename(path, doomed)
         _fsync_dir(self.checkpoint_dir)
-        shutil.rmtree(doomed)
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-delete")
+        self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))
 
 
-def _fsync_tree(root: str) -> None:
-    """fsyncs every file under ``root`` and then the directories, deepest first."""
-    for directory, _, files in os.walk(root, topdown=False):
-        for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(directory)
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:

@@ -53,7 +53,7 @@ class Ledger:
 
     def write(self, directory: str, global_batch: int, step: int) -> str:
         """Writes ``ledger.json`` into ``directory`` (not fsynced: the checkpoint commit
-        fsyncs the whole directory) and returns its path."""
+        fsyncs it, with the directory) and returns its path."""
         path = os.path.join(directory, LEDGER_FILE)
         with open(path, "w") as out:
             json.dump(self.document(global_batch, step), out, separators=(",", ":"))

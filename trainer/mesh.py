@@ -104,10 +104,6 @@ class BatchPlan:
             virtual_stages=virtual_stages if pp_schedule == "interleaved_1f1b" else 1,
         )
 
-    def local_batch(self, layout: Layout) -> int:
-        """Samples one data-parallel rank reads per optimizer step."""
-        return self.global_batch // layout.dp_size
-
 
 def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: int) -> None:
     """Raises ValueError, saying how to fix it, if the job cannot run under ``layout``

@@ -390,17 +390,18 @@ class Runtime:
         """Applies this rank's scheduled faults for step ``step``; call it when the step
         starts. ``crash`` raises RuntimeError, ``kill`` SIGKILLs this process, ``hang``
         sleeps forever, ``slow`` sets ``slow_factor`` for this and every later step
-        (``after_step`` applies it). crash, kill and hang fire once per checkpoint
-        directory, whatever the generation."""
+        (``after_step`` applies it). ``ONE_SHOT_FAULT_KINDS`` (crash, kill and hang)
+        fire once per checkpoint directory, whatever the generation."""
         for index, fault in self._faults:
             if fault.step != step:
                 continue
+            if fault.kind in ONE_SHOT_FAULT_KINDS:
+                note = f"{fault.kind} step={step} rank={self.rank} generation={self.generation} pid={os.getpid()}"
+                if not claim_fault(self.checkpoint_dir, index, note):
+                    continue
             if fault.kind == "slow":
                 self.slow_factor = fault.factor
                 self.log(f"injected slow-down x{fault.factor:g} from step {step} (fault #{index})")
-                continue
-            note = f"{fault.kind} step={step} rank={self.rank} generation={self.generation} pid={os.getpid()}"
-            if not claim_fault(self.checkpoint_dir, index, note):
                 continue
             self.log(f"injecting {fault.kind} at step {step} (fault #{index})")
             if fault.kind == "crash":

@@ -1,0 +1,130 @@
+"""The checkpoint commit's durability and retention, in-process on a one-rank gloo
+group: DCP fsyncs the shard files and ``.metadata`` itself (its FileSystemWriter's
+default ``sync_files=True``), the commit fsyncs only what DCP does not (``ledger.json``
+and the directory entries around the rename), and retention deletes what it removes off
+the training thread, with ``wait`` waiting for the deletions."""
+
+import gc
+import inspect
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+
+from protos import keel_pb2
+from trainer import checkpoint
+from trainer.checkpoint import Checkpointer
+from trainer.ledger import Ledger
+from trainer.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def runtime() -> Runtime:
+    return Runtime(rank=0, world_size=1, local_rank=0, generation=2, job="", mesh={"dp_shard": 1},
+                   checkpoint_dir=None, restore_from=None, restart_count=0, agent_socket=None,
+                   faults=keel_pb2.FaultSchedule())
+
+
+def model_state(step: int) -> dict:
+    return {"model": {"w": torch.full((64,), float(step)), "b": torch.arange(8.0)}, "step": torch.tensor(step)}
+
+
+def test_dcp_filesystem_writer_syncs_files_by_default():
+    # Checkpointer passes DCP only a checkpoint_id, so DCP builds this writer with its
+    # defaults; the commit relies on it fsyncing the files it writes.
+    assert inspect.signature(FileSystemWriter.__init__).parameters["sync_files"].default is True
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_rank_group, use_async):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", f"{os.fspath(src)} -> {os.fspath(dst)}"))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(str(ckpt), runtime(), use_async=use_async, keep=0, restored_from=None)
+    saver.save(5, 80, model_state(5), Ledger([[step, (step - 1) * 16, 16] for step in range(1, 6)]), 16)
+    saver.wait()
+
+    final = ckpt / "step_00000005"
+    staging = checkpoint.staging_path(str(ckpt), 5, 2)
+    files = sorted(path.name for path in final.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "ledger.json"]
+    synced = [path for kind, path in events if kind == "fsync"]
+    # Each file fsynced exactly once, under the name it was written as (DCP writes
+    # .metadata.tmp and renames it inside the staging directory).
+    for name, written_as in ((".metadata", ".metadata.tmp"), ("__0_0.distcp", "__0_0.distcp"),
+                             ("ledger.json", "ledger.json")):
+        assert synced.count(os.path.join(staging, written_as)) == 1, (name, events)
+    commit = events.index(("rename", f"{staging} -> {final}"))
+    # The staging directory (its entries) before the rename, the parent after it.
+    assert ("fsync", staging) in events[:commit]
+    assert ("fsync", str(ckpt)) in events[commit:]
+    assert checkpoint.latest_committed(str(ckpt)) == str(final)
+
+
+def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monkeypatch, one_rank_group):
+    release = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):
+        if ".expired." in os.fspath(path) and not kwargs.get("ignore_errors"):
+            assert release.wait(30), "the test never released the deletion"
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(str(ckpt), runtime(), use_async=False, keep=1, restored_from=None)
+    for step in (1, 2):
+        saver.save(step, step * 16, model_state(step), Ledger(), 16)
+    # Step 1 expired with step 2's commit: renamed aside at once (never loaded again),
+    # deleted in the background, which is still held up, yet save returned.
+    doomed = ckpt / ".step_00000001.g2.expired.tmp"
+    assert sorted(path.name for path in ckpt.iterdir()) == [doomed.name, "step_00000002"]
+    assert checkpoint.committed_steps(str(ckpt)) == {2: str(ckpt / "step_00000002")}
+
+    release.set()
+    saver.wait()
+    assert sorted(path.name for path in ckpt.iterdir()) == ["step_00000002"]
+
+
+def test_a_failed_deletion_fails_wait(tmp_path, monkeypatch, one_rank_group):
+    real_rmtree = shutil.rmtree
+
+    def failing_rmtree(path, *args, **kwargs):
+        if ".expired." in os.fspath(path) and not kwargs.get("ignore_errors"):
+            raise PermissionError(f"cannot delete {path}")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(str(ckpt), runtime(), use_async=False, keep=1, restored_from=None)
+    saver.save(1, 16, model_state(1), Ledger(), 16)
+    saver.save(2, 32, model_state(2), Ledger(), 16)
+    with pytest.raises(PermissionError, match="cannot delete"):
+        saver.wait()
