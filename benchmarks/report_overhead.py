@@ -7,7 +7,8 @@ round), so that drift of the machine hits both alike. With reporting on, every s
 is timed by phase and queued for the agent, and the reporter thread sends batches
 over gRPC to a real agent-local server (``agent.local_server``, no-op callbacks) on a
 Unix socket, in its own process as on a node. Reporting off is the same loop without
-the ``report_step`` call.
+the ``report_step`` call. Each reporting block ends by sending what it queued (untimed),
+so that none of its reports goes out during the next block.
 
 Prints the figure: the median step time with reporting against without. On a shared
 machine the noise between blocks can exceed the effect, so a second line gives the
@@ -107,7 +108,17 @@ def main() -> int:
             times.append(time.perf_counter() - started)
         return times
 
+    def flush() -> None:
+        """Sends what a reporting block queued before the next block starts, outside
+        any timed step: the reporter thread sends every ``REPORT_INTERVAL_S``, so the
+        last batch of a block would otherwise go out during the next one, a baseline
+        block's steps among them. ``Runtime`` has no public flush; this is the private
+        one ``report_checkpoint`` uses."""
+        if not rt._reporter.flush():
+            raise TimeoutError("the agent-local server did not take the queued reports")
+
     block(WARMUP_STEPS, report=True)
+    flush()
     call_s.clear()
     with_reports: list[float] = []
     without: list[float] = []
@@ -116,6 +127,8 @@ def main() -> int:
         medians = {}
         for report in (True, False) if round_index % 2 == 0 else (False, True):
             times = block(options.steps, report)
+            if report:
+                flush()
             (with_reports if report else without).extend(times)
             medians[report] = statistics.median(times)
         paired.append(100 * (medians[True] - medians[False]) / medians[False])

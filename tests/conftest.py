@@ -1,21 +1,27 @@
-"""Shared fixtures: a real etcd on free ports, and a guard against leaked processes."""
+"""Shared fixtures and helpers: a real etcd on free ports, a guard against leaked
+processes, the agent's real AgentLocal service with a recorder, and torchrun launches."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agent.local_server import AgentLocalService, serve
-from orchestrator.etcd_server import EmbeddedEtcd
+from orchestrator.etcd_server import EmbeddedEtcd, etcd_binary
+from protos import keel_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,6 +30,24 @@ REPO = Path(__file__).resolve().parent.parent
 def etcd():
     with EmbeddedEtcd() as server:
         yield server
+
+
+def etcdctl(endpoint: str, *flags: str) -> list[str]:
+    """The etcdctl command line for ``endpoint`` (with its scheme if not plain http),
+    plus ``flags`` (TLS files), up to its subcommand."""
+    return [str(etcd_binary().with_name("etcdctl")), "--endpoints", endpoint, *flags]
+
+
+def enable_etcd_auth(ctl: list[str]) -> None:
+    """Turns on authentication in the etcd that ``ctl`` (see ``etcdctl``) reaches: user
+    ``root`` (password ``root-pw``) with the root role, and user ``keel`` (password
+    ``keel-pw``) whose role may read and write only keys under /keel/."""
+    for command in (["user", "add", "root:root-pw"], ["user", "grant-role", "root", "root"],
+                    ["role", "add", "keel"],
+                    ["role", "grant-permission", "keel", "--prefix=true", "readwrite", "/keel/"],
+                    ["user", "add", "keel:keel-pw"], ["user", "grant-role", "keel", "keel"],
+                    ["auth", "enable"]):
+        subprocess.run([*ctl, *command], check=True, capture_output=True)
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
@@ -73,6 +97,116 @@ def keel(*args: str, timeout_s: float = 300, cwd: Path = REPO) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+STEP_LINE = re.compile(r"step=(\d+) loss=(\d+\.\d+) tokens/s=\d+")
+
+
+def torchrun(nproc: int, *command: str, env: dict | None = None,
+             timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Runs ``command`` (``"-m", "trainer.train", ...`` or a script and its arguments)
+    under torchrun with ``nproc`` ranks on this host, from the repository root, without
+    the caller's ``KEEL_*`` variables, plus ``env``.
+
+    torchrun starts each rank in a session of its own, so a timeout, which kills only
+    torchrun, would leave the ranks behind: every process still carrying this launch's
+    marker variable is SIGKILLed on the way out, however the launch ended."""
+    marker = uuid.uuid4().hex
+    full_env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
+    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    full_env["KEEL_TEST_LAUNCH"] = marker
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+             *command],
+            cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s,
+        )
+    finally:
+        for pid in processes_mentioning(f"KEEL_TEST_LAUNCH={marker}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def step_losses(run: subprocess.CompletedProcess, check: bool = True, only_steps: bool = False) -> dict[int, float]:
+    """step → loss from rank 0's ``step=N loss=L tokens/s=T`` lines on stdout. ``check``:
+    the launch must have succeeded; ``only_steps``: stdout must hold nothing else."""
+    if check:
+        assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    losses = {}
+    for line in run.stdout.splitlines():
+        match = STEP_LINE.fullmatch(line)
+        assert match or not only_steps, f"unexpected stdout line {line!r}"
+        if match:
+            losses[int(match.group(1))] = float(match.group(2))
+    return losses
+
+
+def committed_steps(ckpt: Path) -> list[int]:
+    """The steps of the checkpoints committed in ``ckpt`` (its ``step_N`` directories)."""
+    return sorted(int(path.name.removeprefix("step_")) for path in ckpt.iterdir() if path.name.startswith("step_"))
+
+
+class AgentRecorder:
+    """Keeps what the agent's real local service (``local_agent``) was told, in arrival
+    order: ``events`` holds ("step", StepReport), ("checkpoint", CheckpointSaved) and
+    ("preflight", PreflightReport); ``calls`` holds each ReportSteps call as
+    (generation, reports).
+
+    It asks for a checkpoint in an ack when ``ask(call_number, reports)`` says so
+    (``call_number`` counts ReportSteps calls from 1), and, with ``ask_from_step``,
+    once, in the ack of the first call that reports step ``ask_from_step`` or later."""
+
+    def __init__(self, ask_from_step: int | None = None,
+                 ask: Callable[[int, list], bool] | None = None) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, object]] = []
+        self.calls: list[tuple[int, list[keel_pb2.StepReport]]] = []
+        self.asked = False
+        self._ask_from_step = ask_from_step
+        self._ask = ask
+
+    def on_steps(self, generation: int, reports: list) -> bool:
+        with self.lock:
+            self.calls.append((generation, list(reports)))
+            self.events.extend(("step", report) for report in reports)
+            if self._ask is not None and self._ask(len(self.calls), reports):
+                return True
+            if (self._ask_from_step is not None and not self.asked
+                    and max(report.step for report in reports) >= self._ask_from_step):
+                self.asked = True
+                return True
+            return False
+
+    def on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
+        with self.lock:
+            self.events.append(("checkpoint", saved))
+
+    def on_preflight(self, report: keel_pb2.PreflightReport) -> None:
+        with self.lock:
+            self.events.append(("preflight", report))
+
+    def of(self, kind: str) -> list:
+        """The payloads of ``kind`` ("step", "checkpoint" or "preflight") so far."""
+        with self.lock:
+            return [payload for what, payload in self.events if what == kind]
+
+    def steps(self) -> list[tuple[int, keel_pb2.StepReport]]:
+        """(generation, report) for every step report so far."""
+        with self.lock:
+            return [(generation, report) for generation, reports in self.calls for report in reports]
+
+
+@pytest.fixture
+def agent(request):
+    """An ``AgentRecorder`` behind the agent's real AgentLocal service; yields (socket
+    path, recorder). Parametrize it indirectly with the recorder's keyword arguments
+    to have it ask for checkpoints, e.g. ``@pytest.mark.parametrize("agent",
+    [{"ask_from_step": 3}], indirect=True)``."""
+    recorder = AgentRecorder(**getattr(request, "param", {}))
+    with local_agent(recorder) as socket_path:
+        yield socket_path, recorder
 
 
 @contextlib.contextmanager

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import etcd3
 import pytest
 
 from orchestrator.etcd_client import EtcdClient, EtcdCredentials
-from orchestrator.etcd_server import etcd_binary
 from orchestrator.store import Store, connect
-from tests.conftest import wait_for
+from tests.conftest import enable_etcd_auth, etcdctl, wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 
 
@@ -23,13 +20,7 @@ def _succeeds(call):
 
 
 def test_a_client_with_a_user_works_again_after_etcd_restarts(etcd):
-    ctl = [str(etcd_binary().with_name("etcdctl")), "--endpoints", etcd.endpoint]
-    for command in (["user", "add", "root:root-pw"], ["user", "grant-role", "root", "root"],
-                    ["role", "add", "keel"],
-                    ["role", "grant-permission", "keel", "--prefix=true", "readwrite", "/keel/"],
-                    ["user", "add", "keel:keel-pw"], ["user", "grant-role", "keel", "keel"],
-                    ["auth", "enable"]):
-        subprocess.run([*ctl, *command], check=True, capture_output=True)
+    enable_etcd_auth(etcdctl(etcd.endpoint))
     ours = EtcdClient([etcd.endpoint], 2.0, EtcdCredentials(user="keel", password="keel-pw"))
     stock = etcd3.client(*etcd.endpoint.split(":"), timeout=2.0)  # as shipped; no user
     ours.put("/keel/probe", "1")

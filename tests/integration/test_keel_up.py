@@ -127,10 +127,10 @@ def test_a_crash_and_a_kill_are_each_recovered_from_the_committed_checkpoint(no_
     assert third[40] < 0.5 * first[1]
 
 
-def test_killing_keel_up_itself_leaves_no_process_behind(tmp_path):
+def test_killing_keel_up_itself_leaves_no_process_behind(no_leaks):
     """SIGKILL gives keel up no chance to clean up: the kernel's parent-death signal
     must take down etcd, the controller and the agents, and theirs the ranks."""
-    run = tmp_path / "run"
+    run = no_leaks / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "up", "--workdir", str(run), "--steps",
          "1000", "--checkpoint-every", "1000"], cwd=REPO, stdout=subprocess.DEVNULL,
@@ -216,9 +216,9 @@ def test_a_killed_leader_is_replaced_by_the_standby_without_restarting_the_job(n
     assert (summary["steps"], summary["generations"], summary["restarts"]) == (60, 1, 0)
     assert summary["leader_changes"] == 1
     # The standby leads within the 5 s leader lease plus a margin for its campaign
-    # period and keel up's poll.
+    # period, keel up's poll and a busy machine's scheduling delays.
     failover, = summary["failovers_s"]
-    assert failover < 5.0 + 3.0, summary["failovers_s"]
+    assert failover < 5.0 + 5.0, summary["failovers_s"]
     # The new leader reports the job's real start, stored in etcd, not its own first.
     assert summary["initial_loss"] > 5.0 and summary["final_loss"] < 0.5 * summary["initial_loss"]
 

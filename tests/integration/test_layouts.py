@@ -10,21 +10,17 @@ norm with a single-process run. The five layouts share one torchrun launch
 trainer.train`` entry point with its ``--layout`` flag overriding ``KEEL_MESH``."""
 
 import json
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO, step_losses, torchrun
 from trainer import pipeline
 from trainer.mesh import BatchPlan, Layout, validate
 from trainer.model import ModelConfig
 
-REPO = Path(__file__).resolve().parents[2]
 LAYOUT_SCRIPT = REPO / "tests" / "integration" / "scripts" / "layout_losses.py"
-STEP_LINE = re.compile(r"^step=(\d+) loss=(\d+\.\d+) tokens/s=(\d+)$")
 GLOBAL_BATCH = 16
 # Every run clips, so that each reports the global gradient norm it measured; 1.0 is
 # crossed at step 3 only, so the runs clip at some steps and not at others.
@@ -135,15 +131,6 @@ def test_interleaved_stages_loop_over_the_pipeline_ranks():
 
 # --- real ranks: every layout computes what one process computes ----------------------
 
-def launch(nproc: int, *command: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
-    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *command],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=200,
-    )
-
-
 def results(run: subprocess.CompletedProcess) -> dict[str, dict[int, dict]]:
     assert run.returncode == 0, f"launch failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
     found: dict[str, dict[int, dict]] = {}
@@ -161,14 +148,14 @@ def relative(a: float, b: float) -> float:
 @pytest.fixture(scope="module")
 def single_process():
     """The reference: one rank, everything in one process."""
-    run = launch(1, str(LAYOUT_SCRIPT), json.dumps([{"name": "single", "flags": []}]), "--", *COMMON)
+    run = torchrun(1, str(LAYOUT_SCRIPT), json.dumps([{"name": "single", "flags": []}]), "--", *COMMON)
     return results(run)["single"]
 
 
 @pytest.mark.integration
 def test_every_layout_matches_a_single_process(single_process):
     cases = [{"name": name, "flags": flags} for name, flags in LAYOUTS.items()]
-    found = results(launch(4, str(LAYOUT_SCRIPT), json.dumps(cases), "--", *COMMON))
+    found = results(torchrun(4, str(LAYOUT_SCRIPT), json.dumps(cases), "--", *COMMON))
     assert sorted(found) == sorted(LAYOUTS)
     worst = {}
     for name, steps in found.items():
@@ -192,15 +179,10 @@ def test_every_layout_matches_a_single_process(single_process):
 
 @pytest.mark.integration
 def test_the_layout_flag_overrides_keel_mesh_in_the_real_entry_point(single_process):
-    run = launch(4, "-m", "trainer.train", *COMMON, "--layout", "dp_shard=2,pp=2", "--pp-schedule", "1f1b",
-                 env={"KEEL_MESH": "dp_shard=4"})
-    assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+    run = torchrun(4, "-m", "trainer.train", *COMMON, "--layout", "dp_shard=2,pp=2", "--pp-schedule", "1f1b",
+                   env={"KEEL_MESH": "dp_shard=4"})
+    losses = step_losses(run, only_steps=True)
     assert "fresh start on 4 ranks as dp_replicate=1,dp_shard=2,tp=1,pp=2" in run.stderr
-    losses = {}
-    for line in run.stdout.splitlines():
-        match = STEP_LINE.match(line)
-        assert match, f"unexpected stdout line {line!r}"
-        losses[int(match.group(1))] = float(match.group(2))
     assert sorted(losses) == [1, 2, 3, 4, 5]
     for step, loss in losses.items():
         # The step line rounds to 6 decimals.
@@ -209,7 +191,7 @@ def test_the_layout_flag_overrides_keel_mesh_in_the_real_entry_point(single_proc
 
 @pytest.mark.integration
 def test_a_layout_that_does_not_fit_fails_before_training_with_the_fix():
-    run = launch(2, "-m", "trainer.train", "--steps", "1", "--layout", "pp=2", "--layers", "1")
+    run = torchrun(2, "-m", "trainer.train", "--steps", "1", "--layout", "pp=2", "--layers", "1")
     assert run.returncode != 0
     assert "ValueError: pp=2 × 1 stages per rank make 2 pipeline stages but the model has 1 layers" in run.stderr
     assert "step=" not in run.stdout

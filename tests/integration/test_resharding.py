@@ -8,21 +8,17 @@ Sources are saved under the five world-4 layouts and on one rank; each launch
 (``scripts/reshard_cases.py``) saves or loads several cases one after another."""
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from google.protobuf import json_format
 
 from protos import keel_pb2
+from tests.conftest import REPO, committed_steps, step_losses, torchrun
 from trainer.checkpoint import expired
 from orchestrator.ledger_check import audit as summarize
 from trainer.optim import lr_factor
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "reshard_cases.py"
 # Two steps, so that the optimizer state is not the first step's; four layers, so that
 # interleaved pipelines have four stages; short sequences to keep it quick.
@@ -88,29 +84,8 @@ def test_the_lr_schedule_warms_up_then_decays_to_its_floor():
 
 # --- real ranks ----------------------------------------------------------------------
 
-def launch(nproc: int, *command: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
-    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *command],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=240,
-    )
-
-
-def step_losses(run: subprocess.CompletedProcess, check: bool = True) -> dict[int, float]:
-    """step → loss from rank 0's ``step=N loss=L tokens/s=T`` lines."""
-    if check:
-        assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
-    losses = {}
-    for line in run.stdout.splitlines():
-        match = re.fullmatch(r"step=(\d+) loss=(\d+\.\d+) tokens/s=\d+", line)
-        if match:
-            losses[int(match.group(1))] = float(match.group(2))
-    return losses
-
-
 def run_cases(nproc: int, root: Path, cases: list[dict]) -> list[dict]:
-    run = launch(nproc, str(SCRIPT), str(root), json.dumps(cases), "--", *COMMON)
+    run = torchrun(nproc, str(SCRIPT), str(root), json.dumps(cases), "--", *COMMON)
     assert run.returncode == 0, f"launch failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     return [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
 
@@ -148,24 +123,24 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
     # wrong position would show in the losses.
     flags = ["-m", "trainer.train", "--steps", "10", "--checkpoint-every", "3", "--keep-checkpoints", "2",
              "--layers", "4", "--seq-len", "32", "--warmup-steps", "4", "--lr-schedule", "cosine"]
-    reference = step_losses(launch(1, *flags))
-    crashed = launch(4, *flags, env={"KEEL_MESH": "dp_shard=2,tp=2", "KEEL_CHECKPOINT_DIR": str(ckpt),
-                                     "KEEL_FAULTS": faults})
+    reference = step_losses(torchrun(1, *flags))
+    crashed = torchrun(4, *flags, env={"KEEL_MESH": "dp_shard=2,tp=2", "KEEL_CHECKPOINT_DIR": str(ckpt),
+                                       "KEEL_FAULTS": faults})
     assert crashed.returncode != 0
     assert "injected crash at step 9 on rank 3" in crashed.stderr
     assert "step=8 " in crashed.stdout
     # Async saves commit when their write is done; step 6's had two steps to finish.
-    committed = sorted(int(path.name[5:]) for path in ckpt.glob("step_*"))
+    committed = committed_steps(ckpt)
     assert committed and committed[-1] in (3, 6), committed
     restored = committed[-1]
 
     # Plain torchrun on two ranks as a two-stage interleaved pipeline, from the latest.
-    resumed = launch(2, *flags, "--layout", "pp=2", "--pp-schedule", "interleaved_1f1b",
-                     env={"KEEL_CHECKPOINT_DIR": str(ckpt)})
+    resumed = torchrun(2, *flags, "--layout", "pp=2", "--pp-schedule", "interleaved_1f1b",
+                       env={"KEEL_CHECKPOINT_DIR": str(ckpt)})
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {ckpt / f'step_{restored:08d}'} at step={restored}" in resumed.stderr
     print(f"crashed at step 9 with steps {committed} committed; resumed from step {restored}")
-    assert sorted(int(path.name[5:]) for path in ckpt.glob("step_*")) == sorted({restored, 9, 10})
+    assert committed_steps(ckpt) == sorted({restored, 9, 10})
 
     ledger = json.loads((ckpt / "step_00000010" / "ledger.json").read_text())
     assert (ledger["global_batch"], ledger["step"]) == (16, 10)

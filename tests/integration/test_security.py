@@ -14,7 +14,7 @@ from orchestrator.auth import call_metadata
 from orchestrator.etcd_server import etcd_binary
 from orchestrator.store import Store, connect
 from protos import keel_pb2, keel_pb2_grpc
-from tests.conftest import keel, wait_for
+from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
 from tests.integration.test_control_plane import spawn, stop
 from tests.integration.test_keel_up import run_up
 
@@ -173,29 +173,25 @@ def secure_etcd(no_leaks):
     client_port, peer_port = ports.free_port(), ports.free_port()
     endpoint = f"127.0.0.1:{client_port}"
     server = [str(tls_dir / "controller.pem"), str(tls_dir / "controller.key")]
-    proc = subprocess.Popen(
-        [str(etcd_binary()), "--name", "s", "--data-dir", str(no_leaks / "etcd-data"),
-         "--listen-client-urls", f"https://{endpoint}",
-         "--advertise-client-urls", f"https://{endpoint}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-         "--initial-cluster", f"s=http://127.0.0.1:{peer_port}",
-         "--cert-file", server[0], "--key-file", server[1], "--client-cert-auth",
-         "--trusted-ca-file", str(tls_dir / "ca.pem"), "--log-level", "warn"],
-        stdout=open(no_leaks / "etcd.log", "wb"), stderr=subprocess.STDOUT)
-    ctl = [str(etcd_binary().with_name("etcdctl")), "--endpoints", f"https://{endpoint}",
-           "--cacert", str(tls_dir / "ca.pem"), "--cert", server[0], "--key", server[1]]
+    # etcd keeps its own copy of the log's descriptor; ours is closed at once.
+    with open(no_leaks / "etcd.log", "wb") as log:
+        proc = subprocess.Popen(
+            [str(etcd_binary()), "--name", "s", "--data-dir", str(no_leaks / "etcd-data"),
+             "--listen-client-urls", f"https://{endpoint}",
+             "--advertise-client-urls", f"https://{endpoint}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+             "--initial-cluster", f"s=http://127.0.0.1:{peer_port}",
+             "--cert-file", server[0], "--key-file", server[1], "--client-cert-auth",
+             "--trusted-ca-file", str(tls_dir / "ca.pem"), "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+    ctl = etcdctl(f"https://{endpoint}", "--cacert", str(tls_dir / "ca.pem"), "--cert", server[0],
+                  "--key", server[1])
     try:
         wait_for(lambda: subprocess.run([*ctl, "endpoint", "health"],
                                         capture_output=True).returncode == 0, 20, 0.1,
                  what="etcd over TLS")
-        for command in (["user", "add", "root:root-pw"], ["user", "grant-role", "root", "root"],
-                        ["role", "add", "keel"],
-                        ["role", "grant-permission", "keel", "--prefix=true", "readwrite",
-                         "/keel/"],
-                        ["user", "add", "keel:keel-pw"], ["user", "grant-role", "keel", "keel"],
-                        ["auth", "enable"]):
-            subprocess.run([*ctl, *command], check=True, capture_output=True)
+        enable_etcd_auth(ctl)
         yield endpoint, tls_dir
     finally:
         stop(proc)

@@ -8,76 +8,16 @@ runs are few and shared between assertions."""
 
 import json
 import math
-import os
-import re
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import pytest
 from google.protobuf import json_format
 
 from protos import keel_pb2
-from tests.conftest import local_agent
+from tests.conftest import committed_steps, step_losses, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"^step=(\d+) loss=(\d+\.\d+) tokens/s=(\d+)$")
 GLOBAL_BATCH, SEQ_LEN = 16, 64
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-
-def torchrun(nproc: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs ``python -m trainer.train`` under torchrun with ``nproc`` ranks on one host."""
-    full_env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
-    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "trainer.train", *args],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-
-
-def step_losses(run: subprocess.CompletedProcess) -> dict[int, float]:
-    assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
-    losses = {}
-    for line in run.stdout.splitlines():
-        match = STEP_LINE.match(line)
-        assert match, f"unexpected stdout line {line!r}"
-        losses[int(match.group(1))] = float(match.group(2))
-    return losses
-
-
-def committed_steps(ckpt: Path) -> list[int]:
-    return sorted(int(path.name.removeprefix("step_")) for path in ckpt.iterdir() if path.name.startswith("step_"))
-
-
-class Recorder:
-    """Keeps what the agent's real local service was told."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.steps: list[tuple[int, keel_pb2.StepReport]] = []
-        self.checkpoints: list[keel_pb2.CheckpointSaved] = []
-
-    def on_steps(self, generation: int, reports: list) -> None:
-        with self.lock:
-            self.steps.extend((generation, report) for report in reports)
-
-    def on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
-        with self.lock:
-            self.checkpoints.append(saved)
-
-
-@pytest.fixture
-def agent():
-    recorder = Recorder()
-    with local_agent(recorder) as socket_path:
-        yield socket_path, recorder
 
 
 def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
@@ -86,13 +26,13 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
 
     # Two ranks, as Keel would start them: checkpoint dir and identity from KEEL_*.
     first = torchrun(
-        2, "--steps", "12", "--checkpoint-every", "5",
+        2, "-m", "trainer.train", "--steps", "12", "--checkpoint-every", "5",
         env={
             "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path,
             "KEEL_JOB": "demo", "KEEL_GENERATION": "3", "KEEL_MESH": "dp_shard=2",
         },
     )
-    losses = step_losses(first)
+    losses = step_losses(first, only_steps=True)
     assert sorted(losses) == list(range(1, 13))
     assert abs(losses[1] - math.log(256)) < 0.3, "an untrained model should be near ln(vocab)"
     assert losses[12] < losses[1] - 1.0, f"loss did not fall: {losses}"
@@ -105,9 +45,8 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     assert ledger == {"global_batch": GLOBAL_BATCH, "step": 10,
                       "ranges": [[step, (step - 1) * GLOBAL_BATCH, GLOBAL_BATCH] for step in range(1, 11)]}
 
-    with recorder.lock:
-        reported = {(report.rank, report.step): (generation, report) for generation, report in recorder.steps}
-        checkpoints = list(recorder.checkpoints)
+    reported = {(report.rank, report.step): (generation, report) for generation, report in recorder.steps()}
+    checkpoints = recorder.of("checkpoint")
     assert set(reported) == {(rank, step) for rank in (0, 1) for step in range(1, 13)}
     for (rank, step), (generation, report) in reported.items():
         assert generation == 3
@@ -120,9 +59,9 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
 
     # Plain torchrun on one rank: it finds the latest committed checkpoint itself and
     # DCP reshards the two ranks' shards onto one. Retention keeps the newest four.
-    resumed = torchrun(1, "--steps", "16", "--checkpoint-every", "5", "--checkpoint-dir", str(ckpt),
-                       "--keep-checkpoints", "4")
-    resumed_losses = step_losses(resumed)
+    resumed = torchrun(1, "-m", "trainer.train", "--steps", "16", "--checkpoint-every", "5",
+                       "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "4")
+    resumed_losses = step_losses(resumed, only_steps=True)
     assert sorted(resumed_losses) == [13, 14, 15, 16], resumed.stdout
     assert f"resumed from {ckpt / 'step_00000012'} at step=12 samples=192 on 1 ranks" in resumed.stderr
     assert resumed_losses[13] < losses[1] - 1.0, "the resumed model forgot what it learnt"
@@ -134,10 +73,10 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     # same samples - repeats the two-rank run's losses on one rank. Retention (keep 3)
     # spares step 10, which it restored from, and step 12, which it just committed.
     replayed = torchrun(
-        1, "--steps", "12", "--checkpoint-every", "6", "--no-async-checkpoint",
+        1, "-m", "trainer.train", "--steps", "12", "--checkpoint-every", "6", "--no-async-checkpoint",
         env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_RESTORE_FROM": str(ckpt / "step_00000010"), "KEEL_GENERATION": "4"},
     )
-    replayed_losses = step_losses(replayed)
+    replayed_losses = step_losses(replayed, only_steps=True)
     assert sorted(replayed_losses) == [11, 12]
     for step in (11, 12):
         assert replayed_losses[step] == pytest.approx(losses[step], abs=1e-4)
@@ -148,14 +87,15 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
 
 
 def test_first_step_loss_is_the_same_on_one_and_two_ranks():
-    one = step_losses(torchrun(1, "--steps", "1"))
-    two = step_losses(torchrun(2, "--steps", "1"))
+    one = step_losses(torchrun(1, "-m", "trainer.train", "--steps", "1"), only_steps=True)
+    two = step_losses(torchrun(2, "-m", "trainer.train", "--steps", "1"), only_steps=True)
     assert one[1] == pytest.approx(two[1], abs=1e-5)
 
 
 def test_injected_crash_is_torchruns_root_cause_and_leaves_its_marker(tmp_path):
     faults = json_format.MessageToJson(keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=1, step=2)]))
-    run = torchrun(2, "--steps", "3", env={"KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_FAULTS": faults})
+    run = torchrun(2, "-m", "trainer.train", "--steps", "3",
+                   env={"KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_FAULTS": faults})
     assert run.returncode != 0
     assert [line for line in run.stdout.splitlines() if line.startswith("step=")] == [run.stdout.splitlines()[0]]
     # torchrun copies the traceback from the rank's TORCHELASTIC_ERROR_FILE (@record).

@@ -5,11 +5,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from agent.stacks import Frame, ThreadStack, dump_since, main_thread, parse_dump, where
+from tests.conftest import wait_for
 
 # Starts two threads in a known order, then dumps every thread from a named function of
 # the main thread; prints the thread ids (main, first, second) so the test can check
@@ -77,9 +77,7 @@ def test_the_agents_way_sigusr1_then_the_new_tail_of_stderr(tmp_path):
     try:
         main_id = int(child.stdout.readline())
         os.kill(child.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 10
-        while "in <module>\n" not in stderr_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: "in <module>\n" in stderr_path.read_text(), 10, 0.01, what="the stack dump")
         dump = dump_since(before, stderr_path.read_text())
     finally:
         child.kill()
