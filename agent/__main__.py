@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -57,4 +58,5 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lea
 
 
 if __name__ == "__main__":
-    main()
+    # `keel agent` execs into this module and says so, for usage lines and errors.
+    main(prog_name=os.environ.pop("KEEL_AGENT_PROG", "python -m agent"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import re
 from dataclasses import dataclass, field
 
 import grpc
@@ -139,6 +140,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return handler if denial is None else _deny(handler, denial)
 
 
+# A node name: what agents are called, in Hello and in their certificates (the agent
+# package checks the same in agent.config).
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # `keel certs init --agent NAME` names that agent's certificate "keel-agent-NAME".
 AGENT_CERT_PREFIX = "keel-agent-"
 

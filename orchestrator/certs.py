@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +32,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from orchestrator.auth import AGENT_CERT_PREFIX
+from orchestrator.auth import AGENT_CERT_PREFIX, NODE_NAME
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
-AGENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # agent.config's NODE_NAME
 TOKENS = {"join": "agents' token: may only call Connect",
           "operator": "operators' token: every call, mutating ones included",
           "reader": "read-only token: GetJob, ListJobs, ListNodes"}
@@ -138,7 +136,7 @@ def _is_ip(host: str) -> bool:
 def plan_files(agents: tuple[str, ...] = ()) -> list[str]:
     """The names ``init`` writes, in order."""
     for name in agents:
-        if not AGENT_NAME.match(name):
+        if not NODE_NAME.match(name):
             raise ValueError(f"--agent {name!r}: use the agent's node name (1-63 letters, "
                              f"digits, '.', '_' or '-', starting with a letter or digit)")
     parties = ["ca", "controller", *([f"agent-{a}" for a in agents] or ["agent"]),
@@ -235,6 +233,8 @@ def init_command(directory, hosts, agents):
         written = init(Path(directory), tuple(hosts), tuple(agents))
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # e.g. DIRECTORY under a file, or not writable
+        raise click.ClickException(str(exc)) from exc
     width = max(len(str(w.path)) for w in written)
     for w in written:
         click.echo(f"wrote {str(w.path):<{width}}  {w.mode:04o}  {w.what}")

@@ -62,7 +62,7 @@ def main():
               help="Skip the collective bandwidth sweep before each generation's first step.")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
               help="Generations restarted after failures before the job fails.")
-@click.option("--etcd-endpoints", default="", envvar="KEEL_ETCD_ENDPOINTS",
+@click.option("--etcd-endpoints", default="", envvar="KEEL_ETCD_ENDPOINTS", show_envvar=True,
               help="Use this etcd cluster (host:port,...) instead of an embedded one.")
 @click.option("--workdir", type=click.Path(file_okay=False),
               help="Logs and checkpoints go here (default: a new temporary directory, kept).")
@@ -103,6 +103,8 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
         code = run_up(options)
     except ValueError as exc:  # bad options, faults or job spec: nothing was started
         raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # e.g. a --workdir that cannot be a directory
+        raise click.ClickException(str(exc)) from exc
     sys.exit(code)
 
 
@@ -229,7 +231,8 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
 def agent(ctx):
     """Run a node agent (same as `python -m agent`; `keel agent --help` for options)."""
     # The agent lives in its own package that the controller never imports; hand over.
-    os.execv(sys.executable, [sys.executable, "-m", "agent", *ctx.args])
+    os.execve(sys.executable, [sys.executable, "-m", "agent", *ctx.args],
+              {**os.environ, "KEEL_AGENT_PROG": "keel agent"})
 
 
 def _register_operator_commands() -> None:

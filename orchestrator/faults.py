@@ -68,7 +68,7 @@ def parse_fault(text: str) -> keel_pb2.Fault:
             setattr(fault, key, number)
         if "factor" in values:
             fault.factor = float(values["factor"])
-            if not fault.factor > 1.0:
+            if not 1.0 < fault.factor <= 100.0:
                 raise ValueError
         if "down" in values:
             fault.down_s = float(values["down"])
@@ -76,7 +76,7 @@ def parse_fault(text: str) -> keel_pb2.Fault:
                 raise ValueError
     except ValueError:
         raise BadFault(f"fault {text!r}: rank and node are integers >= 0, step an integer "
-                       f">= 1, factor a number > 1 and down seconds in (0, 600]") from None
+                       f">= 1, factor a number in (1, 100] and down seconds in (0, 600]") from None
     return fault
 
 

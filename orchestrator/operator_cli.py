@@ -62,8 +62,11 @@ class Client:
                                        "find the leader")
             endpoints = [e.strip() for e in etcd_endpoints.split(",") if e.strip()]
             try:
-                controller = Store(connect(endpoints, RPC_TIMEOUT_S,
-                                           etcd_credentials)).controller_address()
+                client = connect(endpoints, RPC_TIMEOUT_S, etcd_credentials)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+            try:
+                controller = Store(client).controller_address()
             except grpc.RpcError as exc:  # e.g. PERMISSION_DENIED: etcd user or password
                 raise click.ClickException(f"etcd at {etcd_endpoints}: {exc.code().name}: "
                                            f"{exc.details()}") from None
@@ -85,8 +88,8 @@ class Client:
                                               timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"controller at {self.address} did not answer within "
-                                   f"{RPC_TIMEOUT_S:.0f} s") from None
+                raise click.ClickException(f"controller at {self.address} did not answer "
+                                           f"within {RPC_TIMEOUT_S:.0f} s") from None
             raise click.ClickException(f"{err.code().name}: {err.details()}") from None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -72,7 +73,10 @@ def parse(data: object, source: str) -> keel_pb2.JobSpec:
     _check_message(data, keel_pb2.JobSpec.DESCRIPTOR, "", problems)
     if problems:
         raise _error(source, problems)
-    spec = json_format.ParseDict(data, keel_pb2.JobSpec())
+    try:
+        spec = json_format.ParseDict(data, keel_pb2.JobSpec())
+    except json_format.ParseError as exc:  # a value the checks above let through
+        raise _error(source, [str(exc)]) from None
     try:
         jobspec.validate(spec)
     except jobspec.InvalidSpec as exc:
@@ -149,10 +153,19 @@ def _check_value(value: object, field: FieldDescriptor, where: str,
             problem = f"must be at most {high}, got {value}"
     elif kind in _FLOATS and not number:
         problem = f"expected a number, got {_show(value)}"
+    elif kind in _FLOATS and not _finite(value):
+        problem = f"expected a finite number, got {_show(value)}"
     elif kind == FieldDescriptor.CPPTYPE_BOOL and not isinstance(value, bool):
         problem = f"expected true or false, got {_show(value)}"
     if problem:
         problems.append(f"{where}: {problem}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer with hundreds of digits
+        return False
 
 
 def _show(value: object) -> str:

@@ -31,7 +31,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.ledger_check import audit_checkpoint
 from orchestrator.ports import tied_to_this_process
 from orchestrator.store import Store, connect
-from orchestrator.etcd_client import EtcdCredentials
+from orchestrator.etcd_client import EtcdCredentials, host_port
 from orchestrator.tls import TlsFiles, channel, etcd_flags, resolve_tls
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -90,6 +90,8 @@ class UpOptions:
         if self.etcd_credentials and not self.etcd_endpoints:
             raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user are for the etcd "
                              "of --etcd-endpoints; the embedded one needs none")
+        for endpoint in self.etcd_endpoints:
+            host_port(endpoint)
 
     @property
     def world_size(self) -> int:
@@ -236,13 +238,38 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
         preflight_off=not options.preflight))
     schedule = parse_schedule(list(options.inject), options.world_size,
                               options.nodes + options.spares)
-    if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in schedule.faults):
-        raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints")
+    _check_cluster_can_fire(schedule, options)
     if schedule.faults:
         spec.env["KEEL_FAULTS"] = json_format.MessageToJson(schedule, indent=None)
     validate(spec)
     return spec
 
+
+
+def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions) -> None:
+    """Refuse faults that this cluster and job could never fire, or not survive as
+    the fault intends; raises ValueError naming the fix."""
+    faults = list(schedule.faults)
+    if not options.script:
+        late = [f for f in faults if f.step > options.steps]
+        if late:
+            raise ValueError(f"{late[0].kind} at step {late[0].step} would never fire: the "
+                             f"job runs --steps {options.steps}")
+    if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in faults):
+        raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
+                         "(and unset KEEL_ETCD_ENDPOINTS)")
+    leader_kills = sum(1 for f in faults if f.kind == "kill_leader")
+    if leader_kills >= options.controllers:
+        raise ValueError(f"{leader_kills} kill_leader fault(s) need as many standbys: give "
+                         f"--controllers {leader_kills + 1}")
+    lost = [f.node for f in faults if f.kind == "lose_node"]
+    twice = sorted({n for n in lost if lost.count(n) > 1})
+    if twice:
+        raise ValueError(f"node {twice[0]} is lost twice; lose_node kills it for good")
+    restarted = sorted({f.node for f in faults if f.kind == "kill_agent"} & set(lost))
+    if restarted:
+        raise ValueError(f"node {restarted[0]} is lost by lose_node; kill_agent cannot "
+                         f"also restart its agent")
 
 @dataclass
 class ClusterFaults:

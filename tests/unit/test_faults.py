@@ -2,6 +2,7 @@ import pytest
 from google.protobuf import json_format
 
 from orchestrator.faults import BadFault, parse_fault, parse_schedule
+from orchestrator.up import UpOptions, job_spec
 from protos import keel_pb2
 
 
@@ -28,7 +29,8 @@ def test_parse_each_rank_fault():
     ("crash:rank=x,step=2", "rank and node are integers"),
     ("lose_node:rank=1,step=2", "is not one of node, step"),
     ("crash:rank=1,step=0", "step an integer >= 1"),
-    ("slow:rank=1,step=2,factor=0.5", "factor a number > 1"),
+    ("slow:rank=1,step=2,factor=0.5", "factor a number in (1, 100]"),
+    ("slow:rank=1,step=2,factor=inf", "factor a number in (1, 100]"),
     ("kill:rank=1,step=2,factor=2", "is not one of"),
     ("restart_etcd:step=2,down=0", "down seconds in (0, 600]"),
     ("restart_etcd:step=2,down=soon", "down seconds in (0, 600]"),
@@ -53,3 +55,31 @@ def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
     assert again == schedule and len(again.faults) == 3
     assert (again.faults[2].node, again.faults[2].step) == (1, 30)
     assert not again.faults[2].HasField("rank")
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(steps=40, inject=("crash:rank=1,step=41",)),
+     "crash at step 41 would never fire: the job runs --steps 40"),
+    (dict(inject=("kill_leader:step=5",)),
+     "1 kill_leader fault(s) need as many standbys: give --controllers 2"),
+    (dict(controllers=2, inject=("kill_leader:step=5", "kill_leader:step=9")),
+     "need as many standbys: give --controllers 3"),
+    (dict(inject=("lose_node:node=1,step=5", "lose_node:node=1,step=9")),
+     "node 1 is lost twice"),
+    (dict(inject=("lose_node:node=1,step=5", "kill_agent:node=1,step=9")),
+     "node 1 is lost by lose_node; kill_agent cannot also restart its agent"),
+    (dict(etcd_endpoints=("127.0.0.1:2379",), inject=("restart_etcd:step=5",)),
+     "drop --etcd-endpoints (and unset KEEL_ETCD_ENDPOINTS)"),
+])
+def test_keel_up_refuses_faults_its_cluster_could_never_fire(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        job_spec(UpOptions(**options), tmp_path)
+
+
+def test_faults_its_cluster_can_fire_are_accepted(tmp_path):
+    spec = job_spec(UpOptions(controllers=2, steps=40, inject=(
+        "kill_leader:step=5", "kill_agent:node=0,step=9", "kill_agent:node=0,step=20",
+        "lose_node:node=1,step=30", "restart_etcd:step=40,down=3")), tmp_path)
+    schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
+    assert [f.kind for f in schedule.faults] == ["kill_leader", "kill_agent", "kill_agent",
+                                                 "lose_node", "restart_etcd"]

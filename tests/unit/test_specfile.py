@@ -104,6 +104,11 @@ def test_toml_and_yaml_give_equal_specs(tmp_path):
     ({"health": "alert"}, "job.toml: health: expected a mapping of its fields "
                           "(straggler_policy, hang_floor_s"),
     ({"training": None}, "job.toml: training: expected a mapping of its fields"),
+    ({"health": {"hang_k": float("nan")}},
+     "job.toml: health.hang_k: expected a finite number, got a number NaN"),
+    ({"model": {"params": float("inf")}},
+     "job.toml: model.params: expected a finite number, got a number Infinity"),
+    ({"model": {"params": 10**400}}, "job.toml: model.params: expected a finite number"),
 ])
 def test_structural_problems_name_file_field_and_fix(extra, expected):
     assert expected in error({**GOOD, **extra})
