@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.etcd_client import EtcdCredentials
+from agent.etcd_client import EtcdCredentials, host_port
 from agent.tls import TlsFiles
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -39,6 +39,8 @@ class AgentConfig:
             raise ValueError(f"slots={self.slots}: must be between 1 and 1024")
         if not self.etcd_endpoints:
             raise ValueError("etcd_endpoints: give at least one host:port")
+        for endpoint in self.etcd_endpoints:
+            host_port(endpoint)
         if not self.token:
             raise ValueError("token: the agent needs the join token (--token-file, "
                              "--tls-dir's join.token, or KEEL_TOKEN)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.auth import Tokens
-from orchestrator.etcd_client import EtcdCredentials
+from orchestrator.etcd_client import EtcdCredentials, host_port
 from orchestrator.tls import TlsFiles
 
 
@@ -30,10 +30,8 @@ class ControllerConfig:
     def __post_init__(self):
         if not self.etcd_endpoints:
             raise ValueError("etcd_endpoints: give at least one host:port")
-        for ep in self.etcd_endpoints:
-            host, _, port = ep.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"etcd endpoint {ep!r}: write it as host:port")
+        for endpoint in self.etcd_endpoints:
+            host_port(endpoint)
         if not self.token and self.tokens is None:
             raise ValueError("token: the controller needs one (--token-file, KEEL_TOKEN, "
                              "or the role tokens of --tls-dir)")

@@ -7,9 +7,8 @@ answer. Handlers only record what they hear; they never decide.
 
 from __future__ import annotations
 
-import json
+import math
 import queue
-import re
 import signal
 import threading
 import time
@@ -22,9 +21,8 @@ import structlog
 from google.protobuf import json_format
 
 from orchestrator import metrics
-from orchestrator.auth import TokenInterceptor, certificate_mismatch
+from orchestrator.auth import NODE_NAME, TokenInterceptor, certificate_mismatch
 from orchestrator.config import ControllerConfig
-from orchestrator.diagnosis import culprit, summarize as summarize_stacks
 from orchestrator.guardrails import restart_backoff_s
 from orchestrator.health import resolve as resolve_health
 from orchestrator.job_health import REPLACE_CHECKPOINT_WAIT_S, JobHealth, Replacement
@@ -40,9 +38,12 @@ from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
 
-EVENT_STORE_LIMIT = 256 * 1024   # bytes of one event's JSON in etcd (etcd takes 1.5 MiB)
-NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_SLOTS = 1024
+# Each agent's Connect stream holds one server thread for as long as it lives; the
+# pool (its threads are made as needed) has room for this many agents plus the
+# operators' calls.
+MAX_AGENTS = 4096
+OPERATOR_THREADS = 64
 TOKENS_WINDOW_S = 10.0
 
 
@@ -88,7 +89,8 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
     def serve(self) -> str:
         """Bind, start campaigning for leadership and, once leading, reconciling; return
         host:port. A standby answers every call with UNAVAILABLE and the leader's address."""
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+        self.server = grpc.server(futures.ThreadPoolExecutor(
+                                      max_workers=MAX_AGENTS + OPERATOR_THREADS),
                                   interceptors=[TokenInterceptor(self.config.tokens
                                                                  or self.config.token)])
         keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
@@ -187,38 +189,47 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         log.info("controller stopped")
 
     def _load_jobs(self) -> None:
-        """Rebuild jobs from etcd, so a restarted controller knows what it runs."""
+        """Rebuild jobs from etcd, so a restarted controller knows what it runs. A job
+        whose records this version cannot read is left out, loudly, rather than keep
+        every controller from leading; etcd errors propagate (the campaign retries)."""
         for name in self.store.job_names():
-            spec_dict = self.store.job_spec(name)
-            state = self.store.job_state(name)
-            if spec_dict is None or state.value is None:
-                continue
-            spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
-            job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
-                             health=JobHealth(name, resolve_health(spec.health)),
-                             state_rev=state.mod_revision, state_since=time.monotonic(),
-                             generation=state.value["generation"],
-                             restarts=state.value["restarts"],
-                             reason=state.value.get("reason", ""),
-                             failures=state.value.get("failures", []),
-                             stop_requested=state.value.get("stop_requested", ""),
-                             stop_now=state.value.get("stop_now", False),
-                             planned_stop=state.value.get("planned_stop", False))
-            plan = self.store.plan(name, job.generation) if job.generation else None
-            if plan:
-                job.world_size, job.mesh = plan["world_size"], plan["mesh"]
-                if not job.state.terminal:
-                    job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
-            checkpoints = self.store.checkpoints(name)
-            job.last_checkpoint = checkpoints[-1] if checkpoints else None
-            if state.value.get("initial_loss") is not None:
-                job.initial_loss = job.loss = state.value["initial_loss"]
-                job.has_loss = job.initial_loss_stored = True
-            job.health.new_generation(job.generation,
-                                      {r: p.node for p in job.placement for r in p.ranks})
-            job.health.restore([json_format.ParseDict(e, keel_pb2.Event())
-                                for e in self.store.events(name)])
-            self.jobs[name] = job
+            try:
+                self._load_job(name)
+            except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
+                log.error("cannot read the job's records in etcd; not managing it",
+                          job=name, error=f"{type(exc).__name__}: {exc}")
+
+    def _load_job(self, name: str) -> None:
+        spec_dict = self.store.job_spec(name)
+        state = self.store.job_state(name)
+        if spec_dict is None or state.value is None:
+            return
+        spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
+        job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
+                         health=JobHealth(name, resolve_health(spec.health)),
+                         state_rev=state.mod_revision, state_since=time.monotonic(),
+                         generation=state.value["generation"],
+                         restarts=state.value["restarts"],
+                         reason=state.value.get("reason", ""),
+                         failures=state.value.get("failures", []),
+                         stop_requested=state.value.get("stop_requested", ""),
+                         stop_now=state.value.get("stop_now", False),
+                         planned_stop=state.value.get("planned_stop", False))
+        plan = self.store.plan(name, job.generation) if job.generation else None
+        if plan:
+            job.world_size, job.mesh = plan["world_size"], plan["mesh"]
+            if not job.state.terminal:
+                job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
+        checkpoints = self.store.checkpoints(name)
+        job.last_checkpoint = checkpoints[-1] if checkpoints else None
+        if state.value.get("initial_loss") is not None:
+            job.initial_loss = job.loss = state.value["initial_loss"]
+            job.has_loss = job.initial_loss_stored = True
+        job.health.new_generation(job.generation,
+                                  {r: p.node for p in job.placement for r in p.ranks})
+        job.health.restore([json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
+                            for e in self.store.events(name)])
+        self.jobs[name] = job
 
     # =================================================================== agents
     def Connect(self, request_iterator, context):
@@ -234,6 +245,13 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         problem = certificate_mismatch(context.auth_context(), hello.node)
         if problem:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        with self.lock:
+            streams = sum(1 for s in self.sessions.values() if s.connected)
+            full = streams >= MAX_AGENTS and not (hello.node in self.sessions
+                                                  and self.sessions[hello.node].connected)
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this controller serves at most {MAX_AGENTS} agents")
         try:
             lease_alive = self.store.lease_alive(hello.lease_id)
             if lease_alive:
@@ -339,6 +357,10 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                     self._on_agent_message(session, message)
         except grpc.RpcError:
             pass  # the stream ended; the agent reconnects on its own
+        except Exception:
+            # A message we could not handle: end this stream (the agent reconnects and
+            # replays), never the controller.
+            log.exception("agent message failed; closing its stream", node=session.node)
         finally:
             with self.lock:
                 session.connected = False
@@ -384,11 +406,16 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
             self.wake.set()
         elif kind == "steps":
             job = self._job_for(body.job, body.generation)
+            reports = [r for r in body.reports if _usable(r)]
+            if len(reports) < len(body.reports):
+                log.warning("ignoring step reports numbered below 1 or with a step time "
+                            "that is not a finite number of seconds", node=session.node,
+                            count=len(body.reports) - len(reports))
             if job is not None:
                 if body.replayed:
-                    self._on_progress(job, body.reports)
+                    self._on_progress(job, reports)
                 else:
-                    self._on_steps(job, body.reports)
+                    self._on_steps(job, reports)
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
             if job is not None and job.state is JobState.RUNNING:
@@ -433,26 +460,30 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         job.health.add_steps(reports)
 
     def _on_checkpoint(self, job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> None:
-        record = {"step": saved.step, "path": saved.path, "generation": saved.generation,
-                  "samples": saved.samples, "recorded_at": time.time()}
-        self._record_checkpoint(job, record)
+        """Queue a commit for the reconcile loop, which records it in etcd: the agent's
+        message handler makes no etcd call."""
+        if job.last_checkpoint and job.last_checkpoint["step"] >= saved.step:
+            return  # a replay after a reconnect
+        if any(r["step"] == saved.step for r in job.unrecorded):
+            return  # a replay of one already queued
+        job.unrecorded.append({"step": saved.step, "path": saved.path,
+                               "generation": saved.generation, "samples": saved.samples,
+                               "recorded_at": time.time()})
+        self.wake.set()
 
     def _record_checkpoint(self, job: JobRuntime, record: dict) -> None:
-        """Commit a checkpoint in etcd; while etcd is out of reach it waits in
-        ``job.unrecorded`` and the reconcile loop tries again. Not recorded means not
-        committed: until then the restore point stays the previous one."""
+        """Commit a queued checkpoint in etcd; if etcd does not take it, it stays
+        queued and the next tick tries again. Not recorded means not committed: until
+        then the restore point stays the previous one."""
         try:
             self.store.record_checkpoint(job.name, record)
         except Exception as exc:
-            if record not in job.unrecorded:
-                job.unrecorded.append(record)
-                log.warning("could not record checkpoint; will retry", job=job.name,
-                            step=record["step"], error=str(exc))
+            log.warning("could not record checkpoint; will retry", job=job.name,
+                        step=record["step"], error=str(exc))
             return
-        if record in job.unrecorded:
-            job.unrecorded.remove(record)
+        job.unrecorded.remove(record)
         if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
-            return  # a replay after a reconnect, or a late retry of an older one
+            return  # a late retry of an older one
         job.last_checkpoint = record
         log.info("checkpoint committed", job=job.name, generation=record["generation"],
                  step=record["step"], path=record["path"])
@@ -471,17 +502,8 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                 f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
                 f"{report.stalled_for_s:.1f}s after step {report.last_step} "
                 f"(timeout {report.timeout_s:.1f}s, {report.phase})")
-        event = health.hang_event
-        for rank, stack in report.stacks.items():
-            event.stacks[rank] = stack
-        stacks = dict(event.stacks)
-        blamed = culprit(stacks)
-        if blamed is not None:
-            event.rank = blamed
-            event.node = health.rank_nodes.get(blamed, event.node)
-        event.root_cause = summarize_stacks(stacks)
-        health.changed(event)
-        health.avoid = {event.node}
+        health.add_stacks(report.stacks)
+        health.avoid = {health.hang_event.node}
         self.wake.set()
 
     def _on_slow_node(self, job: JobRuntime, node: str, now: float, step: int,
@@ -622,19 +644,23 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                 self.store.delete_event(job.name, seq)
                 health.dropped.remove(seq)
             for seq, event in list(health.unsaved.items()):
-                stored = json_format.MessageToDict(event)
-                if len(json.dumps(stored)) > EVENT_STORE_LIMIT:
-                    # Thousands of ranks' stacks: keep where each one is, not the dump.
-                    stored["stacks"] = {rank: stack.split("\n", 1)[0]
-                                        for rank, stack in stored.get("stacks", {}).items()}
-                self.store.put_event(job.name, seq, stored)
+                # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
+                self.store.put_event(job.name, seq, json_format.MessageToDict(event))
                 if health.unsaved.get(seq) is event:
                     del health.unsaved[seq]
         except Exception as exc:
             log.warning("could not save events; will retry", job=job.name, error=str(exc))
 
     def _reload(self, job: JobRuntime) -> None:
-        state = self.store.job_state(job.name)
+        """Take the job's state record as etcd has it. Runs in the reconcile thread,
+        which must outlive etcd errors: if the read fails, the next tick's write fails
+        on the stale revision again and lands here again."""
+        try:
+            state = self.store.job_state(job.name)
+        except Exception as exc:
+            log.warning("cannot reload the job's state; retrying next tick", job=job.name,
+                        error=str(exc))
+            return
         if state.value is not None:
             job.state = JobState(state.value["state"])
             job.state_rev = state.mod_revision
@@ -746,9 +772,10 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
 
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
         free = self._free_slots(job)
-        if job.health.swap is not None:
-            out, into = job.health.swap
-            job.health.swap = None
+        # The checkpoint-then-stop that ended the last generation, if this is its sequel.
+        pending = job.health.replacing if job.planned_stop else None
+        if pending is not None and pending.node and pending.with_node:
+            out, into = pending.node, pending.with_node
             wanted = (job.nodes - {out}) | {into}
             if wanted <= free.keys() and sum(free[n] for n in wanted) >= job.spec.world_size:
                 free = {n: free[n] for n in wanted}
@@ -756,12 +783,11 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                 job.health.event("alert", f"{into} can no longer take {out}'s place; "
                                           f"placing on any free node", node=out)
         shrink, ceiling = decision.shrink, 0
-        excluded = job.health.exclude_next
-        if excluded:
+        if pending is not None and pending.node and pending.policy == "exclude":
             # The exclude policy drops the node even when a spare could take its place.
             shrink = True
             ceiling = job.world_size - sum(len(p.ranks) for p in job.placement
-                                           if p.node in excluded)
+                                           if p.node == pending.node)
         try:
             world_size, mesh = size_and_layout(job.spec, free, shrink, ceiling)
         except ValueError as exc:
@@ -788,7 +814,6 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                                          f"{mesh} at world size {world_size}", node=out[0],
                              step=job.step)
         health.avoid.clear()
-        health.exclude_next.clear()
         health.new_generation(job.generation, {r: p.node for p in placement for r in p.ranks})
         job.rendezvous = None
         job.exits.clear()
@@ -832,10 +857,6 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         pending = job.health.replacing
         if pending is not None and decision.replacement and pending.node:
             job.health.avoid.add(pending.node)
-            if pending.policy == "exclude":
-                job.health.exclude_next.add(pending.node)
-            if pending.with_node:
-                job.health.swap = (pending.node, pending.with_node)
         cause = decision.root_cause
         if cause is not None:
             job.failures.append({
@@ -874,6 +895,12 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                   Action.CANCEL: JobState.CANCELLED}[decision.action]
         self._transition(job, target, decision.reason, now)
 
+
+
+def _usable(report: keel_pb2.StepReport) -> bool:
+    """Steps are numbered from 1; a step time is finite seconds (0: not measured)."""
+    return report.step >= 1 and math.isfinite(report.step_time_s) and \
+        report.step_time_s >= 0
 
 def run(config: ControllerConfig) -> None:
     """Serve until SIGTERM or SIGINT."""

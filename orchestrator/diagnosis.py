@@ -3,7 +3,8 @@
 Agents send, per rank, a first line naming where its main thread is (e.g. "time.sleep
 in inject_faults (trainer/runtime.py:312)") followed by the faulthandler dump. A rank
 whose main thread sits in a collective is waiting on a peer; the one that is not is the
-culprit. Pure.
+culprit. Each stack is read once, as it arrives (``waiting_in_collective``); the
+verdicts and the first lines are all the rest needs. Pure.
 """
 
 from __future__ import annotations
@@ -26,25 +27,27 @@ def _main_thread_block(dump: str) -> str:
     return dump[at:] if at >= 0 else dump
 
 
-def culprit(stacks: dict[int, str]) -> int | None:
-    """The lowest rank not waiting in a collective, or None if every rank waits (the
-    culprit is then on a node that did not report)."""
-    free = sorted(rank for rank, stack in stacks.items() if not waiting_in_collective(stack))
+def culprit(waiting: dict[int, bool]) -> int | None:
+    """The lowest rank not waiting in a collective (``waiting``: rank -> whether its
+    stack waits in one), or None if every rank waits (the culprit is then on a node
+    that did not report)."""
+    free = sorted(rank for rank, waits in waiting.items() if not waits)
     return free[0] if free else None
 
 
-def summarize(stacks: dict[int, str]) -> str:
-    """One sentence: the culprit and where it stopped, and who waited."""
-    if not stacks:
+def summarize(where: dict[int, str], waiting: dict[int, bool]) -> str:
+    """One sentence: the culprit and where it stopped (``where``: rank -> its stack's
+    first line), and who waited."""
+    if not waiting:
         return "no stacks were collected"
-    rank = culprit(stacks)
-    waiting = sorted(r for r, s in stacks.items() if waiting_in_collective(s))
+    rank = culprit(waiting)
+    waiters = sorted(r for r, waits in waiting.items() if waits)
     parts = []
     if rank is not None:
-        parts.append(f"rank {rank} stopped in {stacks[rank].partition(chr(10))[0]}")
+        parts.append(f"rank {rank} stopped in {where.get(rank, 'an unknown place')}")
     else:
         parts.append("every reporting rank was waiting in a collective")
-    if waiting:
-        parts.append(f"rank{'s' if len(waiting) > 1 else ''} "
-                     f"{', '.join(map(str, waiting))} waiting in collectives")
+    if waiters:
+        parts.append(f"rank{'s' if len(waiters) > 1 else ''} "
+                     f"{', '.join(map(str, waiters))} waiting in collectives")
     return "; ".join(parts)

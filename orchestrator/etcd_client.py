@@ -56,6 +56,14 @@ class EtcdCredentials:
         return {k: str(v) for k, v in found.items() if v}
 
 
+def host_port(endpoint: str) -> tuple[str, int]:
+    """An etcd endpoint "host:port", split; raises ValueError with the fix."""
+    host, _, port = endpoint.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"etcd endpoint {endpoint!r}: write it as host:port")
+    return host, int(port)
+
+
 class EtcdClient(etcd3.MultiEndpointEtcd3Client):
     def __init__(self, endpoints: list[str], timeout_s: float,
                  credentials: EtcdCredentials | None = None):
@@ -65,11 +73,11 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
         secure = "ca_cert" in kwargs
         creds = (self.get_secure_creds(kwargs["ca_cert"], kwargs.get("cert_key"),
                                        kwargs.get("cert_cert")) if secure else None)
-        members = []
-        for endpoint in endpoints:
-            host, _, port = endpoint.rpartition(":")
-            members.append(etcd3.Endpoint(host, int(port), secure=secure, creds=creds,
-                                          time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS))
+        members = [etcd3.Endpoint(host, port, secure=secure, creds=creds,
+                                  time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS)
+                   for host, port in map(host_port, endpoints)]
+        if not members:
+            raise ValueError("etcd endpoints: give at least one host:port")
         self._user, self._password = kwargs.get("user"), kwargs.get("password")
         self._secure = secure
         super().__init__(endpoints=members, timeout=timeout_s, failover=True)

@@ -27,6 +27,10 @@ DEFAULTS = keel_pb2.HealthSpec(
     max_replacements_per_hour=4)
 
 
+MAX_STRAGGLER_WINDOW = 100      # steps
+MAX_STRAGGLER_PATIENCE = 100    # windows
+
+
 class InvalidHealth(ValueError):
     pass
 
@@ -58,6 +62,11 @@ def resolve(spec: keel_pb2.HealthSpec) -> keel_pb2.HealthSpec:
     if resolved.straggler_slowdown <= 1.1:
         problems.append(f"straggler_slowdown={resolved.straggler_slowdown}: must be above "
                         f"1.1 (the detector clears a node below 1.1x)")
+    # The detector keeps window x ranks samples and re-sorts them every tick.
+    for name, most in (("straggler_window", MAX_STRAGGLER_WINDOW),
+                       ("straggler_patience", MAX_STRAGGLER_PATIENCE)):
+        if getattr(resolved, name) > most:
+            problems.append(f"{name}={getattr(resolved, name)}: must be at most {most}")
     if problems:
         raise InvalidHealth("; ".join(problems))
     return resolved

@@ -11,12 +11,18 @@ from dataclasses import dataclass, field
 import structlog
 
 from orchestrator import guardrails
+from orchestrator.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
 
 log = structlog.get_logger()
 
 MAX_EVENTS = 1000
+# Characters of stacks one hang event keeps whole; past them, each further rank keeps
+# only its first line (where it is: its full dump is in its own log). The event lives
+# in memory, in every GetJob reply and in etcd: it must stay well under gRPC's 4 MiB
+# and etcd's 1.5 MiB.
+HANG_STACKS_LIMIT = 192 * 1024
 # Preflight: a node whose bus bandwidth is below this share of the nodes' median is slow.
 PREFLIGHT_SLOW_SHARE = 0.5
 # A straggler replacement waits this long for its checkpoint before going ahead from the
@@ -52,9 +58,9 @@ class JobHealth:
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
     avoid: set[str] = field(default_factory=set)    # keep out of the next placement
-    swap: tuple[str, str] | None = None              # (out, in) for the next placement
-    exclude_next: set[str] = field(default_factory=set)  # and re-plan smaller without them
     hang_event: keel_pb2.Event | None = None
+    hang_waiting: dict[int, bool] = field(default_factory=dict)  # rank -> waits in a collective
+    hang_stack_chars: int = 0                       # of the stacks the hang event keeps
     replacing: Replacement | None = None
     preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(
         default_factory=dict)
@@ -98,9 +104,32 @@ class JobHealth:
         self.straggler_state = initial_state()
         self.samples.clear()
         self.hang_event = None
+        self.hang_waiting.clear()
+        self.hang_stack_chars = 0
         self.replacing = None
         self.preflight.clear()
         self.preflight_flagged.clear()
+
+    # ------------------------------------------------------------------- hangs
+    def add_stacks(self, stacks) -> None:
+        """Add ranks' stacks (rank -> first line, then the dump) to the hang event and
+        name the culprit. Each stack is judged once, whole, as it arrives; the event
+        keeps stacks whole up to HANG_STACKS_LIMIT characters, then first lines only."""
+        event = self.hang_event
+        for rank, stack in stacks.items():
+            self.hang_waiting[rank] = waiting_in_collective(stack)
+            before = len(event.stacks.get(rank, ""))
+            room = HANG_STACKS_LIMIT - (self.hang_stack_chars - before)
+            kept = stack if len(stack) <= room else stack.partition("\n")[0]
+            event.stacks[rank] = kept
+            self.hang_stack_chars += len(kept) - before
+        blamed = culprit(self.hang_waiting)
+        if blamed is not None:
+            event.rank = blamed
+            event.node = self.rank_nodes.get(blamed, event.node)
+        where = {rank: stack.partition("\n")[0] for rank, stack in event.stacks.items()}
+        event.root_cause = summarize(where, self.hang_waiting)
+        self.changed(event)
 
     # -------------------------------------------------------------- stragglers
     def add_steps(self, reports) -> None:

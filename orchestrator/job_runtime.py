@@ -46,7 +46,7 @@ class JobRuntime:
     last_wait_reason: str = ""
     health: JobHealth | None = None
     initial_loss_stored: bool = False
-    unrecorded: list[dict] = field(default_factory=list)   # commits etcd has not taken yet
+    unrecorded: list[dict] = field(default_factory=list)   # commits not yet recorded in etcd
     stop_requested: str = ""     # the operator's stop, with their reason (persisted)
     stop_now: bool = False       # ... without a final checkpoint
     planned_stop: bool = False   # the current generation was stopped on purpose (persisted)

@@ -51,6 +51,15 @@ def validate(spec: keel_pb2.JobSpec) -> None:
         health.resolve(spec.health)
     except health.InvalidHealth as exc:
         problems.append(f"health: {exc}")
+    shapes = None
+    if spec.model.params and spec.world_size >= 1:
+        # What the planner is given, checked now whatever the mesh, not at the first
+        # placement. The node size is not known before placement.
+        try:
+            shapes = (model_shape(spec), _cluster(spec, spec.world_size, spec.world_size),
+                      training_shape(spec))
+        except ValueError as exc:
+            problems.append(f"model/training: {exc}")
     if spec.mesh and spec.mesh != "auto" and spec.world_size >= 1:
         try:
             layout = planner.Layout.parse(spec.mesh)
@@ -58,11 +67,9 @@ def validate(spec: keel_pb2.JobSpec) -> None:
                 raise planner.LayoutError(
                     f"layout {spec.mesh} spans {layout.world_size} ranks but world_size is "
                     f"{spec.world_size}; make the axes multiply to the world size")
-            if spec.model.params:
-                slots = spec.world_size  # the node size is not known before placement
-                planner.validate_layout(layout, model_shape(spec), _cluster(spec, spec.world_size,
-                                                                            slots),
-                                        training_shape(spec))
+            if shapes:
+                model, cluster, training = shapes
+                planner.validate_layout(layout, model, cluster, training)
         except ValueError as exc:
             problems.append(f"mesh: {exc}")
     if problems:
@@ -116,4 +123,10 @@ def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
             problems.append(f"world size {world_size}: {exc}")
             continue
         return world_size, str(best.layout)
-    raise ValueError("; ".join(problems) or "no free slots")
+    if not problems:
+        raise ValueError("no free slots")
+    # The largest size's problem says what to fix; thousands of smaller sizes' would
+    # bloat the job's reason (kept in etcd) without saying more.
+    smaller = len(problems) - 1
+    raise ValueError(problems[0] + (f"; no layout at the {smaller} smaller world size(s) "
+                                    f"either" if smaller else ""))

@@ -24,6 +24,9 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
+MAX_REASON_CHARS = 1024
+
+
 class OperatorService:
     def SubmitJob(self, request, context):
         self._require_leader(context)
@@ -124,6 +127,15 @@ class OperatorService:
         return next((j for j in self.jobs.values()
                      if j.state.holds_nodes and node in j.nodes), None)
 
+    @staticmethod
+    def _short_reason(reason: str, context) -> None:
+        """An operator's reason is stored with the cordon or the job's state, and
+        repeated in its events: keep it a sentence."""
+        if len(reason) > MAX_REASON_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"reason: {len(reason)} characters; keep it under "
+                          f"{MAX_REASON_CHARS}")
+
     def _known_node(self, name: str, context) -> None:
         if not name:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node: give the node's name")
@@ -165,6 +177,7 @@ class OperatorService:
     # -------------------------------------------------------------------- nodes
     def CordonNode(self, request, context):
         self._require_leader(context)
+        self._short_reason(request.reason, context)
         with self.lock:
             self._known_node(request.node, context)
             existing = self.cordons.get(request.node)
@@ -206,6 +219,7 @@ class OperatorService:
 
     def DrainNode(self, request, context):
         self._require_leader(context)
+        self._short_reason(request.reason, context)
         with self.lock:
             self._known_node(request.node, context)
             self._persist_cordon(request.node, request.reason or "drained by the operator",
@@ -292,6 +306,7 @@ class OperatorService:
 
     def StopJob(self, request, context):
         self._require_leader(context)
+        self._short_reason(request.reason, context)
         with self.lock:
             job = self._job_named(request.job, context)
             if job.state.terminal:

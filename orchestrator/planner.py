@@ -66,6 +66,9 @@ class NoFit(ValueError):
     """No valid mesh fits in GPU memory; the message gives the smallest need and the fix."""
 
 
+MAX_PARAMS = 1e15   # beyond any model; bounds the planner's arithmetic
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer. ``params`` is its parameter count; ``layers``,
@@ -81,9 +84,9 @@ class ModelShape:
     vocab: int = 0
 
     def __post_init__(self) -> None:
-        if not self.params > 0:
-            raise ValueError(f"ModelShape params={self.params!r}: give the parameter count, "
-                             f"e.g. params=7e9, or build it with ModelShape.from_dims(...)")
+        if not 0 < self.params <= MAX_PARAMS:  # also refuses NaN and infinity
+            raise ValueError(f"ModelShape params={self.params!r}: give the parameter count "
+                             f"(at most {MAX_PARAMS:g}), e.g. params=7e9, or build it with ModelShape.from_dims(...)")
         shape = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                  "vocab": self.vocab}
         negative = [f"{k}={v}" for k, v in shape.items() if v < 0]
@@ -137,7 +140,7 @@ class Cluster:
             raise ValueError(f"Cluster world_size={self.world_size}: need at least 1 GPU")
         if self.gpus_per_node < 1:
             raise ValueError(f"Cluster gpus_per_node={self.gpus_per_node}: need at least 1")
-        if not self.gpu_memory_gb > 0:
+        if not (math.isfinite(self.gpu_memory_gb) and self.gpu_memory_gb > 0):
             raise ValueError(f"Cluster gpu_memory_gb={self.gpu_memory_gb!r}: give each GPU's "
                              f"memory in GB of 1e9 bytes, e.g. 80 for an H100")
 

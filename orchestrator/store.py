@@ -129,7 +129,9 @@ class Store:
         return self._get(f"{PREFIX}/jobs/{name}/state")
 
     def job_names(self) -> list[str]:
-        keys = self._prefix(f"{PREFIX}/jobs/")
+        # Keys only: the values under a job (plans, checkpoints, events) can be large.
+        keys = [meta.key.decode()
+                for _, meta in self.client.get_prefix(f"{PREFIX}/jobs/", keys_only=True)]
         return sorted({k.split("/")[3] for k in keys if k.endswith("/spec")})
 
     def update_job_state(self, name: str, state: dict, read_revision: int,

@@ -1,16 +1,23 @@
-"""Controller messages an agent cannot act on are answered, never fatal: a real Agent
-(on a real etcd, with no controller) is handed them directly."""
+"""What a daemon cannot act on is answered or left out, never fatal: controller
+messages a real Agent (on a real etcd) is handed directly, job records in etcd a real
+controller cannot read, and step reports it cannot use."""
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
+import threading
 
+import grpc
 import pytest
 
 from agent.config import AgentConfig
 from agent.daemon import Agent
-from protos import keel_pb2
+from orchestrator.auth import call_metadata
+from protos import keel_pb2, keel_pb2_grpc
+from tests.conftest import wait_for
+from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -53,3 +60,56 @@ def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_t
     assert (exited.rank_exited.rank, exited.rank_exited.exit_code) == (0, 127)
     assert "first_step_timeout_s=10" in exited.rank_exited.traceback
     assert agent.supervisor.ranks == []
+
+
+def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
+        cluster):  # noqa: F811
+    client = cluster.store.client
+    client.put("/keel/jobs/broken/spec", json.dumps({"name": "broken", "worldSize": "many"}))
+    client.put("/keel/jobs/broken/state", json.dumps({"state": "DREAMING", "generation": 1,
+                                                      "restarts": 0}))
+    address = cluster.controller()  # waits until it leads
+    log = (cluster.path / "controller.log").read_text()
+    assert "cannot read the job's records in etcd; not managing it" in log
+    with grpc.insecure_channel(address) as channel:
+        stub = keel_pb2_grpc.ControllerStub(channel)
+        jobs = stub.ListJobs(keel_pb2.ListJobsRequest(), metadata=call_metadata(TOKEN),
+                             timeout=5)
+        assert [job.name for job in jobs.jobs] == []
+        # The records are left as they were, for a version that can read them.
+        assert json.loads(client.get("/keel/jobs/broken/state")[0])["state"] == "DREAMING"
+
+        # Step reports numbered from 0, or with a step time that is no number of
+        # seconds, are dropped with a warning; the agent's stream stays open.
+        lease = client.lease(30)
+        done = threading.Event()
+
+        def messages():
+            yield keel_pb2.AgentMessage(hello=keel_pb2.Hello(
+                node="node-z", host="127.0.0.1", slots=1, lease_id=lease.id, pid=1))
+            yield keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
+                job="broken", generation=1, reports=[
+                    keel_pb2.StepReport(rank=0, step=0, step_time_s=0.1),
+                    keel_pb2.StepReport(rank=1, step=3, step_time_s=float("inf"))]))
+            done.wait(30)
+
+        stream = stub.Connect(messages(), metadata=call_metadata(TOKEN))
+        try:
+            wait_for(lambda: "ignoring step reports numbered below 1" in
+                     (cluster.path / "controller.log").read_text(), 30,
+                     what="the reports to be dropped")
+            assert "agent message failed" not in (cluster.path / "controller.log").read_text()
+            nodes = stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
+                                   timeout=5).nodes
+            assert [(n.node, n.connected) for n in nodes] == [("node-z", True)]
+            # A reason is stored with the cordon: a sentence, not a megabyte.
+            with pytest.raises(grpc.RpcError) as err:
+                stub.CordonNode(keel_pb2.NodeRequest(node="node-z", reason="x" * 2000),
+                                metadata=call_metadata(TOKEN), timeout=5)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "2000 characters; keep it under 1024" in err.value.details()
+            assert cluster.store.cordons() == {}
+        finally:
+            done.set()
+            stream.cancel()
+        lease.revoke()

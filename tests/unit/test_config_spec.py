@@ -36,8 +36,9 @@ def test_bad_specs_name_the_field_and_the_fix(kw, message):
 
 def test_controller_config_checks_its_deadline_hierarchy():
     ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t")
-    with pytest.raises(ValueError, match="write it as host:port"):
-        ControllerConfig(etcd_endpoints=("localhost",), token="t")
+    for endpoint in ("localhost", "h:port", "h:99999", ":2379"):
+        with pytest.raises(ValueError, match=f"etcd endpoint '{endpoint}': write it as host:port"):
+            ControllerConfig(etcd_endpoints=(endpoint,), token="t")
     with pytest.raises(ValueError, match="etcd_timeout_s=20 must be below node_lost_grace_s"):
         ControllerConfig(etcd_endpoints=("h:1",), token="t", etcd_timeout_s=20)
     with pytest.raises(ValueError, match="needs one"):
@@ -51,6 +52,8 @@ def test_agent_config_checks_its_deadline_hierarchy():
         AgentConfig(**base, lease_ttl_s=4, etcd_timeout_s=2.5)
     with pytest.raises(ValueError, match="slots=0"):
         AgentConfig(**{**base, "slots": 0})
+    with pytest.raises(ValueError, match="etcd endpoint 'h': write it as host:port"):
+        AgentConfig(**{**base, "etcd_endpoints": ("h",)})
     with pytest.raises(ValueError, match="node 'a b'"):
         AgentConfig(**{**base, "node": "a b"})
 
@@ -110,6 +113,33 @@ def test_health_settings_are_validated_with_the_fix():
         (keel_pb2.HealthSpec(hang_floor_s=0.5), "must be at least 1 s"),
         (keel_pb2.HealthSpec(hang_floor_s=500), "first_step_timeout_s=300.0: must be at least"),
         (keel_pb2.HealthSpec(straggler_slowdown=1.05), "must be above 1.1"),
+        (keel_pb2.HealthSpec(straggler_window=5000), "straggler_window=5000: must be at most"),
     ]:
         with pytest.raises(InvalidHealth, match=message):
             resolve(spec)
+
+
+@pytest.mark.parametrize("mesh", ["", "auto", "dp_shard=2,tp=2"])
+@pytest.mark.parametrize("model,training,message", [
+    (dict(params=float("inf")), {}, "params=inf: give the parameter count"),
+    (dict(params=-1.0), {}, "params=-1.0: give the parameter count"),
+    (dict(params=1e9), dict(precision="fp16"), "precision='fp16'"),
+    (dict(params=1e9), dict(gpu_memory_gb=float("nan")), "gpu_memory_gb=nan"),
+])
+def test_the_model_and_training_shapes_are_checked_at_submit_whatever_the_mesh(
+        mesh, model, training, message):
+    spec = good_spec(mesh=mesh)
+    spec.model.CopyFrom(keel_pb2.ModelShape(**model))
+    spec.training.CopyFrom(keel_pb2.TrainingShape(**training))
+    with pytest.raises(InvalidSpec, match=r"model/training: .*" + message.replace("(", r"\(")):
+        validate(spec)
+
+
+def test_when_no_size_fits_the_reason_names_the_largest_size_and_counts_the_rest():
+    spec = planned_spec()
+    spec.training.gpu_memory_gb = 1e-6
+    with pytest.raises(ValueError) as err:
+        size_and_layout(spec, {"a": 4}, shrink=True)
+    message = str(err.value)
+    assert message.startswith("world size 4: ") and "world size 3" not in message
+    assert message.endswith("; no layout at the 3 smaller world size(s) either")

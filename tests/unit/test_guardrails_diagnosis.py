@@ -11,17 +11,24 @@ WAITING = ("all_gather in exchange (trainer/train.py:140)\n"
            '  File "/x/trainer/train.py", line 140 in exchange\n')
 
 
+def verdicts(stacks: dict[int, str]) -> tuple[dict[int, str], dict[int, bool]]:
+    return ({rank: stack.partition("\n")[0] for rank, stack in stacks.items()},
+            {rank: waiting_in_collective(stack) for rank, stack in stacks.items()})
+
+
 def test_the_rank_outside_collectives_is_the_culprit():
-    stacks = {0: WAITING, 1: HUNG, 2: WAITING}
-    assert not waiting_in_collective(HUNG) and waiting_in_collective(WAITING)
-    assert culprit(stacks) == 1
-    assert summarize(stacks) == ("rank 1 stopped in time.sleep in inject_faults "
-                                 "(trainer/runtime.py:312); ranks 0, 2 waiting in collectives")
+    where, waiting = verdicts({0: WAITING, 1: HUNG, 2: WAITING})
+    assert waiting == {0: True, 1: False, 2: True}
+    assert culprit(waiting) == 1
+    assert summarize(where, waiting) == ("rank 1 stopped in time.sleep in inject_faults "
+                                         "(trainer/runtime.py:312); ranks 0, 2 waiting in "
+                                         "collectives")
 
 
 def test_when_everyone_waits_the_culprit_is_elsewhere():
-    assert culprit({0: WAITING}) is None
-    assert summarize({0: WAITING}).startswith("every reporting rank was waiting")
+    where, waiting = verdicts({0: WAITING})
+    assert culprit(waiting) is None
+    assert summarize(where, waiting).startswith("every reporting rank was waiting")
 
 
 def test_cordon_after_two_flags_within_an_hour():
