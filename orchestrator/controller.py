@@ -225,8 +225,7 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         if state.value.get("initial_loss") is not None:
             job.initial_loss = job.loss = state.value["initial_loss"]
             job.has_loss = job.initial_loss_stored = True
-        job.health.new_generation(job.generation,
-                                  {r: p.node for p in job.placement for r in p.ranks})
+        job.health.new_generation(job.generation, job.rank_nodes)
         job.health.restore([json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
                             for e in self.store.events(name)])
         self.jobs[name] = job
@@ -268,11 +267,16 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
                                lease_id=hello.lease_id, pid=hello.pid)
         with self.lock:
-            previous = self.sessions.get(hello.node)
-            if previous is not None:
-                previous.connected = False
-                previous.close()
-            self.sessions[hello.node] = session
+            stepped_down = not self.is_leader  # since the check on entry
+            if not stepped_down:
+                previous = self.sessions.get(hello.node)
+                if previous is not None:
+                    previous.connected = False
+                    previous.close()
+                self.sessions[hello.node] = session
+        if stepped_down:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "this controller stopped leading; find the leader in etcd")
         context.add_callback(session.close)
         session.send(keel_pb2.ControllerMessage(
             welcome=keel_pb2.Welcome(controller_id=self.id)))
@@ -786,8 +790,7 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
         if pending is not None and pending.node and pending.policy == "exclude":
             # The exclude policy drops the node even when a spare could take its place.
             shrink = True
-            ceiling = job.world_size - sum(len(p.ranks) for p in job.placement
-                                           if p.node == pending.node)
+            ceiling = job.world_size - job.ranks_on(pending.node)
         try:
             world_size, mesh = size_and_layout(job.spec, free, shrink, ceiling)
         except ValueError as exc:
@@ -814,7 +817,7 @@ class Controller(OperatorService, keel_pb2_grpc.ControllerServicer):
                                          f"{mesh} at world size {world_size}", node=out[0],
                              step=job.step)
         health.avoid.clear()
-        health.new_generation(job.generation, {r: p.node for p in placement for r in p.ranks})
+        health.new_generation(job.generation, job.rank_nodes)
         job.rendezvous = None
         job.exits.clear()
         job.stopped_nodes.clear()

@@ -59,6 +59,15 @@ class JobRuntime:
     def nodes(self) -> frozenset[str]:
         return frozenset(p.node for p in self.placement)
 
+    @property
+    def rank_nodes(self) -> dict[int, str]:
+        """Each rank of the current placement, and its node."""
+        return {rank: p.node for p in self.placement for rank in p.ranks}
+
+    def ranks_on(self, node: str) -> int:
+        """How many ranks of the current placement run on ``node``."""
+        return sum(len(p.ranks) for p in self.placement if p.node == node)
+
     def record(self) -> dict:
         """The job state as stored in etcd."""
         return {"state": self.state.value, "generation": self.generation,

@@ -164,7 +164,7 @@ class OperatorService:
 
     def _where_it_goes(self, job: JobRuntime, node: str) -> str:
         """How the job will do without ``node``, judged from the free nodes now."""
-        needed = sum(len(p.ranks) for p in job.placement if p.node == node)
+        needed = job.ranks_on(node)
         free = sum(self._spare_slots(job).values())
         if free >= needed:
             return f"on free nodes ({free} slot(s) free, {needed} needed)"
@@ -247,7 +247,7 @@ class OperatorService:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"job {job.name} is already under way to "
                               f"{job.health.replacing.reason}; wait for its next generation")
-            needed = sum(len(p.ranks) for p in job.placement if p.node == request.node)
+            needed = job.ranks_on(request.node)
             free = self._spare_slots(job)
             if request.with_node:
                 self._known_node(request.with_node, context)
