@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from agent import tls
-from agent.config import AgentConfig
+from agent.config import AgentConfig, security_settings
 from agent.daemon import run
 from agent.leftovers import RunDirInUse
-from agent.logs import configure
+from common import env, flags
+from common.logs import configure
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,7 +20,7 @@ from agent.logs import configure
               "(usually its GPU count).")
 @click.option("--etcd-endpoints", required=True,
               help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).",
-              envvar="KEEL_ETCD_ENDPOINTS")
+              envvar=env.ETCD_ENDPOINTS)
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
               help="File holding the join token, or the controller's only token (else "
                    "--tls-dir's join.token, else env KEEL_TOKEN).")
@@ -36,14 +36,16 @@ from agent.logs import configure
               help="SIGTERM to SIGKILL grace when stopping ranks.")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port.")
-@tls.options
+@flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
+                   ca_help="CA certificate of the controller")
+@flags.etcd_options
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
          stop_grace_s, metrics_port, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
         config = AgentConfig(
-            **tls.settings(node, token_file, **security),
+            **security_settings(node, token_file, **security),
             node=node, slots=slots,
             etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
             run_dir=Path(run_dir).resolve(), host=host, controller=controller,
@@ -59,4 +61,4 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lea
 
 if __name__ == "__main__":
     # `keel agent` execs into this module and says so, for usage lines and errors.
-    main(prog_name=os.environ.pop("KEEL_AGENT_PROG", "python -m agent"))
+    main(prog_name=os.environ.pop(env.AGENT_PROG, "python -m agent"))

@@ -1,15 +1,14 @@
-"""Typed agent configuration, validated on construction."""
+"""Typed agent configuration, validated on construction, and the agent's security
+settings from its flags."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.etcd_client import EtcdCredentials, host_port
-from agent.tls import TlsFiles
-
-NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+from common.etcd import EtcdCredentials, host_port
+from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.tls import TlsFiles, etcd_credentials, first_identity, read_token, resolve_tls
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,7 @@ class AgentConfig:
 
     def __post_init__(self):
         if not NODE_NAME.match(self.node):
-            raise ValueError(f"node {self.node!r}: use 1-63 letters, digits, '.', '_' or "
-                             f"'-', starting with a letter or digit")
+            raise ValueError(f"node {self.node!r}: {NODE_NAME_RULE}")
         if not 1 <= self.slots <= 1024:
             raise ValueError(f"slots={self.slots}: must be between 1 and 1024")
         if not self.etcd_endpoints:
@@ -56,3 +54,23 @@ class AgentConfig:
         if not 0 < self.tick_s <= self.stop_grace_s / 10:
             raise ValueError(f"tick_s={self.tick_s} must be positive and at most "
                              f"stop_grace_s/10")
+
+
+def security_settings(node: str, token_file: str | None, tls_dir: str | None = None,
+                      ca: str | None = None, cert: str | None = None, key: str | None = None,
+                      **etcd_flags) -> dict:
+    """``AgentConfig`` fields (token, tls, etcd_credentials) from the agent's flags.
+
+    From a TLS directory the agent takes ``ca.pem``, its own certificate
+    ``agent-<node>.pem``/``.key`` if there is one, else the shared ``agent.pem``/``.key``,
+    and ``join.token``. Explicit flags win over the directory; ``KEEL_TOKEN`` is the last
+    resort for the token."""
+    identity = None
+    if tls_dir:
+        identity = first_identity(tls_dir, (f"agent-{node}", "agent"))
+        if identity is None and not cert:
+            raise ValueError(f"--tls-dir {tls_dir} holds neither agent-{node}.pem nor "
+                             f"agent.pem; give --cert and --key")
+    return {"token": read_token(token_file, Path(tls_dir) / "join.token" if tls_dir else None),
+            "tls": resolve_tls(tls_dir, identity, ca, cert, key),
+            "etcd_credentials": etcd_credentials(**etcd_flags)}

@@ -13,7 +13,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -21,9 +20,11 @@ import time
 import grpc
 import structlog
 
-from agent import leftovers, metrics, tls
+from agent import leftovers, metrics
 from agent.config import AgentConfig
-from agent.etcd_client import EtcdClient
+from common import keys, procs
+from common.etcd import EtcdClient
+from common.tls import call_metadata, channel
 from agent.local_server import AgentLocalService, serve
 from agent.failure import tail
 from agent.hang import HangConfig, RankProgress, find_hang
@@ -33,7 +34,6 @@ from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
 
-LEADER_KEY = "/keel/controller/leader"
 STACK_DUMP_WAIT_S = 0.5      # faulthandler writes within milliseconds; slack for a busy node
 STACK_TAIL_BYTES = 65536
 
@@ -138,7 +138,7 @@ class Agent:
     def _controller_address(self) -> str | None:
         if self.config.controller:
             return self.config.controller
-        raw, _ = self.etcd.get(LEADER_KEY)
+        raw, _ = self.etcd.get(keys.LEADER)
         return json.loads(raw)["address"] if raw else None
 
     def _stream_forever(self) -> None:
@@ -195,9 +195,9 @@ class Agent:
 
     def _stream_once(self, address: str) -> None:
         closed = threading.Event()
-        metadata = (("authorization", f"Bearer {self.config.token}"),)
-        with tls.channel(address, self.config.tls) as channel:
-            stub = keel_pb2_grpc.ControllerStub(channel)
+        metadata = call_metadata(self.config.token)
+        with channel(address, self.config.tls) as link:
+            stub = keel_pb2_grpc.ControllerStub(link)
             self.stream_call = stub.Connect(self._requests(closed), metadata=metadata)
             try:
                 for message in self.stream_call:
@@ -289,7 +289,7 @@ class Agent:
         kind = message.WhichOneof("kind")
         if kind == "prepare_rendezvous":
             prep = message.prepare_rendezvous
-            port = _free_port(self.config.host)
+            port = procs.free_port(self.config.host)
             log.info("rendezvous port chosen", job=prep.job, generation=prep.generation,
                      port=port)
             self._send(rendezvous_ready=keel_pb2.RendezvousReady(
@@ -419,12 +419,6 @@ class Agent:
             log.info("generation stopped", job=job, generation=generation)
             self._send(generation_stopped=keel_pb2.GenerationStopped(job=job,
                                                                      generation=generation))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def run(config: AgentConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from common import env as keel_env
 from protos import keel_pb2
 
 
@@ -32,11 +33,11 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
         "TORCHELASTIC_RUN_ID": f"{start.job}-g{start.generation}",
         "TORCHELASTIC_ERROR_FILE": error_file,
         "PYTHONUNBUFFERED": "1",
-        "KEEL_JOB": start.job,
-        "KEEL_GENERATION": str(start.generation),
-        "KEEL_MESH": start.mesh,
-        "KEEL_CHECKPOINT_DIR": start.checkpoint_dir,
-        "KEEL_RESTORE_FROM": start.restore_from,
-        "KEEL_AGENT_SOCKET": agent_socket,
+        keel_env.JOB: start.job,
+        keel_env.GENERATION: str(start.generation),
+        keel_env.MESH: start.mesh,
+        keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
+        keel_env.RESTORE_FROM: start.restore_from,
+        keel_env.AGENT_SOCKET: agent_socket,
     })
     return env

@@ -1,6 +1,6 @@
 """What a dead agent left behind on its node, found and killed by the next one.
 
-A rank dies with its agent (``agent.launch``), but processes the rank started do not:
+A rank dies with its agent (``common.launch``), but processes the rank started do not:
 they are re-parented and keep running, holding GPU memory and ports. Every process of
 a rank inherits ``KEEL_AGENT_SOCKET``, whose path is new for each agent incarnation, so
 an agent records its own in ``RUN_DIR/agent.json`` and its successor on the same run
@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import structlog
+
+from common import env
 
 log = structlog.get_logger()
 
@@ -51,9 +53,9 @@ def kill_marked(socket_path: str, job: str = "", generation: int = 0) -> int:
     """SIGKILL every process started for the agent whose socket is ``socket_path`` (only
     those of ``job``'s ``generation`` if given) and wait until they are gone; return
     how many there were."""
-    markers = [f"KEEL_AGENT_SOCKET={socket_path}"]
+    markers = [f"{env.AGENT_SOCKET}={socket_path}"]
     if job:
-        markers += [f"KEEL_JOB={job}", f"KEEL_GENERATION={generation}"]
+        markers += [f"{env.JOB}={job}", f"{env.GENERATION}={generation}"]
     found = carrying(*markers)
     for pid in found:
         try:

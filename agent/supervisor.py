@@ -1,7 +1,7 @@
 """Rank processes: start them in their own process groups, watch them, stop them.
 
 Stopping is a protocol: SIGTERM to the group, ``stop_grace_s``, SIGKILL to the group,
-then the group is confirmed empty. A rank is started through ``agent.launch`` so it
+then the group is confirmed empty. A rank is started through ``common.launch`` so it
 dies with the agent instead of outliving it.
 """
 
@@ -11,7 +11,6 @@ import enum
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,27 +19,11 @@ import structlog
 
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
+from common.procs import group_alive, signal_group, tied_to_this_process
 from protos import keel_pb2
 
 log = structlog.get_logger()
 
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 class RankPhase(str, enum.Enum):
@@ -97,7 +80,7 @@ class Supervisor:
             with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
                     open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "agent.launch", str(os.getpid()), *start.command],
+                    [*tied_to_this_process(), *start.command],
                     env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                     start_new_session=True)
             proc = RankProcess(job=start.job, generation=start.generation,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent.local_server import AgentLocalService, serve
-from orchestrator.etcd_server import EmbeddedEtcd, etcd_binary
+from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary
 from protos import keel_pb2
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,6 +1,5 @@
-"""The parallel layout: how many ranks along each axis of the device mesh
-(``pp × dp_replicate × dp_shard × tp``), whether a job's shape fits it, and the mesh
-itself.
+"""Whether a job's shape fits its parallel layout (``pp × dp_replicate × dp_shard × tp``;
+the grammar and rank order are ``common.layout``'s), and the device mesh itself.
 
 Ranks are laid out with ``pp`` outermost and ``tp`` innermost, so the ``tp`` ranks of a
 group are consecutive: with torchrun's node-major rank order they share a node, which
@@ -17,61 +16,11 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.model import ModelConfig
-from trainer.runtime import parse_mesh
+from trainer.runtime import MESH_DIM_NAMES, Layout
 
-# Outermost first: rank = ((pp · R + dp_replicate) · S + dp_shard) · T + tp.
-MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+__all__ = ["MESH_DIM_NAMES", "PP_SCHEDULES", "BatchPlan", "Layout", "build", "dp_mesh", "validate"]
+
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Ranks along each mesh axis; their product is the world size."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    @classmethod
-    def parse(cls, text: str | None, world_size: int, source: str = "KEEL_MESH") -> Layout:
-        """``"dp_replicate=2,dp_shard=2"`` (omitted axes are 1; empty means ``dp_shard``
-        over all ranks) for ``world_size`` ranks. ``source`` names where the text came
-        from, for the error message."""
-        return cls(**parse_mesh(text, world_size, source=source))
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: groups of ranks that read different samples."""
-        return self.dp_replicate * self.dp_shard
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index along each axis."""
-        coordinates = {}
-        for name in reversed(MESH_DIM_NAMES):
-            size = getattr(self, name)
-            coordinates[name] = rank % size
-            rank //= size
-        return coordinates
-
-    def dp_rank(self, rank: int) -> int:
-        """Which slice of the global batch ``rank`` reads: its ``tp`` and ``pp`` peers
-        read the same samples."""
-        coordinates = self.coordinates(rank)
-        return coordinates["dp_replicate"] * self.dp_shard + coordinates["dp_shard"]
-
-    def speaks_for_its_data(self, rank: int) -> bool:
-        """Whether ``rank`` is the one of its data-parallel rank's tensor and pipeline
-        peers (the one with tp and pp index 0) whose consumed samples are recorded."""
-        coordinates = self.coordinates(rank)
-        return coordinates["tp"] == 0 and coordinates["pp"] == 0
-
-    def __str__(self) -> str:
-        return ",".join(f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp"))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ from collections.abc import Mapping, Sequence
 import grpc
 from google.protobuf import json_format
 
+from common.layout import AXES, MESH_DIM_NAMES, Layout, LayoutError, parse_axes
 from protos import keel_pb2, keel_pb2_grpc
+
+__all__ = ["MESH_DIM_NAMES", "Layout", "LayoutError", "Runtime", "init", "parse_mesh"]
 
 STEP_REPORT_DEADLINE_S = 2.0
 CHECKPOINT_REPORT_DEADLINE_S = 5.0
@@ -39,7 +42,7 @@ MAX_PENDING_REPORTS = 4096
 # A flush waits for at most one in-flight ReportSteps call plus scheduling slack.
 FLUSH_WAIT_S = STEP_REPORT_DEADLINE_S + 0.5
 
-MESH_DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp")
+MESH_DIMENSIONS = AXES
 RANK_FAULT_KINDS = ("crash", "kill", "hang", "slow")
 # A restarted generation replays the steps after its checkpoint; these must not fire
 # again there, or a crash at step 7 would crash every generation forever.
@@ -59,29 +62,7 @@ def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> 
     dimension → size, in the order given. Unset or empty means ``dp_shard`` over all
     ranks. The sizes must multiply to ``world_size``. ``source`` names where the text
     came from (``KEEL_MESH``, ``--layout``) in error messages."""
-    if not text:
-        return {"dp_shard": world_size}
-    mesh: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        if not sep or name not in MESH_DIMENSIONS or not size.isdigit() or int(size) < 1:
-            raise ValueError(
-                f"{source}={text!r}: {part.strip()!r} is not NAME=SIZE with NAME one of "
-                f"{', '.join(MESH_DIMENSIONS)} and SIZE a positive integer, "
-                f"e.g. {source}=dp_shard={world_size}"
-            )
-        if name in mesh:
-            raise ValueError(f"{source}={text!r} names {name} twice; give each dimension once")
-        mesh[name] = int(size)
-    product = 1
-    for size in mesh.values():
-        product *= size
-    if product != world_size:
-        raise ValueError(
-            f"{source}={text!r} spans {product} ranks but WORLD_SIZE={world_size}; "
-            f"make the sizes multiply to the world size"
-        )
-    return mesh
+    return parse_axes(text, world_size, source)
 
 
 def parse_fault_schedule(text: str | None) -> keel_pb2.FaultSchedule:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from orchestrator.auth import call_metadata
+from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
 

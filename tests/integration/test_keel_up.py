@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.store import Store, connect
+from common.etcd import connect
+from orchestrator.controller.store import Store
 from tests.conftest import REPO, keel, processes_mentioning, wait_for
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "plain_allreduce.py"

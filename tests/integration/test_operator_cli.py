@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from orchestrator.auth import call_metadata
+from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import keel, wait_for
 from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from protos import keel_pb2
 from tests.conftest import REPO, committed_steps, step_losses, torchrun
 from trainer.checkpoint import expired
-from orchestrator.ledger_check import audit as summarize
+from orchestrator.local.ledger_check import audit as summarize
 from trainer.optim import lr_factor
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "reshard_cases.py"

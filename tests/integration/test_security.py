@@ -9,10 +9,12 @@ import subprocess
 import grpc
 import pytest
 
-from orchestrator import certs, ports
-from orchestrator.auth import call_metadata
-from orchestrator.etcd_server import etcd_binary
-from orchestrator.store import Store, connect
+from orchestrator.security import certs
+from common import procs
+from common.tls import call_metadata
+from orchestrator.local.etcd_server import etcd_binary
+from common.etcd import connect
+from orchestrator.controller.store import Store
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
 from tests.integration.test_control_plane import spawn, stop
@@ -170,7 +172,7 @@ def secure_etcd(no_leaks):
     with authentication on and a user ``keel`` that may only touch /keel/."""
     tls_dir = no_leaks / "etcd-tls"
     certs.init(tls_dir)
-    client_port, peer_port = ports.free_port(), ports.free_port()
+    client_port, peer_port = procs.free_port(), procs.free_port()
     endpoint = f"127.0.0.1:{client_port}"
     server = [str(tls_dir / "controller.pem"), str(tls_dir / "controller.key")]
     # etcd keeps its own copy of the log's descriptor; ours is closed at once.

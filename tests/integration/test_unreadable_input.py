@@ -14,7 +14,7 @@ import pytest
 
 from agent.config import AgentConfig
 from agent.daemon import Agent
-from orchestrator.auth import call_metadata
+from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
 from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)

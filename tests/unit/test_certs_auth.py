@@ -11,9 +11,10 @@ from click.testing import CliRunner
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from agent import tls as agent_tls
-from orchestrator import certs, tls
-from orchestrator.auth import (METHOD_ROLES, SERVICE, Role, Tokens, authorize,
+from agent.config import security_settings as agent_settings
+from common import tls as common_tls
+from orchestrator.security import certs, tls
+from orchestrator.security.auth import (METHOD_ROLES, SERVICE, Role, Tokens, authorize,
                                certificate_mismatch)
 from protos import keel_pb2
 
@@ -232,11 +233,11 @@ def test_clients_take_their_identity_from_the_tls_dir(tmp_path, monkeypatch):
     assert (files.cert, files.key) == (reader / "reader.pem", reader / "reader.key")
     assert token == (full / "reader.token").read_text().strip()
 
-    agent = agent_tls.settings("node-0", None, tls_dir=str(full))
+    agent = agent_settings("node-0", None, tls_dir=str(full))
     assert agent["tls"].cert == full / "agent-node-0.pem"
     assert agent["token"] == (full / "join.token").read_text().strip()
     with pytest.raises(ValueError, match="neither agent-node-9.pem nor agent.pem"):
-        agent_tls.settings("node-9", None, tls_dir=str(full))
+        agent_settings("node-9", None, tls_dir=str(full))
 
 
 def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
@@ -244,17 +245,17 @@ def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
         (tmp_path / name).write_text("x")
     flags = dict(etcd_ca=str(tmp_path / "ca.pem"), etcd_cert=str(tmp_path / "c.pem"),
                  etcd_key=str(tmp_path / "c.key"), etcd_user="keel", etcd_password="pw")
-    for credentials in (tls.etcd_credentials(**flags),
-                        agent_tls.settings("n0", None, **flags)["etcd_credentials"]):
+    for credentials in (common_tls.etcd_credentials(**flags),
+                        agent_settings("n0", None, **flags)["etcd_credentials"]):
         assert credentials.client_kwargs() == {
             "ca_cert": str(tmp_path / "ca.pem"), "cert_cert": str(tmp_path / "c.pem"),
             "cert_key": str(tmp_path / "c.key"), "user": "keel", "password": "pw"}
         assert "pw" not in repr(credentials)
-    assert tls.etcd_credentials() is None
+    assert common_tls.etcd_credentials() is None
     with pytest.raises(ValueError, match="--etcd-user and --etcd-password"):
-        tls.etcd_credentials(etcd_user="keel")
+        common_tls.etcd_credentials(etcd_user="keel")
     with pytest.raises(ValueError, match="--etcd-cert and --etcd-key go together"):
-        tls.etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
+        common_tls.etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
     with pytest.raises(ValueError, match="needs --etcd-ca"):
-        agent_tls.settings("n0", None, etcd_cert=flags["etcd_cert"],
+        agent_settings("n0", None, etcd_cert=flags["etcd_cert"],
                            etcd_key=flags["etcd_key"])

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import AgentConfig
-from orchestrator.config import ControllerConfig
-from orchestrator.jobspec import InvalidSpec, size_and_layout, validate
+from orchestrator.controller.config import ControllerConfig
+from orchestrator.spec.jobspec import InvalidSpec, size_and_layout, validate
 from orchestrator.planner import Layout
 from protos import keel_pb2
 
@@ -105,7 +105,7 @@ def test_excluding_a_node_caps_the_size_even_when_a_spare_is_free():
 
 
 def test_health_settings_are_validated_with_the_fix():
-    from orchestrator.health import InvalidHealth, resolve
+    from orchestrator.spec.health import InvalidHealth, resolve
     assert resolve(keel_pb2.HealthSpec()).hang_floor_s == 30.0
     for spec, message in [
         (keel_pb2.HealthSpec(hang_floor_s=float("nan")), "hang_floor_s=nan: must be a finite"),

@@ -1,5 +1,5 @@
-from orchestrator.diagnosis import culprit, summarize, waiting_in_collective
-from orchestrator.guardrails import replacement_allowed, restart_backoff_s, should_cordon
+from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
+from orchestrator.policy.guardrails import replacement_allowed, restart_backoff_s, should_cordon
 
 HUNG = ("time.sleep in inject_faults (trainer/runtime.py:312)\n"
         "Thread 0x00007f01 (most recent call first):\n"
@@ -49,8 +49,8 @@ def test_restart_backoff_doubles_and_is_capped():
 
 
 def test_preflight_flags_a_node_far_below_its_peers_once():
-    from orchestrator.health import DEFAULTS
-    from orchestrator.job_health import JobHealth
+    from orchestrator.spec.health import DEFAULTS
+    from orchestrator.controller.job_health import JobHealth
     from protos import keel_pb2
 
     def report(busbw):

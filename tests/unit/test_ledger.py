@@ -4,7 +4,7 @@ test_ledger_check.py."""
 
 import json
 
-from orchestrator.ledger_check import audit as summarize
+from orchestrator.local.ledger_check import audit as summarize
 from trainer.ledger import LEDGER_FILE, Ledger, merge
 
 

@@ -3,7 +3,7 @@ recomputes from a checkpoint's ledger ranges ``[step, first_sample, count]``."""
 
 import pytest
 
-from orchestrator.ledger_check import audit
+from orchestrator.local.ledger_check import audit
 
 
 def test_a_clean_lineage_has_no_duplicates_and_nothing_missing():

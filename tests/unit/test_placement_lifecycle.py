@@ -1,7 +1,7 @@
 import pytest
 
-from orchestrator.lifecycle import IllegalTransition, JobState, check_transition
-from orchestrator.placement import NotEnoughSlots, place
+from orchestrator.policy.lifecycle import IllegalTransition, JobState, check_transition
+from orchestrator.policy.placement import NotEnoughSlots, place
 
 
 def test_place_fills_nodes_in_order_with_contiguous_ranks():

@@ -1,6 +1,6 @@
 import pytest
 
-from orchestrator.specfile import SpecFileError, load, parse
+from orchestrator.spec.specfile import SpecFileError, load, parse
 
 GOOD_TOML = """\
 name = "llama-7b"

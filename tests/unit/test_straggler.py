@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from orchestrator.straggler import (Flag, StepSample, StragglerConfig, evaluate,
+from orchestrator.policy.straggler import (Flag, StepSample, StragglerConfig, evaluate,
                                     initial_state, score_window)
 
 NODE = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}

@@ -1,0 +1,45 @@
+"""The environment contract: every variable Keel sets for a rank, or reads from the
+environment of a daemon or the CLI, spelled once with its meaning.
+
+A rank gets torchrun's variables (``TORCHRUN``) and Keel's (``JOB`` ... ``AGENT_SOCKET``
+and the deadlines), set by its agent last, so that neither the agent's environment nor
+the job's spec can point a rank at the wrong rendezvous or generation.
+"""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------- set for each rank
+JOB = "KEEL_JOB"                        # the job's name; "" or unset outside Keel
+GENERATION = "KEEL_GENERATION"          # the generation the rank belongs to, from 1
+MESH = "KEEL_MESH"                      # its layout, e.g. "dp_shard=2,tp=2"
+CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
+RESTORE_FROM = "KEEL_RESTORE_FROM"      # the committed checkpoint to load; "" = fresh start
+AGENT_SOCKET = "KEEL_AGENT_SOCKET"      # the agent's Unix socket (AgentLocal); new per agent
+# The job's deadlines, seconds (common.deadlines): what the trainer's collectives and
+# its own watchdogs must fit around.
+HANG_FLOOR_S = "KEEL_HANG_FLOOR_S"
+STOP_GRACE_S = "KEEL_STOP_GRACE_S"
+COLLECTIVE_TIMEOUT_S = "KEEL_COLLECTIVE_TIMEOUT_S"
+STARTUP_TIMEOUT_S = "KEEL_STARTUP_TIMEOUT_S"
+DEADLINES = {"hang_floor_s": HANG_FLOOR_S, "stop_grace_s": STOP_GRACE_S,
+             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+             "startup_timeout_s": STARTUP_TIMEOUT_S}
+
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_ERROR_FILE")
+# What the agent sets for every rank; a job's spec may not set these.
+SET_FOR_RANKS = frozenset(TORCHRUN) | {JOB, GENERATION, MESH, CHECKPOINT_DIR, RESTORE_FROM,
+                                       AGENT_SOCKET, *DEADLINES.values()}
+
+# ------------------------------------------------------- set by the job, optional
+FAULTS = "KEEL_FAULTS"          # a FaultSchedule as protobuf JSON (keel up --inject)
+PREFLIGHT = "KEEL_PREFLIGHT"    # "0": skip the trainer's collective sweep
+WATCHDOG_DIR = "KEEL_WATCHDOG_DIR"  # where NCCL flight-recorder dumps go
+
+# ---------------------------------------------- read by the daemons and the CLI
+TOKEN = "KEEL_TOKEN"                    # the token, when no file gives one
+ETCD_ENDPOINTS = "KEEL_ETCD_ENDPOINTS"  # host:port,... of etcd
+ETCD_PASSWORD = "KEEL_ETCD_PASSWORD"    # of --etcd-user (a flag would show in ps)
+CONTROLLER = "KEEL_CONTROLLER"          # host:port of the controller, for the CLI
+AGENT_PROG = "KEEL_AGENT_PROG"          # how `keel agent` names itself in usage lines

@@ -1,0 +1,111 @@
+"""The one etcd client of every Keel process: it outlives etcd restarts and brief
+outages. Also the credentials it uses, and ``connect``.
+
+python3-etcd3's own client, as it comes, does not: after one UNAVAILABLE it refuses its
+endpoint for 300 s (``Endpoint.time_retry``), gRPC's reconnect back-off grows to two
+minutes, and with etcd auth it logs in once, while etcd forgets its tokens when it
+restarts. This client retries a failed endpoint after ``ENDPOINT_RETRY_S``, fails over
+between every endpoint given, caps the reconnect back-off, and logs in again when etcd
+no longer knows its token. A call during an outage still fails (callers retry, as every
+loop of ours does); the call after etcd is back succeeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc
+from etcd3.client import EtcdTokenCallCredentials
+
+ENDPOINT_RETRY_S = 0.5
+# gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
+# this instead.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """How an etcd client proves itself: TLS (``ca`` alone to verify the server,
+    ``cert``/``key`` too when etcd demands client certificates) and/or a user and
+    password (etcd auth enabled)."""
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--etcd-cert and --etcd-key go together")
+        if self.cert and not self.ca:
+            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server "
+                             "certificate)")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go "
+                             "together")
+
+    def client_kwargs(self) -> dict:
+        """Keyword arguments of python3-etcd3's clients."""
+        found = {"ca_cert": self.ca, "cert_cert": self.cert, "cert_key": self.key,
+                 "user": self.user, "password": self.password}
+        return {k: str(v) for k, v in found.items() if v}
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    """An etcd endpoint "host:port", split; raises ValueError with the fix."""
+    host, _, port = endpoint.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"etcd endpoint {endpoint!r}: write it as host:port")
+    return host, int(port)
+
+
+class EtcdClient(etcd3.MultiEndpointEtcd3Client):
+    def __init__(self, endpoints: list[str], timeout_s: float,
+                 credentials: EtcdCredentials | None = None):
+        """``endpoints``: "host:port" of every etcd member; ``timeout_s``: deadline of
+        each call."""
+        kwargs = credentials.client_kwargs() if credentials else {}
+        secure = "ca_cert" in kwargs
+        creds = (self.get_secure_creds(kwargs["ca_cert"], kwargs.get("cert_key"),
+                                       kwargs.get("cert_cert")) if secure else None)
+        members = [etcd3.Endpoint(host, port, secure=secure, creds=creds,
+                                  time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS)
+                   for host, port in map(host_port, endpoints)]
+        if not members:
+            raise ValueError("etcd endpoints: give at least one host:port")
+        self._user, self._password = kwargs.get("user"), kwargs.get("password")
+        self._secure = secure
+        super().__init__(endpoints=members, timeout=timeout_s, failover=True)
+        if self._user:
+            self._log_in()
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError):
+        if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._user:
+            # etcd restarted and forgot our token: the next call goes with a new one.
+            try:
+                self._log_in()
+            except grpc.RpcError:
+                pass  # etcd not ready yet: the next failure tries again
+        super()._manage_grpc_errors(exc)
+
+    def _log_in(self) -> None:
+        response = self.authstub.Authenticate(
+            etcdrpc.AuthenticateRequest(name=self._user, password=self._password),
+            self.timeout)
+        self.metadata = (("token", response.token),)
+        # gRPC sends call credentials over TLS only; in plaintext the metadata carries it.
+        self.call_credentials = grpc.metadata_call_credentials(
+            EtcdTokenCallCredentials(response.token)) if self._secure else None
+
+
+def connect(endpoints: list[str], timeout_s: float,
+            credentials: EtcdCredentials | None = None) -> EtcdClient:
+    """An etcd client over ``endpoints`` ("host:port", failing over between them), over
+    TLS and/or with a user and password if ``credentials`` say so, with ``timeout_s``
+    the deadline of each call."""
+    return EtcdClient(endpoints, timeout_s, credentials)

@@ -1,0 +1,54 @@
+"""The command-line flags every daemon and the CLI share: how to reach etcd securely
+and which TLS files to present. Their values become settings through ``common.tls``."""
+
+from __future__ import annotations
+
+import click
+
+from common import env
+
+FILE = click.Path(exists=True, dir_okay=False)
+
+
+def _apply(command, options):
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def etcd_options(command):
+    """``--etcd-ca``, ``--etcd-cert``, ``--etcd-key``, ``--etcd-user``,
+    ``--etcd-password``."""
+    return _apply(command, [
+        click.option("--etcd-ca", type=FILE, default=None,
+                     help="CA certificate of etcd's server certificate: talk to etcd over "
+                          "TLS."),
+        click.option("--etcd-cert", type=FILE, default=None,
+                     help="Client certificate for etcd (with --etcd-key and --etcd-ca)."),
+        click.option("--etcd-key", type=FILE, default=None,
+                     help="Private key of --etcd-cert."),
+        click.option("--etcd-user", default=None,
+                     help="etcd user, when etcd has authentication enabled."),
+        click.option("--etcd-password", envvar=env.ETCD_PASSWORD, default=None,
+                     help=f"Password of --etcd-user (env {env.ETCD_PASSWORD}; prefer it: "
+                          f"flags show in ps)."),
+    ])
+
+
+def tls_options(party: str, uses: str, ca_help: str = "CA certificate that signs every party"):
+    """``--tls-dir``, ``--ca``, ``--cert``, ``--key`` for ``party``'s certificate;
+    ``uses`` says which files of the TLS directory it takes."""
+    def decorate(command):
+        return _apply(command, [
+            click.option("--tls-dir", type=click.Path(exists=True, file_okay=False),
+                         default=None,
+                         help=f"Directory from `keel certs init`: use its {uses}; turns on "
+                              f"mutual TLS."),
+            click.option("--ca", type=FILE, default=None,
+                         help=f"{ca_help} (overrides --tls-dir)."),
+            click.option("--cert", type=FILE, default=None,
+                         help=f"The {party} certificate (overrides --tls-dir)."),
+            click.option("--key", type=FILE, default=None,
+                         help=f"The {party} private key (overrides --tls-dir)."),
+        ])
+    return decorate

@@ -1,0 +1,89 @@
+"""The etcd key layout: every key Keel reads or writes, spelled once.
+
+    /keel/controller/leader                the leading controller: {"address", "id"}, on its lease
+    /keel/nodes/<node>                     a node's registration, on its agent's lease
+    /keel/cordons/<node>                   a cordoned (or draining) node: why, by whom, since when
+    /keel/jobs/<job>/spec                  the submitted job spec
+    /keel/jobs/<job>/state                 lifecycle state, generation, restarts, the operator's stop
+    /keel/jobs/<job>/generations/<g>       the plan of generation g
+    /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
+    /keel/jobs/<job>/events/<seq>          detections and actions, numbered per job
+    /keel/jobs/<job>/operation             the checkpoint-then-stop under way (replace, drain, ...)
+    /keel/jobs/<job>/checkpoint_request    an operator's "checkpoint now" not yet satisfied
+
+Numbers in keys are zero-padded so that a key range lists them in order. Values are JSON.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "/keel"
+# What a node may be called: in its key, in Hello and in its agent's certificate.
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+NODE_NAME_RULE = "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+LEADER = f"{PREFIX}/controller/leader"
+NODES = f"{PREFIX}/nodes/"
+CORDONS = f"{PREFIX}/cordons/"
+JOBS = f"{PREFIX}/jobs/"
+
+
+def node(name: str) -> str:
+    return NODES + name
+
+
+def cordon(name: str) -> str:
+    return CORDONS + name
+
+
+def job(name: str) -> str:
+    """The prefix of every key of job ``name``."""
+    return f"{JOBS}{name}/"
+
+
+def job_spec(name: str) -> str:
+    return job(name) + "spec"
+
+
+def job_state(name: str) -> str:
+    return job(name) + "state"
+
+
+def plan(name: str, generation: int) -> str:
+    return job(name) + f"generations/{generation}"
+
+
+def checkpoints(name: str) -> str:
+    return job(name) + "checkpoints/"
+
+
+def checkpoint(name: str, step: int) -> str:
+    return checkpoints(name) + f"{step:012d}"
+
+
+def events(name: str) -> str:
+    return job(name) + "events/"
+
+
+def event(name: str, seq: int) -> str:
+    return events(name) + f"{seq:012d}"
+
+
+def operation(name: str) -> str:
+    return job(name) + "operation"
+
+
+def checkpoint_request(name: str) -> str:
+    return job(name) + "checkpoint_request"
+
+
+def last_part(key: str) -> str:
+    """The node name of a node or cordon key; the last part of any key."""
+    return key.rsplit("/", 1)[1]
+
+
+def job_of(key: str) -> str | None:
+    """The job a key under ``JOBS`` belongs to, or None for other keys."""
+    if not key.startswith(JOBS):
+        return None
+    return key[len(JOBS):].split("/", 1)[0]

@@ -1,0 +1,79 @@
+"""Processes and their groups: start a child that dies with its parent, signal and
+probe a process group, stop processes with a grace period and confirm they are gone,
+and pick free ports.
+
+Shutdown is a protocol (SIGTERM, a grace, SIGKILL to the process group, confirm the
+group is empty); ``terminate`` runs it for a list of processes at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+REAP_WAIT_S = 5.0   # after SIGKILL, how long a process group may take to empty
+
+
+def tied_to_this_process() -> list[str]:
+    """Argv prefix that runs a command so the kernel SIGKILLs it when this process dies
+    (``python -m common.launch PID CMD...``; see that module for why it is a program)."""
+    return [sys.executable, "-m", "common.launch", str(os.getpid())]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` is left (zombies count until
+    reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group that is gone is no error."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """Stop ``procs``, each the leader of its own process group (started with
+    ``start_new_session=True``): SIGTERM to each process, up to ``grace_s`` seconds for
+    all of them to exit, then SIGKILL to the groups of those left, and wait until every
+    group is empty (at most ``REAP_WAIT_S`` more)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # What a process left in its group (children it started) goes too.
+    for proc in procs:
+        signal_group(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + REAP_WAIT_S
+    while any(group_alive(proc.pid) for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a port that was free on ``host`` a moment ago.
+
+    The socket is closed before returning, so the caller must bind promptly; every
+    caller here binds within milliseconds and fails loudly if it lost the race.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,121 @@
+"""How every Keel process secures its connections: mutual TLS on gRPC, the token it
+sends, and TLS and user/password towards etcd.
+
+A *TLS directory* (``--tls-dir``, as written by ``keel certs init``) holds ``ca.pem``
+and, per party, ``<name>.pem``, ``<name>.key`` and ``<name>.token``. Precedence, for
+every file: an explicit flag (``--ca``, ``--cert``, ``--key``, ``--token-file``, ...),
+then the TLS directory, then (tokens only) the environment variable ``KEEL_TOKEN``.
+With none of ``--tls-dir``/``--ca``/``--cert``/``--key`` the connection is plaintext.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from common import env
+from common.etcd import EtcdCredentials
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of one side of a mutual-TLS connection: the CA that signs every party
+    it trusts, and its own certificate and private key."""
+    ca: Path
+    cert: Path
+    key: Path
+
+    def __post_init__(self):
+        for flag, path in (("--ca", self.ca), ("--cert", self.cert), ("--key", self.key)):
+            if not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+
+    def pems(self) -> tuple[bytes, bytes, bytes]:
+        return self.ca.read_bytes(), self.cert.read_bytes(), self.key.read_bytes()
+
+
+def first_identity(tls_dir: str | Path, names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` whose certificate is in ``tls_dir``."""
+    return next((n for n in names if (Path(tls_dir) / f"{n}.pem").is_file()), None)
+
+
+def resolve_tls(tls_dir: str | Path | None, identity: str | None, ca: str | None = None,
+                cert: str | None = None, key: str | None = None) -> TlsFiles | None:
+    """The files of party ``identity``: explicit paths first, then ``tls_dir``'s
+    ``ca.pem``, ``<identity>.pem`` and ``<identity>.key``; None if nothing is given."""
+    if tls_dir is None and not (ca or cert or key):
+        return None
+    base = Path(tls_dir) if tls_dir is not None else None
+    paths = {"--ca": ca or (base and base / "ca.pem"),
+             "--cert": cert or (base and identity and base / f"{identity}.pem"),
+             "--key": key or (base and identity and base / f"{identity}.key")}
+    missing = [flag for flag, path in paths.items() if not path]
+    if missing:
+        raise ValueError(f"mutual TLS needs {', '.join(missing)} too (or --tls-dir "
+                         f"holding ca.pem, <name>.pem and <name>.key)")
+    return TlsFiles(*(Path(p) for p in paths.values()))
+
+
+def read_token(token_file: str | Path | None, fallback: Path | None = None) -> str:
+    """``token_file``'s token, else ``fallback``'s (a TLS directory's) if it exists,
+    else ``KEEL_TOKEN``; "" if none."""
+    for path in (token_file, fallback):
+        if path and Path(path).is_file():
+            return Path(path).read_text().strip()
+    return os.environ.get(env.TOKEN, "")
+
+
+def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Metadata that authenticates a client call."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+# ----------------------------------------------------------------------- gRPC
+def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
+    """Server credentials that demand a client certificate signed by ``files.ca``."""
+    ca, cert, key = files.pems()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=True)
+
+
+def add_port(server: grpc.Server, listen: str, files: TlsFiles | None) -> int:
+    """Bind ``listen`` with mutual TLS (plaintext if ``files`` is None); the port."""
+    if files is None:
+        return server.add_insecure_port(listen)
+    return server.add_secure_port(listen, server_credentials(files))
+
+
+def channel(address: str, files: TlsFiles | None) -> grpc.Channel:
+    """A channel to ``address`` presenting ``files.cert`` and trusting only
+    ``files.ca`` (plaintext if ``files`` is None)."""
+    if files is None:
+        return grpc.insecure_channel(address)
+    ca, cert, key = files.pems()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert))
+
+
+# ----------------------------------------------------------------------- etcd
+def etcd_credentials(etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None,
+                     etcd_password=None, **_) -> EtcdCredentials | None:
+    """The etcd credentials of the ``common.flags.etcd_options`` flags; None if none
+    is given."""
+    if not (etcd_ca or etcd_cert or etcd_key or etcd_user or etcd_password):
+        return None
+    return EtcdCredentials(ca=Path(etcd_ca) if etcd_ca else None,
+                           cert=Path(etcd_cert) if etcd_cert else None,
+                           key=Path(etcd_key) if etcd_key else None,
+                           user=etcd_user or None, password=etcd_password or None)
+
+
+def etcd_flags(credentials: EtcdCredentials | None) -> list[str]:
+    """The flags that hand ``credentials`` to a child daemon, bar the password (the
+    child reads that from KEEL_ETCD_PASSWORD)."""
+    if credentials is None:
+        return []
+    flags = {"--etcd-ca": credentials.ca, "--etcd-cert": credentials.cert,
+             "--etcd-key": credentials.key, "--etcd-user": credentials.user}
+    return [part for flag, value in flags.items() if value for part in (flag, str(value))]

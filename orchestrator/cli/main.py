@@ -1,0 +1,248 @@
+"""The ``keel`` command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from common import env, flags
+from common.tls import etcd_credentials
+from orchestrator.security import tls
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=CONTEXT)
+def main():
+    """Keel: fault-tolerant training orchestration on torch.distributed."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--nodes", type=int, default=2, show_default=True,
+              help="Agents (simulated nodes) to start on this machine.")
+@click.option("--slots-per-node", type=int, default=2, show_default=True,
+              help="Rank processes per node; the job runs on nodes × slots ranks.")
+@click.option("--steps", type=int, default=40, show_default=True,
+              help="Step target of the reference trainer.")
+@click.option("--checkpoint-every", type=int, default=10, show_default=True,
+              help="Reference trainer: commit a checkpoint every this many steps.")
+@click.option("--script", type=click.Path(exists=True, dir_okay=False),
+              help="Run this torchrun-style script instead of the reference trainer; "
+                   "its arguments follow `--`.")
+@click.option("--inject", multiple=True, metavar="FAULT",
+              help="Deterministic fault, repeatable: crash:rank=R,step=N | "
+                   "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
+                   "lose_node:node=I,step=N (node I's agent and ranks killed at once) | "
+                   "kill_leader:step=N (the leading controller SIGKILLed) | "
+                   "restart_etcd:step=N[,down=S] (etcd SIGKILLed, back S s later on its data; "
+                   "default 2) | "
+                   "kill_agent:node=I,step=N (node I's agent SIGKILLed, then started "
+                   "again).")
+@click.option("--layout", default=None, metavar="LAYOUT",
+              help="Parallel layout, e.g. dp_shard=2,tp=2 (axes dp_replicate, dp_shard, tp, "
+                   "pp; omitted ones are 1), or 'auto' for the planner's choice. Default: "
+                   "dp_shard over every rank.")
+@click.option("--min-nodes", type=int, default=1, show_default=True,
+              help="After losing nodes with no spare, re-plan onto as few as this many "
+                   "(0: never shrink, wait for capacity).")
+@click.option("--controllers", type=int, default=1, show_default=True,
+              help="Controllers to run; beyond the first they wait as standbys and take "
+                   "over (without restarting the job) if the leader dies.")
+@click.option("--spares", type=int, default=0, show_default=True,
+              help="Extra agents that wait as hot spares for failed or slow nodes.")
+@click.option("--straggler-policy", type=click.Choice(["replace", "exclude", "alert"]),
+              default="replace", show_default=True,
+              help="What to do with a persistently slow node: checkpoint and swap in a "
+                   "spare, checkpoint and re-plan without it, or only report it.")
+@click.option("--hang-timeout-s", type=float, default=30.0, show_default=True,
+              help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
+                   "median step time) without progress.")
+@click.option("--no-preflight", is_flag=True,
+              help="Skip the collective bandwidth sweep before each generation's first step.")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="Generations restarted after failures before the job fails.")
+@click.option("--etcd-endpoints", default="", envvar=env.ETCD_ENDPOINTS, show_envvar=True,
+              help="Use this etcd cluster (host:port,...) instead of an embedded one.")
+@click.option("--workdir", type=click.Path(file_okay=False),
+              help="Logs and checkpoints go here (default: a new temporary directory, kept).")
+@click.option("--timeout-s", type=float, default=3600, show_default=True,
+              help="Give up (non-zero exit) if the job has not ended by then.")
+@flags.etcd_options
+@click.option("--tls", "use_tls", is_flag=True,
+              help="Mutual TLS and role tokens: `keel certs init` into WORKDIR/tls (reused "
+                   "if there), agents given the join token, keel up the operator's.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as one JSON object on stdout.")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
+       controllers, spares, straggler_policy, hang_timeout_s, no_preflight, max_restarts,
+       etcd_endpoints,
+       workdir, timeout_s, use_tls, as_json, script_args, **etcd):
+    """Start etcd, a controller and agents here, run one job to its end, stop all.
+
+    Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
+    its step target.
+    """
+    from orchestrator.local.up import UpOptions, up as run_up
+
+    if script_args and not script:
+        raise click.UsageError("arguments after -- are passed to --script; give --script")
+    try:
+        options = UpOptions(
+            nodes=nodes, slots_per_node=slots_per_node, steps=steps,
+            checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
+            inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
+            controllers=controllers,
+            straggler_policy=straggler_policy, hang_timeout_s=hang_timeout_s,
+            preflight=not no_preflight,
+            max_restarts=max_restarts,
+            etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
+            workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, tls=use_tls,
+            etcd_credentials=etcd_credentials(**etcd), json=as_json)
+        code = run_up(options)
+    except ValueError as exc:  # bad options, faults or job spec: nothing was started
+        raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # e.g. a --workdir that cannot be a directory
+        raise click.ClickException(str(exc)) from exc
+    sys.exit(code)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--params", type=float, default=None,
+              help="Parameter count, e.g. 70e9 (or give --layers/--hidden/--heads/--vocab).")
+@click.option("--layers", type=int, default=0, help="Transformer layers.")
+@click.option("--hidden", type=int, default=0, help="Hidden size.")
+@click.option("--heads", type=int, default=0, help="Attention heads.")
+@click.option("--vocab", type=int, default=0, help="Vocabulary size.")
+@click.option("--gpus", type=int, required=True, help="World size to lay out.")
+@click.option("--gpus-per-node", type=int, required=True,
+              help="GPUs per node (tensor parallel stays within a node).")
+@click.option("--gpu-memory-gb", type=float, required=True, help="Memory per GPU, GB (1e9).")
+@click.option("--seq-len", type=int, default=4096, show_default=True)
+@click.option("--micro-batch", type=int, default=1, show_default=True,
+              help="Samples per micro-batch per data-parallel rank.")
+@click.option("--global-batch", type=int, default=None,
+              help="Samples per step; the data-parallel size must divide it.")
+@click.option("--microbatches", type=int, default=8, show_default=True,
+              help="Pipeline micro-batches per step.")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16",
+              show_default=True)
+@click.option("--activation-checkpointing", is_flag=True,
+              help="Recompute activations per block.")
+@click.option("--pp-schedule", type=click.Choice(["gpipe", "1f1b", "interleaved_1f1b"]),
+              default="1f1b", show_default=True)
+@click.option("--virtual-stages", type=int, default=2, show_default=True,
+              help="Stages per rank for interleaved 1F1B.")
+@click.option("--headroom", type=float, default=0.15, show_default=True,
+              help="Fraction of GPU memory kept free (0.10-0.20).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the candidates as JSON.")
+def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_gb, seq_len,
+         micro_batch, global_batch, microbatches, precision, activation_checkpointing,
+         pp_schedule, virtual_stages, headroom, top, as_json):
+    """Rank the parallel layouts for a model on a cluster, with the memory per GPU,
+    communication, pipeline bubble and the reason for each."""
+    import json
+
+    from orchestrator import planner
+
+    try:
+        if params is None:
+            if not (layers and hidden and heads and vocab):
+                raise ValueError("give --params, or all of --layers, --hidden, --heads, --vocab")
+            model = planner.ModelShape.from_dims(layers=layers, hidden=hidden, heads=heads,
+                                                 vocab=vocab)
+        else:
+            model = planner.ModelShape(params=params, layers=layers, hidden=hidden,
+                                       heads=heads, vocab=vocab)
+        cluster = planner.Cluster(world_size=gpus, gpus_per_node=gpus_per_node,
+                                  gpu_memory_gb=gpu_memory_gb)
+        training = planner.Training(
+            seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+            microbatches=microbatches, precision=precision,
+            activation_checkpointing=activation_checkpointing, headroom=headroom,
+            pp_schedule=pp_schedule, virtual_stages=virtual_stages)
+        found = planner.candidates(model, cluster, training)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if not found:
+        raise click.ClickException("no layout is valid for this model and cluster")
+    if as_json:
+        click.echo(json.dumps(planner.to_json(found[:top])))
+    else:
+        click.echo(planner.table(found[:top]))
+        if not found[0].fits:
+            click.echo("no layout fits in memory; see the smallest totals above", err=True)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--etcd-endpoints", required=True, envvar=env.ETCD_ENDPOINTS,
+              help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
+              help="File holding the one token every client must send, valid for every "
+                   "role (else the role tokens, else env KEEL_TOKEN).")
+@click.option("--listen", default="127.0.0.1:0", show_default=True,
+              help="host:port to serve gRPC on; port 0 picks a free one.")
+@click.option("--advertise-host", default="127.0.0.1", show_default=True,
+              help="Host agents and operators reach this controller on.")
+@click.option("--address-file", type=click.Path(dir_okay=False),
+              help="Write the served host:port here once listening.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port.")
+@click.option("--node-lost-grace-s", type=float, default=10.0, show_default=True,
+              help="A node whose agent stream is down this long is lost.")
+@click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
+              help="Rank 0's agent must publish a rendezvous port within this.")
+@tls.role_token_options
+@flags.tls_options("controller", "ca.pem, controller.pem, controller.key and the three "
+                                "role tokens")
+@flags.etcd_options
+def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
+               metrics_port, node_lost_grace_s, rendezvous_timeout_s, **security):
+    """Run the controller daemon in the foreground.
+
+    Serves mutual TLS when given certificates (--tls-dir, or --ca/--cert/--key), else
+    plaintext. Tokens: --token-file is one token for every role; otherwise the join,
+    operator and reader tokens (flags, then --tls-dir) give each client only its role's
+    calls.
+    """
+    from orchestrator.controller.config import ControllerConfig
+    from orchestrator.controller.daemon import run
+    from common.logs import configure
+
+    try:
+        config = ControllerConfig(
+            etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
+            **tls.controller_settings(token_file, security),
+            listen=listen, advertise_host=advertise_host,
+            address_file=Path(address_file) if address_file else None,
+            metrics_port=metrics_port, node_lost_grace_s=node_lost_grace_s,
+            rendezvous_timeout_s=rendezvous_timeout_s)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure("controller")
+    run(config)
+
+
+@main.command(context_settings={**CONTEXT, "ignore_unknown_options": True,
+                                "allow_extra_args": True, "help_option_names": []})
+@click.pass_context
+def agent(ctx):
+    """Run a node agent (same as `python -m agent`; `keel agent --help` for options)."""
+    # The agent lives in its own package that the controller never imports; hand over.
+    os.execve(sys.executable, [sys.executable, "-m", "agent", *ctx.args],
+              {**os.environ, env.AGENT_PROG: "keel agent"})
+
+
+def _register_operator_commands() -> None:
+    from orchestrator.cli import operator as operator_cli
+    from orchestrator.security.certs import certs
+    for command in (operator_cli.status, operator_cli.nodes, operator_cli.jobs,
+                    operator_cli.events, *operator_cli.MUTATING, certs):
+        main.add_command(command)
+
+
+_register_operator_commands()

@@ -1,0 +1,50 @@
+"""Typed controller configuration, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.security.auth import Tokens
+from common.etcd import EtcdCredentials, host_port
+from common.tls import TlsFiles
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    etcd_endpoints: tuple[str, ...]
+    token: str = field(repr=False)       # one token for every role, unless `tokens`
+    listen: str = "127.0.0.1:0"          # host:port; port 0 binds a free one
+    advertise_host: str = "127.0.0.1"    # how agents and operators reach this controller
+    tick_s: float = 0.2                  # reconcile period
+    etcd_timeout_s: float = 5.0          # deadline of every etcd call
+    leader_ttl_s: float = 5.0            # lease on the published controller address
+    node_lost_grace_s: float = 10.0      # a node whose stream is down this long is lost
+    rendezvous_timeout_s: float = 30.0   # rank 0's agent must publish a port within this
+    metrics_port: int | None = None      # Prometheus endpoint; None = not served
+    address_file: Path | None = None     # write "host:port" here once serving
+    tokens: Tokens | None = None         # per-role tokens (join, operator, reader)
+    tls: TlsFiles | None = None          # mutual TLS on the gRPC port; None = plaintext
+    etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
+
+    def __post_init__(self):
+        if not self.etcd_endpoints:
+            raise ValueError("etcd_endpoints: give at least one host:port")
+        for endpoint in self.etcd_endpoints:
+            host_port(endpoint)
+        if not self.token and self.tokens is None:
+            raise ValueError("token: the controller needs one (--token-file, KEEL_TOKEN, "
+                             "or the role tokens of --tls-dir)")
+        # Deadline hierarchy: a tick must fit many times into every timeout it enforces,
+        # and etcd calls must fail before a node is given up on.
+        if not 0 < self.tick_s <= self.node_lost_grace_s / 4:
+            raise ValueError(f"tick_s={self.tick_s} must be positive and at most "
+                             f"node_lost_grace_s/4 ({self.node_lost_grace_s / 4})")
+        if self.etcd_timeout_s >= self.node_lost_grace_s:
+            raise ValueError(f"etcd_timeout_s={self.etcd_timeout_s} must be below "
+                             f"node_lost_grace_s={self.node_lost_grace_s}")
+        if self.leader_ttl_s < 2 * self.tick_s or self.leader_ttl_s < 2:
+            raise ValueError(f"leader_ttl_s={self.leader_ttl_s} must be at least 2 s and "
+                             f"twice tick_s")
+        if self.rendezvous_timeout_s <= self.tick_s:
+            raise ValueError("rendezvous_timeout_s must be longer than tick_s")

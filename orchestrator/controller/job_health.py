@@ -1,0 +1,202 @@
+"""A job's health record: its events, the straggler detector's state, the remediation
+in flight, and the guard rails' memory. The controller feeds it what agents report and
+asks it what to do; the judgements themselves are the pure functions it calls."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from orchestrator.policy import guardrails
+from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
+from orchestrator.policy.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+MAX_EVENTS = 1000
+# Characters of stacks one hang event keeps whole; past them, each further rank keeps
+# only its first line (where it is: its full dump is in its own log). The event lives
+# in memory, in every GetJob reply and in etcd: it must stay well under gRPC's 4 MiB
+# and etcd's 1.5 MiB.
+HANG_STACKS_LIMIT = 192 * 1024
+# Preflight: a node whose bus bandwidth is below this share of the nodes' median is slow.
+PREFLIGHT_SLOW_SHARE = 0.5
+# A straggler replacement waits this long for its checkpoint before going ahead from the
+# last committed one.
+REPLACE_CHECKPOINT_WAIT_S = 60.0
+
+
+@dataclass
+class Replacement:
+    """A checkpoint-then-stop in flight: a node replaced (straggler or operator),
+    excluded, drained, or the whole job stopped by its operator."""
+    node: str                # the node leaving the job; "" for a job stop
+    reason: str
+    after_step: int          # the checkpoint asked for comes after this step
+    requested_at: float      # monotonic
+    policy: str              # replace, exclude, drain or stop
+    with_node: str = ""      # replace: the node to take its place ("" = any free one)
+    checkpoint: bool = True  # False: stop at once from the last committed checkpoint
+
+
+@dataclass(eq=False)
+class JobHealth:
+    job: str
+    spec: keel_pb2.HealthSpec                       # resolved, no zeros
+    events: list[keel_pb2.Event] = field(default_factory=list)
+    next_seq: int = 1
+    unsaved: dict[int, keel_pb2.Event] = field(default_factory=dict)  # seq -> to (re)write
+    dropped: list[int] = field(default_factory=list)   # seqs trimmed here, still in etcd
+    rank_nodes: dict[int, str] = field(default_factory=dict)
+    generation: int = 0
+    straggler_state: object = field(default_factory=initial_state)
+    samples: list[StepSample] = field(default_factory=list)
+    flag_times: dict[str, list[float]] = field(default_factory=dict)
+    replacement_times: list[float] = field(default_factory=list)
+    avoid: set[str] = field(default_factory=set)    # keep out of the next placement
+    hang_event: keel_pb2.Event | None = None
+    hang_waiting: dict[int, bool] = field(default_factory=dict)  # rank -> waits in a collective
+    hang_stack_chars: int = 0                       # of the stacks the hang event keeps
+    replacing: Replacement | None = None
+    preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(
+        default_factory=dict)
+    preflight_flagged: set[str] = field(default_factory=set)
+
+    @property
+    def straggler_config(self) -> StragglerConfig:
+        return StragglerConfig(slowdown=self.spec.straggler_slowdown,
+                               window=self.spec.straggler_window,
+                               patience=self.spec.straggler_patience)
+
+    # ------------------------------------------------------------------ events
+    def event(self, kind: str, reason: str, **fields) -> keel_pb2.Event:
+        event = keel_pb2.Event(kind=kind, reason=reason, generation=self.generation,
+                               at=time.time(), seq=self.next_seq, **fields)
+        self.next_seq += 1
+        self.events.append(event)
+        self.unsaved[event.seq] = event
+        for old in self.events[:-MAX_EVENTS]:
+            self.unsaved.pop(old.seq, None)
+            self.dropped.append(old.seq)
+        del self.events[:-MAX_EVENTS]
+        log.info("event", job=self.job, generation=self.generation, kind=kind,
+                 node=event.node, rank=event.rank if event.HasField("rank") else None,
+                 step=event.step, reason=reason)
+        return event
+
+    def changed(self, event: keel_pb2.Event) -> None:
+        """``event`` was updated after it was made (stacks arriving for a hang)."""
+        self.unsaved[event.seq] = event
+
+    def restore(self, events: list[keel_pb2.Event]) -> None:
+        """The events a previous leader saved, oldest first."""
+        self.events = events[-MAX_EVENTS:]
+        self.next_seq = events[-1].seq + 1 if events else 1
+
+    # ------------------------------------------------------------- generations
+    def new_generation(self, generation: int, rank_nodes: dict[int, str]) -> None:
+        self.generation = generation
+        self.rank_nodes = rank_nodes
+        self.straggler_state = initial_state()
+        self.samples.clear()
+        self.hang_event = None
+        self.hang_waiting.clear()
+        self.hang_stack_chars = 0
+        self.replacing = None
+        self.preflight.clear()
+        self.preflight_flagged.clear()
+
+    # ------------------------------------------------------------------- hangs
+    def add_stacks(self, stacks) -> None:
+        """Add ranks' stacks (rank -> first line, then the dump) to the hang event and
+        name the culprit. Each stack is judged once, whole, as it arrives; the event
+        keeps stacks whole up to HANG_STACKS_LIMIT characters, then first lines only."""
+        event = self.hang_event
+        for rank, stack in stacks.items():
+            self.hang_waiting[rank] = waiting_in_collective(stack)
+            before = len(event.stacks.get(rank, ""))
+            room = HANG_STACKS_LIMIT - (self.hang_stack_chars - before)
+            kept = stack if len(stack) <= room else stack.partition("\n")[0]
+            event.stacks[rank] = kept
+            self.hang_stack_chars += len(kept) - before
+        blamed = culprit(self.hang_waiting)
+        if blamed is not None:
+            event.rank = blamed
+            event.node = self.rank_nodes.get(blamed, event.node)
+        where = {rank: stack.partition("\n")[0] for rank, stack in event.stacks.items()}
+        event.root_cause = summarize(where, self.hang_waiting)
+        self.changed(event)
+
+    # -------------------------------------------------------------- stragglers
+    def add_steps(self, reports) -> None:
+        for report in reports:
+            node = self.rank_nodes.get(report.rank)
+            if node is None:
+                continue
+            # The rank's own time for the step, measured before it waits on its peers:
+            # a slow rank shows here, its healthy peers do not.
+            seconds = report.step_time_s
+            if seconds > 0:
+                self.samples.append(StepSample(rank=report.rank, node=node, step=report.step,
+                                               step_time_s=seconds))
+
+    def evaluate_stragglers(self) -> list[Flag]:
+        if not self.samples:
+            return []
+        samples, self.samples = self.samples, []
+        self.straggler_state, flags, cleared = evaluate(self.straggler_state, samples,
+                                                        self.straggler_config)
+        for node in cleared:
+            log.info("straggler cleared", job=self.job, node=node)
+        return flags
+
+    def note_flag(self, node: str, now: float) -> bool:
+        """Remember a flag on ``node``; True if it has been flagged often enough to be
+        cordoned."""
+        times = self.flag_times.setdefault(node, [])
+        times.append(now)
+        return guardrails.should_cordon(times, now)
+
+    def may_replace(self, now: float) -> bool:
+        return guardrails.replacement_allowed(self.replacement_times, now,
+                                              self.spec.max_replacements_per_hour)
+
+    # --------------------------------------------------------------- preflight
+    def add_preflight(self, node: str, report: keel_pb2.PreflightReport) -> list[str]:
+        """Keep each node's slowest rank per collective and size; return nodes newly
+        found far below their peers."""
+        mine = self.preflight.setdefault(node, {})
+        for result in report.results:
+            key = (result.collective, result.size_bytes)
+            if key not in mine or result.busbw_gbps < mine[key].busbw_gbps:
+                mine[key] = result
+        newly = []
+        for name in self.slow_preflight_nodes():
+            if name not in self.preflight_flagged:
+                self.preflight_flagged.add(name)
+                newly.append(name)
+        return newly
+
+    def slow_preflight_nodes(self) -> set[str]:
+        if len(self.preflight) < 2:
+            return set()
+        slow = set()
+        keys = {k for results in self.preflight.values() for k in results}
+        for key in keys:
+            figures = {n: r[key].busbw_gbps for n, r in self.preflight.items() if key in r}
+            if len(figures) < 2:
+                continue
+            median = statistics.median(figures.values())
+            slow |= {n for n, bw in figures.items() if bw < PREFLIGHT_SLOW_SHARE * median}
+        return slow
+
+    def preflight_status(self) -> list[keel_pb2.NodePreflight]:
+        slow = self.slow_preflight_nodes()
+        return [keel_pb2.NodePreflight(node=node, generation=self.generation,
+                                       results=[results[k] for k in sorted(results)],
+                                       slow=node in slow)
+                for node, results in sorted(self.preflight.items())]

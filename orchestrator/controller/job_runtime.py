@@ -1,0 +1,78 @@
+"""What the leading controller knows of one job: its spec, lifecycle state and
+generation, and what the agents reported about it. Rebuilt from etcd by a controller
+that takes over; ``record()`` is the part stored there."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from orchestrator.controller.job_health import JobHealth
+from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.placement import NodeRanks
+from orchestrator.policy.job import RankExit
+from protos import keel_pb2
+
+
+@dataclass(eq=False)
+class JobRuntime:
+    spec: keel_pb2.JobSpec
+    state: JobState
+    state_rev: int
+    state_since: float
+    generation: int = 0
+    restarts: int = 0
+    reason: str = ""
+    failures: list[dict] = field(default_factory=list)
+    placement: list[NodeRanks] = field(default_factory=list)
+    world_size: int = 0          # of the current generation (the spec's until one starts)
+    mesh: str = ""               # layout of the current generation
+    rendezvous: tuple[str, int] | None = None
+    restore_from: dict | None = None
+    exits: dict[int, RankExit] = field(default_factory=dict)
+    stopped_nodes: set[str] = field(default_factory=set)
+    lost_nodes: set[str] = field(default_factory=set)
+    vanished: dict[str, list[int]] = field(default_factory=dict)  # node -> ranks gone with its agent
+    # progress, from step reports
+    step: int = 0
+    loss: float = 0.0
+    initial_loss: float = 0.0
+    has_loss: bool = False
+    tokens: int = 0
+    token_window: collections.deque = field(default_factory=collections.deque)
+    step_times: collections.deque = field(  # the latest reported step times, seconds
+        default_factory=lambda: collections.deque(maxlen=64))
+    last_checkpoint: dict | None = None
+    last_wait_reason: str = ""
+    health: JobHealth | None = None
+    initial_loss_stored: bool = False
+    unrecorded: list[dict] = field(default_factory=list)   # commits not yet recorded in etcd
+    stop_requested: str = ""     # the operator's stop, with their reason (persisted)
+    stop_now: bool = False       # ... without a final checkpoint
+    planned_stop: bool = False   # the current generation was stopped on purpose (persisted)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(p.node for p in self.placement)
+
+    @property
+    def rank_nodes(self) -> dict[int, str]:
+        """Each rank of the current placement, and its node."""
+        return {rank: p.node for p in self.placement for rank in p.ranks}
+
+    def ranks_on(self, node: str) -> int:
+        """How many ranks of the current placement run on ``node``."""
+        return sum(len(p.ranks) for p in self.placement if p.node == node)
+
+    def record(self) -> dict:
+        """The job state as stored in etcd."""
+        return {"state": self.state.value, "generation": self.generation,
+                "restarts": self.restarts, "reason": self.reason,
+                "failures": self.failures[-20:],
+                "initial_loss": self.initial_loss if self.has_loss else None,
+                "stop_requested": self.stop_requested, "stop_now": self.stop_now,
+                "planned_stop": self.planned_stop}

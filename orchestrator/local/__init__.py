@@ -1,0 +1,2 @@
+"""``keel up``: a whole cluster on this machine (embedded etcd, controllers, agents),
+the faults it injects, and the summary it prints."""

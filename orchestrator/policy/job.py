@@ -1,0 +1,187 @@
+"""What the controller should do next with a job: a pure decision.
+
+``decide(now, observed, spec)`` reads a snapshot built by the controller and returns an
+action and a reason a person can act on. No I/O, no clock reads: the caller passes
+``now`` (seconds, monotonic or wall, as long as ``Observed`` uses the same clock).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from orchestrator.policy.lifecycle import JobState
+
+
+class Action(str, enum.Enum):
+    WAIT = "WAIT"            # nothing to do yet; the reason says what is awaited
+    PREPARE = "PREPARE"      # choose nodes for the next generation, ask for a rendezvous
+    START = "START"          # write the plan, start the ranks
+    STOP = "STOP"            # tear the generation down (the reason names the cause)
+    RESTART = "RESTART"      # the stopped generation is gone: plan the next one
+    SUCCEED = "SUCCEED"
+    FAIL = "FAIL"
+    CANCEL = "CANCEL"        # the operator stopped the job and nothing of it runs
+
+
+@dataclass(frozen=True)
+class RankExit:
+    node: str
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int
+    exited_at: float
+    stopped_by_agent: bool
+    traceback: str = ""
+    stderr_tail: str = ""
+    last_step: int = 0
+    reported_at: float = 0.0   # unix seconds, when the controller heard of it
+    reaped_at: float = 0.0     # unix seconds, when its agent reaped the process
+
+    @property
+    def failed(self) -> bool:
+        return not self.stopped_by_agent and (self.exit_code != 0 or self.signal != 0)
+
+    def describe(self) -> str:
+        how = (f"killed by signal {self.signal}" if self.signal
+               else f"exited with code {self.exit_code}")
+        last_line = self.traceback.strip().splitlines()[-1] if self.traceback.strip() else ""
+        text = f"rank {self.rank} (pid {self.pid}) on node {self.node} {how}"
+        if self.last_step:
+            text += f" after step {self.last_step}"
+        return text + (f": {last_line}" if last_line else "")
+
+
+@dataclass(frozen=True)
+class Observed:
+    state: JobState
+    state_since: float                 # when the job entered ``state``
+    restarts: int
+    generation: int = 0                # generations started so far
+    generation_world_size: int = 0     # ranks of the current generation (may be shrunk)
+    free_slots: dict[str, int] = field(default_factory=dict)  # usable nodes not busy elsewhere
+    generation_nodes: frozenset[str] = frozenset()   # nodes of the current generation
+    rendezvous_ready: bool = False
+    exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
+    lost_nodes: frozenset[str] = frozenset()         # generation nodes gone from etcd/stream
+    unreachable_nodes: frozenset[str] = frozenset()  # stream down, not (yet) declared lost
+    vanished_nodes: frozenset[str] = frozenset()     # agent came back without its ranks
+    hang: str = ""                     # an agent declared a rank hung: its reason
+    replace: str = ""                  # a checkpoint-then-stop (node replacement, drain,
+                                       # operator stop) is ready to go: its reason
+    stop_requested: str = ""           # the operator stopped the job: their reason
+    planned_stop: bool = False         # the generation was stopped on purpose (a node
+                                       # replaced or drained), not by a failure
+    backoff_s: float = 0.0             # wait this long in PENDING after a failure
+    stopped_nodes: frozenset[str] = frozenset()      # nodes that confirmed the stop
+
+
+@dataclass(frozen=True)
+class Spec:
+    world_size: int
+    max_restarts: int
+    rendezvous_timeout_s: float
+    min_nodes: int = 0      # a job that ran may shrink to this many nodes; 0 = never
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    root_cause: RankExit | None = field(default=None)
+    shrink: bool = False    # PREPARE on fewer slots than the spec asks for
+    collect_stacks: bool = False  # STOP of a hang: every agent dumps stacks first
+    replacement: bool = False     # STOP to carry out a node replacement
+
+
+def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
+    """The earliest failed exit: later ones are usually peers losing their connection."""
+    failed = [e for e in exits if e.failed]
+    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+
+
+def decide(now: float, observed: Observed, spec: Spec) -> Decision:
+    state = observed.state
+    if observed.stop_requested:
+        if state is JobState.PENDING:
+            return Decision(Action.CANCEL, observed.stop_requested)
+        if state is JobState.STARTING:
+            return Decision(Action.STOP, observed.stop_requested)
+    if state is JobState.PENDING:
+        waited = now - observed.state_since
+        if waited < observed.backoff_s:
+            return Decision(Action.WAIT, f"backing off {observed.backoff_s:.1f}s after "
+                                         f"restart {observed.restarts}")
+        free = sum(observed.free_slots.values())
+        nodes = sum(1 for s in observed.free_slots.values() if s > 0)
+        if free >= spec.world_size:
+            return Decision(Action.PREPARE,
+                            f"{free} slots free on {nodes} nodes, need {spec.world_size}")
+        # Only a job that has run shrinks: at first start, agents join one by one and a
+        # job must not start on whichever node happened to come first.
+        if observed.generation and spec.min_nodes and nodes >= spec.min_nodes:
+            return Decision(Action.PREPARE,
+                            f"capacity lost and no spare: {free}/{spec.world_size} slots free "
+                            f"on {nodes} nodes; re-planning smaller (min_nodes "
+                            f"{spec.min_nodes})", shrink=True)
+        floor = (f", or {spec.min_nodes} nodes to shrink to" if spec.min_nodes
+                 and observed.generation else "")
+        return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
+                                     f"need {spec.world_size}{floor}")
+
+    if state is JobState.STARTING:
+        if observed.lost_nodes:
+            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} "
+                                         f"lost while starting")
+        if observed.rendezvous_ready:
+            return Decision(Action.START, "rendezvous endpoint published")
+        waited = now - observed.state_since
+        if waited > spec.rendezvous_timeout_s:
+            return Decision(Action.STOP, f"no rendezvous endpoint after {waited:.0f}s "
+                                         f"(limit {spec.rendezvous_timeout_s:.0f}s)")
+        return Decision(Action.WAIT, "waiting for the rendezvous endpoint")
+
+    if state is JobState.RUNNING:
+        if observed.hang:
+            return Decision(Action.STOP, observed.hang, collect_stacks=True)
+        cause = root_cause(observed.exits)
+        gone = observed.lost_nodes | observed.unreachable_nodes | observed.vanished_nodes
+        if cause is not None:
+            if gone and cause.node not in gone:
+                # Peers of a vanished node fail with connection errors at once, seconds
+                # before its lease expires: the vanished node is the likelier cause.
+                return Decision(Action.STOP, f"node {', '.join(sorted(gone))} unreachable; "
+                                             f"then {cause.describe()}", cause)
+            return Decision(Action.STOP, cause.describe(), cause)
+        if observed.lost_nodes:
+            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+        if observed.vanished_nodes:
+            return Decision(Action.STOP, f"the agent of {', '.join(sorted(observed.vanished_nodes))} "
+                                         f"restarted; its ranks died with it")
+        if observed.replace:
+            return Decision(Action.STOP, observed.replace, replacement=True)
+        ranks = observed.generation_world_size
+        done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
+        if done == ranks:
+            return Decision(Action.SUCCEED, f"all {done} ranks exited 0")
+        return Decision(Action.WAIT, f"{ranks - done}/{ranks} ranks running")
+
+    if state is JobState.STOPPING:
+        waiting = observed.generation_nodes - observed.lost_nodes - observed.stopped_nodes
+        if waiting:
+            return Decision(Action.WAIT, f"waiting for {len(waiting)} node(s) to stop their "
+                                         f"ranks: {', '.join(sorted(waiting))}")
+        if observed.stop_requested:
+            return Decision(Action.CANCEL, observed.stop_requested)
+        if observed.planned_stop:
+            # A move planned around a checkpoint is no failure: it spends no restart.
+            return Decision(Action.RESTART, "generation stopped as planned; starting the "
+                                            "next one", replacement=True)
+        if observed.restarts >= spec.max_restarts:
+            return Decision(Action.FAIL, f"generation failed and all {spec.max_restarts} "
+                                         f"restarts are used up")
+        return Decision(Action.RESTART, f"generation stopped; restart "
+                                        f"{observed.restarts + 1}/{spec.max_restarts}")
+
+    return Decision(Action.WAIT, f"job is {state.value}")

@@ -1,0 +1,156 @@
+"""Token check and roles on every controller RPC.
+
+Clients send ``authorization: Bearer <token>`` metadata. There are three roles, one
+token each: ``join`` (agents; only ``Connect``), ``operator`` (every call an operator
+makes, mutating ones included) and ``reader`` (read-only calls). A controller given a
+single token treats it as every role's.
+
+A missing or wrong token is answered UNAUTHENTICATED, and a right token of the wrong
+role PERMISSION_DENIED, before any handler runs, so neither changes anything. A
+method missing from ``METHOD_ROLES`` is refused to every token: a new RPC is closed
+until someone decides who may call it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from dataclasses import dataclass, field
+
+import grpc
+
+SERVICE = "/keel.v1.Controller/"
+
+
+class Role(enum.Enum):
+    JOIN = "join"
+    OPERATOR = "operator"
+    READER = "reader"
+
+
+# Which roles may call each controller method. Mutating calls are the operator's only.
+METHOD_ROLES: dict[str, frozenset[Role]] = {
+    SERVICE + "Connect": frozenset({Role.JOIN}),
+    SERVICE + "SubmitJob": frozenset({Role.OPERATOR}),
+    SERVICE + "GetJob": frozenset({Role.READER, Role.OPERATOR}),
+    SERVICE + "ListJobs": frozenset({Role.READER, Role.OPERATOR}),
+    SERVICE + "ListNodes": frozenset({Role.READER, Role.OPERATOR}),
+    SERVICE + "CordonNode": frozenset({Role.OPERATOR}),
+    SERVICE + "UncordonNode": frozenset({Role.OPERATOR}),
+    SERVICE + "DrainNode": frozenset({Role.OPERATOR}),
+    SERVICE + "ReplaceNode": frozenset({Role.OPERATOR}),
+    SERVICE + "CheckpointJob": frozenset({Role.OPERATOR}),
+    SERVICE + "StopJob": frozenset({Role.OPERATOR}),
+}
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The controller's token per role."""
+    join: str = field(repr=False)
+    operator: str = field(repr=False)
+    reader: str = field(repr=False)
+
+    def __post_init__(self):
+        for role in Role:
+            if not getattr(self, role.value):
+                raise ValueError(f"the {role.value} token is empty")
+        distinct = {self.join, self.operator, self.reader}
+        if len(distinct) == 2:
+            # Either one token for everything, or three: two equal ones would silently
+            # give one role the other's rights.
+            raise ValueError("the join, operator and reader tokens must all differ "
+                             "(or give one token for every role)")
+
+    @classmethod
+    def single(cls, token: str) -> "Tokens":
+        """One token valid for every role (a controller given only ``--token-file``)."""
+        if not token:
+            raise ValueError("the controller needs a non-empty token "
+                             "(--token-file or KEEL_TOKEN)")
+        return cls(token, token, token)
+
+    def roles_of(self, token: str) -> frozenset[Role]:
+        """The roles ``token`` holds; empty if it is none of ours."""
+        sent = token.encode()
+        # Compare against every token, always, so the time taken says nothing.
+        matches = [(role, hmac.compare_digest(sent, getattr(self, role.value).encode()))
+                   for role in Role]
+        return frozenset(role for role, match in matches if match)
+
+
+@dataclass(frozen=True)
+class Denial:
+    code: grpc.StatusCode
+    message: str
+
+
+def _names(roles) -> str:
+    order = [r for r in Role if r in roles]
+    return " or ".join(r.value for r in order)
+
+
+def authorize(method: str, authorization: str, tokens: Tokens) -> Denial | None:
+    """Whether a call of ``method`` (``/keel.v1.Controller/Name``) carrying the
+    ``authorization`` metadata value may run: None if so, else why not."""
+    if not authorization:
+        return Denial(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing token: send 'authorization: Bearer <token>'")
+    scheme, _, token = authorization.partition(" ")
+    held = tokens.roles_of(token) if scheme == "Bearer" and token else frozenset()
+    if not held:
+        return Denial(grpc.StatusCode.UNAUTHENTICATED, "wrong token")
+    allowed = METHOD_ROLES.get(method, frozenset())
+    name = method.rsplit("/", 1)[-1]
+    if not allowed:
+        return Denial(grpc.StatusCode.PERMISSION_DENIED,
+                      f"{name} is in no role's table; no token may call it")
+    if held & allowed:
+        return None
+    return Denial(grpc.StatusCode.PERMISSION_DENIED,
+                  f"the {_names(held)} token cannot call {name}; use the "
+                  f"{_names(allowed)} token")
+
+
+def _deny(handler: grpc.RpcMethodHandler, denial: Denial) -> grpc.RpcMethodHandler:
+    def abort(_request, context):
+        context.abort(denial.code, denial.message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    def __init__(self, tokens: Tokens | str):
+        """``tokens``: the per-role tokens, or one token for every role."""
+        self.tokens = tokens if isinstance(tokens, Tokens) else Tokens.single(tokens)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        sent = dict(handler_call_details.invocation_metadata).get("authorization", "")
+        denial = authorize(handler_call_details.method, sent, self.tokens)
+        return handler if denial is None else _deny(handler, denial)
+
+
+# `keel certs init --agent NAME` names that agent's certificate "keel-agent-NAME".
+AGENT_CERT_PREFIX = "keel-agent-"
+
+
+def certificate_mismatch(auth_context: dict, node: str) -> str | None:
+    """Why a Hello for ``node`` may not come over this connection, or None: a
+    per-agent certificate registers its own node only. (The shared agent certificate,
+    and plaintext, bind no node name; the join token is then the whole check.)"""
+    for raw in auth_context.get("x509_common_name", []):
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        if name.startswith(AGENT_CERT_PREFIX) and name[len(AGENT_CERT_PREFIX):] != node:
+            return (f"the certificate of agent {name[len(AGENT_CERT_PREFIX):]} cannot "
+                    f"register node {node}")
+    return None
+

@@ -1,0 +1,242 @@
+"""``keel certs init``: a private CA, and the certificates, keys and tokens of a cluster.
+
+One directory holds everything a cluster's parties need; each party is given the
+CA certificate plus its own files:
+
+    ca.pem, ca.key                the CA; ca.key signs new certificates, keep it off nodes
+    controller.pem, .key          server (and etcd client) certificate; SAN 127.0.0.1,
+                                  localhost and every --host
+    agent.pem, .key               one client certificate for every agent, or
+    agent-<NAME>.pem, .key        one per --agent NAME
+    operator.pem, .key            client certificate of operators
+    reader.pem, .key              client certificate of read-only users
+    join.token                    agents' token: may only Connect
+    operator.token                every operator call, mutating ones included
+    reader.token                  read-only calls
+
+Keys are ECDSA P-256. Private keys and tokens are written 0600, never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from common.keys import NODE_NAME
+from orchestrator.security.auth import AGENT_CERT_PREFIX
+
+CA_DAYS = 3650
+LEAF_DAYS = 365
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+TOKENS = {"join": "agents' token: may only call Connect",
+          "operator": "operators' token: every call, mutating ones included",
+          "reader": "read-only token: GetJob, ListJobs, ListNodes"}
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    mode: int
+    what: str
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Keel"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+class _Authority:
+    def __init__(self, now: datetime.datetime):
+        self.now = now
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        # A random suffix tells this cluster's CA from another's in error messages.
+        self.name = _name(f"Keel CA {secrets.token_hex(4)}")
+        public = self.key.public_key()
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(self.name).issuer_name(self.name).public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(
+                digital_signature=False, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+            .sign(self.key, hashes.SHA256()))
+
+    def issue(self, common_name: str, usages: list, hosts: tuple[str, ...] = ()
+              ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(common_name)).issuer_name(self.name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(self.now - datetime.timedelta(minutes=5))
+            .not_valid_after(self.now + datetime.timedelta(days=LEAF_DAYS))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=True, key_cert_sign=False,
+                crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                self.key.public_key()), critical=False))
+        if hosts:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+        return builder.sign(self.key, hashes.SHA256()), key
+
+
+def _hosts(extra: tuple[str, ...]) -> tuple[str, ...]:
+    hosts = list(DEFAULT_HOSTS)
+    for host in extra:
+        host = host.strip()
+        if not host or any(c in host for c in "/: ") and not _is_ip(host):
+            raise ValueError(f"--host {host!r}: give a DNS name or an IP address, no port")
+        if host not in hosts:
+            hosts.append(host)
+    return tuple(hosts)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def plan_files(agents: tuple[str, ...] = ()) -> list[str]:
+    """The names ``init`` writes, in order."""
+    for name in agents:
+        if not NODE_NAME.match(name):
+            raise ValueError(f"--agent {name!r}: use the agent's node name (1-63 letters, "
+                             f"digits, '.', '_' or '-', starting with a letter or digit)")
+    parties = ["ca", "controller", *([f"agent-{a}" for a in agents] or ["agent"]),
+               "operator", "reader"]
+    return ([f"{p}.{ext}" for p in parties for ext in ("pem", "key")]
+            + [f"{t}.token" for t in TOKENS])
+
+
+def init(directory: Path, hosts: tuple[str, ...] = (), agents: tuple[str, ...] = (),
+         now: datetime.datetime | None = None) -> list[Written]:
+    """Create the CA, every party's certificate and key, and the three tokens in
+    ``directory``; return what was written. Raises FileExistsError, before writing
+    anything, if any of those files is there already."""
+    agents = tuple(dict.fromkeys(agents))
+    names = plan_files(agents)
+    sans = _hosts(hosts)
+    directory = Path(directory)
+    present = [n for n in names if (directory / n).exists()]
+    if present:
+        raise FileExistsError(f"{directory / present[0]} exists; keel certs init never "
+                              f"overwrites credentials: choose a new directory")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    ca = _Authority(now)
+    until = (now + datetime.timedelta(days=LEAF_DAYS)).date().isoformat()
+    written: list[Written] = []
+
+    def write(name: str, data: bytes, mode: int, what: str) -> None:
+        path = directory / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.chmod(path, mode)  # the umask may have narrowed a 0644
+        written.append(Written(path, mode, what))
+
+    def party(name: str, common_name: str, usages: list, what: str,
+              san: tuple[str, ...] = ()) -> None:
+        cert, key = ca.issue(common_name, usages, san)
+        sans = f" (SAN {', '.join(san)})" if san else ""
+        write(f"{name}.pem", _cert_pem(cert), 0o644,
+              f"{what} certificate{sans}, valid until {until}")
+        write(f"{name}.key", _key_pem(key), 0o600, f"{what} private key")
+
+    ca_until = (now + datetime.timedelta(days=CA_DAYS)).date().isoformat()
+    write("ca.pem", _cert_pem(ca.cert), 0o644,
+          f"CA certificate ({ca.name.rfc4514_string()}), valid until {ca_until}")
+    write("ca.key", _key_pem(ca.key), 0o600,
+          "CA private key: signs certificates; keep it off the nodes")
+    server, client = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
+    party("controller", "keel-controller", [server, client], "controller", sans)
+    if agents:
+        for agent in agents:
+            # The controller lets this certificate register node `agent` only.
+            party(f"agent-{agent}", AGENT_CERT_PREFIX + agent, [client], f"agent {agent}'s")
+    else:
+        party("agent", "keel-agent", [client], "every agent's")
+    party("operator", "keel-operator", [client], "operator")
+    party("reader", "keel-reader", [client], "read-only")
+    for role, what in TOKENS.items():
+        write(f"{role}.token", (secrets.token_urlsafe(32) + "\n").encode(), 0o600, what)
+    return written
+
+
+def init_once(directory: Path) -> Path:
+    """``init`` with the defaults, unless ``directory`` already holds a CA (a rerun of
+    ``keel up --tls`` in the same workdir reuses its credentials)."""
+    if not (Path(directory) / "ca.pem").exists():
+        init(directory)
+    return Path(directory)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def certs():
+    """Certificates, keys and tokens for mutual TLS and roles."""
+
+
+@certs.command("init", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--host", "hosts", multiple=True, metavar="HOST",
+              help="Repeatable: a DNS name or IP address agents and operators reach the "
+                   "controller on (its --advertise-host); added to 127.0.0.1 and localhost "
+                   "in the controller certificate.")
+@click.option("--agent", "agents", multiple=True, metavar="NAME",
+              help="Repeatable: write a certificate per agent node NAME "
+                   "(agent-NAME.pem/.key) instead of one shared by every agent.")
+def init_command(directory, hosts, agents):
+    """Create a CA, certificates and keys for the controller, agents, operators and
+    readers, and the join, operator and reader tokens, in DIRECTORY.
+
+    Give each party ca.pem and its own files; then run `keel controller --tls-dir`,
+    `keel agent --tls-dir` and `keel status --tls-dir` with that directory.
+    """
+    try:
+        written = init(Path(directory), tuple(hosts), tuple(agents))
+    except (ValueError, FileExistsError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # e.g. DIRECTORY under a file, or not writable
+        raise click.ClickException(str(exc)) from exc
+    width = max(len(str(w.path)) for w in written)
+    for w in written:
+        click.echo(f"wrote {str(w.path):<{width}}  {w.mode:04o}  {w.what}")
+

@@ -1,0 +1,1 @@
+"""Job specs: their validation, spec files (TOML/YAML) and health settings."""

@@ -1,0 +1,129 @@
+"""Validation of submitted job specs: every error names the field and the fix."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from common import env
+from orchestrator import planner
+from orchestrator.spec import health
+from protos import keel_pb2
+
+NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_RESTARTS_LIMIT = 1000
+
+
+class InvalidSpec(ValueError):
+    """A job spec that cannot run; ``problems`` lists every problem found, and the
+    message joins them."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def validate(spec: keel_pb2.JobSpec) -> None:
+    problems = []
+    if not NAME.match(spec.name):
+        problems.append(f"name {spec.name!r}: use 1-63 lowercase letters, digits and '-', "
+                        f"starting and ending with a letter or digit")
+    if spec.world_size < 1:
+        problems.append("world_size: must be at least 1")
+    if not spec.command or not spec.command[0]:
+        problems.append("command: give the argv each rank runs, e.g. "
+                        "['python', '-m', 'trainer.train']")
+    if spec.max_restarts > MAX_RESTARTS_LIMIT:
+        problems.append(f"max_restarts: {spec.max_restarts} is more than "
+                        f"{MAX_RESTARTS_LIMIT}; a job failing that often needs a person")
+    if spec.checkpoint_dir and not os.path.isabs(spec.checkpoint_dir):
+        problems.append(f"checkpoint_dir {spec.checkpoint_dir!r}: must be an absolute path")
+    for key in spec.env:
+        if not ENV_NAME.match(key):
+            problems.append(f"env {key!r}: not a valid environment variable name")
+        elif key in env.SET_FOR_RANKS:
+            problems.append(f"env {key!r}: set by Keel for every rank; remove it")
+    try:
+        health.resolve(spec.health)
+    except health.InvalidHealth as exc:
+        problems.append(f"health: {exc}")
+    shapes = None
+    if spec.model.params and spec.world_size >= 1:
+        # What the planner is given, checked now whatever the mesh, not at the first
+        # placement. The node size is not known before placement.
+        try:
+            shapes = (model_shape(spec), _cluster(spec, spec.world_size, spec.world_size),
+                      training_shape(spec))
+        except ValueError as exc:
+            problems.append(f"model/training: {exc}")
+    if spec.mesh and spec.mesh != "auto" and spec.world_size >= 1:
+        try:
+            layout = planner.Layout.parse(spec.mesh)
+            if layout.world_size != spec.world_size:
+                raise planner.LayoutError(
+                    f"layout {spec.mesh} spans {layout.world_size} ranks but world_size is "
+                    f"{spec.world_size}; make the axes multiply to the world size")
+            if shapes:
+                model, cluster, training = shapes
+                planner.validate_layout(layout, model, cluster, training)
+        except ValueError as exc:
+            problems.append(f"mesh: {exc}")
+    if problems:
+        raise InvalidSpec(problems)
+
+
+def model_shape(spec: keel_pb2.JobSpec) -> planner.ModelShape:
+    m = spec.model
+    return planner.ModelShape(params=m.params, layers=m.layers, hidden=m.hidden,
+                              heads=m.heads, vocab=m.vocab)
+
+
+def training_shape(spec: keel_pb2.JobSpec) -> planner.Training:
+    t = spec.training
+    fields = {"seq_len": t.seq_len, "micro_batch": t.micro_batch,
+              "global_batch": t.global_batch or None, "microbatches": t.microbatches,
+              "precision": t.precision}
+    return planner.Training(**{k: v for k, v in fields.items() if v})
+
+
+def _cluster(spec: keel_pb2.JobSpec, world_size: int, gpus_per_node: int) -> planner.Cluster:
+    return planner.Cluster(world_size=world_size, gpus_per_node=gpus_per_node,
+                           gpu_memory_gb=spec.training.gpu_memory_gb or 80.0)
+
+
+def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
+                    shrink: bool, max_world_size: int = 0) -> tuple[int, str]:
+    """The world size and layout of the next generation. Pure.
+
+    The spec's own size and layout when it is not shrinking; the planner's best layout
+    when the spec says ``auto``; when shrinking, the largest world size that fits in
+    ``free_slots`` (and ``max_world_size``, when given) and for which the planner finds
+    a layout. Raises ValueError when none can run.
+    """
+    free = sum(free_slots.values())
+    node_slots = max(free_slots.values(), default=0)
+    ceiling = min(free, spec.world_size, max_world_size or spec.world_size)
+    sizes = range(ceiling, 0, -1) if shrink else [spec.world_size]
+    problems = []
+    for world_size in sizes:
+        if not shrink and spec.mesh and spec.mesh != "auto":
+            return world_size, spec.mesh
+        if not spec.model.params:
+            # Nothing is known of the model: plain data parallel is all that is safe.
+            return world_size, f"dp_shard={world_size}"
+        try:
+            best = planner.best(model_shape(spec), _cluster(spec, world_size,
+                                                            min(node_slots, world_size)),
+                                training_shape(spec))
+        except ValueError as exc:
+            problems.append(f"world size {world_size}: {exc}")
+            continue
+        return world_size, str(best.layout)
+    if not problems:
+        raise ValueError("no free slots")
+    # The largest size's problem says what to fix; thousands of smaller sizes' would
+    # bloat the job's reason (kept in etcd) without saying more.
+    smaller = len(problems) - 1
+    raise ValueError(problems[0] + (f"; no layout at the {smaller} smaller world size(s) "
+                                    f"either" if smaller else ""))
