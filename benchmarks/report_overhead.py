@@ -114,7 +114,7 @@ def main() -> int:
         last batch of a block would otherwise go out during the next one, a baseline
         block's steps among them. ``Runtime`` has no public flush; this is the private
         one ``report_checkpoint`` uses."""
-        if not rt._reporter.flush():
+        if not rt.flush():
             raise TimeoutError("the agent-local server did not take the queued reports")
 
     block(WARMUP_STEPS, report=True)

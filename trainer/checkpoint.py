@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.ledger import LEDGER_FILE, Ledger
-from trainer.runtime import Runtime
+from trainer.runtime import Runtime, env
 
 METADATA_FILE = ".metadata"
 _COMMITTED = re.compile(r"step_(\d{8,})")
@@ -162,7 +162,7 @@ def restore_point(checkpoint_dir: str | None, restore_from: str | None,
     if restore_from:
         if not os.path.isfile(os.path.join(restore_from, METADATA_FILE)):
             raise FileNotFoundError(
-                f"KEEL_RESTORE_FROM={restore_from} has no {METADATA_FILE}; it is not a complete "
+                f"{env.RESTORE_FROM}={restore_from} has no {METADATA_FILE}; it is not a complete "
                 f"checkpoint. Point it at a committed step_* directory or unset it"
             )
         return restore_from

@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument(
         "--checkpoint-dir",
-        default=os.environ.get("KEEL_CHECKPOINT_DIR") or None,
+        default=os.environ.get(keel_runtime.env.CHECKPOINT_DIR) or None,
         help="where checkpoints live; default $KEEL_CHECKPOINT_DIR, else no checkpoints",
     )
     ckpt.add_argument(
@@ -141,7 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              f"checkpoint commit (fsync, then up to {COMMIT_REPORT_S:g} s reporting it), which its peers wait out",
     )
     health.add_argument(
-        "--preflight", action=argparse.BooleanOptionalAction, default=os.environ.get("KEEL_PREFLIGHT", "1") != "0",
+        "--preflight", action=argparse.BooleanOptionalAction, default=os.environ.get(keel_runtime.env.PREFLIGHT, "1") != "0",
         help="time all_reduce, all_gather and reduce_scatter over all ranks before the first step and report "
              "the bandwidths to the agent; default on unless $KEEL_PREFLIGHT=0. Skipped on one rank",
     )
@@ -160,8 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--microbatches must be at least 1")
     if args.clip_grad is not None and args.clip_grad <= 0:
         parser.error("--clip-grad must be positive; leave it out for no clipping")
-    if os.environ.get("KEEL_PREFLIGHT", "1") not in ("0", "1"):
-        parser.error(f"KEEL_PREFLIGHT={os.environ['KEEL_PREFLIGHT']!r} must be 0 (off) or 1 (on)")
+    preflight_env = os.environ.get(keel_runtime.env.PREFLIGHT, "1")
+    if preflight_env not in ("0", "1"):
+        parser.error(f"{keel_runtime.env.PREFLIGHT}={preflight_env!r} must be 0 (off) or 1 (on)")
     try:
         args.preflight_sizes_mb = [float(size) for size in args.preflight_sizes_mb.split(",")]
     except ValueError:

@@ -27,6 +27,8 @@ import torch.distributed as dist
 # is in every torch this package allows (>= 2.13).
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from trainer.runtime import env
+
 NCCL_TRACE_BUFFER_SIZE = 2000
 # File-name prefix of the flight-recorder dumps; torch appends the rank.
 TRACE_FILE_PREFIX = "nccl_trace_rank_"
@@ -40,8 +42,8 @@ class StartBarrierError(RuntimeError):
 def watchdog_dir(environ: Mapping[str, str], checkpoint_dir: str | None) -> str | None:
     """Where flight-recorder dumps go: ``$KEEL_WATCHDOG_DIR``, else
     ``<checkpoint_dir>/.watchdog``, else None (torch's default, ``/tmp``)."""
-    if environ.get("KEEL_WATCHDOG_DIR"):
-        return environ["KEEL_WATCHDOG_DIR"]
+    if environ.get(env.WATCHDOG_DIR):
+        return environ[env.WATCHDOG_DIR]
     if checkpoint_dir:
         return os.path.join(checkpoint_dir, ".watchdog")
     return None

@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from protos import keel_pb2
 from tests.conftest import AgentRecorder, local_agent, wait_for
 from trainer import runtime
+from trainer.runtime import reporting
 from trainer.runtime import claim_fault, fault_marker_path, parse_fault_schedule, parse_mesh, rank_faults
 
 
@@ -216,7 +217,7 @@ def agent_env(socket: str) -> dict:
 def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypatch):
     socket_path, recorder = agent
     # Batches would otherwise wait a minute: only the flag can make this one leave.
-    monkeypatch.setattr(runtime, "REPORT_INTERVAL_S", 60.0)
+    monkeypatch.setattr(reporting, "REPORT_INTERVAL_S", 60.0)
     rt = runtime.init(agent_env(socket_path))
     rt.report_step(7, loss=2.5, tokens=512, step_time_s=0.5, data_s=0.01, compute_s=0.3, optimizer_s=0.1,
                    checkpoint_s=0.2, checkpointing=True)

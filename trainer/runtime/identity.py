@@ -1,0 +1,67 @@
+"""Who this rank is, from its environment: torchrun's variables, and Keel's when Keel
+started it (``common.env`` names and explains them). Outside Keel the Keel fields are
+empty: generation 0, no job, no agent socket."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from common import env
+from common.layout import parse_axes
+
+
+@dataclass(frozen=True)
+class Identity:
+    """``rank``, ``world_size``, ``local_rank`` and ``restart_count`` as torchrun gives
+    them; ``generation`` (0 without Keel), ``job`` ("" without Keel), ``mesh``
+    (dimension → size), ``checkpoint_dir`` and ``restore_from`` (paths or None) and
+    ``agent_socket`` (None without an agent) as Keel does."""
+    rank: int
+    world_size: int
+    local_rank: int
+    generation: int
+    job: str
+    mesh: dict[str, int]
+    checkpoint_dir: str | None
+    restore_from: str | None
+    restart_count: int
+    agent_socket: str | None
+
+
+def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
+    """Parses ``KEEL_MESH`` ("dp_shard=4" or "dp_replicate=2,dp_shard=2,tp=1") into
+    dimension → size, in the order given. Unset or empty means ``dp_shard`` over all
+    ranks. The sizes must multiply to ``world_size``. ``source`` names where the text
+    came from (``KEEL_MESH``, ``--layout``) in error messages."""
+    return parse_axes(text, world_size, source)
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; unset it or give a whole number") from None
+
+
+
+
+def read_identity(environ: Mapping[str, str]) -> Identity:
+    """This rank's ``Identity`` from ``environ``; raises ValueError naming a variable
+    that does not parse."""
+    world_size = _int(environ, "WORLD_SIZE", 1)
+    return Identity(
+        rank=_int(environ, "RANK", 0),
+        world_size=world_size,
+        local_rank=_int(environ, "LOCAL_RANK", 0),
+        generation=_int(environ, env.GENERATION, 0),
+        job=environ.get(env.JOB, ""),
+        mesh=parse_mesh(environ.get(env.MESH), world_size),
+        checkpoint_dir=environ.get(env.CHECKPOINT_DIR) or None,
+        restore_from=environ.get(env.RESTORE_FROM) or None,
+        restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_socket=environ.get(env.AGENT_SOCKET) or None,
+    )

@@ -1,0 +1,250 @@
+"""Reports to the node agent: step reports batched from a background thread, and the
+agent's checkpoint requests in their acks; checkpoint and preflight reports sent
+directly. Reporting never blocks or fails a training step; an unreachable agent costs
+one line on stderr.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from protos import keel_pb2, keel_pb2_grpc
+
+STEP_REPORT_DEADLINE_S = 2.0
+CHECKPOINT_REPORT_DEADLINE_S = 5.0
+PREFLIGHT_REPORT_DEADLINE_S = 5.0
+# Batches go out at least this often so the agent's hang detector, which measures the
+# age of the latest report, sees progress within a fraction of a second.
+REPORT_INTERVAL_S = 0.25
+REPORT_BATCH_SIZE = 32
+# Beyond this many unsent reports (agent stuck, not just gone) new ones are dropped
+# rather than growing memory for the rest of the run.
+MAX_PENDING_REPORTS = 4096
+# A flush waits for at most one in-flight ReportSteps call plus scheduling slack.
+FLUSH_WAIT_S = STEP_REPORT_DEADLINE_S + 0.5
+
+# gRPC's default reconnect back-off grows to two minutes; an agent that restarts (or
+# starts listening after its ranks) should see reports again within seconds.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+class _StepReporter:
+    """Sends queued step reports from a daemon thread, in batches of up to
+    ``REPORT_BATCH_SIZE`` at least every ``REPORT_INTERVAL_S`` seconds; a report flagged
+    ``checkpointing`` goes out at once, so the agent knows of the save before it starts.
+    Sets ``checkpoint_requested`` when an ack carries ``checkpoint_now``.
+
+    Queuing a report is an append to a deque: the thread is woken only when a batch
+    is full or a report is urgent, not per step, because waking it each step (a
+    ``queue.Queue`` put) costs the training loop tens of microseconds of thread
+    switching."""
+
+    _STOP = object()
+
+    def __init__(self, stub: keel_pb2_grpc.AgentLocalStub, generation: int, log,
+                 checkpoint_requested: threading.Event) -> None:
+        self._stub = stub
+        self._generation = generation
+        self._log = log
+        self._checkpoint_requested = checkpoint_requested
+        # Step reports, and flush and stop markers; appends and pops are atomic.
+        self._pending: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._agent_failing = False
+        self._dropping = False
+        self._thread = threading.Thread(target=self._run, name="keel-step-reporter", daemon=True)
+        self._thread.start()
+
+    def put(self, report: keel_pb2.StepReport) -> None:
+        if len(self._pending) >= MAX_PENDING_REPORTS:
+            if not self._dropping:
+                self._log(f"{MAX_PENDING_REPORTS} step reports unsent; dropping new ones until the agent catches up")
+                self._dropping = True
+            return
+        self._dropping = False
+        self._pending.append(report)
+        if report.checkpointing or len(self._pending) == REPORT_BATCH_SIZE:
+            self._wake.set()
+
+    def flush(self, timeout_s: float = FLUSH_WAIT_S) -> bool:
+        """Waits until every report queued so far was sent (or dropped); False if that
+        took longer than ``timeout_s``."""
+        done = threading.Event()
+        self._pending.append(done)
+        self._wake.set()
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = FLUSH_WAIT_S) -> None:
+        self._pending.append(self._STOP)
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(REPORT_INTERVAL_S)
+            # Whatever is appended after this clear wakes the next wait; whatever was
+            # appended before it is drained below.
+            self._wake.clear()
+            batch: list[keel_pb2.StepReport] = []
+            while self._pending:
+                item = self._pending.popleft()
+                if isinstance(item, keel_pb2.StepReport):
+                    batch.append(item)
+                    if len(batch) == REPORT_BATCH_SIZE:
+                        self._send(batch)
+                        batch = []
+                    continue
+                self._send(batch)
+                batch = []
+                if item is self._STOP:
+                    return
+                item.set()
+            self._send(batch)
+
+    def _send(self, batch: list[keel_pb2.StepReport]) -> None:
+        if not batch:
+            return
+        try:
+            ack = self._stub.ReportSteps(
+                keel_pb2.LocalStepReports(generation=self._generation, reports=batch),
+                timeout=STEP_REPORT_DEADLINE_S,
+            )
+        except grpc.RpcError as error:
+            if not self._agent_failing:
+                self._log(
+                    f"cannot report steps to the agent ({error.code().name}: {error.details()}); "
+                    f"dropping step reports until it answers"
+                )
+                self._agent_failing = True
+            return
+        if self._agent_failing:
+            self._log("agent answers step reports again")
+            self._agent_failing = False
+        if ack.checkpoint_now:
+            self._checkpoint_requested.set()
+
+class AgentReporter:
+    """This rank's connection to its node agent (the ``AgentLocal`` service on the Unix
+    socket ``agent_socket``). Creating the channel does not connect; the first call
+    does, from the reporter thread, so a missing agent never delays training."""
+
+    def __init__(self, agent_socket: str, *, rank: int, world_size: int, generation: int,
+                 job: str, log: Callable[[str], None]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.generation = generation
+        self.job = job
+        self.log = log
+        self._checkpoint_requested = threading.Event()
+        self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
+        self._stub = keel_pb2_grpc.AgentLocalStub(self._channel)
+        self._reporter = _StepReporter(self._stub, generation, log, self._checkpoint_requested)
+
+    def report_step(
+        self,
+        step: int,
+        loss: float,
+        tokens: int,
+        step_time_s: float,
+        *,
+        data_s: float = 0.0,
+        compute_s: float = 0.0,
+        optimizer_s: float = 0.0,
+        checkpoint_s: float = 0.0,
+        checkpointing: bool = False,
+    ) -> None:
+        """Queues the report of finished step ``step`` and returns at once (the
+        arguments are ``Runtime.report_step``'s)."""
+        self._reporter.put(
+            keel_pb2.StepReport(
+                rank=self.rank,
+                step=step,
+                loss=loss,
+                tokens=tokens,
+                step_time_s=step_time_s,
+                at=time.time(),
+                data_s=data_s,
+                compute_s=compute_s,
+                optimizer_s=optimizer_s,
+                checkpoint_s=checkpoint_s,
+                checkpointing=checkpointing,
+            )
+        )
+
+    def take_checkpoint_request(self) -> bool:
+        """Whether the agent asked for a checkpoint (``checkpoint_now`` in a step-report
+        ack) since the last call; the request is cleared. Only this rank's own agent
+        connection is seen, so fold the answer into a collective before acting on it."""
+        if not self._checkpoint_requested.is_set():
+            return False
+        self._checkpoint_requested.clear()
+        return True
+
+    def report_preflight(self, results: Sequence, wall_s: float) -> bool:
+        """Sends this rank's preflight sweep to the agent: ``results`` are objects with
+        the fields of ``CollectiveResult`` (``trainer.preflight.Result``), ``wall_s`` the
+        sweep's wall time in seconds. Blocks for at most ``PREFLIGHT_REPORT_DEADLINE_S``
+        seconds; returns whether the agent acknowledged. Failures are logged, never
+        raised."""
+        report = keel_pb2.PreflightReport(
+            job=self.job,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+            results=[
+                keel_pb2.CollectiveResult(
+                    collective=result.collective,
+                    size_bytes=result.size_bytes,
+                    time_s=result.time_s,
+                    algbw_gbps=result.algbw_gbps,
+                    busbw_gbps=result.busbw_gbps,
+                )
+                for result in results
+            ],
+            wall_s=wall_s,
+        )
+        try:
+            self._stub.ReportPreflight(report, timeout=PREFLIGHT_REPORT_DEADLINE_S)
+        except grpc.RpcError as error:
+            self.log(f"cannot report preflight ({error.code().name}: {error.details()})")
+            return False
+        return True
+
+    def report_checkpoint(self, step: int, path: str, samples: int) -> bool:
+        """Tells the agent that the checkpoint of step ``step`` is durable at ``path``
+        (``samples``: global data position after that step). Sends pending step reports
+        first, then blocks for at most ``CHECKPOINT_REPORT_DEADLINE_S`` seconds. Returns
+        whether the agent acknowledged; failures are logged, never raised, because the
+        agent and controller decide what counts as committed."""
+        self._reporter.flush()
+        try:
+            self._stub.ReportCheckpoint(
+                keel_pb2.CheckpointSaved(
+                    job=self.job, generation=self.generation, step=step, path=path, samples=samples
+                ),
+                timeout=CHECKPOINT_REPORT_DEADLINE_S,
+            )
+        except grpc.RpcError as error:
+            self.log(f"cannot report checkpoint step={step} path={path} ({error.code().name}: {error.details()})")
+            return False
+        return True
+
+    def flush(self) -> bool:
+        """Waits until every step report queued so far was sent (or dropped); False if
+        that took longer than ``FLUSH_WAIT_S``."""
+        return self._reporter.flush()
+
+    def close(self) -> None:
+        """Sends pending step reports (waiting at most ``FLUSH_WAIT_S`` seconds) and
+        closes the channel."""
+        self._reporter.close()
+        self._channel.close()
