@@ -34,6 +34,20 @@ class RankPhase(str, enum.Enum):
     REAPED = "REAPED"       # and its process group is empty
 
 
+# The only transitions a rank makes; ``RankProcess.move`` refuses any other.
+RANK_TRANSITIONS: dict[RankPhase, frozenset[RankPhase]] = {
+    RankPhase.RUNNING: frozenset({RankPhase.STOPPING, RankPhase.EXITED}),
+    RankPhase.STOPPING: frozenset({RankPhase.KILLED, RankPhase.EXITED}),
+    RankPhase.KILLED: frozenset({RankPhase.EXITED}),
+    RankPhase.EXITED: frozenset({RankPhase.REAPED}),
+    RankPhase.REAPED: frozenset(),
+}
+
+
+class IllegalRankTransition(RuntimeError):
+    pass
+
+
 @dataclass(eq=False)
 class RankProcess:
     job: str
@@ -52,6 +66,16 @@ class RankProcess:
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def move(self, target: RankPhase, why: str) -> None:
+        """Enter ``target`` (one line in the log); raises IllegalRankTransition if the
+        lifecycle does not allow it."""
+        if target not in RANK_TRANSITIONS[self.phase]:
+            raise IllegalRankTransition(f"rank {self.rank} (pid {self.pid}) cannot go from "
+                                        f"{self.phase.value} to {target.value}")
+        log.info("rank phase", job=self.job, generation=self.generation, rank=self.rank,
+                 pid=self.pid, **{"from": self.phase.value, "to": target.value}, why=why)
+        self.phase = target
 
     @property
     def error_file(self) -> Path:
@@ -99,7 +123,8 @@ class Supervisor:
         """Begin the stop protocol for ``ranks`` (SIGTERM to each running group)."""
         for proc in ranks:
             if proc.phase is RankPhase.RUNNING:
-                proc.phase, proc.stop_requested_at = RankPhase.STOPPING, now
+                proc.move(RankPhase.STOPPING, "SIGTERM to its process group")
+                proc.stop_requested_at = now
                 signal_group(proc.pid, signal.SIGTERM)
 
     def poll(self, now: float) -> list[RankProcess]:
@@ -110,7 +135,8 @@ class Supervisor:
                 code = proc.popen.poll()
                 if code is not None:
                     stopped = proc.phase is not RankPhase.RUNNING
-                    proc.phase, proc.exited_at = RankPhase.EXITED, now
+                    proc.move(RankPhase.EXITED, f"exit status {code}")
+                    proc.exited_at = now
                     proc.exit_report = self._exit_report(proc, code, stopped)
                     # Whatever the rank left in its group (workers, helpers) goes with it.
                     signal_group(proc.pid, signal.SIGKILL)
@@ -119,15 +145,16 @@ class Supervisor:
                       and now - proc.stop_requested_at >= self.stop_grace_s):
                     log.warning("rank ignored SIGTERM; killing its process group",
                                 rank=proc.rank, pid=proc.pid, grace_s=self.stop_grace_s)
-                    proc.phase = RankPhase.KILLED
+                    proc.move(RankPhase.KILLED, f"SIGTERM ignored for {self.stop_grace_s:g} s")
                     signal_group(proc.pid, signal.SIGKILL)
             if proc.phase is RankPhase.EXITED:
                 if not group_alive(proc.pid):
-                    proc.phase = RankPhase.REAPED
+                    proc.move(RankPhase.REAPED, "its process group is empty")
                 elif now - proc.exited_at > self.reap_timeout_s:
                     log.error("process group still has members after SIGKILL",
                               rank=proc.rank, pgid=proc.pid)
-                    proc.phase = RankPhase.REAPED
+                    proc.move(RankPhase.REAPED, f"given up waiting {self.reap_timeout_s:g} s "
+                                                f"for its process group")
         return exited
 
     def _exit_report(self, proc: RankProcess, code: int, stopped: bool) -> keel_pb2.RankExited:

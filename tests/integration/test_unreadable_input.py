@@ -14,6 +14,7 @@ import pytest
 
 from agent.config import AgentConfig
 from agent.daemon import Agent
+from agent.generation import Phase
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
@@ -32,7 +33,7 @@ def sent(agent: Agent) -> list[keel_pb2.AgentMessage]:
     messages = []
     while True:
         try:
-            messages.append(agent.outbox.get_nowait())
+            messages.append(agent.link.outbox.get_nowait())
         except queue.Empty:
             return messages
 
@@ -40,12 +41,13 @@ def sent(agent: Agent) -> list[keel_pb2.AgentMessage]:
 def test_a_stop_asking_for_stacks_of_a_generation_it_does_not_run_is_just_confirmed(agent):
     agent._on_controller(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
         job="demo", generation=3, reason="hang on node-b", collect_stacks=True)))
-    assert agent.stopping_generation == ("demo", 3)
+    assert (agent.generation.phase, agent.generation.stopping) == (Phase.STOPPING, ("demo", 3))
     assert sent(agent) == []  # no stacks to report: no rank of it runs here
     agent._maybe_confirm_stop()
     confirmed, = sent(agent)
     assert (confirmed.generation_stopped.job, confirmed.generation_stopped.generation) == \
         ("demo", 3)
+    assert agent.generation.phase is Phase.IDLE
 
 
 def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_the_reason(

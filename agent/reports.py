@@ -1,0 +1,112 @@
+"""What the agent knows of its ranks' progress and tells the controller: step reports
+(from the ranks over the local socket, batched up to the flush period), each rank's
+latest report (progress for the hang detector, and replayed after every Hello so a
+controller that took over knows the step and loss), and the exits and newest commit of
+the current generation (replayed after every Hello too; the controller treats both as
+idempotent). The ranks' threads and the agent's main loop share it; one lock guards it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from protos import keel_pb2
+
+STEP_TIMES_KEPT = 64   # recent step times the hang timeout scales with
+
+
+class Reports:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._generation: tuple[str, int] | None = None   # (job, generation) reported on
+        self._pending: list[keel_pb2.StepReport] = []
+        # rank -> (when it arrived, monotonic; its latest report), in step order
+        self._latest: dict[int, tuple[float, keel_pb2.StepReport]] = {}
+        self._step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self._checkpoint_wanted = False
+        self._replay: list[keel_pb2.AgentMessage] = []
+
+    def begin(self, job: str, generation: int) -> None:
+        """A new generation runs here: what was known of the last one goes."""
+        with self._lock:
+            self._generation = (job, generation)
+            self._pending.clear()
+            self._latest.clear()
+            self._step_times.clear()
+            self._checkpoint_wanted = False
+            self._replay = []
+
+    def end(self) -> None:
+        """The generation stopped here: reports still arriving for it are dropped."""
+        with self._lock:
+            self._generation = None
+
+    # ------------------------------------------------------------ from the ranks
+    def add_steps(self, generation: int, reports: list[keel_pb2.StepReport]) -> bool:
+        """Queue ranks' reports for the controller and note progress; return whether
+        the controller's checkpoint request is to be passed on (once: the trainers
+        agree among themselves on the step)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._generation is None or generation != self._generation[1]:
+                return False  # a straggling report from a generation that is gone
+            self._pending.extend(reports)
+            for report in reports:
+                self._latest[report.rank] = (now, report)
+                if report.step_time_s > 0:
+                    self._step_times.append(report.step_time_s)
+            wanted, self._checkpoint_wanted = self._checkpoint_wanted, False
+            return wanted
+
+    def want_checkpoint(self, generation: int) -> bool:
+        """The controller asked generation ``generation`` for a checkpoint: the next
+        step-report ack passes it on. False if that generation does not run here."""
+        with self._lock:
+            if self._generation is None or self._generation[1] != generation:
+                return False
+            self._checkpoint_wanted = True
+            return True
+
+    # -------------------------------------------------------- to the controller
+    def take_batch(self) -> keel_pb2.StepReportBatch | None:
+        """The step reports queued since the last call, or None."""
+        with self._lock:
+            reports, self._pending = self._pending, []
+            if not reports or self._generation is None:
+                return None
+            job, generation = self._generation
+        return keel_pb2.StepReportBatch(job=job, generation=generation, reports=reports)
+
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's latest reported step."""
+        with self._lock:
+            return {rank: report.step for rank, (_, report) in self._latest.items()}
+
+    def progress(self) -> tuple[dict[int, tuple[float, keel_pb2.StepReport]], list[float]]:
+        """Each rank's latest report with when it arrived, and the recent step times."""
+        with self._lock:
+            return dict(self._latest), list(self._step_times)
+
+    def remember(self, message: keel_pb2.AgentMessage) -> None:
+        """A rank exit or a checkpoint commit, to replay after every Hello; only the
+        newest commit is kept (an older one changes nothing at the controller)."""
+        with self._lock:
+            if message.WhichOneof("kind") == "checkpoint_saved":
+                self._replay = [m for m in self._replay
+                                if m.WhichOneof("kind") != "checkpoint_saved"]
+            self._replay.append(message)
+
+    def replay(self) -> list[keel_pb2.AgentMessage]:
+        """What to send again right after a Hello: each rank's latest step report
+        (marked ``replayed``: progress only), then the exits and the newest commit."""
+        with self._lock:
+            messages = []
+            if self._generation is not None and self._latest:
+                job, generation = self._generation
+                latest = [report for _, report in sorted(self._latest.values(),
+                                                         key=lambda seen: seen[1].rank)]
+                messages.append(keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
+                    job=job, generation=generation, reports=latest, replayed=True)))
+            return messages + list(self._replay)

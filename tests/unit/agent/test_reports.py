@@ -1,0 +1,49 @@
+"""What the agent buffers of its ranks' reports and replays after every Hello."""
+
+from agent.reports import Reports
+from protos import keel_pb2
+
+
+def step(rank, number, seconds=0.1):
+    return keel_pb2.StepReport(rank=rank, step=number, step_time_s=seconds, loss=1.0 / number)
+
+
+def test_reports_of_the_running_generation_are_batched_and_others_dropped():
+    reports = Reports()
+    assert reports.add_steps(1, [step(0, 1)]) is False and reports.take_batch() is None
+    reports.begin("j", 2)
+    assert reports.add_steps(1, [step(0, 1)]) is False  # a straggler from generation 1
+    reports.add_steps(2, [step(0, 1), step(1, 1)])
+    reports.add_steps(2, [step(0, 2)])
+    batch = reports.take_batch()
+    assert (batch.job, batch.generation, [(r.rank, r.step) for r in batch.reports]) == \
+        ("j", 2, [(0, 1), (1, 1), (0, 2)])
+    assert reports.take_batch() is None
+    assert reports.last_steps() == {0: 2, 1: 1}
+    reports.end()
+    assert reports.add_steps(2, [step(0, 3)]) is False and reports.take_batch() is None
+
+
+def test_a_checkpoint_request_is_passed_on_once_and_only_to_its_generation():
+    reports = Reports()
+    reports.begin("j", 2)
+    assert reports.want_checkpoint(1) is False
+    assert reports.want_checkpoint(2) is True
+    assert reports.add_steps(2, [step(0, 1)]) is True
+    assert reports.add_steps(2, [step(0, 2)]) is False
+
+
+def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_commit():
+    reports = Reports()
+    reports.begin("j", 2)
+    reports.add_steps(2, [step(1, 4), step(0, 4), step(0, 5)])
+    reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=3)))
+    reports.remember(keel_pb2.AgentMessage(rank_exited=keel_pb2.RankExited(rank=1)))
+    reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=4)))
+    latest, exited, commit = reports.replay()
+    assert latest.steps.replayed and [(r.rank, r.step) for r in latest.steps.reports] == \
+        [(0, 5), (1, 4)]
+    assert exited.rank_exited.rank == 1 and commit.checkpoint_saved.step == 4
+    # A new generation starts from nothing.
+    reports.begin("j", 3)
+    assert reports.replay() == []
