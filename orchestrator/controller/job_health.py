@@ -1,6 +1,7 @@
-"""A job's health record: its events, the straggler detector's state, the remediation
-in flight, and the guard rails' memory. The controller feeds it what agents report and
-asks it what to do; the judgements themselves are the pure functions it calls."""
+"""A job's health record: its events, the straggler detector's state, the hang being
+reported, the preflight figures, and the guard rails' memory (when nodes were flagged,
+when nodes were replaced). The controller feeds it what agents report; the judgements
+are the pure functions of ``orchestrator.policy``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from orchestrator.policy import guardrails
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
@@ -25,22 +25,16 @@ MAX_EVENTS = 1000
 HANG_STACKS_LIMIT = 192 * 1024
 # Preflight: a node whose bus bandwidth is below this share of the nodes' median is slow.
 PREFLIGHT_SLOW_SHARE = 0.5
-# A straggler replacement waits this long for its checkpoint before going ahead from the
-# last committed one.
-REPLACE_CHECKPOINT_WAIT_S = 60.0
+PREFLIGHT_SLOW_REASON = "preflight: collective bus bandwidth below half of its peers'"
 
 
-@dataclass
-class Replacement:
-    """A checkpoint-then-stop in flight: a node replaced (straggler or operator),
-    excluded, drained, or the whole job stopped by its operator."""
-    node: str                # the node leaving the job; "" for a job stop
+@dataclass(frozen=True)
+class SlowFlag:
+    """A node found slow: at ``step``, ``after_steps`` steps after it became slow."""
+    node: str
+    step: int
+    after_steps: int
     reason: str
-    after_step: int          # the checkpoint asked for comes after this step
-    requested_at: float      # monotonic
-    policy: str              # replace, exclude, drain or stop
-    with_node: str = ""      # replace: the node to take its place ("" = any free one)
-    checkpoint: bool = True  # False: stop at once from the last committed checkpoint
 
 
 @dataclass(eq=False)
@@ -57,14 +51,13 @@ class JobHealth:
     samples: list[StepSample] = field(default_factory=list)
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
-    avoid: set[str] = field(default_factory=set)    # keep out of the next placement
     hang_event: keel_pb2.Event | None = None
     hang_waiting: dict[int, bool] = field(default_factory=dict)  # rank -> waits in a collective
     hang_stack_chars: int = 0                       # of the stacks the hang event keeps
-    replacing: Replacement | None = None
     preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(
         default_factory=dict)
     preflight_flagged: set[str] = field(default_factory=set)
+    preflight_flags: list[SlowFlag] = field(default_factory=list)   # for the next tick
 
     @property
     def straggler_config(self) -> StragglerConfig:
@@ -106,9 +99,14 @@ class JobHealth:
         self.hang_event = None
         self.hang_waiting.clear()
         self.hang_stack_chars = 0
-        self.replacing = None
         self.preflight.clear()
         self.preflight_flagged.clear()
+        self.preflight_flags.clear()
+
+    @property
+    def hung_node(self) -> str:
+        """The node of the rank the hang being reported blames; "" without a hang."""
+        return self.hang_event.node if self.hang_event is not None else ""
 
     # ------------------------------------------------------------------- hangs
     def add_stacks(self, stacks) -> None:
@@ -144,42 +142,38 @@ class JobHealth:
                 self.samples.append(StepSample(rank=report.rank, node=node, step=report.step,
                                                step_time_s=seconds))
 
-    def evaluate_stragglers(self) -> list[Flag]:
-        if not self.samples:
-            return []
-        samples, self.samples = self.samples, []
-        self.straggler_state, flags, cleared = evaluate(self.straggler_state, samples,
-                                                        self.straggler_config)
-        for node in cleared:
-            log.info("straggler cleared", job=self.job, node=node)
+    def slow_flags(self) -> list[SlowFlag]:
+        """The nodes found slow since the last call: stragglers in the windows completed
+        meanwhile, then nodes far below their peers in the preflight sweep."""
+        flags = self.preflight_flags
+        self.preflight_flags = []
+        if self.samples:
+            samples, self.samples = self.samples, []
+            self.straggler_state, found, cleared = evaluate(self.straggler_state, samples,
+                                                            self.straggler_config)
+            for node in cleared:
+                log.info("straggler cleared", job=self.job, node=node)
+            flags = [_flag(f) for f in found] + flags
         return flags
 
-    def note_flag(self, node: str, now: float) -> bool:
-        """Remember a flag on ``node``; True if it has been flagged often enough to be
-        cordoned."""
+    def note_flag(self, node: str, now: float) -> list[float]:
+        """Remember a flag on ``node``; every flag time of it so far."""
         times = self.flag_times.setdefault(node, [])
         times.append(now)
-        return guardrails.should_cordon(times, now)
-
-    def may_replace(self, now: float) -> bool:
-        return guardrails.replacement_allowed(self.replacement_times, now,
-                                              self.spec.max_replacements_per_hour)
+        return times
 
     # --------------------------------------------------------------- preflight
-    def add_preflight(self, node: str, report: keel_pb2.PreflightReport) -> list[str]:
-        """Keep each node's slowest rank per collective and size; return nodes newly
-        found far below their peers."""
+    def add_preflight(self, node: str, report: keel_pb2.PreflightReport, step: int) -> None:
+        """Keep each node's slowest rank per collective and size; nodes newly found far
+        below their peers are flagged (``slow_flags``)."""
         mine = self.preflight.setdefault(node, {})
         for result in report.results:
             key = (result.collective, result.size_bytes)
             if key not in mine or result.busbw_gbps < mine[key].busbw_gbps:
                 mine[key] = result
-        newly = []
-        for name in self.slow_preflight_nodes():
-            if name not in self.preflight_flagged:
-                self.preflight_flagged.add(name)
-                newly.append(name)
-        return newly
+        for name in sorted(self.slow_preflight_nodes() - self.preflight_flagged):
+            self.preflight_flagged.add(name)
+            self.preflight_flags.append(SlowFlag(name, step, 0, PREFLIGHT_SLOW_REASON))
 
     def slow_preflight_nodes(self) -> set[str]:
         if len(self.preflight) < 2:
@@ -200,3 +194,8 @@ class JobHealth:
                                        results=[results[k] for k in sorted(results)],
                                        slow=node in slow)
                 for node, results in sorted(self.preflight.items())]
+
+
+def _flag(flag: Flag) -> SlowFlag:
+    return SlowFlag(flag.node, flag.flagged_at_step, flag.flagged_at_step - flag.slow_since_step,
+                    flag.reason)

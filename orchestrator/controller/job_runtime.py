@@ -8,9 +8,10 @@ import collections
 from dataclasses import dataclass, field
 
 from orchestrator.controller.job_health import JobHealth
-from orchestrator.policy.lifecycle import JobState
-from orchestrator.policy.placement import NodeRanks
 from orchestrator.policy.job import RankExit
+from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.operations import Operation
+from orchestrator.policy.placement import NodeRanks
 from protos import keel_pb2
 
 
@@ -50,6 +51,16 @@ class JobRuntime:
     stop_requested: str = ""     # the operator's stop, with their reason (persisted)
     stop_now: bool = False       # ... without a final checkpoint
     planned_stop: bool = False   # the current generation was stopped on purpose (persisted)
+    # The checkpoint-then-stop under way (persisted when it cannot be derived again from
+    # the cordons and the stop request: a replacement, an exclusion).
+    operation: Operation | None = None
+    # An operator's checkpoint request ({"generation", "after_step", "reason"}, persisted)
+    # and whether this leader has passed it on to the agents.
+    checkpoint_request: dict | None = None
+    checkpoint_request_sent: bool = False
+    # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
+    retry_at: float = 0.0
+    retry_backoff_s: float = 0.0
 
     @property
     def name(self) -> str:

@@ -1,9 +1,9 @@
 """The operator's calls on the controller: submit, inspect and steer jobs and nodes.
 
-A mixin of ``Controller``: every handler checks that this controller leads, validates
-its request (a bad one is refused with the field and the fix, and changes nothing),
-records the operator's intent in etcd and in memory, and leaves the doing to the
-reconcile loop, which converges on it, after a failover too.
+Every handler checks that this controller leads, validates its request (a bad one is
+refused with the field and the fix, and changes nothing), records the operator's
+intent in etcd and in memory, and leaves the doing to the reconcile loop, which
+converges on it, after a failover too.
 """
 
 from __future__ import annotations
@@ -15,11 +15,17 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from orchestrator.spec.health import resolve as resolve_health
-from orchestrator.controller.job_health import JobHealth, Replacement
+from orchestrator.controller import observe
+from orchestrator.controller.executor import Executor
+from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
-from orchestrator.spec.jobspec import InvalidSpec, validate
+from orchestrator.controller.leadership import Leadership
+from orchestrator.controller.state import ControllerState
+from orchestrator.policy import operations
 from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.operations import Operation
+from orchestrator.spec.health import resolve as resolve_health
+from orchestrator.spec.jobspec import InvalidSpec, validate
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -28,6 +34,16 @@ MAX_REASON_CHARS = 1024
 
 
 class OperatorService:
+    def __init__(self, state: ControllerState, leadership: Leadership, executor: Executor):
+        self.state = state
+        self.store = state.store
+        self.leadership = leadership
+        self.executor = executor
+        self.lock = state.lock
+
+    def _require_leader(self, context) -> None:
+        self.leadership.require(context)
+
     def SubmitJob(self, request, context):
         self._require_leader(context)
         spec = keel_pb2.JobSpec()
@@ -37,7 +53,7 @@ class OperatorService:
         except InvalidSpec as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {exc}")
         with self.lock:
-            if spec.name in self.jobs:
+            if spec.name in self.state.jobs:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"job {spec.name!r} exists; choose another name")
             job = JobRuntime(spec=spec, state=JobState.PENDING, state_rev=0,
@@ -52,16 +68,16 @@ class OperatorService:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"job {spec.name!r} exists in etcd; choose another name")
             job.state_rev = revision
-            self.jobs[spec.name] = job
+            self.state.jobs[spec.name] = job
         log.info("job submitted", job=spec.name, world_size=spec.world_size,
                  max_restarts=spec.max_restarts)
-        self.wake.set()
+        self.state.wake.set()
         return keel_pb2.SubmitJobReply(job=spec.name)
 
     def GetJob(self, request, context):
         self._require_leader(context)
         with self.lock:
-            job = self.jobs.get(request.job)
+            job = self.state.jobs.get(request.job)
             if job is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
             return self._status(job)
@@ -70,7 +86,7 @@ class OperatorService:
         self._require_leader(context)
         with self.lock:
             return keel_pb2.ListJobsReply(jobs=[self._status(job) for _, job in
-                                                sorted(self.jobs.items())])
+                                                sorted(self.state.jobs.items())])
 
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
         window = job.token_window
@@ -97,15 +113,15 @@ class OperatorService:
     def ListNodes(self, request, context):
         self._require_leader(context)
         with self.lock:
-            names = set(self.registered) | set(self.sessions) | set(self.cordons)
+            names = set(self.state.registered) | set(self.state.sessions) | set(self.state.cordons)
             return keel_pb2.ListNodesReply(nodes=[self._node_info(n) for n in sorted(names)])
 
     # ------------------------------------------------------------------ helpers
     def _node_info(self, name: str) -> keel_pb2.NodeInfo:
-        session = self.sessions.get(name)
-        record = self.registered.get(name, {})
-        cordon = self.cordons.get(name)
-        job = self._job_on(name)
+        session = self.state.sessions.get(name)
+        record = self.state.registered.get(name, {})
+        cordon = self.state.cordons.get(name)
+        job = self.state.job_on(name)
         if cordon is None:
             state = "ready"
         elif cordon["drain"]:
@@ -121,12 +137,6 @@ class OperatorService:
                            else f"{cordon['reason']} (by the {cordon['by']})"),
             job=job.name if job is not None else "")
 
-    def _job_on(self, node: str) -> JobRuntime | None:
-        """The job whose current generation runs (or is being started or stopped) on
-        ``node``."""
-        return next((j for j in self.jobs.values()
-                     if j.state.holds_nodes and node in j.nodes), None)
-
     @staticmethod
     def _short_reason(reason: str, context) -> None:
         """An operator's reason is stored with the cordon or the job's state, and
@@ -139,13 +149,14 @@ class OperatorService:
     def _known_node(self, name: str, context) -> None:
         if not name:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node: give the node's name")
-        if not (name in self.registered or name in self.sessions or name in self.cordons
-                or self._job_on(name) is not None):
+        state = self.state
+        if not (name in state.registered or name in state.sessions or name in state.cordons
+                or state.job_on(name) is not None):
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"no node named {name!r}; `keel nodes` lists them")
 
     def _job_named(self, name: str, context) -> JobRuntime:
-        job = self.jobs.get(name)
+        job = self.state.jobs.get(name)
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"no job named {name!r}; `keel jobs` lists them")
@@ -153,26 +164,15 @@ class OperatorService:
 
     def _persist_cordon(self, node: str, reason: str, drain: bool, context) -> None:
         try:
-            self._cordon(node, reason, by="operator", drain=drain)
+            self.executor.cordon(node, reason, by="operator", drain=drain)
         except Exception as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, nothing changed: "
                                                        f"{exc}")
 
-    def _spare_slots(self, job: JobRuntime) -> dict[str, int]:
-        """Free slots on nodes the job does not run on now."""
-        return {n: s for n, s in self._free_slots(job).items() if n not in job.nodes}
-
     def _where_it_goes(self, job: JobRuntime, node: str) -> str:
         """How the job will do without ``node``, judged from the free nodes now."""
-        needed = job.ranks_on(node)
-        free = sum(self._spare_slots(job).values())
-        if free >= needed:
-            return f"on free nodes ({free} slot(s) free, {needed} needed)"
-        if job.spec.min_nodes:
-            return (f"on a re-planned smaller layout (no free node for its {needed} "
-                    f"rank(s); min_nodes {job.spec.min_nodes})")
-        return (f"once {needed} slot(s) are free: the job may not shrink (min_nodes 0) and "
-                f"no free node can take its {needed} rank(s)")
+        return operations.without_node(job.ranks_on(node), observe.spare_slots(self.state, job),
+                                       job.spec.min_nodes)
 
     # -------------------------------------------------------------------- nodes
     def CordonNode(self, request, context):
@@ -180,11 +180,11 @@ class OperatorService:
         self._short_reason(request.reason, context)
         with self.lock:
             self._known_node(request.node, context)
-            existing = self.cordons.get(request.node)
+            existing = self.state.cordons.get(request.node)
             if existing is None:
                 self._persist_cordon(request.node, request.reason or "cordoned by the operator",
                                      False, context)
-            job = self._job_on(request.node)
+            job = self.state.job_on(request.node)
             message = (f"{request.node} was already {'draining' if existing['drain'] else 'cordoned'}"
                        if existing else f"{request.node} cordoned: no new generation goes there")
             if job is not None:
@@ -195,7 +195,7 @@ class OperatorService:
         self._require_leader(context)
         with self.lock:
             self._known_node(request.node, context)
-            if request.node not in self.cordons:
+            if request.node not in self.state.cordons:
                 return keel_pb2.NodeReply(node=self._node_info(request.node),
                                           message=f"{request.node} was not cordoned")
             try:
@@ -203,18 +203,15 @@ class OperatorService:
             except Exception as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"etcd unavailable, nothing changed: {exc}")
-            was = self.cordons.pop(request.node)
+            was = self.state.cordons.pop(request.node)
             message = f"{request.node} uncordoned: new generations may go there again"
-            job = self._job_on(request.node)
-            pending = job.health.replacing if job is not None else None
-            if pending is not None and pending.policy == "drain":
-                # The drain is called off; a checkpoint it asked for does no harm.
-                job.health.replacing = None
-                job.health.event("operator", f"drain of {request.node} called off",
-                                 node=request.node, step=job.step)
+            job = self.state.job_on(request.node)
+            pending = job.operation if job is not None else None
+            if pending is not None and pending.policy == "drain" and pending.node == request.node:
+                # The reconcile loop calls it off: the node is no longer draining.
                 message += f"; the drain is called off and job {job.name} stays on it"
             log.info("node uncordoned", node=request.node, was=was["reason"])
-            self.wake.set()
+            self.state.wake.set()
             return keel_pb2.NodeReply(node=self._node_info(request.node), message=message)
 
     def DrainNode(self, request, context):
@@ -224,7 +221,7 @@ class OperatorService:
             self._known_node(request.node, context)
             self._persist_cordon(request.node, request.reason or "drained by the operator",
                                  True, context)
-            job = self._job_on(request.node)
+            job = self.state.job_on(request.node)
             if job is None:
                 message = f"{request.node} drained: it runs nothing, and no new generation goes there"
             else:
@@ -239,41 +236,32 @@ class OperatorService:
         self._require_leader(context)
         with self.lock:
             self._known_node(request.node, context)
-            job = self._job_on(request.node)
+            job = self.state.job_on(request.node)
             if job is None or job.state is not JobState.RUNNING:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"{request.node} runs no running job; nothing to replace")
-            if job.health.replacing is not None:
+            if job.operation is not None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"job {job.name} is already under way to "
-                              f"{job.health.replacing.reason}; wait for its next generation")
-            needed = job.ranks_on(request.node)
-            free = self._spare_slots(job)
+                              f"{job.operation.reason}; wait for its next generation")
             if request.with_node:
                 self._known_node(request.with_node, context)
-                problem = ""
-                if request.with_node in job.nodes:
-                    problem = f"it already runs job {job.name}"
-                elif request.with_node in self.cordons:
-                    problem = "it is cordoned (`keel uncordon` it first)"
-                elif request.with_node not in free:
-                    problem = "it is not free (disconnected or running another job)"
-                elif free[request.with_node] < needed:
-                    problem = (f"it has {free[request.with_node]} slot(s) and "
-                               f"{request.node} runs {needed} rank(s)")
-                if problem:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"{request.with_node} cannot take {request.node}'s place: "
-                                  f"{problem}")
-            elif sum(free.values()) < needed:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"no free node can take {request.node}'s {needed} rank(s); add "
-                              f"a node, or `keel drain {request.node}` to re-plan smaller")
+            problem = operations.replace_problem(
+                request.node, request.with_node, job.name, job.nodes, job.ranks_on(request.node),
+                observe.spare_slots(self.state, job), frozenset(self.state.cordons))
+            if problem:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             into = request.with_node or "a free node"
-            reason = f"operator: replace {request.node} with {into}"
-            self._begin(job, Replacement(node=request.node, reason=reason,
-                                         after_step=job.step, requested_at=time.monotonic(),
-                                         policy="replace", with_node=request.with_node))
+            operation = Operation(node=request.node, policy="replace", generation=job.generation,
+                                  reason=f"operator: replace {request.node} with {into}",
+                                  with_node=request.with_node)
+            try:
+                self.store.put_operation(job.name, operation.record())
+            except Exception as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"etcd unavailable, nothing changed: {exc}")
+            job.operation = operation   # the reconcile loop begins it
+            self.state.wake.set()
             job.health.event("operator", f"replacement of {request.node} with {into} requested",
                              node=request.node, step=job.step)
             return keel_pb2.NodeReply(
@@ -288,7 +276,7 @@ class OperatorService:
             if request.job:
                 job = self._job_named(request.job, context)
             else:
-                running = [j for j in self.jobs.values() if j.state is JobState.RUNNING]
+                running = [j for j in self.state.jobs.values() if j.state is JobState.RUNNING]
                 if len(running) != 1:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   "job: name the job to checkpoint; running: "
@@ -298,7 +286,16 @@ class OperatorService:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"job {job.name} is {job.state.value}; only a running job can "
                               f"checkpoint")
-            self._request_checkpoint(job, "requested by the operator")
+            request_ = {"generation": job.generation, "after_step": job.step,
+                        "reason": "requested by the operator"}
+            try:
+                self.store.put_checkpoint_request(job.name, request_)
+            except Exception as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"etcd unavailable, nothing changed: {exc}")
+            # The reconcile loop passes it on to the agents.
+            job.checkpoint_request, job.checkpoint_request_sent = request_, False
+            self.state.wake.set()
             job.health.event("operator", f"checkpoint requested after step {job.step}",
                              step=job.step)
             return keel_pb2.CheckpointJobReply(job=job.name, generation=job.generation,
@@ -326,7 +323,7 @@ class OperatorService:
                                   f"could not record the stop, nothing changed: {exc}")
                 job.health.event("operator", reason, step=job.step)
                 log.info("job stop requested", job=job.name, reason=reason, now=request.now)
-                self.wake.set()
+                self.state.wake.set()
             if job.state is JobState.RUNNING and not job.stop_now:
                 message = f"job {job.name} checkpoints now, then stops"
             else:

@@ -157,3 +157,24 @@ class Store:
         """Committed checkpoint records, oldest step first."""
         found = self._prefix(keys.checkpoints(name))
         return [found[k] for k in sorted(found)]
+
+    # ------------------------------------------------------- operator intents
+    def put_operation(self, name: str, record: dict) -> None:
+        """The checkpoint-then-stop under way for job ``name`` (``Operation.record()``)."""
+        self.client.put(keys.operation(name), json.dumps(record))
+
+    def operation(self, name: str) -> dict | None:
+        return self._get(keys.operation(name)).value
+
+    def delete_operation(self, name: str) -> None:
+        self.client.delete(keys.operation(name))
+
+    def put_checkpoint_request(self, name: str, request: dict) -> None:
+        """An operator's request for a checkpoint of job ``name`` after a step."""
+        self.client.put(keys.checkpoint_request(name), json.dumps(request))
+
+    def checkpoint_request(self, name: str) -> dict | None:
+        return self._get(keys.checkpoint_request(name)).value
+
+    def delete_checkpoint_request(self, name: str) -> None:
+        self.client.delete(keys.checkpoint_request(name))

@@ -1,4 +1,4 @@
-"""What the controller should do next with a job: a pure decision.
+"""What the controller should do next with a job's lifecycle: a pure decision.
 
 ``decide(now, observed, spec)`` reads a snapshot built by the controller and returns an
 action and a reason a person can act on. No I/O, no clock reads: the caller passes
@@ -8,7 +8,7 @@ action and a reason a person can act on. No I/O, no clock reads: the caller pass
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.policy.lifecycle import JobState
 
@@ -61,6 +61,9 @@ class Observed:
     generation: int = 0                # generations started so far
     generation_world_size: int = 0     # ranks of the current generation (may be shrunk)
     free_slots: dict[str, int] = field(default_factory=dict)  # usable nodes not busy elsewhere
+    # Free slots on nodes the last generation had trouble with (hung, slow, moved off
+    # on purpose): used only when the job cannot start without them.
+    suspect_slots: dict[str, int] = field(default_factory=dict)
     generation_nodes: frozenset[str] = frozenset()   # nodes of the current generation
     rendezvous_ready: bool = False
     exits: tuple[RankExit, ...] = ()   # exits seen in the current generation
@@ -93,6 +96,8 @@ class Decision:
     shrink: bool = False    # PREPARE on fewer slots than the spec asks for
     collect_stacks: bool = False  # STOP of a hang: every agent dumps stacks first
     replacement: bool = False     # STOP to carry out a node replacement
+    use_suspects: tuple[str, ...] = ()  # PREPARE on these suspect nodes too (no spare)
+    alert: str = ""               # a person should know this: recorded as an alert event
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
@@ -113,22 +118,17 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
         if waited < observed.backoff_s:
             return Decision(Action.WAIT, f"backing off {observed.backoff_s:.1f}s after "
                                          f"restart {observed.restarts}")
-        free = sum(observed.free_slots.values())
-        nodes = sum(1 for s in observed.free_slots.values() if s > 0)
-        if free >= spec.world_size:
-            return Decision(Action.PREPARE,
-                            f"{free} slots free on {nodes} nodes, need {spec.world_size}")
-        # Only a job that has run shrinks: at first start, agents join one by one and a
-        # job must not start on whichever node happened to come first.
-        if observed.generation and spec.min_nodes and nodes >= spec.min_nodes:
-            return Decision(Action.PREPARE,
-                            f"capacity lost and no spare: {free}/{spec.world_size} slots free "
-                            f"on {nodes} nodes; re-planning smaller (min_nodes "
-                            f"{spec.min_nodes})", shrink=True)
-        floor = (f", or {spec.min_nodes} nodes to shrink to" if spec.min_nodes
-                 and observed.generation else "")
-        return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
-                                     f"need {spec.world_size}{floor}")
+        decision = _place(observed.free_slots, observed.generation, spec)
+        if decision.action is Action.WAIT and observed.suspect_slots:
+            # No spare to replace a suspect node: run on it rather than not at all.
+            widened = _place({**observed.free_slots, **observed.suspect_slots},
+                             observed.generation, spec)
+            if widened.action is Action.PREPARE:
+                suspects = tuple(sorted(observed.suspect_slots))
+                return replace(widened, use_suspects=suspects,
+                               alert=f"no spare to replace {', '.join(suspects)}; "
+                                     f"restarting on it")
+        return decision
 
     if state is JobState.STARTING:
         if observed.lost_nodes:
@@ -185,3 +185,23 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
                                         f"{observed.restarts + 1}/{spec.max_restarts}")
 
     return Decision(Action.WAIT, f"job is {state.value}")
+
+
+def _place(free_slots: dict[str, int], generation: int, spec: Spec) -> Decision:
+    """PREPARE on ``free_slots`` if the job fits (or, having run, may shrink into them);
+    else WAIT, saying for what."""
+    free = sum(free_slots.values())
+    nodes = sum(1 for s in free_slots.values() if s > 0)
+    if free >= spec.world_size:
+        return Decision(Action.PREPARE,
+                        f"{free} slots free on {nodes} nodes, need {spec.world_size}")
+    # Only a job that has run shrinks: at first start, agents join one by one and a
+    # job must not start on whichever node happened to come first.
+    if generation and spec.min_nodes and nodes >= spec.min_nodes:
+        return Decision(Action.PREPARE,
+                        f"capacity lost and no spare: {free}/{spec.world_size} slots free "
+                        f"on {nodes} nodes; re-planning smaller (min_nodes "
+                        f"{spec.min_nodes})", shrink=True)
+    floor = f", or {spec.min_nodes} nodes to shrink to" if spec.min_nodes and generation else ""
+    return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
+                                 f"need {spec.world_size}{floor}")

@@ -7,6 +7,7 @@ import re
 
 from common import env
 from orchestrator import planner
+from orchestrator.planner.sizing import cluster_for, model_shape, training_shape
 from orchestrator.spec import health
 from protos import keel_pb2
 
@@ -53,7 +54,7 @@ def validate(spec: keel_pb2.JobSpec) -> None:
         # What the planner is given, checked now whatever the mesh, not at the first
         # placement. The node size is not known before placement.
         try:
-            shapes = (model_shape(spec), _cluster(spec, spec.world_size, spec.world_size),
+            shapes = (model_shape(spec), cluster_for(spec, spec.world_size, spec.world_size),
                       training_shape(spec))
         except ValueError as exc:
             problems.append(f"model/training: {exc}")
@@ -71,59 +72,3 @@ def validate(spec: keel_pb2.JobSpec) -> None:
             problems.append(f"mesh: {exc}")
     if problems:
         raise InvalidSpec(problems)
-
-
-def model_shape(spec: keel_pb2.JobSpec) -> planner.ModelShape:
-    m = spec.model
-    return planner.ModelShape(params=m.params, layers=m.layers, hidden=m.hidden,
-                              heads=m.heads, vocab=m.vocab)
-
-
-def training_shape(spec: keel_pb2.JobSpec) -> planner.Training:
-    t = spec.training
-    fields = {"seq_len": t.seq_len, "micro_batch": t.micro_batch,
-              "global_batch": t.global_batch or None, "microbatches": t.microbatches,
-              "precision": t.precision}
-    return planner.Training(**{k: v for k, v in fields.items() if v})
-
-
-def _cluster(spec: keel_pb2.JobSpec, world_size: int, gpus_per_node: int) -> planner.Cluster:
-    return planner.Cluster(world_size=world_size, gpus_per_node=gpus_per_node,
-                           gpu_memory_gb=spec.training.gpu_memory_gb or 80.0)
-
-
-def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
-                    shrink: bool, max_world_size: int = 0) -> tuple[int, str]:
-    """The world size and layout of the next generation. Pure.
-
-    The spec's own size and layout when it is not shrinking; the planner's best layout
-    when the spec says ``auto``; when shrinking, the largest world size that fits in
-    ``free_slots`` (and ``max_world_size``, when given) and for which the planner finds
-    a layout. Raises ValueError when none can run.
-    """
-    free = sum(free_slots.values())
-    node_slots = max(free_slots.values(), default=0)
-    ceiling = min(free, spec.world_size, max_world_size or spec.world_size)
-    sizes = range(ceiling, 0, -1) if shrink else [spec.world_size]
-    problems = []
-    for world_size in sizes:
-        if not shrink and spec.mesh and spec.mesh != "auto":
-            return world_size, spec.mesh
-        if not spec.model.params:
-            # Nothing is known of the model: plain data parallel is all that is safe.
-            return world_size, f"dp_shard={world_size}"
-        try:
-            best = planner.best(model_shape(spec), _cluster(spec, world_size,
-                                                            min(node_slots, world_size)),
-                                training_shape(spec))
-        except ValueError as exc:
-            problems.append(f"world size {world_size}: {exc}")
-            continue
-        return world_size, str(best.layout)
-    if not problems:
-        raise ValueError("no free slots")
-    # The largest size's problem says what to fix; thousands of smaller sizes' would
-    # bloat the job's reason (kept in etcd) without saying more.
-    smaller = len(problems) - 1
-    raise ValueError(problems[0] + (f"; no layout at the {smaller} smaller world size(s) "
-                                    f"either" if smaller else ""))

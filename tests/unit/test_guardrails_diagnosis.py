@@ -50,7 +50,7 @@ def test_restart_backoff_doubles_and_is_capped():
 
 def test_preflight_flags_a_node_far_below_its_peers_once():
     from orchestrator.spec.health import DEFAULTS
-    from orchestrator.controller.job_health import JobHealth
+    from orchestrator.controller.job_health import PREFLIGHT_SLOW_REASON, JobHealth
     from protos import keel_pb2
 
     def report(busbw):
@@ -58,11 +58,16 @@ def test_preflight_flags_a_node_far_below_its_peers_once():
             collective="all_reduce", size_bytes=1 << 20, busbw_gbps=busbw)])
 
     health = JobHealth("j", DEFAULTS)
-    assert health.add_preflight("node-0", report(10.0)) == []
-    assert health.add_preflight("node-1", report(9.0)) == []
-    assert health.add_preflight("node-2", report(2.0)) == ["node-2"]
+
+    def flagged(node, busbw):
+        health.add_preflight(node, report(busbw), step=0)
+        return [(f.node, f.reason) for f in health.slow_flags()]
+
+    assert flagged("node-0", 10.0) == []
+    assert flagged("node-1", 9.0) == []
+    assert flagged("node-2", 2.0) == [("node-2", PREFLIGHT_SLOW_REASON)]
     # A second rank of the same node keeps the node's slowest figure; no second flag.
-    assert health.add_preflight("node-2", report(8.0)) == []
+    assert flagged("node-2", 8.0) == []
     status = {p.node: p for p in health.preflight_status()}
     assert status["node-2"].slow and not status["node-0"].slow
     assert status["node-2"].results[0].busbw_gbps == 2.0

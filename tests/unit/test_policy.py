@@ -182,3 +182,29 @@ def test_a_planned_stop_restarts_without_spending_a_restart():
     planned = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, planned_stop=True, **stopped),
                      spent)
     assert planned.action is Action.RESTART and planned.replacement
+
+
+def test_with_no_spare_the_job_runs_on_a_suspect_node_and_says_so():
+    spec = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=0)
+    suspect = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2},
+                       suspect_slots={"b": 2})
+    d = decide(1.0, suspect, spec)
+    assert (d.action, d.reason, d.use_suspects) == (Action.PREPARE,
+                                                    "4 slots free on 2 nodes, need 4", ("b",))
+    assert d.alert == "no spare to replace b; restarting on it"
+    # A spare makes the suspect unneeded; so does a job that may shrink without it.
+    spare = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2, "c": 2},
+                     suspect_slots={"b": 2})
+    assert decide(1.0, spare, spec).use_suspects == ()
+    shrinkable = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=1)
+    d = decide(1.0, suspect, shrinkable)
+    assert d.action is Action.PREPARE and d.shrink and d.use_suspects == ()
+    # The back-off after a failure is not cut short for it.
+    backing_off = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2},
+                           suspect_slots={"b": 2}, backoff_s=5.0)
+    assert decide(1.0, backing_off, spec).action is Action.WAIT
+    # Not enough even with it: the job waits, and says for what without counting it.
+    few = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 1},
+                   suspect_slots={"b": 2})
+    d = decide(1.0, few, spec)
+    assert (d.action, d.reason) == (Action.WAIT, "1/4 slots free on 1 nodes, need 4")

@@ -1,0 +1,345 @@
+"""Applying decisions: the only code that changes a job's state in etcd and in memory,
+records events, and sends the agents what to do. Each method carries out one
+decision of ``orchestrator.policy``; none decides anything itself. Called with the
+state lock held, from the reconcile thread."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from google.protobuf import json_format
+
+from common import env
+from orchestrator.controller import metrics, observe
+from orchestrator.controller.errors import Terminal
+from orchestrator.controller.job_health import SlowFlag
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.planner.sizing import size_and_layout
+from orchestrator.policy import operations
+from orchestrator.policy.adoption import Account, AccountDecision
+from orchestrator.policy.job import Action, Decision
+from orchestrator.policy.lifecycle import JobState, check_transition
+from orchestrator.policy.operations import Change, Operation, OperationDecision
+from orchestrator.policy.placement import place
+from orchestrator.policy.remediation import Remedy, SlowNodeDecision
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+
+class Executor:
+    def __init__(self, state: ControllerState):
+        self.state = state
+        self.store = state.store
+
+    # ================================================================ lifecycle
+    def transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
+                   plan: dict | None = None, **changes: int | bool) -> None:
+        """Persist the new state and ``changes`` (generation, restarts) in one
+        revision-guarded write, and only then adopt them."""
+        check_transition(job.state, target)
+        previous = job.state
+        record = job.record() | changes | {"state": target.value, "reason": reason}
+        job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
+        for name, value in changes.items():
+            setattr(job, name, value)
+        job.state, job.reason, job.state_since = target, reason, now
+        metrics.JOB_STATE.labels(job=job.name).set(list(JobState).index(target))
+        metrics.JOB_GENERATION.labels(job=job.name).set(job.generation)
+        log.info("job state", job=job.name, generation=job.generation,
+                 **{"from": previous.value, "to": target.value}, reason=reason,
+                 restarts=job.restarts)
+
+    def apply(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        """Carry out a lifecycle decision of ``policy.job.decide``."""
+        if decision.action is Action.WAIT:
+            if decision.reason != job.last_wait_reason:
+                job.last_wait_reason = decision.reason
+                log.info("waiting", job=job.name, generation=job.generation,
+                         state=job.state.value, reason=decision.reason)
+            return
+        job.last_wait_reason = ""
+        handler = {Action.PREPARE: self._prepare, Action.START: self._start,
+                   Action.STOP: self._stop, Action.RESTART: self._restart,
+                   Action.SUCCEED: self._finish, Action.FAIL: self._finish,
+                   Action.CANCEL: self._finish}[decision.action]
+        handler(job, decision, now)
+
+    def fail(self, job: JobRuntime, reason: str, now: float) -> None:
+        """End a job that cannot go on (a ``Terminal`` error)."""
+        if job.state is JobState.PENDING:
+            self.transition(job, JobState.FAILED, reason, now)
+        else:
+            log.error("job cannot go on", job=job.name, state=job.state.value, reason=reason)
+
+    def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        health = job.health
+        avoid = observe.suspects(job) - frozenset(decision.use_suspects)
+        planned = job.operation if job.planned_stop else None
+        target = operations.target(planned, observe.free_slots(self.state, job, avoid),
+                                   decision.shrink, job.nodes, job.world_size,
+                                   job.spec.world_size,
+                                   job.ranks_on(planned.node) if planned and planned.node else 0)
+        if decision.alert:
+            health.event("alert", decision.alert, node=decision.use_suspects[0])
+        if target.alert:
+            health.event("alert", target.alert, node=target.alert_node)
+        try:
+            world_size, mesh = size_and_layout(job.spec, target.free_slots, target.shrink,
+                                               target.ceiling)
+        except ValueError as exc:
+            raise Terminal(f"no layout can run: {exc}") from None
+        placement = place(world_size, target.free_slots)
+        reason = decision.reason
+        if target.shrink:
+            reason += f"; planner chose {mesh} at world size {world_size}"
+        out = sorted((frozenset(job.lost_nodes) if decision.use_suspects else
+                      observe.suspects(job)) & job.nodes)
+        self.transition(job, JobState.STARTING, reason, now, generation=job.generation + 1,
+                        planned_stop=False)
+        previous = job.nodes
+        job.placement, job.world_size, job.mesh = placement, world_size, mesh
+        if out:
+            newcomers = sorted(job.nodes - previous)
+            health.replacement_times.append(now)
+            if newcomers and not target.shrink:
+                health.event("replaced", f"{', '.join(out)} replaced by "
+                                         f"{', '.join(newcomers)}", node=out[0], step=job.step)
+            else:
+                health.event("excluded", f"{', '.join(out)} excluded; re-planned to "
+                                         f"{mesh} at world size {world_size}", node=out[0],
+                             step=job.step)
+        health.new_generation(job.generation, job.rank_nodes)
+        job.rendezvous = None
+        job.exits.clear()
+        job.stopped_nodes.clear()
+        job.lost_nodes.clear()
+        job.vanished.clear()
+        self._drop_intents(job)
+        checkpoints = self.store.checkpoints(job.name)
+        job.restore_from = checkpoints[-1] if checkpoints else None
+        self.state.send(placement[0].node, keel_pb2.ControllerMessage(
+            prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
+                                                          generation=job.generation)))
+
+    def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        host, port = job.rendezvous
+        restore = job.restore_from["path"] if job.restore_from else ""
+        plan = {"generation": job.generation, "world_size": job.world_size,
+                "master_addr": host, "master_port": port,
+                "nodes": {p.node: list(p.ranks) for p in job.placement},
+                "restore_from": restore, "command": list(job.spec.command),
+                "mesh": job.mesh,
+                "created_at": time.time()}
+        reason = (f"generation {job.generation}: {job.world_size} ranks on "
+                  f"{len(job.placement)} nodes as {job.mesh}, "
+                  + (f"restoring step {job.restore_from['step']}" if job.restore_from
+                     else "fresh start"))
+        self.transition(job, JobState.RUNNING, reason, now, plan)
+        for part in job.placement:
+            start = keel_pb2.StartGeneration(
+                job=job.name, generation=job.generation, world_size=job.world_size,
+                local_world_size=part.local_world_size, master_addr=host, master_port=port,
+                command=list(job.spec.command), env=dict(job.spec.env),
+                restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
+                restore_from=restore, mesh=plan["mesh"], health=job.health.spec)
+            if job.health.spec.preflight_off:
+                start.env[env.PREFLIGHT] = "0"
+            for local_rank, rank in enumerate(part.ranks):
+                start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
+            self.state.send(part.node, keel_pb2.ControllerMessage(start_generation=start))
+
+    def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        cause = decision.root_cause
+        if cause is not None:
+            job.failures.append({
+                "generation": job.generation, "node": cause.node, "rank": cause.rank,
+                "pid": cause.pid, "exitCode": cause.exit_code, "signal": cause.signal,
+                "traceback": cause.traceback[-8000:], "stderrTail": cause.stderr_tail[-4000:],
+                "exitedAt": cause.exited_at, "lastStep": cause.last_step})
+            job.health.event(
+                "crash", decision.reason, node=cause.node, rank=cause.rank,
+                step=cause.last_step,
+                # From the process's exit (reaped within one agent tick of it) to the
+                # controller knowing, traceback included.
+                detected_after_s=max(0.0, cause.reported_at - (cause.reaped_at or cause.exited_at)),
+                root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
+        self.transition(job, JobState.STOPPING, decision.reason, now,
+                        planned_stop=decision.replacement)
+        for node in job.nodes - job.lost_nodes:
+            self.state.send(node, keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
+                job=job.name, generation=job.generation, reason=decision.reason,
+                collect_stacks=decision.collect_stacks)))
+
+    def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        if decision.replacement:
+            # Planned: spends no restart; planned_stop stays set through PENDING, so the
+            # next generation starts without a failure's back-off.
+            self.transition(job, JobState.PENDING, decision.reason, now)
+            return
+        self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
+        metrics.JOB_RESTARTS.labels(job=job.name).inc()
+
+    def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        target = {Action.SUCCEED: JobState.SUCCEEDED, Action.FAIL: JobState.FAILED,
+                  Action.CANCEL: JobState.CANCELLED}[decision.action]
+        self.transition(job, target, decision.reason, now)
+
+    # ==================================================================== nodes
+    def mark_lost(self, job: JobRuntime, node: str, down_for_s: float) -> None:
+        job.lost_nodes.add(node)
+        job.health.event("node_lost", f"{node}: agent stream down {down_for_s:.1f}s "
+                                      f"or its etcd lease expired", node=node,
+                         step=job.step, detected_after_s=down_for_s)
+
+    def flag_slow(self, job: JobRuntime, flag: SlowFlag, now: float) -> list[float]:
+        """Record that ``flag.node`` was found slow; every flag time of it so far."""
+        job.health.event("straggler", flag.reason, node=flag.node, step=flag.step,
+                         detected_after_steps=flag.after_steps)
+        return job.health.note_flag(flag.node, now)
+
+    def remedy(self, job: JobRuntime, node: str, decision: SlowNodeDecision,
+               now: float) -> None:
+        """Carry out ``remediation.slow_node``'s decision about ``node``."""
+        if decision.cordon:
+            try:
+                self.cordon(node, decision.cordon, by="straggler detector", drain=False)
+                job.health.event("cordoned", f"{node} {decision.cordon}; no new generation "
+                                             f"will be placed on it until `keel uncordon "
+                                             f"{node}`", node=node, step=job.step)
+            except Exception as exc:
+                job.health.event("alert", f"could not cordon {node} ({decision.cordon}): "
+                                          f"{exc}", node=node)
+        if decision.remedy is Remedy.ALERT:
+            job.health.event("alert", decision.reason, node=node, step=job.step)
+        elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
+            self.begin(job, decision.operation, now, persist=True)
+
+    def cordon(self, node: str, reason: str, by: str, drain: bool) -> dict:
+        """Keep new generations off ``node`` (in etcd first, then here)."""
+        record = {"reason": reason, "by": by, "drain": drain, "at": time.time()}
+        self.store.cordon(node, record)
+        self.state.cordons[node] = record
+        log.info("node cordoned", node=node, reason=reason, by=by, drain=drain)
+        self.state.wake.set()
+        return record
+
+    # =============================================================== operations
+    def operate(self, job: JobRuntime, decision: OperationDecision, now: float) -> None:
+        """Carry out ``operations.ensure``'s decision."""
+        if decision.change is Change.BEGIN:
+            self.begin(job, decision.operation, now)
+        elif decision.change is Change.CALL_OFF:
+            # A checkpoint it asked for does no harm.
+            node = job.operation.node
+            job.operation = None
+            job.health.event("operator", decision.reason, node=node, step=job.step)
+
+    def begin(self, job: JobRuntime, operation: Operation, now: float,
+              persist: bool = False) -> None:
+        """Start a checkpoint-then-stop: ask every rank for a checkpoint now (unless the
+        operation skips it); the lifecycle policy stops the generation once it is
+        committed. ``persist``: record it in etcd first (an operation that cannot be
+        derived again from the cordons and the stop request)."""
+        if persist:
+            self.store.put_operation(job.name, operation.record())
+        job.operation = operation.begin(job.step, now)
+        if operation.checkpoint:
+            self.request_checkpoint(job, operation.reason)
+        self.state.wake.set()
+
+    def request_checkpoint(self, job: JobRuntime, reason: str) -> None:
+        for part in job.placement:
+            self.state.send(part.node, keel_pb2.ControllerMessage(
+                checkpoint_now=keel_pb2.CheckpointNow(job=job.name, generation=job.generation,
+                                                      reason=reason)))
+
+    def pass_on_checkpoint_request(self, job: JobRuntime) -> None:
+        """An operator's checkpoint request goes to the agents once per leadership, and
+        is dropped once a checkpoint after its step is committed."""
+        request = job.checkpoint_request
+        checkpoint = job.last_checkpoint
+        if checkpoint and checkpoint["step"] > request["after_step"] \
+                and checkpoint["generation"] == request["generation"]:
+            self.store.delete_checkpoint_request(job.name)
+            job.checkpoint_request, job.checkpoint_request_sent = None, False
+        elif not job.checkpoint_request_sent:
+            self.request_checkpoint(job, request["reason"])
+            job.checkpoint_request_sent = True
+
+    def _drop_intents(self, job: JobRuntime) -> None:
+        """A new generation: what was asked of the last one no longer applies."""
+        if job.operation is not None:
+            self.store.delete_operation(job.name)
+            job.operation = None
+        if job.checkpoint_request is not None:
+            self.store.delete_checkpoint_request(job.name)
+            job.checkpoint_request, job.checkpoint_request_sent = None, False
+
+    # ================================================================= adoption
+    def account(self, session: AgentSession, decisions: list[AccountDecision]) -> None:
+        """Carry out ``adoption.account``'s decisions about ``session``'s Hello."""
+        for decision in decisions:
+            job = self.state.jobs.get(decision.job)
+            if decision.action is Account.RESEND_RENDEZVOUS:
+                session.send(keel_pb2.ControllerMessage(
+                    prepare_rendezvous=keel_pb2.PrepareRendezvous(
+                        job=decision.job, generation=decision.generation)))
+            elif decision.action is Account.STOPPED:
+                job.stopped_nodes.add(session.node)
+            elif decision.action is Account.VANISHED:
+                job.vanished[session.node] = list(decision.ranks)
+                job.health.event("agent_restarted", decision.reason, node=session.node,
+                                 step=job.step)
+            elif decision.action is Account.ADOPT:
+                log.info("adopted running ranks", job=decision.job, node=session.node,
+                         generation=decision.generation, ranks=list(decision.ranks))
+            else:
+                log.info("stopping stale ranks", job=decision.job, node=session.node,
+                         generation=decision.generation)
+                session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
+                    job=decision.job, generation=decision.generation, reason=decision.reason)))
+        session.accounted = True
+
+    # ============================================================ bookkeeping
+    def record_checkpoints(self, job: JobRuntime) -> None:
+        """Commit queued checkpoints in etcd; what etcd does not take stays queued and
+        the next tick tries again. Not recorded means not committed: until then the
+        restore point stays the previous one."""
+        for record in list(job.unrecorded):
+            try:
+                self.store.record_checkpoint(job.name, record)
+            except Exception as exc:
+                log.warning("could not record checkpoint; will retry", job=job.name,
+                            step=record["step"], error=str(exc))
+                continue
+            job.unrecorded.remove(record)
+            if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
+                continue  # a late retry of an older one
+            job.last_checkpoint = record
+            log.info("checkpoint committed", job=job.name, generation=record["generation"],
+                     step=record["step"], path=record["path"])
+
+    def store_initial_loss(self, job: JobRuntime) -> None:
+        """Stored once, so a controller taking over reports the job's real start."""
+        if job.has_loss and not job.initial_loss_stored:
+            job.state_rev = self.store.update_job_state(job.name, job.record(), job.state_rev)
+            job.initial_loss_stored = True
+
+    def save_events(self, job: JobRuntime) -> None:
+        """Write the job's new and changed events to etcd, so the next leader shows
+        them too; what etcd does not take now is tried again next tick."""
+        health = job.health
+        try:
+            for seq in list(health.dropped):
+                self.store.delete_event(job.name, seq)
+                health.dropped.remove(seq)
+            for seq, event in list(health.unsaved.items()):
+                # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
+                self.store.put_event(job.name, seq, json_format.MessageToDict(event))
+                if health.unsaved.get(seq) is event:
+                    del health.unsaved[seq]
+        except Exception as exc:
+            log.warning("could not save events; will retry", job=job.name, error=str(exc))

@@ -1,0 +1,111 @@
+"""Observing: the immutable views the policies decide on, read from the controller's
+state without changing anything. Called with the state lock held."""
+
+from __future__ import annotations
+
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.policy import adoption, operations, remediation
+from orchestrator.policy.guardrails import restart_backoff_s
+from orchestrator.policy.job import Observed, Spec
+from orchestrator.policy.lifecycle import JobState
+
+
+def node_usable(state: ControllerState, node: str, now: float) -> bool:
+    """Registered in etcd, and its agent's stream up (or down for less than the
+    node-lost grace; a controller that just took over gives every agent that long to
+    reconnect)."""
+    if node not in state.registered:
+        return False
+    grace = state.config.node_lost_grace_s
+    session = state.sessions.get(node)
+    if session is None:
+        return now - state.leader_since < grace
+    return session.connected or now - session.disconnected_at < grace
+
+
+def down_for(state: ControllerState, node: str, now: float) -> float:
+    """Seconds the node's agent stream has been down (0 if it is up or never was)."""
+    session = state.sessions.get(node)
+    return now - session.disconnected_at if session and not session.connected else 0.0
+
+
+def newly_lost(state: ControllerState, job: JobRuntime, now: float) -> list[str]:
+    """Nodes of the job's generation that are no longer usable and not counted lost yet."""
+    return sorted(n for n in job.nodes - job.lost_nodes if not node_usable(state, n, now))
+
+
+def free_slots(state: ControllerState, job: JobRuntime,
+               exclude: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Slots of connected, registered, uncordoned nodes that no other job holds, bar
+    ``exclude``."""
+    busy = set(state.cordons) | exclude
+    for other in state.jobs.values():
+        if other is not job and other.state.holds_nodes:
+            busy |= other.nodes
+    return {name: s.slots for name, s in state.sessions.items()
+            if s.connected and name in state.registered and name not in busy}
+
+
+def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:
+    """Free slots on nodes the job does not run on now (nor should next)."""
+    return {n: s for n, s in free_slots(state, job, suspects(job)).items() if n not in job.nodes}
+
+
+def suspects(job: JobRuntime) -> frozenset[str]:
+    """The nodes the job's next generation stays off if it can."""
+    return remediation.suspects(frozenset(job.lost_nodes), job.health.hung_node,
+                                job.operation if job.planned_stop else None)
+
+
+def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
+    """The snapshot ``policy.job.decide`` judges the job's lifecycle on."""
+    avoid = suspects(job)
+    free = free_slots(state, job)
+    hang = job.health.hang_event
+    hang_reason = (hang.reason + (f"; {hang.root_cause}" if hang.root_cause else "")
+                   if hang is not None and job.state is JobState.RUNNING else "")
+    checkpoint = job.last_checkpoint or {}
+    ready = (operations.ready(now, job.operation, checkpoint.get("step"),
+                              checkpoint.get("generation", 0), job.generation)
+             if job.state is JobState.RUNNING else "")
+    return Observed(
+        state=job.state, state_since=job.state_since, restarts=job.restarts,
+        generation=job.generation, generation_world_size=job.world_size,
+        free_slots={n: s for n, s in free.items() if n not in avoid},
+        suspect_slots={n: s for n, s in free.items() if n in avoid - job.lost_nodes},
+        generation_nodes=job.nodes, rendezvous_ready=job.rendezvous is not None,
+        exits=tuple(job.exits.values()), lost_nodes=frozenset(job.lost_nodes),
+        vanished_nodes=frozenset(job.vanished),
+        unreachable_nodes=frozenset(n for n in job.nodes - job.lost_nodes
+                                    if n in state.sessions and not state.sessions[n].connected),
+        stopped_nodes=frozenset(job.stopped_nodes), hang=hang_reason, replace=ready,
+        backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.restarts),
+        stop_requested=job.stop_requested, planned_stop=job.planned_stop)
+
+
+def spec(state: ControllerState, job: JobRuntime) -> Spec:
+    return Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
+                rendezvous_timeout_s=state.config.rendezvous_timeout_s,
+                min_nodes=job.spec.min_nodes)
+
+
+def draining(state: ControllerState, job: JobRuntime) -> tuple[str, ...]:
+    """The job's nodes that an operator is draining, sorted."""
+    return tuple(sorted(n for n in job.nodes if state.cordons.get(n, {}).get("drain")))
+
+
+def agent_runs(session: AgentSession) -> adoption.AgentRuns:
+    hello = session.hello
+    return adoption.AgentRuns(node=session.node, pid=hello.pid, job=hello.running_job,
+                              generation=hello.running_generation,
+                              live_ranks=tuple(r.rank for r in hello.running))
+
+
+def job_on_node(job: JobRuntime, node: str) -> adoption.JobOnNode:
+    return adoption.JobOnNode(
+        job=job.name, state=job.state, generation=job.generation, on_node=node in job.nodes,
+        first_node=bool(job.placement) and job.placement[0].node == node,
+        rendezvous_known=job.rendezvous is not None,
+        planned_ranks=tuple(r for p in job.placement if p.node == node for r in p.ranks),
+        exited_ranks=frozenset(job.exits), vanished=node in job.vanished)

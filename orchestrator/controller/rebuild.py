@@ -1,0 +1,80 @@
+"""What a controller that takes over knows of each job: everything rebuilt from etcd
+(spec, state, generation, restarts, plan, committed checkpoints, the job's first loss,
+events, and the operator intents under way). The agents' replays tell it the rest."""
+
+from __future__ import annotations
+
+import structlog
+from google.protobuf import json_format
+
+from orchestrator.controller.job_health import JobHealth
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.store import Store
+from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.operations import Operation
+from orchestrator.policy.placement import NodeRanks
+from orchestrator.spec.health import resolve as resolve_health
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+
+def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
+    """Every job in etcd. A job whose records this version cannot read is left out,
+    loudly, rather than keep every controller from leading; etcd errors propagate
+    (the campaign retries)."""
+    jobs = {}
+    for name in store.job_names():
+        try:
+            job = load_job(store, name, now)
+        except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
+            log.error("cannot read the job's records in etcd; not managing it",
+                      job=name, error=f"{type(exc).__name__}: {exc}")
+            continue
+        if job is not None:
+            jobs[name] = job
+    return jobs
+
+
+def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
+    """Job ``name`` as etcd has it (None if its spec or state is missing); ``now`` is
+    when it entered its state, as far as this controller knows."""
+    spec_dict = store.job_spec(name)
+    state = store.job_state(name)
+    if spec_dict is None or state.value is None:
+        return None
+    spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
+    job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
+                     health=JobHealth(name, resolve_health(spec.health)),
+                     state_rev=state.mod_revision, state_since=now,
+                     generation=state.value["generation"],
+                     restarts=state.value["restarts"],
+                     reason=state.value.get("reason", ""),
+                     failures=state.value.get("failures", []),
+                     stop_requested=state.value.get("stop_requested", ""),
+                     stop_now=state.value.get("stop_now", False),
+                     planned_stop=state.value.get("planned_stop", False))
+    plan = store.plan(name, job.generation) if job.generation else None
+    if plan:
+        job.world_size, job.mesh = plan["world_size"], plan["mesh"]
+        if not job.state.terminal:
+            job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
+    checkpoints = store.checkpoints(name)
+    job.last_checkpoint = checkpoints[-1] if checkpoints else None
+    if state.value.get("initial_loss") is not None:
+        job.initial_loss = job.loss = state.value["initial_loss"]
+        job.has_loss = job.initial_loss_stored = True
+    job.health.new_generation(job.generation, job.rank_nodes)
+    job.health.restore([json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
+                        for e in store.events(name)])
+    if not job.state.terminal:
+        # Intents of an earlier generation no longer apply; the reconcile loop deletes them.
+        operation = store.operation(name)
+        if operation is not None:
+            restored = Operation.from_record(operation)
+            if restored.generation == job.generation:
+                job.operation = restored
+        request = store.checkpoint_request(name)
+        if request is not None and request["generation"] == job.generation:
+            job.checkpoint_request = request
+    return job

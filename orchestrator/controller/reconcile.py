@@ -1,0 +1,148 @@
+"""The reconcile loop: leadership, then, for every job, observe → decide → apply.
+
+Each tick (every ``tick_s``, and at once when a handler records something) reads the
+node records from etcd and, under the state lock, squares each newly connected agent's
+Hello with the plan, then converges each job on its spec and its operator's intents:
+
+1. record what the agents reported (checkpoint commits in etcd, the first loss);
+2. count the generation's nodes that are no longer usable as lost;
+3. while running: judge each node found slow, and keep the operation the job's state
+   calls for (a drain, a stop) under way, passing on an operator's checkpoint request;
+4. decide the job's next lifecycle step and apply it.
+
+Every decision is a pure function of ``orchestrator.policy`` of a snapshot built by
+``observe``; the ``Executor`` applies it. Nothing here reacts to a single event: the
+next tick sees the whole state again.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from orchestrator.controller import metrics, observe
+from orchestrator.controller.errors import Terminal, next_backoff_s
+from orchestrator.controller.executor import Executor
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.leadership import Leadership
+from orchestrator.controller.state import ControllerState
+from orchestrator.controller.store import StaleRevision
+from orchestrator.policy import adoption, operations, remediation
+from orchestrator.policy.job import decide
+from orchestrator.policy.lifecycle import JobState
+
+log = structlog.get_logger()
+
+
+class Reconciler:
+    def __init__(self, state: ControllerState, leadership: Leadership, executor: Executor):
+        self.state = state
+        self.leadership = leadership
+        self.executor = executor
+
+    def loop(self, clock) -> None:
+        """Run until the state's ``stopping`` is set; ``clock()`` gives monotonic seconds."""
+        state = self.state
+        next_refresh, etcd_down_since = 0.0, 0.0
+        while not state.stopping.is_set():
+            state.wake.wait(state.config.tick_s)
+            state.wake.clear()
+            if state.stopping.is_set():
+                break
+            now = clock()
+            try:
+                if not state.is_leader:
+                    if now >= next_refresh:
+                        next_refresh = now + state.config.leader_ttl_s / 4
+                        self.leadership.campaign(now)
+                    if not state.is_leader:
+                        continue
+                elif now >= next_refresh:
+                    next_refresh = now + state.config.leader_ttl_s / 3
+                    if not self.leadership.keep(now):
+                        continue
+                registered = state.store.nodes()
+            except Exception as exc:
+                if not etcd_down_since:
+                    etcd_down_since = now
+                    log.warning("etcd unreachable; retrying every tick", error=str(exc))
+                continue
+            if etcd_down_since:
+                log.info("etcd reachable again", down_s=round(now - etcd_down_since, 2))
+                etcd_down_since = 0.0
+            self.tick(now, registered)
+
+    def tick(self, now: float, registered: dict[str, dict]) -> None:
+        """One pass over everything, given the node records just read from etcd."""
+        state = self.state
+        with state.lock:
+            state.registered = registered
+            metrics.NODES.set(sum(1 for n in registered
+                                  if n in state.sessions and state.sessions[n].connected))
+            for session in list(state.sessions.values()):
+                if session.connected and not session.accounted:
+                    jobs = [observe.job_on_node(job, session.node)
+                            for job in state.jobs.values()]
+                    self.executor.account(session, adoption.account(
+                        observe.agent_runs(session), jobs))
+            for job in list(state.jobs.values()):
+                if not job.state.terminal and now >= job.retry_at:
+                    self._attempt(job, now)
+                self.executor.save_events(job)
+
+    def _attempt(self, job: JobRuntime, now: float) -> None:
+        """``reconcile`` the job, handling its failure by kind (see ``errors``)."""
+        try:
+            self.reconcile(job, now)
+        except Terminal as exc:
+            self.executor.fail(job, str(exc), now)
+        except StaleRevision as exc:
+            log.error("job state changed under us; reloading", job=job.name, error=str(exc))
+            self._reload(job)
+        except Exception as exc:
+            job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
+            job.retry_at = now + job.retry_backoff_s
+            if job.retry_backoff_s == next_backoff_s(0):
+                log.exception("reconcile failed; retrying with back-off", job=job.name)
+            else:
+                log.warning("reconcile failed again", job=job.name, error=str(exc),
+                            retry_in_s=job.retry_backoff_s)
+        else:
+            job.retry_backoff_s, job.retry_at = 0.0, 0.0
+
+    def reconcile(self, job: JobRuntime, now: float) -> None:
+        state, executor = self.state, self.executor
+        executor.record_checkpoints(job)
+        executor.store_initial_loss(job)
+        for node in observe.newly_lost(state, job, now):
+            executor.mark_lost(job, node, observe.down_for(state, node, now))
+        if job.state is JobState.RUNNING:
+            health = job.health
+            for flag in health.slow_flags():
+                times = executor.flag_slow(job, flag, now)
+                executor.remedy(job, flag.node, remediation.slow_node(
+                    now, flag.node, job.name, job.state, job.generation,
+                    health.spec.straggler_policy, times, flag.node in state.cordons,
+                    job.operation is not None, health.replacement_times,
+                    health.spec.max_replacements_per_hour), now)
+            executor.operate(job, operations.ensure(
+                job.operation, job.generation, job.stop_requested, job.stop_now,
+                observe.draining(state, job)), now)
+            if job.checkpoint_request is not None:
+                executor.pass_on_checkpoint_request(job)
+        decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
+        executor.apply(job, decision, now)
+
+    def _reload(self, job: JobRuntime) -> None:
+        """Take the job's state record as etcd has it. If the read fails, the next
+        tick's write fails on the stale revision again and lands here again."""
+        try:
+            found = self.state.store.job_state(job.name)
+        except Exception as exc:
+            log.warning("cannot reload the job's state; retrying next tick", job=job.name,
+                        error=str(exc))
+            return
+        if found.value is not None:
+            job.state = JobState(found.value["state"])
+            job.state_rev = found.mod_revision
+            job.generation = found.value["generation"]
+            job.restarts = found.value["restarts"]

@@ -1,0 +1,261 @@
+"""Agent sessions: one ``Connect`` stream per agent, and what its messages say.
+
+A handler here only records facts (a rank exited, a step was reported, a checkpoint
+was committed, stacks of a hang arrived, a node is slow in preflight) and wakes the
+reconcile loop, which decides what they mean. Each stream holds one of the
+controller's server threads while it lasts (see ``MAX_AGENTS``), and a reader thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import grpc
+import structlog
+
+from common.keys import NODE_NAME, NODE_NAME_RULE
+from orchestrator.controller import metrics
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.leadership import Leadership
+from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.policy.job import RankExit
+from orchestrator.policy.lifecycle import JobState
+from orchestrator.security.auth import certificate_mismatch
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+MAX_SLOTS = 1024
+# Each agent's Connect stream holds one server thread for as long as it lives; the
+# pool (its threads are made as needed) has room for this many agents plus the
+# operators' calls.
+MAX_AGENTS = 4096
+OPERATOR_THREADS = 64
+TOKENS_WINDOW_S = 10.0
+
+
+class AgentService:
+    def __init__(self, state: ControllerState, leadership: Leadership):
+        self.state = state
+        self.leadership = leadership
+
+    # ================================================================== Connect
+    def connect(self, request_iterator, context):
+        state = self.state
+        self.leadership.require(context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the first message on an agent stream must be a Hello")
+        hello = first.hello
+        problem = check_hello(hello)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = certificate_mismatch(context.auth_context(), hello.node)
+        if problem:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        with state.lock:
+            streams = sum(1 for s in state.sessions.values() if s.connected)
+            full = streams >= MAX_AGENTS and not (hello.node in state.sessions
+                                                  and state.sessions[hello.node].connected)
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this controller serves at most {MAX_AGENTS} agents")
+        try:
+            lease_alive = state.store.lease_alive(hello.lease_id)
+            if lease_alive:
+                state.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
+                                                  "pid": hello.pid, "lease_id": hello.lease_id},
+                                     hello.lease_id)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+        if not lease_alive:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"etcd lease {hello.lease_id} of node {hello.node} is not alive; "
+                          f"grant a new lease and reconnect")
+
+        session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
+                               lease_id=hello.lease_id, pid=hello.pid, hello=hello)
+        with state.lock:
+            stepped_down = not state.is_leader  # since the check on entry
+            if not stepped_down:
+                previous = state.sessions.get(hello.node)
+                if previous is not None:
+                    previous.connected = False
+                    previous.close()
+                state.sessions[hello.node] = session
+        if stepped_down:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "this controller stopped leading; find the leader in etcd")
+        context.add_callback(session.close)
+        session.send(keel_pb2.ControllerMessage(
+            welcome=keel_pb2.Welcome(controller_id=state.id)))
+        log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
+                 agents=state.connected())
+        threading.Thread(target=self._read, args=(session, request_iterator),
+                         name=f"agent-{hello.node}", daemon=True).start()
+        state.wake.set()   # the reconcile loop squares its Hello with the plan
+        while True:
+            message = session.outbox.get()
+            if message is None:
+                break
+            yield message
+
+    def _read(self, session: AgentSession, request_iterator) -> None:
+        state = self.state
+        try:
+            for message in request_iterator:
+                with state.lock:
+                    self._record(session, message)
+        except grpc.RpcError:
+            pass  # the stream ended; the agent reconnects on its own
+        except Exception:
+            # A message we could not handle: end this stream (the agent reconnects and
+            # replays), never the controller.
+            log.exception("agent message failed; closing its stream", node=session.node)
+        finally:
+            with state.lock:
+                session.connected = False
+                session.disconnected_at = time.monotonic()
+            session.close()
+            log.info("agent disconnected", node=session.node, agents=state.connected())
+            state.wake.set()
+
+    # ================================================================== facts
+    def _job_for(self, job_name: str, generation: int) -> JobRuntime | None:
+        """The job a report is about, if the report is for its current generation."""
+        job = self.state.jobs.get(job_name)
+        if job is None or generation != job.generation:
+            return None
+        return job
+
+    def _record(self, session: AgentSession, message: keel_pb2.AgentMessage) -> None:
+        kind = message.WhichOneof("kind")
+        body = getattr(message, kind) if kind else None
+        wake = self.state.wake
+        if kind == "rendezvous_ready":
+            job = self._job_for(body.job, body.generation)
+            if (job and job.state is JobState.STARTING and job.placement
+                    and job.placement[0].node == session.node and 0 < body.port < 65536):
+                job.rendezvous = (body.host, body.port)
+                wake.set()
+        elif kind == "rank_exited":
+            job = self._job_for(body.job, body.generation)
+            if job is None:
+                return
+            job.exits[body.rank] = RankExit(
+                node=session.node, rank=body.rank, pid=body.pid, exit_code=body.exit_code,
+                signal=body.signal, exited_at=body.exited_at,
+                stopped_by_agent=body.stopped_by_agent, traceback=body.traceback,
+                stderr_tail=body.stderr_tail, last_step=body.last_step,
+                reported_at=time.time(), reaped_at=body.reaped_at)
+            log.info("rank exited", job=job.name, generation=job.generation,
+                     node=session.node, rank=body.rank, exit_code=body.exit_code,
+                     signal=body.signal, stopped_by_agent=body.stopped_by_agent)
+            wake.set()
+        elif kind == "steps":
+            job = self._job_for(body.job, body.generation)
+            reports = [r for r in body.reports if _usable(r)]
+            if len(reports) < len(body.reports):
+                log.warning("ignoring step reports numbered below 1 or with a step time "
+                            "that is not a finite number of seconds", node=session.node,
+                            count=len(body.reports) - len(reports))
+            if job is not None:
+                if body.replayed:
+                    _progress(job, reports)
+                else:
+                    _steps(job, reports)
+        elif kind == "checkpoint_saved":
+            job = self._job_for(body.job, body.generation)
+            if job is not None and job.state is JobState.RUNNING and _queue_commit(job, body):
+                wake.set()
+        elif kind == "generation_stopped":
+            job = self._job_for(body.job, body.generation)
+            if job is not None:
+                job.stopped_nodes.add(session.node)
+                wake.set()
+        elif kind == "hang_detected":
+            job = self._job_for(body.job, body.generation)
+            if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
+                _hang(job, session.node, body)
+                wake.set()
+        elif kind == "preflight":
+            job = self._job_for(body.job, body.generation)
+            if job is not None:
+                job.health.add_preflight(session.node, body, job.step)
+                wake.set()
+        elif kind == "hello":
+            log.warning("ignoring a second Hello on one stream", node=session.node)
+
+
+def check_hello(hello: keel_pb2.Hello) -> str:
+    """What is wrong with a Hello, or ""."""
+    if not NODE_NAME.match(hello.node):
+        return f"node name {hello.node!r}: {NODE_NAME_RULE}"
+    if not 1 <= hello.slots <= MAX_SLOTS:
+        return f"slots={hello.slots}: must be between 1 and {MAX_SLOTS}"
+    if hello.lease_id <= 0:
+        return "lease_id: grant an etcd lease and send its id"
+    if not hello.host:
+        return "host: give the address other nodes reach this node on"
+    return ""
+
+
+def _usable(report: keel_pb2.StepReport) -> bool:
+    """Steps are numbered from 1; a step time is finite seconds (0: not measured)."""
+    return report.step >= 1 and math.isfinite(report.step_time_s) and \
+        report.step_time_s >= 0
+
+
+def _progress(job: JobRuntime, reports) -> None:
+    """The job's step and loss are rank 0's latest."""
+    for report in reports:
+        if report.rank == 0 and report.step >= job.step:
+            job.step, job.loss = report.step, report.loss
+    metrics.JOB_STEP.labels(job=job.name).set(job.step)
+
+
+def _steps(job: JobRuntime, reports) -> None:
+    for report in reports:
+        job.tokens += report.tokens
+        if report.step_time_s > 0:
+            job.step_times.append(report.step_time_s)
+        job.token_window.append((report.at, report.tokens))
+        if report.rank == 0 and not job.has_loss:
+            job.initial_loss, job.has_loss = report.loss, True
+    _progress(job, reports)
+    window = job.token_window
+    while window and window[-1][0] - window[0][0] > TOKENS_WINDOW_S:
+        window.popleft()
+    job.health.add_steps(reports)
+
+
+def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:
+    """Queue a commit for the reconcile loop, which records it in etcd (an agent's
+    message handler makes no etcd call); False if it is a replay already known."""
+    if job.last_checkpoint and job.last_checkpoint["step"] >= saved.step:
+        return False  # a replay after a reconnect
+    if any(r["step"] == saved.step for r in job.unrecorded):
+        return False  # a replay of one already queued
+    job.unrecorded.append({"step": saved.step, "path": saved.path,
+                           "generation": saved.generation, "samples": saved.samples,
+                           "recorded_at": time.time()})
+    return True
+
+
+def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
+    """Record a hang (or the stacks another agent collected for it) in one event."""
+    health = job.health
+    if health.hang_event is None:
+        if not report.phase:
+            return  # stacks for a stop that was not a hang
+        health.hang_event = health.event(
+            "hang", "", node=node, rank=report.rank, step=report.last_step,
+            detected_after_s=report.stalled_for_s)
+        health.hang_event.reason = (
+            f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
+            f"{report.stalled_for_s:.1f}s after step {report.last_step} "
+            f"(timeout {report.timeout_s:.1f}s, {report.phase})")
+    health.add_stacks(report.stacks)

@@ -1,0 +1,74 @@
+"""What the leading controller holds in memory: its agents' sessions, the jobs, and its
+last reads of the node records and cordons in etcd. One lock guards all of it: agent
+reader threads and operator calls record facts and intents under it, the reconcile
+thread observes, decides and applies under it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from orchestrator.controller.config import ControllerConfig
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.store import Store
+from protos import keel_pb2
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """One agent's stream: what its Hello said, and the messages queued for it."""
+    node: str
+    host: str
+    slots: int
+    lease_id: int
+    pid: int
+    hello: keel_pb2.Hello
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    connected: bool = True
+    disconnected_at: float = 0.0
+    # Its Hello has been squared with the plan (adoption); the reconcile loop does it.
+    accounted: bool = False
+
+    def send(self, message: keel_pb2.ControllerMessage) -> None:
+        self.outbox.put(message)
+
+    def close(self) -> None:
+        self.outbox.put(None)
+
+
+class ControllerState:
+    def __init__(self, config: ControllerConfig, store: Store):
+        self.config = config
+        self.store = store
+        self.id = uuid.uuid4().hex[:12]
+        self.address = ""
+        self.lock = threading.RLock()
+        self.wake = threading.Event()       # set to run a reconcile tick now
+        self.stopping = threading.Event()
+        self.sessions: dict[str, AgentSession] = {}
+        self.jobs: dict[str, JobRuntime] = {}
+        self.registered: dict[str, dict] = {}   # node records last read from etcd
+        self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
+        self.is_leader = False
+        self.leader_since = 0.0                 # monotonic
+
+    def job_on(self, node: str) -> JobRuntime | None:
+        """The job whose current generation runs (or is being started or stopped) on
+        ``node``."""
+        return next((j for j in self.jobs.values()
+                     if j.state.holds_nodes and node in j.nodes), None)
+
+    def connected(self) -> int:
+        """Agents whose stream is up."""
+        with self.lock:
+            return sum(1 for s in self.sessions.values() if s.connected)
+
+    def send(self, node: str, message: keel_pb2.ControllerMessage) -> bool:
+        """Queue ``message`` for ``node``'s agent if its stream is up; whether it was."""
+        session = self.sessions.get(node)
+        if session is None or not session.connected:
+            return False
+        session.send(message)
+        return True
