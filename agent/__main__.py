@@ -33,7 +33,8 @@ from common.logs import configure
 @click.option("--lease-ttl-s", type=float, default=5.0, show_default=True,
               help="TTL of the node's etcd lease: a dead node is noticed after this.")
 @click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
-              help="SIGTERM to SIGKILL grace when stopping ranks.")
+              help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
+                   "stopped with the job's own stop grace).")
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics on this port.")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",

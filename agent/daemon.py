@@ -20,6 +20,7 @@ import time
 
 import grpc
 import structlog
+from google.protobuf import json_format
 
 from agent import hangs, leftovers, metrics
 from agent.config import AgentConfig
@@ -29,7 +30,7 @@ from agent.link import ControllerLink
 from agent.local_server import AgentLocalService, serve
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
-from common import procs
+from common import deadlines, procs
 from common.etcd import EtcdClient
 from protos import keel_pb2
 
@@ -43,7 +44,7 @@ class Agent:
                                config.etcd_credentials)
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.supervisor = Supervisor(config.run_dir, config.stop_grace_s)
+        self.supervisor = Supervisor(config.run_dir)
         self.generation = Generation()
         self.reports = Reports()
         self.hang_config = HangConfig()
@@ -123,9 +124,12 @@ class Agent:
     def _opening(self) -> list[keel_pb2.AgentMessage]:
         """What opens every stream: a Hello naming the generation this agent runs (even
         when all its ranks here have exited) and its live ranks, then the replays."""
-        hello = keel_pb2.Hello(node=self.config.node, host=self.config.host,
-                               slots=self.config.slots, lease_id=self.lease.id,
-                               pid=os.getpid())
+        config = self.config
+        hello = keel_pb2.Hello(node=config.node, host=config.host, slots=config.slots,
+                               lease_id=self.lease.id, pid=os.getpid(),
+                               heartbeat_s=config.report_flush_s,
+                               reconnect_max_s=config.reconnect_max_s,
+                               lease_ttl_s=config.lease_ttl_s)
         current = self.generation.start
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
@@ -222,12 +226,12 @@ class Agent:
             self._maybe_confirm_stop()   # nothing of it is left now
         self.generation.begin(start)
         self.reports.begin(start.job, start.generation)
-        health = start.health
         try:
-            self.hang_config = HangConfig(floor_s=health.hang_floor_s, k=health.hang_k,
-                                          first_step_timeout_s=health.first_step_timeout_s,
-                                          checkpoint_timeout_s=health.checkpoint_timeout_s)
-            self.supervisor.start(start, self.socket_path)
+            chain = self._deadlines(start)
+            self.hang_config = HangConfig(floor_s=chain.hang_floor_s, k=start.health.hang_k,
+                                          first_step_timeout_s=chain.first_step_timeout_s,
+                                          checkpoint_timeout_s=chain.checkpoint_timeout_s)
+            self.supervisor.start(start, self.socket_path, chain)
         except (ValueError, OSError) as exc:
             # A health budget that makes no sense, or a command that cannot be executed
             # at all: report it as the ranks' failure, with the reason.
@@ -237,6 +241,26 @@ class Agent:
                     job=start.job, generation=start.generation, rank=assignment.rank,
                     exit_code=127, traceback=f"cannot start {list(start.command)}: {exc}",
                     exited_at=time.time()))
+
+    def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
+        """The generation's deadline chain as the controller resolved it (or, from a
+        controller that sends none, the job's health budgets and this agent's stop
+        grace), checked here too; raises DeadlineError."""
+        if start.HasField("deadlines"):
+            chain = deadlines.Deadlines(**json_format.MessageToDict(
+                start.deadlines, preserving_proto_field_name=True))
+        else:
+            health = start.health
+            chain = deadlines.Deadlines(
+                hang_floor_s=health.hang_floor_s, first_step_timeout_s=health.first_step_timeout_s,
+                checkpoint_timeout_s=health.checkpoint_timeout_s,
+                stop_grace_s=self.config.stop_grace_s,
+                collective_timeout_s=deadlines.COLLECTIVE_TIMEOUT_S,
+                startup_timeout_s=deadlines.STARTUP_TIMEOUT_S)
+        problems = deadlines.check(chain)
+        if problems:
+            raise deadlines.DeadlineError(problems)
+        return chain
 
     # ===================================================================== hangs
     def _check_hang(self, now: float) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from common import env as keel_env
+from common.deadlines import Deadlines
 from protos import keel_pb2
 
 
 def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
              assignment: keel_pb2.RankAssignment, agent_socket: str,
-             error_file: str) -> dict[str, str]:
+             error_file: str, chain: Deadlines) -> dict[str, str]:
     """Environment for one rank: ``base`` (the agent's), then the job's, then ours.
 
     Keel's variables come last so that neither the agent's environment nor the job
@@ -39,5 +40,6 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
         keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
         keel_env.RESTORE_FROM: start.restore_from,
         keel_env.AGENT_SOCKET: agent_socket,
+        **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},
     })
     return env

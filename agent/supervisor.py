@@ -1,7 +1,7 @@
 """Rank processes: start them in their own process groups, watch them, stop them.
 
-Stopping is a protocol: SIGTERM to the group, ``stop_grace_s``, SIGKILL to the group,
-then the group is confirmed empty. A rank is started through ``common.launch`` so it
+Stopping is a protocol: SIGTERM to the group, the generation's stop grace, SIGKILL to
+the group, then the group is confirmed empty. A rank is started through ``common.launch`` so it
 dies with the agent instead of outliving it.
 """
 
@@ -19,6 +19,7 @@ import structlog
 
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
+from common.deadlines import Deadlines
 from common.procs import group_alive, signal_group, tied_to_this_process
 from protos import keel_pb2
 
@@ -61,6 +62,7 @@ class RankProcess:
     exited_at: float = 0.0
     last_step: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    stop_grace_s: float = 5.0      # SIGTERM to SIGKILL, the generation's
     exit_report: keel_pb2.RankExited | None = field(default=None)
 
     @property
@@ -87,20 +89,22 @@ class RankProcess:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, stop_grace_s: float, reap_timeout_s: float = 5.0):
+    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0):
         self.run_dir = run_dir
-        self.stop_grace_s = stop_grace_s
         self.reap_timeout_s = reap_timeout_s
         self.ranks: list[RankProcess] = []
 
-    def start(self, start: keel_pb2.StartGeneration, agent_socket: str) -> list[RankProcess]:
+    def start(self, start: keel_pb2.StartGeneration, agent_socket: str,
+              chain: Deadlines) -> list[RankProcess]:
+        """Start the ranks ``start`` assigns to this node, each stopped (when it comes to
+        that) with the generation's stop grace from ``chain``."""
         log_dir = self.run_dir / start.job / f"gen{start.generation}"
         log_dir.mkdir(parents=True, exist_ok=True)
         started = []
         for assignment in start.ranks:
             error_file = log_dir / f"rank{assignment.rank}.error.json"
             error_file.unlink(missing_ok=True)
-            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file))
+            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain)
             with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
                     open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
                 popen = subprocess.Popen(
@@ -109,7 +113,7 @@ class Supervisor:
                     start_new_session=True)
             proc = RankProcess(job=start.job, generation=start.generation,
                                rank=assignment.rank, local_rank=assignment.local_rank,
-                               popen=popen, log_dir=log_dir)
+                               popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s)
             self.ranks.append(proc)
             started.append(proc)
             log.info("rank started", job=start.job, generation=start.generation,
@@ -142,10 +146,10 @@ class Supervisor:
                     signal_group(proc.pid, signal.SIGKILL)
                     exited.append(proc)
                 elif (proc.phase is RankPhase.STOPPING
-                      and now - proc.stop_requested_at >= self.stop_grace_s):
+                      and now - proc.stop_requested_at >= proc.stop_grace_s):
                     log.warning("rank ignored SIGTERM; killing its process group",
-                                rank=proc.rank, pid=proc.pid, grace_s=self.stop_grace_s)
-                    proc.move(RankPhase.KILLED, f"SIGTERM ignored for {self.stop_grace_s:g} s")
+                                rank=proc.rank, pid=proc.pid, grace_s=proc.stop_grace_s)
+                    proc.move(RankPhase.KILLED, f"SIGTERM ignored for {proc.stop_grace_s:g} s")
                     signal_group(proc.pid, signal.SIGKILL)
             if proc.phase is RankPhase.EXITED:
                 if not group_alive(proc.pid):

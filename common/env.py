@@ -15,15 +15,15 @@ MESH = "KEEL_MESH"                      # its layout, e.g. "dp_shard=2,tp=2"
 CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"      # the committed checkpoint to load; "" = fresh start
 AGENT_SOCKET = "KEEL_AGENT_SOCKET"      # the agent's Unix socket (AgentLocal); new per agent
-# The job's deadlines, seconds (common.deadlines): what the trainer's collectives and
-# its own watchdogs must fit around.
-HANG_FLOOR_S = "KEEL_HANG_FLOOR_S"
-STOP_GRACE_S = "KEEL_STOP_GRACE_S"
-COLLECTIVE_TIMEOUT_S = "KEEL_COLLECTIVE_TIMEOUT_S"
-STARTUP_TIMEOUT_S = "KEEL_STARTUP_TIMEOUT_S"
-DEADLINES = {"hang_floor_s": HANG_FLOOR_S, "stop_grace_s": STOP_GRACE_S,
-             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-             "startup_timeout_s": STARTUP_TIMEOUT_S}
+# The job's side of the deadline chain, seconds (common.deadlines): the agent's hang
+# budgets and stop grace, and the collective timeouts the trainer is to use, which
+# must fit around them.
+DEADLINES = {"hang_floor_s": "KEEL_HANG_FLOOR_S",
+             "first_step_timeout_s": "KEEL_FIRST_STEP_TIMEOUT_S",
+             "checkpoint_timeout_s": "KEEL_CHECKPOINT_TIMEOUT_S",
+             "stop_grace_s": "KEEL_STOP_GRACE_S",
+             "collective_timeout_s": "KEEL_COLLECTIVE_TIMEOUT_S",
+             "startup_timeout_s": "KEEL_STARTUP_TIMEOUT_S"}
 
 TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",

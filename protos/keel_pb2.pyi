@@ -112,7 +112,7 @@ class PreflightReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running")
+    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,9 @@ class Hello(_message.Message):
     RUNNING_JOB_FIELD_NUMBER: _ClassVar[int]
     RUNNING_GENERATION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     slots: int
@@ -129,7 +132,10 @@ class Hello(_message.Message):
     running_job: str
     running_generation: int
     running: _containers.RepeatedCompositeFieldContainer[RankAssignment]
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ...) -> None: ...
+    heartbeat_s: float
+    reconnect_max_s: float
+    lease_ttl_s: float
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("controller_id",)
@@ -166,7 +172,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +194,7 @@ class StartGeneration(_message.Message):
     RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
     MESH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -202,7 +209,34 @@ class StartGeneration(_message.Message):
     restore_from: str
     mesh: str
     health: HealthSpec
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
+    deadlines: Deadlines
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ...) -> None: ...
+
+class Deadlines(_message.Message):
+    __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    HANG_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOST_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_s: float
+    hang_floor_s: float
+    first_step_timeout_s: float
+    checkpoint_timeout_s: float
+    stop_grace_s: float
+    collective_timeout_s: float
+    startup_timeout_s: float
+    lease_ttl_s: float
+    node_lost_grace_s: float
+    leader_ttl_s: float
+    reconnect_max_s: float
+    def __init__(self, heartbeat_s: _Optional[float] = ..., hang_floor_s: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., node_lost_grace_s: _Optional[float] = ..., leader_ttl_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ...) -> None: ...
 
 class StopGeneration(_message.Message):
     __slots__ = ("job", "generation", "reason", "collect_stacks")
@@ -340,7 +374,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
 
 class HealthSpec(_message.Message):
-    __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour")
+    __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour", "stop_grace_s", "collective_timeout_s", "startup_timeout_s")
     STRAGGLER_POLICY_FIELD_NUMBER: _ClassVar[int]
     HANG_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
     HANG_K_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +385,9 @@ class HealthSpec(_message.Message):
     STRAGGLER_PATIENCE_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_OFF_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLACEMENTS_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     straggler_policy: str
     hang_floor_s: float
     hang_k: float
@@ -361,7 +398,10 @@ class HealthSpec(_message.Message):
     straggler_patience: int
     preflight_off: bool
     max_replacements_per_hour: int
-    def __init__(self, straggler_policy: _Optional[str] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ...) -> None: ...
+    stop_grace_s: float
+    collective_timeout_s: float
+    startup_timeout_s: float
+    def __init__(self, straggler_policy: _Optional[str] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("params", "layers", "hidden", "heads", "vocab")

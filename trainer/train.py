@@ -49,6 +49,9 @@ from trainer.step import TrainStep
 # checkpoint: flushing the step reports, then reporting the checkpoint to the agent.
 # The collective timeout must leave room for it (and for the fsync before it).
 COMMIT_REPORT_S = keel_runtime.FLUSH_WAIT_S + keel_runtime.CHECKPOINT_REPORT_DEADLINE_S
+# Collective timeouts outside Keel (under Keel, the job's deadline chain gives them).
+COLLECTIVE_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -130,15 +133,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     health = parser.add_argument_group("health")
     health.add_argument(
-        "--startup-timeout-s", type=float, default=300.0,
+        "--startup-timeout-s", type=float, default=None,
         help="collective timeout until the first step is done: rendezvous, start barrier, preflight, "
-             "checkpoint load, first step",
+             f"checkpoint load, first step; default ${keel_runtime.env.DEADLINES['startup_timeout_s']} "
+             f"(the job's deadline chain under Keel), else {STARTUP_TIMEOUT_S:g}",
     )
     health.add_argument(
-        "--collective-timeout-s", type=float, default=60.0,
+        "--collective-timeout-s", type=float, default=None,
         help="collective timeout after the first step; a rank stuck in a collective fails after this long. "
-             "Keep it above the agent's hang timeout, so the agent names the hung rank first, and above rank 0's "
-             f"checkpoint commit (fsync, then up to {COMMIT_REPORT_S:g} s reporting it), which its peers wait out",
+             "It must exceed the agent's hang floor plus its stop grace, so the agent names the hung rank first "
+             "(checked under Keel), and rank 0's checkpoint commit (fsync, then up to "
+             f"{COMMIT_REPORT_S:g} s reporting it), which its peers wait out; default "
+             f"${keel_runtime.env.DEADLINES['collective_timeout_s']}, else {COLLECTIVE_TIMEOUT_S:g}",
     )
     health.add_argument(
         "--preflight", action=argparse.BooleanOptionalAction, default=os.environ.get(keel_runtime.env.PREFLIGHT, "1") != "0",
@@ -150,6 +156,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     health.add_argument("--preflight-budget-s", type=float, default=preflight.DEFAULT_BUDGET_S,
                         help="stop the preflight sweep once it has taken this long (checked between measurements)")
     args = parser.parse_args(argv)
+    try:
+        chain = keel_runtime.job_deadlines(os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.collective_timeout_s is None:
+        args.collective_timeout_s = chain.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)
+    if args.startup_timeout_s is None:
+        args.startup_timeout_s = chain.get("startup_timeout_s", STARTUP_TIMEOUT_S)
+    problems = keel_runtime.deadline_problems(os.environ, collective_timeout_s=args.collective_timeout_s,
+                                              startup_timeout_s=args.startup_timeout_s)
+    if problems:
+        parser.error("the job's deadlines: " + "; ".join(problems))
     for name in ("steps", "checkpoint_every", "global_batch", "grad_accum", "virtual_stages"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -57,9 +57,10 @@ def main():
               default="replace", show_default=True,
               help="What to do with a persistently slow node: checkpoint and swap in a "
                    "spare, checkpoint and re-plan without it, or only report it.")
-@click.option("--hang-timeout-s", type=float, default=30.0, show_default=True,
+@click.option("--hang-floor-s", type=float, default=30.0, show_default=True,
               help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
-                   "median step time) without progress.")
+                   "median step time) without progress. The trainer's collective timeout "
+                   "is raised to fit it (at least 1.2 x (floor + the 5 s stop grace)).")
 @click.option("--no-preflight", is_flag=True,
               help="Skip the collective bandwidth sweep before each generation's first step.")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
@@ -78,7 +79,7 @@ def main():
               help="Print the summary as one JSON object on stdout.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
-       controllers, spares, straggler_policy, hang_timeout_s, no_preflight, max_restarts,
+       controllers, spares, straggler_policy, hang_floor_s, no_preflight, max_restarts,
        etcd_endpoints,
        workdir, timeout_s, use_tls, as_json, script_args, **etcd):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
@@ -86,7 +87,8 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
     its step target.
     """
-    from orchestrator.local.up import UpOptions, up as run_up
+    from orchestrator.local.options import UpOptions
+    from orchestrator.local.up import up as run_up
 
     if script_args and not script:
         raise click.UsageError("arguments after -- are passed to --script; give --script")
@@ -96,7 +98,7 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
             checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
             inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
             controllers=controllers,
-            straggler_policy=straggler_policy, hang_timeout_s=hang_timeout_s,
+            straggler_policy=straggler_policy, hang_floor_s=hang_floor_s,
             preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),

@@ -15,15 +15,11 @@ import grpc
 from google.protobuf import json_format
 
 from common import env, flags
-from common import tls as common_tls
-from orchestrator.security import tls
-from common.tls import call_metadata
+from orchestrator.cli.client import RPC_TIMEOUT_S, ControllerClient, NoController
 from orchestrator.policy.lifecycle import JobState
-from common.etcd import connect
-from orchestrator.controller.store import Store
-from protos import keel_pb2, keel_pb2_grpc
+from orchestrator.security import tls
+from protos import keel_pb2
 
-RPC_TIMEOUT_S = 10.0
 FOLLOW_POLL_S = 1.0
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -51,44 +47,39 @@ def connection_options(command):
 
 
 class Client:
+    """The operator's ``ControllerClient``: a failover in progress is waited out for up
+    to ``RPC_TIMEOUT_S``; every error ends the command with what to check."""
+
     def __init__(self, controller: str | None, etcd_endpoints: str | None,
                  token_file: str | None, **security):
         try:
             token, tls_files, etcd_credentials = tls.client_settings(token_file, security)
+            if not token:
+                raise ValueError("give --token-file, --tls-dir or set KEEL_TOKEN")
+            self.etcd_endpoints = etcd_endpoints
+            self.client = ControllerClient(
+                token, controller=controller, tls_files=tls_files,
+                etcd_endpoints=[e.strip() for e in (etcd_endpoints or "").split(",") if e.strip()],
+                etcd_credentials=etcd_credentials, wait_s=RPC_TIMEOUT_S)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
-        if not token:
-            raise click.UsageError("give --token-file, --tls-dir or set KEEL_TOKEN")
-        if not controller:
-            if not etcd_endpoints:
-                raise click.UsageError("give --controller HOST:PORT, or --etcd-endpoints to "
-                                       "find the leader")
-            endpoints = [e.strip() for e in etcd_endpoints.split(",") if e.strip()]
-            try:
-                client = connect(endpoints, RPC_TIMEOUT_S, etcd_credentials)
-            except ValueError as exc:
-                raise click.UsageError(str(exc)) from None
-            try:
-                controller = Store(client).controller_address()
-            except grpc.RpcError as exc:  # e.g. PERMISSION_DENIED: etcd user or password
-                raise click.ClickException(f"etcd at {etcd_endpoints}: {exc.code().name}: "
-                                           f"{exc.details()}") from None
-            except Exception as exc:  # etcd3's ConnectionFailedError and kin
-                raise click.ClickException(f"etcd at {etcd_endpoints}: {exc}; check "
-                                           f"--etcd-endpoints and the --etcd-* "
-                                           f"credentials") from None
-            if not controller:
-                raise click.ClickException(f"no controller is published in etcd at "
-                                           f"{etcd_endpoints}; is one running?")
-        self.channel = common_tls.channel(controller, tls_files)
-        self.stub = keel_pb2_grpc.ControllerStub(self.channel)
-        self.metadata = call_metadata(token)
-        self.address = controller
+
+    @property
+    def address(self) -> str | None:
+        return self.client.address
 
     def call(self, method: str, request):
         try:
-            return getattr(self.stub, method)(request, metadata=self.metadata,
-                                              timeout=RPC_TIMEOUT_S)
+            return self.client.call(method, request)
+        except NoController as exc:
+            where = f"etcd at {self.etcd_endpoints}"
+            if exc.etcd_error is not None:
+                raise click.ClickException(f"{where}: {exc}") from None
+            if exc.unpublished:
+                raise click.ClickException(f"no controller is published in {where}; is one "
+                                           f"running?") from None
+            raise click.ClickException(f"{where}: {exc}; check --etcd-endpoints and the "
+                                       f"--etcd-* credentials") from None
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise click.ClickException(f"controller at {self.address} did not answer "

@@ -11,10 +11,12 @@ import structlog
 from google.protobuf import json_format
 
 from common import env
+from common.deadlines import DeadlineError
 from orchestrator.controller import metrics, observe
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
@@ -22,8 +24,9 @@ from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
 from orchestrator.policy.operations import Change, Operation, OperationDecision
-from orchestrator.policy.placement import place
+from orchestrator.policy.placement import NodeRanks, place
 from orchestrator.policy.remediation import Remedy, SlowNodeDecision
+from orchestrator.spec.health import job_deadlines
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -92,6 +95,7 @@ class Executor:
         except ValueError as exc:
             raise Terminal(f"no layout can run: {exc}") from None
         placement = place(world_size, target.free_slots)
+        chain = self._deadlines(job, placement)
         reason = decision.reason
         if target.shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
@@ -101,6 +105,7 @@ class Executor:
                         planned_stop=False)
         previous = job.nodes
         job.placement, job.world_size, job.mesh = placement, world_size, mesh
+        job.deadlines = chain
         if out:
             newcomers = sorted(job.nodes - previous)
             health.replacement_times.append(now)
@@ -124,7 +129,22 @@ class Executor:
             prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
                                                           generation=job.generation)))
 
+    def _deadlines(self, job: JobRuntime, placement: list[NodeRanks]) -> keel_pb2.Deadlines:
+        """The job's deadline chain on this controller and the agents of ``placement``
+        (their largest heartbeat, lease and reconnect back-off)."""
+        config = self.state.config
+        agents = [agent_deadlines(self.state.sessions[p.node].hello) for p in placement
+                  if p.node in self.state.sessions]
+        widest = {name: max(a[name] for a in agents) for name in agents[0]} if agents else {}
+        try:
+            chain = job_deadlines(job.health.spec, node_lost_grace_s=config.node_lost_grace_s,
+                                  leader_ttl_s=config.leader_ttl_s, **widest)
+        except DeadlineError as exc:
+            raise Terminal(f"the job's deadlines do not fit its nodes': {exc}") from None
+        return keel_pb2.Deadlines(**vars(chain))
+
     def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
+        chain = job.deadlines or self._deadlines(job, job.placement)
         host, port = job.rendezvous
         restore = job.restore_from["path"] if job.restore_from else ""
         plan = {"generation": job.generation, "world_size": job.world_size,
@@ -144,7 +164,8 @@ class Executor:
                 local_world_size=part.local_world_size, master_addr=host, master_port=port,
                 command=list(job.spec.command), env=dict(job.spec.env),
                 restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
-                restore_from=restore, mesh=plan["mesh"], health=job.health.spec)
+                restore_from=restore, mesh=plan["mesh"], health=job.health.spec,
+                deadlines=chain)
             if job.health.spec.preflight_off:
                 start.env[env.PREFLIGHT] = "0"
             for local_rank, rank in enumerate(part.ranks):

@@ -29,6 +29,7 @@ class JobRuntime:
     world_size: int = 0          # of the current generation (the spec's until one starts)
     mesh: str = ""               # layout of the current generation
     rendezvous: tuple[str, int] | None = None
+    deadlines: keel_pb2.Deadlines | None = None   # of the current generation, once placed
     restore_from: dict | None = None
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)

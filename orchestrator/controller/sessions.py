@@ -15,8 +15,10 @@ import time
 import grpc
 import structlog
 
+from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from orchestrator.controller import metrics
+from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState
@@ -53,6 +55,9 @@ class AgentService:
         problem = check_hello(hello)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = deadline_misfit(hello, state.config)
+        if problem:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         problem = certificate_mismatch(context.auth_context(), hello.node)
         if problem:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
@@ -200,6 +205,22 @@ def check_hello(hello: keel_pb2.Hello) -> str:
         return "lease_id: grant an etcd lease and send its id"
     if not hello.host:
         return "host: give the address other nodes reach this node on"
+    return ""
+
+
+def agent_deadlines(hello: keel_pb2.Hello) -> dict[str, float]:
+    """The deadlines an agent's Hello states (those it leaves 0 take the defaults)."""
+    return {"heartbeat_s": hello.heartbeat_s, "reconnect_max_s": hello.reconnect_max_s,
+            "lease_ttl_s": hello.lease_ttl_s}
+
+
+def deadline_misfit(hello: keel_pb2.Hello, config: ControllerConfig) -> str:
+    """Why the agent's deadlines do not fit this controller's, or ""."""
+    try:
+        deadlines.resolve(**agent_deadlines(hello), node_lost_grace_s=config.node_lost_grace_s,
+                          leader_ttl_s=config.leader_ttl_s)
+    except deadlines.DeadlineError as exc:
+        return f"the deadlines of agent {hello.node} do not fit this controller's: {exc}"
     return ""
 
 

@@ -1,14 +1,15 @@
 """A job's health settings: the spec's values with the defaults filled in, validated.
 
-The deadlines form a hierarchy that is checked here: the hang floor must exceed the
-agents' report flush period many times over, and the first-step and checkpoint budgets
-must be at least the floor.
+Its deadlines (hang floor, first-step and checkpoint budgets, stop grace, the
+trainer's collective timeouts) are the job's side of the chain that
+``common.deadlines`` resolves and checks; the derived ones are filled in here.
 """
 
 from __future__ import annotations
 
 import math
 
+from common import deadlines
 from protos import keel_pb2
 
 POLICIES = ("replace", "exclude", "alert")
@@ -20,7 +21,7 @@ DEFAULTS = keel_pb2.HealthSpec(
     hang_floor_s=30.0, hang_k=10.0,
     # Start-up (rendezvous, model build, preflight) and checkpoint saves are legitimately
     # slow: they get their own budgets instead of inflating the step timeout.
-    first_step_timeout_s=300.0, checkpoint_timeout_s=300.0,
+    first_step_timeout_s=300.0, checkpoint_timeout_s=300.0, stop_grace_s=5.0,
     # 1.25x: well above the +-10% step-time noise of a healthy cluster, well below the
     # 1.5x+ a throttling GPU or a bad link shows.
     straggler_slowdown=1.25, straggler_window=5, straggler_patience=2,
@@ -49,16 +50,16 @@ def resolve(spec: keel_pb2.HealthSpec) -> keel_pb2.HealthSpec:
     if resolved.straggler_policy not in POLICIES:
         problems.append(f"straggler_policy {resolved.straggler_policy!r}: use one of "
                         f"{', '.join(POLICIES)}")
-    if resolved.hang_floor_s < 1:
-        problems.append(f"hang_floor_s={resolved.hang_floor_s}: must be at least 1 s, "
-                        f"well above the agent's report flush period")
     if resolved.hang_k < 2:
         problems.append(f"hang_k={resolved.hang_k}: must be at least 2 (a step twice the "
                         f"median is not a hang)")
-    for name in ("first_step_timeout_s", "checkpoint_timeout_s"):
-        if getattr(resolved, name) < resolved.hang_floor_s:
-            problems.append(f"{name}={getattr(resolved, name)}: must be at least "
-                            f"hang_floor_s={resolved.hang_floor_s}")
+    try:
+        chain = job_deadlines(resolved)
+    except deadlines.DeadlineError as exc:
+        problems.extend(exc.problems)
+    else:
+        resolved.collective_timeout_s = chain.collective_timeout_s
+        resolved.startup_timeout_s = chain.startup_timeout_s
     if resolved.straggler_slowdown <= 1.1:
         problems.append(f"straggler_slowdown={resolved.straggler_slowdown}: must be above "
                         f"1.1 (the detector clears a node below 1.1x)")
@@ -70,3 +71,14 @@ def resolve(spec: keel_pb2.HealthSpec) -> keel_pb2.HealthSpec:
     if problems:
         raise InvalidHealth("; ".join(problems))
     return resolved
+
+
+def job_deadlines(health: keel_pb2.HealthSpec, **cluster: float) -> deadlines.Deadlines:
+    """The deadline chain of a job with ``health`` (zeros derived), on a cluster whose
+    deadlines are ``cluster`` (``node_lost_grace_s``, ``lease_ttl_s``, the agents'
+    ``heartbeat_s`` ...; those not given take their defaults). Raises DeadlineError."""
+    return deadlines.resolve(
+        hang_floor_s=health.hang_floor_s, first_step_timeout_s=health.first_step_timeout_s,
+        checkpoint_timeout_s=health.checkpoint_timeout_s, stop_grace_s=health.stop_grace_s,
+        collective_timeout_s=health.collective_timeout_s,
+        startup_timeout_s=health.startup_timeout_s, **cluster)

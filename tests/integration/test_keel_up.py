@@ -168,7 +168,7 @@ def test_restarts_across_two_layouts_consume_every_sample_exactly_once(no_leaks)
 
 def test_a_hang_is_detected_within_its_timeout_and_the_stuck_rank_is_named(no_leaks):
     summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "1",
-                     "--steps", "20", "--checkpoint-every", "5", "--hang-timeout-s", "3",
+                     "--steps", "20", "--checkpoint-every", "5", "--hang-floor-s", "3",
                      "--inject", "hang:rank=1,step=8")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["steps"], summary["restarts"]) == (20, 1)

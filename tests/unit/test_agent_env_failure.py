@@ -2,7 +2,10 @@ import json
 
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
+from common.deadlines import resolve
 from protos import keel_pb2
+
+CHAIN = resolve(hang_floor_s=90)
 
 
 def start_message(**env):
@@ -14,7 +17,8 @@ def start_message(**env):
 
 def test_rank_env_has_torchrun_and_keel_variables():
     env = rank_env({"PATH": "/bin", "RANK": "99"}, start_message(FOO="bar"),
-                   keel_pb2.RankAssignment(rank=3, local_rank=1), "/tmp/a.sock", "/tmp/e.json")
+                   keel_pb2.RankAssignment(rank=3, local_rank=1), "/tmp/a.sock", "/tmp/e.json",
+                   CHAIN)
     assert env["PATH"] == "/bin" and env["FOO"] == "bar"
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
@@ -28,12 +32,17 @@ def test_rank_env_has_torchrun_and_keel_variables():
         "KEEL_JOB": "j", "KEEL_GENERATION": "3", "KEEL_MESH": "dp_shard=4",
         "KEEL_CHECKPOINT_DIR": "/ck", "KEEL_RESTORE_FROM": "/ck/step_00000010",
         "KEEL_AGENT_SOCKET": "/tmp/a.sock"}
+    # The job's deadlines, with the collective timeout derived to fit the 90 s floor.
+    assert {k: env[k] for k in ("KEEL_HANG_FLOOR_S", "KEEL_STOP_GRACE_S",
+                                "KEEL_COLLECTIVE_TIMEOUT_S", "KEEL_STARTUP_TIMEOUT_S")} == {
+        "KEEL_HANG_FLOOR_S": "90", "KEEL_STOP_GRACE_S": "5", "KEEL_COLLECTIVE_TIMEOUT_S": "114",
+        "KEEL_STARTUP_TIMEOUT_S": "366"}
     assert env["OMP_NUM_THREADS"] == "1"
 
 
 def test_job_env_cannot_override_the_rendezvous_but_can_set_threads():
     env = rank_env({}, start_message(MASTER_PORT="1", OMP_NUM_THREADS="4"),
-                   keel_pb2.RankAssignment(rank=0, local_rank=0), "s", "e")
+                   keel_pb2.RankAssignment(rank=0, local_rank=0), "s", "e", CHAIN)
     assert env["MASTER_PORT"] == "29511" and env["OMP_NUM_THREADS"] == "4"
 
 

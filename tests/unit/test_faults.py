@@ -2,7 +2,7 @@ import pytest
 from google.protobuf import json_format
 
 from orchestrator.local.faults import BadFault, parse_fault, parse_schedule
-from orchestrator.local.up import UpOptions, job_spec
+from orchestrator.local.options import UpOptions, job_spec
 from protos import keel_pb2
 
 

@@ -27,13 +27,15 @@ from common.layout import MESH_DIM_NAMES, Layout, LayoutError
 from protos import keel_pb2
 from trainer.runtime.faults import (FaultInjector, claim_fault, fault_marker_path,
                                     parse_fault_schedule, rank_faults)
-from trainer.runtime.identity import Identity, parse_mesh, read_identity
+from trainer.runtime.identity import (Identity, deadline_problems, job_deadlines, parse_mesh,
+                                      read_identity)
 from trainer.runtime.reporting import (CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S,
                                        AgentReporter)
 
 __all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "Identity", "Layout",
-           "LayoutError", "Runtime", "claim_fault", "env", "fault_marker_path", "init",
-           "parse_fault_schedule", "parse_mesh", "rank_faults"]
+           "LayoutError", "Runtime", "claim_fault", "deadline_problems", "env",
+           "fault_marker_path", "init", "job_deadlines", "parse_fault_schedule", "parse_mesh",
+           "rank_faults"]
 
 
 class Runtime:

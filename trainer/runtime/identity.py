@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common import env
+from common import deadlines, env
 from common.layout import parse_axes
 
 
@@ -65,3 +65,28 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
     )
+
+
+def job_deadlines(environ: Mapping[str, str]) -> dict[str, float]:
+    """The job's side of the deadline chain that Keel put in ``environ`` (seconds by
+    name: ``hang_floor_s``, ``stop_grace_s``, ``collective_timeout_s`` ...); {} outside
+    Keel. Raises ValueError naming a variable that is not a number."""
+    found = {}
+    for name, variable in env.DEADLINES.items():
+        if environ.get(variable):
+            try:
+                found[name] = float(environ[variable])
+            except ValueError:
+                raise ValueError(f"{variable}={environ[variable]!r} is not a number of "
+                                 f"seconds") from None
+    return found
+
+
+def deadline_problems(environ: Mapping[str, str], **trainer: float) -> list[str]:
+    """What in the job's deadline chain (``job_deadlines``) the trainer's own choices
+    (``collective_timeout_s``, ``startup_timeout_s``) would break, each with its fix;
+    [] outside Keel, where there is no chain."""
+    given = job_deadlines(environ)
+    if not given:
+        return []
+    return deadlines.check(deadlines.Deadlines(**{**given, **trainer}))

@@ -1,0 +1,144 @@
+"""The deadlines that span processes, resolved and checked in one function.
+
+A fault has to run through them in order, each noticed before the next one fires, or
+the root cause is buried under the symptoms it causes:
+
+- a rank's progress reaches its agent every ``heartbeat_s``: the least time without
+  progress that counts as a hang, ``hang_floor_s``, must be several of those;
+- the first step and a step that saves a checkpoint have budgets of their own
+  (``first_step_timeout_s``, ``checkpoint_timeout_s``), never below the floor;
+- an agent names a hung rank (after the floor at the earliest) and stops its ranks
+  (``stop_grace_s`` between SIGTERM and SIGKILL) before the peers' collectives time
+  out (``collective_timeout_s``), and likewise at start-up (``startup_timeout_s``,
+  the collective timeout until the first step is done);
+- an agent reconnecting with back-off (at most ``reconnect_max_s`` between tries:
+  after a failover, or a blip) is back before its node counts as lost
+  (``node_lost_grace_s``).
+
+``lease_ttl_s`` (a dead node is noticed after it) and ``leader_ttl_s`` (a standby
+takes over within it) have lower bounds only. Every value is seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+# A later deadline must exceed the earlier one plus the stop grace by this factor:
+# detection and stopping take scheduling slack on a busy node too.
+MARGIN = 1.2
+COLLECTIVE_TIMEOUT_S = 60.0    # defaults, raised when the chain needs more
+STARTUP_TIMEOUT_S = 300.0
+HEARTBEATS_PER_FLOOR = 2
+MIN_LEASE_S = 2.0              # etcd leases shorter than this expire under load
+
+
+class DeadlineError(ValueError):
+    """Deadlines that do not fit together; ``problems`` lists each with its fix."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    heartbeat_s: float = 0.5
+    hang_floor_s: float = 30.0
+    first_step_timeout_s: float = 300.0
+    checkpoint_timeout_s: float = 300.0
+    stop_grace_s: float = 5.0
+    collective_timeout_s: float = 0.0    # 0: derived (see resolve)
+    startup_timeout_s: float = 0.0       # 0: derived
+    lease_ttl_s: float = 5.0
+    node_lost_grace_s: float = 10.0
+    leader_ttl_s: float = 5.0
+    reconnect_max_s: float = 5.0
+
+
+def least_collective_timeout_s(hang_floor_s: float, stop_grace_s: float) -> float:
+    return MARGIN * (hang_floor_s + stop_grace_s)
+
+
+def least_startup_timeout_s(first_step_timeout_s: float, stop_grace_s: float) -> float:
+    return MARGIN * (first_step_timeout_s + stop_grace_s)
+
+
+def resolve(**given: float) -> Deadlines:
+    """The deadlines with every value not given (or given as 0) filled in: the
+    collective and start-up timeouts are derived from the chain (at least their
+    defaults, more when the hang floor, the first-step budget or the stop grace need
+    it), the rest take ``Deadlines``' defaults. Raises DeadlineError listing every
+    relation that does not hold, with its fix."""
+    unknown = set(given) - {f.name for f in fields(Deadlines)}
+    if unknown:
+        raise TypeError(f"unknown deadline(s): {', '.join(sorted(unknown))}")
+    values = {f.name: given.get(f.name) or f.default for f in fields(Deadlines)}
+    problems = _not_seconds({k: v for k, v in values.items() if v})
+    if problems:
+        raise DeadlineError(problems)
+    d = Deadlines(**values)
+    collective = d.collective_timeout_s or max(
+        COLLECTIVE_TIMEOUT_S,
+        float(math.ceil(least_collective_timeout_s(d.hang_floor_s, d.stop_grace_s))))
+    startup = d.startup_timeout_s or max(
+        STARTUP_TIMEOUT_S, collective,
+        float(math.ceil(least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s))))
+    d = Deadlines(**{**values, "collective_timeout_s": collective, "startup_timeout_s": startup})
+    problems = check(d)
+    if problems:
+        raise DeadlineError(problems)
+    return d
+
+
+def _not_seconds(values: dict[str, object]) -> list[str]:
+    return [f"{name}={value}: must be a finite number of seconds above 0"
+            for name, value in values.items()
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)]
+
+
+def check(d: Deadlines) -> list[str]:
+    """Every relation of the chain that ``d`` breaks, each with its fix; [] if none."""
+    problems = _not_seconds({f.name: getattr(d, f.name) for f in fields(Deadlines)})
+    if problems:
+        return problems
+    if d.hang_floor_s < max(1.0, HEARTBEATS_PER_FLOOR * d.heartbeat_s):
+        problems.append(f"hang_floor_s={d.hang_floor_s}: must be at least 1 s and "
+                        f"{HEARTBEATS_PER_FLOOR} report periods ({HEARTBEATS_PER_FLOOR} x "
+                        f"heartbeat_s={d.heartbeat_s}): a rank reporting on time would look "
+                        f"hung; raise hang_floor_s")
+    for name in ("first_step_timeout_s", "checkpoint_timeout_s"):
+        if getattr(d, name) < d.hang_floor_s:
+            problems.append(f"{name}={getattr(d, name)}: must be at least hang_floor_s="
+                            f"{d.hang_floor_s}: start-up and saves take longer than a step; "
+                            f"raise {name} or lower hang_floor_s")
+    least = least_collective_timeout_s(d.hang_floor_s, d.stop_grace_s)
+    if d.collective_timeout_s < least:
+        problems.append(f"collective_timeout_s={d.collective_timeout_s}: must be at least "
+                        f"{MARGIN:g} x (hang_floor_s={d.hang_floor_s} + stop_grace_s="
+                        f"{d.stop_grace_s}) = {least:g}: the agent must name a hung rank "
+                        f"and stop it before its peers' collectives time out; raise "
+                        f"collective_timeout_s (or leave it out: it is derived) or lower "
+                        f"hang_floor_s")
+    least = least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s)
+    if d.startup_timeout_s < least:
+        problems.append(f"startup_timeout_s={d.startup_timeout_s}: must be at least "
+                        f"{MARGIN:g} x (first_step_timeout_s={d.first_step_timeout_s} + "
+                        f"stop_grace_s={d.stop_grace_s}) = {least:g}: a rank stuck before "
+                        f"its first step must be named before its peers time out; raise "
+                        f"startup_timeout_s (or leave it out) or lower first_step_timeout_s")
+    if d.startup_timeout_s < d.collective_timeout_s:
+        problems.append(f"startup_timeout_s={d.startup_timeout_s}: must be at least "
+                        f"collective_timeout_s={d.collective_timeout_s}: start-up runs "
+                        f"collectives too")
+    if d.reconnect_max_s >= d.node_lost_grace_s:
+        problems.append(f"reconnect_max_s={d.reconnect_max_s}: must be below "
+                        f"node_lost_grace_s={d.node_lost_grace_s}: an agent backing off "
+                        f"between reconnects would have its node counted lost; lower the "
+                        f"agent's reconnect back-off or raise the controller's "
+                        f"--node-lost-grace-s")
+    for name in ("lease_ttl_s", "leader_ttl_s"):
+        if getattr(d, name) < MIN_LEASE_S:
+            problems.append(f"{name}={getattr(d, name)}: must be at least {MIN_LEASE_S:g} s: "
+                            f"shorter etcd leases expire under ordinary load")
+    return problems

@@ -1,0 +1,109 @@
+"""The processes of a local cluster: an embedded etcd (unless endpoints are given), the
+controllers and the agents, each tied to ``keel up`` by a parent-death signal, started
+and stopped in order."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import env
+from common.procs import terminate, tied_to_this_process
+from common.tls import TlsFiles, etcd_flags, resolve_tls
+from orchestrator.local.etcd_server import EmbeddedEtcd
+from orchestrator.local.options import UpOptions
+from orchestrator.security.certs import init_once
+
+@dataclass
+class LocalCluster:
+    """The processes of a local cluster, started and stopped in order."""
+    options: UpOptions
+    workdir: Path
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    etcd: EmbeddedEtcd | None = None
+    controllers: list[subprocess.Popen] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)   # of each controller, in order
+    agents: list[subprocess.Popen] = field(default_factory=list)
+    client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
+    agent_credentials: list[str] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(self.options.etcd_endpoints) or self.etcd.endpoint
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        with open(self.workdir / "logs" / log_name, "ab") as log:
+            return subprocess.Popen([*tied_to_this_process(), sys.executable, *args],
+                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+    def _credentials(self) -> list[str]:
+        """The daemons' credential flags. Plain: one token for everything. With --tls:
+        a CA and certificates in <workdir>/tls, agents given only the join token and
+        keel up itself the operator's. Then the etcd credentials, if any."""
+        etcd = etcd_flags(self.options.etcd_credentials)
+        if self.options.etcd_credentials and self.options.etcd_credentials.password:
+            # The daemons inherit it from here: a flag would show in ps.
+            os.environ[env.ETCD_PASSWORD] = self.options.etcd_credentials.password
+        if not self.options.tls:
+            token_file = self.workdir / "token"
+            token_file.touch(mode=0o600)
+            token_file.write_text(self.token)
+            return ["--token-file", str(token_file), *etcd]
+        tls_dir = init_once(self.workdir / "tls")
+        self.token = (tls_dir / "operator.token").read_text().strip()
+        self.client_tls = resolve_tls(tls_dir, "operator")
+        return ["--tls-dir", str(tls_dir), *etcd]
+
+    def start(self) -> None:
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        credentials = self._credentials()
+        if not self.options.etcd_endpoints:
+            self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
+                                     data_parent=self.workdir, die_with_parent=True).start()
+        for i in range(self.options.controllers):
+            address_file = self.workdir / f"controller-{i}.address"
+            address_file.unlink(missing_ok=True)
+            log_name = "controller.log" if i == 0 else f"controller-{i}.log"
+            controller = self._spawn(
+                ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
+                 *credentials, "--address-file", str(address_file)],
+                log_name)
+            self.controllers.append(controller)
+            deadline = time.monotonic() + 30
+            while not address_file.exists():
+                if controller.poll() is not None:
+                    raise RuntimeError(f"controller exited with code {controller.returncode}; "
+                                       f"see {self.workdir / 'logs' / log_name}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("controller did not start within 30 s")
+                time.sleep(0.05)
+            self.addresses.append(address_file.read_text().strip())
+        self.agent_credentials = credentials
+        for i in range(self.options.nodes + self.options.spares):
+            self.agents.append(self.start_agent(i))
+
+    def start_agent(self, index: int) -> subprocess.Popen:
+        """Agent ``node-INDEX``, on its run directory (a restarted one finds there what
+        its predecessor left running)."""
+        return self._spawn(
+            ["-m", "agent", "--node", f"node-{index}",
+             "--slots", str(self.options.slots_per_node),
+             "--etcd-endpoints", self.endpoints, *self.agent_credentials,
+             "--run-dir", str(self.workdir / "nodes" / f"node-{index}"),
+             "--lease-ttl-s", str(self.options.lease_ttl_s),
+             "--stop-grace-s", str(self.options.stop_grace_s)],
+            f"agent-node-{index}.log")
+
+    def stop(self) -> None:
+        """Agents first (they stop their ranks), then the controller, then etcd."""
+        grace = self.options.stop_grace_s + 5
+        terminate(self.agents, grace)
+        terminate(self.controllers, grace)
+        if self.etcd is not None:
+            self.etcd.stop()

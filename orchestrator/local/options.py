@@ -1,0 +1,151 @@
+"""What ``keel up`` is asked to do (``UpOptions``, validated on construction), and the
+job spec it submits for it: the reference trainer (or a script) at the cluster's
+world size, with the faults to inject. Everything here is checked before anything
+starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from common import env
+from common.etcd import EtcdCredentials, host_port
+from orchestrator import planner
+from orchestrator.local.faults import parse_schedule
+from orchestrator.spec.jobspec import validate
+from protos import keel_pb2
+
+JOB_NAME = "keel-up"
+# The reference trainer's model and batch, passed to it explicitly so that the shape the
+# controller validates and plans with is the one that trains.
+REFERENCE = {"dim": 64, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 64,
+             "global_batch": 16}
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    nodes: int = 2
+    slots_per_node: int = 2
+    steps: int = 40
+    checkpoint_every: int = 10
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    inject: tuple[str, ...] = ()
+    layout: str | None = None        # None: dp_shard over every rank; "auto": the planner's
+    min_nodes: int = 1               # after losing nodes, shrink down to this many
+    spares: int = 0                  # extra agents that wait as hot spares
+    controllers: int = 1             # more than one: standbys take over from the leader
+    straggler_policy: str = "replace"
+    hang_floor_s: float = 30.0       # the hang timeout's floor (k x median step above it)
+    preflight: bool = True
+    max_restarts: int = 3
+    etcd_endpoints: tuple[str, ...] = ()
+    workdir: Path | None = None
+    timeout_s: float = 3600.0
+    lease_ttl_s: float = 5.0
+    stop_grace_s: float = 5.0
+    tls: bool = False                # mutual TLS and role tokens, from <workdir>/tls
+    etcd_credentials: EtcdCredentials | None = None  # of the --etcd-endpoints cluster
+    json: bool = False
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.slots_per_node < 1:
+            raise ValueError("--nodes and --slots-per-node must be at least 1")
+        if self.steps < 1:
+            raise ValueError("--steps must be at least 1")
+        if self.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be at least 1")
+        if self.script is not None and not Path(self.script).is_file():
+            raise ValueError(f"--script {self.script}: no such file")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout-s must be positive")
+        if not 0 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
+        if self.spares < 0:
+            raise ValueError("--spares must be 0 or more")
+        if self.controllers < 1:
+            raise ValueError("--controllers must be at least 1")
+        if self.etcd_credentials and not self.etcd_endpoints:
+            raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user are for the etcd "
+                             "of --etcd-endpoints; the embedded one needs none")
+        for endpoint in self.etcd_endpoints:
+            host_port(endpoint)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.slots_per_node
+
+
+def _slot_memory_gb(slots: int) -> float:
+    """This machine's memory shared out among the slots (the CPU stands in for GPUs)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9 / slots
+
+
+def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
+    """The job `keel up` submits; raises InvalidSpec or BadFault before anything starts."""
+    spec = keel_pb2.JobSpec(name=JOB_NAME, world_size=options.world_size,
+                            max_restarts=options.max_restarts, min_nodes=options.min_nodes,
+                            checkpoint_dir=str(checkpoint_dir),
+                            mesh=options.layout or f"dp_shard={options.world_size}")
+    if options.script:
+        spec.command.extend([sys.executable, "-u", str(Path(options.script).resolve()),
+                             *options.script_args])
+    else:
+        spec.command.extend([sys.executable, "-u", "-m", "trainer.train",
+                             "--steps", str(options.steps),
+                             "--checkpoint-every", str(options.checkpoint_every),
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in REFERENCE.items())])
+        spec.steps = options.steps
+        shape = planner.ModelShape.from_dims(layers=REFERENCE["layers"],
+                                             hidden=REFERENCE["dim"],
+                                             heads=REFERENCE["heads"], vocab=REFERENCE["vocab"])
+        spec.model.CopyFrom(keel_pb2.ModelShape(
+            params=shape.params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+            vocab=shape.vocab))
+        spec.training.CopyFrom(keel_pb2.TrainingShape(
+            seq_len=REFERENCE["seq_len"], micro_batch=1,
+            global_batch=REFERENCE["global_batch"], precision="fp32",
+            gpu_memory_gb=_slot_memory_gb(options.world_size)))
+    spec.health.CopyFrom(keel_pb2.HealthSpec(
+        straggler_policy=options.straggler_policy, hang_floor_s=options.hang_floor_s,
+        first_step_timeout_s=max(options.hang_floor_s, 120.0),
+        checkpoint_timeout_s=max(options.hang_floor_s, 120.0), stop_grace_s=options.stop_grace_s,
+        preflight_off=not options.preflight))
+    schedule = parse_schedule(list(options.inject), options.world_size,
+                              options.nodes + options.spares)
+    _check_cluster_can_fire(schedule, options)
+    if schedule.faults:
+        spec.env[env.FAULTS] = json_format.MessageToJson(schedule, indent=None)
+    validate(spec)
+    return spec
+
+
+
+def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions) -> None:
+    """Refuse faults that this cluster and job could never fire, or not survive as
+    the fault intends; raises ValueError naming the fix."""
+    faults = list(schedule.faults)
+    if not options.script:
+        late = [f for f in faults if f.step > options.steps]
+        if late:
+            raise ValueError(f"{late[0].kind} at step {late[0].step} would never fire: the "
+                             f"job runs --steps {options.steps}")
+    if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in faults):
+        raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
+                         "(and unset KEEL_ETCD_ENDPOINTS)")
+    leader_kills = sum(1 for f in faults if f.kind == "kill_leader")
+    if leader_kills >= options.controllers:
+        raise ValueError(f"{leader_kills} kill_leader fault(s) need as many standbys: give "
+                         f"--controllers {leader_kills + 1}")
+    lost = [f.node for f in faults if f.kind == "lose_node"]
+    twice = sorted({n for n in lost if lost.count(n) > 1})
+    if twice:
+        raise ValueError(f"node {twice[0]} is lost twice; lose_node kills it for good")
+    restarted = sorted({f.node for f in faults if f.kind == "kill_agent"} & set(lost))
+    if restarted:
+        raise ValueError(f"node {restarted[0]} is lost by lose_node; kill_agent cannot "
+                         f"also restart its agent")
