@@ -24,6 +24,25 @@ from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary
 from protos import keel_pb2
 
 REPO = Path(__file__).resolve().parent.parent
+INTEGRATION = REPO / "tests" / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/integration starts real processes: it is marked, so that
+    ``pytest -m "not integration"`` runs only the pure tests, in seconds."""
+    for item in items:
+        if INTEGRATION in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_processes(request, monkeypatch):
+    """A test not marked integration that starts a process fails, saying where it
+    belongs."""
+    if request.node.get_closest_marker("integration") is None:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a unit test starts no process; move it to tests/integration")
+        monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 @pytest.fixture

@@ -146,6 +146,7 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "lease 424242 of node ghost is not alive" in err.value.details()
         assert "ghost" not in cluster.store.nodes()
-        # The controller is still serving.
+        # The controller is still serving, and neither the intruder nor the ghost is
+        # among its nodes.
         assert stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
-                              timeout=5) is not None
+                              timeout=5).nodes == []

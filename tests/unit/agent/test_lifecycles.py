@@ -1,13 +1,10 @@
-"""The agent's lifecycles: a generation's on the node, and each rank's; only the
-transitions in their tables are allowed."""
-
-import subprocess
-import sys
+"""A generation's lifecycle on a node: only the transitions in its table are allowed
+(each rank's lifecycle is tested with a real process in
+tests/integration/test_agent_processes.py)."""
 
 import pytest
 
 from agent.generation import Generation, IllegalTransition, Phase
-from agent.supervisor import RANK_TRANSITIONS, IllegalRankTransition, RankPhase, RankProcess
 from protos import keel_pb2
 
 
@@ -46,22 +43,3 @@ def test_a_stop_of_a_generation_that_never_ran_here_is_confirmed():
 def test_an_idle_agent_has_nothing_to_confirm():
     with pytest.raises(IllegalTransition, match="cannot go from IDLE to IDLE"):
         Generation()._move(Phase.IDLE, "nothing", "j", 1)
-
-
-@pytest.fixture
-def rank():
-    popen = subprocess.Popen([sys.executable, "-c", "pass"])
-    popen.wait()
-    return RankProcess(job="j", generation=1, rank=0, local_rank=0, popen=popen, log_dir=None)
-
-
-def test_a_rank_moves_only_along_its_table(rank):
-    rank.move(RankPhase.STOPPING, "SIGTERM")
-    rank.move(RankPhase.KILLED, "grace over")
-    rank.move(RankPhase.EXITED, "reaped")
-    with pytest.raises(IllegalRankTransition, match="cannot go from EXITED to RUNNING"):
-        rank.move(RankPhase.RUNNING, "back from the dead")
-    rank.move(RankPhase.REAPED, "group empty")
-    assert RANK_TRANSITIONS[RankPhase.REAPED] == frozenset()
-    # Every phase has its row in the table.
-    assert set(RANK_TRANSITIONS) == set(RankPhase)

@@ -1,42 +1,9 @@
-"""Reading faulthandler dumps: real ones from child interpreters, and hand-cut text."""
-
-import os
-import signal
-import subprocess
-import sys
-import textwrap
+"""Reading faulthandler dumps: hand-cut text (real dumps from child interpreters are in
+tests/integration/test_agent_processes.py)."""
 
 import pytest
 
-from agent.stacks import Frame, ThreadStack, dump_since, main_thread, parse_dump, where
-from tests.conftest import wait_for
-
-# Starts two threads in a known order, then dumps every thread from a named function of
-# the main thread; prints the thread ids (main, first, second) so the test can check
-# which listed stack is whose instead of assuming the order.
-DUMP_FROM_MAIN = textwrap.dedent("""
-    import faulthandler, threading
-    release = threading.Event()
-    first = threading.Thread(target=release.wait); first.start()
-    second = threading.Thread(target=release.wait); second.start()
-    def stuck_in_here():
-        faulthandler.dump_traceback(all_threads=True)
-    stuck_in_here()
-    release.set()
-    print(threading.main_thread().ident, first.ident, second.ident)
-""")
-
-# The rank's way: faulthandler registered on SIGUSR1, a helper thread, the main thread
-# asleep in a named function when the agent's signal arrives.
-SLEEP_UNTIL_SIGNALLED = textwrap.dedent("""
-    import faulthandler, signal, sys, threading, time
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    threading.Thread(target=threading.Event().wait, daemon=True).start()
-    def sleeps_in_here():
-        print(threading.main_thread().ident, flush=True)
-        time.sleep(30)
-    sleeps_in_here()
-""")
+from agent.stacks import Frame, ThreadStack, dump_since, parse_dump, where
 
 WORKER = ('Thread 0x00007f7bd26dc6c0 (most recent call first):\n'
           '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n'
@@ -53,40 +20,6 @@ PARSED = [
         Frame("/work/keel/trainer/runtime.py", 312, "inject_faults"),
         Frame("/work/keel/trainer/train.py", 245, "main"))),
 ]
-
-
-def test_a_real_dump_lists_threads_newest_first_and_the_main_thread_last():
-    run = subprocess.run([sys.executable, "-c", DUMP_FROM_MAIN], capture_output=True,
-                         text=True, timeout=30, check=True)
-    main_id, first_id, second_id = (int(ident) for ident in run.stdout.split())
-    stacks = parse_dump(run.stderr)
-    assert [int(t.thread_id, 16) for t in stacks] == [second_id, first_id, main_id]
-    main = main_thread(stacks)
-    assert main.current and main.frames[0].function == "stuck_in_here"
-    assert main.frames[-1].function == "<module>"
-    assert where(stacks) == f"stuck_in_here (<string>:{main.frames[0].line})"
-
-
-def test_the_agents_way_sigusr1_then_the_new_tail_of_stderr(tmp_path):
-    stderr_path = tmp_path / "rank0.stderr"
-    stderr_path.write_text("step=41 loss=2.31\nan earlier line\n")
-    before = stderr_path.read_text()
-    with open(stderr_path, "a") as stderr:
-        child = subprocess.Popen([sys.executable, "-c", SLEEP_UNTIL_SIGNALLED],
-                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        main_id = int(child.stdout.readline())
-        os.kill(child.pid, signal.SIGUSR1)
-        wait_for(lambda: "in <module>\n" in stderr_path.read_text(), 10, 0.01, what="the stack dump")
-        dump = dump_since(before, stderr_path.read_text())
-    finally:
-        child.kill()
-        child.wait()
-        child.stdout.close()
-    assert dump.startswith("Thread 0x")
-    stacks = parse_dump(dump)
-    assert len(stacks) == 2 and int(main_thread(stacks).thread_id, 16) == main_id
-    assert where(stacks).startswith("sleeps_in_here (<string>:")
 
 
 def test_garbage_around_the_dump_is_ignored():
