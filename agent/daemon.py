@@ -32,6 +32,7 @@ from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
 from common import deadlines, procs
 from common.etcd import EtcdClient
+from common.leader import LeaderWatch
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -49,10 +50,13 @@ class Agent:
         self.reports = Reports()
         self.hang_config = HangConfig()
         self.lease = None
+        self.lease_ok_at = 0.0   # monotonic: the lease was last renewed (or granted)
+        self.held = False        # the controller said etcd is out of its reach too
         self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
         self.socket_path = f"{self.socket_dir}/agent.sock"
         self.local_server: grpc.Server | None = None
-        self.link = ControllerLink(self.etcd, config.token, config.tls, config.controller,
+        self.leaders = LeaderWatch(self.etcd)
+        self.link = ControllerLink(self.leaders, config.token, config.tls, config.controller,
                                    config.reconnect_max_s, self._opening,
                                    lambda message: self.events.put(("controller", message)),
                                    self.stopping)
@@ -63,12 +67,16 @@ class Agent:
             self.config.run_dir.mkdir(parents=True, exist_ok=True)
             leftovers.take_over(self.config.run_dir, self.socket_path)
             self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
+            self.lease_ok_at = time.monotonic()
             self.local_server = serve(self.socket_path, AgentLocalService(
                 self.reports.add_steps, lambda saved: self.events.put(("checkpoint", saved)),
-                lambda report: self.events.put(("preflight", report))))
+                lambda report: self.events.put(("preflight", report)),
+                lambda problem: self.events.put(("problem", problem)),
+                self.reports.recorded_step))
             if self.config.metrics_port is not None:
                 metrics.serve(self.config.metrics_port)
             threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
+            self.leaders.start()
             threading.Thread(target=self.link.run, name="stream", daemon=True).start()
             log.info("agent started", slots=self.config.slots, lease_id=self.lease.id,
                      socket=self.socket_path)
@@ -85,6 +93,7 @@ class Agent:
         # Whatever the ranks started outside their process groups goes too.
         leftovers.kill_marked(self.socket_path)
         self.link.close()
+        self.leaders.stop()
         if self.local_server is not None:
             self.local_server.stop(0.5).wait()
         try:
@@ -104,7 +113,10 @@ class Agent:
             except Exception as exc:  # etcd down or restarting: it keeps leases across
                 log.warning("lease refresh failed", error=str(exc), lease_id=self.lease.id)
                 continue
-            if not alive:
+            self.held = False   # etcd answers us again
+            if alive:
+                self.lease_ok_at = time.monotonic()
+            else:
                 self._register_again()
 
     def _register_again(self) -> None:
@@ -117,7 +129,7 @@ class Agent:
             return
         log.warning("etcd lease lost; registering again", old_lease_id=self.lease.id,
                     lease_id=lease.id)
-        self.lease = lease
+        self.lease, self.lease_ok_at = lease, time.monotonic()
         self.link.reconnect()  # the next stream opens with a Hello on the new lease
 
     # ==================================================================== Hello
@@ -165,6 +177,10 @@ class Agent:
                     self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=payload))
                 elif kind == "preflight":
                     self._send(preflight=payload)
+                elif kind == "problem":
+                    log.warning("a rank would not use a checkpoint", kind=payload.kind,
+                                step=payload.step, path=payload.path, reason=payload.reason)
+                    self._send(checkpoint_problem=payload)
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -179,6 +195,7 @@ class Agent:
                 self._send(rank_exited=report)
                 self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
             self._maybe_confirm_stop()
+            self._check_fence(now)
             self._check_hang(now)
             metrics.RANKS_RUNNING.set(sum(1 for r in self.supervisor.ranks
                                           if r.popen.returncode is None))
@@ -205,6 +222,13 @@ class Agent:
                 self._report_stacks(stop.job, stop.generation, running, hang=None)
             self.supervisor.stop(ranks, time.monotonic())
             self.generation.stop(stop.job, stop.generation, f"the controller: {stop.reason}")
+        elif kind == "checkpoint_recorded":
+            recorded = message.checkpoint_recorded
+            self.reports.recorded(recorded.generation, recorded.step)
+        elif kind == "etcd_unreachable":
+            self.held = True
+            log.warning("the controller cannot reach etcd either: keeping the ranks while "
+                        "our lease cannot be renewed")
         elif kind == "checkpoint_now":
             request = message.checkpoint_now
             self.reports.want_checkpoint(request.generation)
@@ -261,6 +285,28 @@ class Agent:
         if problems:
             raise deadlines.DeadlineError(problems)
         return chain
+
+    # =================================================================== fencing
+    def _check_fence(self, now: float) -> None:
+        """Self-fencing: a node that has renewed no lease for a whole TTL and has no
+        controller to vouch for it is, as far as the cluster knows, lost, and its
+        replacement may start any moment: its ranks stop. Not while the controller has
+        said etcd is out of its reach too (an outage everyone sees, where nothing can be
+        replaced)."""
+        state = self.generation
+        unrenewed_s = now - self.lease_ok_at
+        if (state.phase is not Phase.RUNNING or unrenewed_s < self.config.lease_ttl_s
+                or self.link.up or self.held):
+            return
+        current = state.start
+        ranks = [r for r in self.supervisor.of_generation(current.job, current.generation)
+                 if r.phase is RankPhase.RUNNING]
+        why = (f"self-fenced: no lease renewal for {unrenewed_s:.1f} s (TTL "
+               f"{self.config.lease_ttl_s:g} s) and no controller reachable")
+        log.error("stopping the ranks", job=current.job, generation=current.generation,
+                  ranks=[r.rank for r in ranks], reason=why)
+        self.supervisor.stop(ranks, now)
+        state.stop(current.job, current.generation, why)
 
     # ===================================================================== hangs
     def _check_hang(self, now: float) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from common import env as keel_env
@@ -39,6 +40,7 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
         keel_env.MESH: start.mesh,
         keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
         keel_env.RESTORE_FROM: start.restore_from,
+        keel_env.RESTORE_FALLBACKS: os.pathsep.join(start.restore_fallbacks),
         keel_env.AGENT_SOCKET: agent_socket,
         **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},
     })

@@ -1,12 +1,18 @@
-"""The agent's link to the leading controller: find it in etcd, hold one ``Connect``
-stream to it (a Hello first, then the replays, then whatever the agent sends), hand
-what it says to the agent's main loop, and reconnect with back-off when the stream
-ends.
+"""The agent's link to the leading controller: follow the leader key, hold one
+``Connect`` stream to the leader (a Hello first, then the replays, then whatever the
+agent sends), hand what it says to the agent's main loop, and reconnect with back-off
+when the stream ends.
+
+Fencing: every controller message carries its sender's leader term, and the link
+drops any message of a lower term than the highest it has seen (from a Welcome, or
+from the leader key itself), so a controller that stalled and was superseded cannot
+start or stop anything here when it wakes. When the leader key names another
+controller than the one the stream goes to, the stream is ended at once and the link
+connects to the new leader; keepalives end a stream to a controller that stalls.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -15,9 +21,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from common import keys
-from common.etcd import EtcdClient
-from common.tls import TlsFiles, call_metadata, channel
+from common.leader import Leader, LeaderWatch
+from common.rpc import channel
+from common.tls import TlsFiles, call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
@@ -27,15 +33,16 @@ HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
 
 
 class ControllerLink:
-    def __init__(self, etcd: EtcdClient, token: str, tls: TlsFiles | None,
+    def __init__(self, leaders: LeaderWatch, token: str, tls: TlsFiles | None,
                  controller: str | None, reconnect_max_s: float,
                  opening: Callable[[], list[keel_pb2.AgentMessage]],
                  deliver: Callable[[keel_pb2.ControllerMessage], None],
                  stopping: threading.Event):
         """``opening()`` gives the messages that open each stream (the Hello, then the
-        replays); ``deliver`` takes every controller message but the Welcome;
-        ``controller``: a fixed host:port, or None to follow the leader in etcd."""
-        self.etcd = etcd
+        replays); ``deliver`` takes every controller message of a current term but the
+        Welcome; ``controller``: a fixed host:port to dial instead of the leader's
+        address (the leader key still gives the terms)."""
+        self.leaders = leaders
         self.token = token
         self.tls = tls
         self.controller = controller
@@ -44,8 +51,45 @@ class ControllerLink:
         self.deliver = deliver
         self.stopping = stopping
         self.outbox: queue.Queue = queue.Queue()
-        self._call = None     # the Connect call in progress
+        self._lock = threading.Lock()
+        self._call = None            # the Connect call in progress
+        self._dialled: str | None = None   # the address it goes to
+        self._cluster = 0            # the etcd cluster the terms below count in
+        self._highest = 0            # the highest leader term seen
+        self._refused_term = 0       # the last term refused (logged once)
+        self.up = False              # a stream to a current controller is open
+        leaders.on_change = self.leader_changed
 
+    # ----------------------------------------------------------------- terms
+    def _see_term(self, term: int, cluster_id: int = 0) -> None:
+        with self._lock:
+            if cluster_id and cluster_id != self._cluster:
+                # An etcd cluster rebuilt from nothing numbers its revisions anew.
+                self._cluster, self._highest = cluster_id, 0
+            self._highest = max(self._highest, term)
+
+    def current_term(self, term: int) -> bool:
+        """Whether a message of leader term ``term`` may be acted on."""
+        with self._lock:
+            if term >= self._highest:
+                return True
+            refused, self._refused_term = self._refused_term, term
+        if refused != term:
+            log.warning("refusing messages of a superseded controller", term=term,
+                        highest_term=self._highest)
+        return False
+
+    def leader_changed(self, leader: Leader | None) -> None:
+        """The leader key changed: learn its term, and leave a stream that goes
+        elsewhere."""
+        if leader is None:
+            return
+        self._see_term(leader.term, leader.cluster_id)
+        if self.controller is None and self._dialled not in (None, leader.address):
+            log.info("the leader changed; reconnecting", leader=leader.address, term=leader.term)
+            self.reconnect()
+
+    # ---------------------------------------------------------------- stream
     def send(self, message: keel_pb2.AgentMessage) -> None:
         """Queue ``message`` for the controller (sent on the current stream, or the
         next one)."""
@@ -64,11 +108,8 @@ class ControllerLink:
         """Keep a stream to the leader until ``stopping`` is set."""
         backoff = BACKOFF_FIRST_S
         while not self.stopping.is_set():
-            try:
-                address = self._address()
-            except Exception as exc:
-                address = None
-                log.warning("cannot read the controller address from etcd", error=str(exc))
+            leader = self.leaders.current
+            address = self.controller or (leader.address if leader else None)
             if address:
                 started = time.monotonic()
                 try:
@@ -81,12 +122,6 @@ class ControllerLink:
             if self.stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, self.reconnect_max_s)
-
-    def _address(self) -> str | None:
-        if self.controller:
-            return self.controller
-        raw, _ = self.etcd.get(keys.LEADER)
-        return json.loads(raw)["address"] if raw else None
 
     def _requests(self, closed: threading.Event):
         yield from self.opening()
@@ -103,19 +138,27 @@ class ControllerLink:
         closed = threading.Event()
         with channel(address, self.tls) as link:
             stub = keel_pb2_grpc.ControllerStub(link)
+            self._dialled = address
             self._call = stub.Connect(self._requests(closed),
                                       metadata=call_metadata(self.token))
             try:
                 for message in self._call:
                     if message.WhichOneof("kind") == "welcome":
+                        if not self.current_term(message.term):
+                            break   # a superseded controller: find the leader again
+                        self._see_term(message.term)
+                        self.up = True
                         log.info("connected to controller", address=address,
-                                 controller_id=message.welcome.controller_id)
-                    else:
+                                 controller_id=message.welcome.controller_id,
+                                 term=message.term)
+                    elif self.current_term(message.term):
                         self.deliver(message)
             except grpc.RpcError as exc:
                 if not self.stopping.is_set():
                     log.warning("controller stream ended", address=address,
                                 code=str(exc.code()), details=exc.details())
             finally:
+                self.up = False
                 self._call = None
+                self._dialled = None
                 closed.set()

@@ -26,6 +26,7 @@ class Reports:
         self._latest: dict[int, tuple[float, keel_pb2.StepReport]] = {}
         self._step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
         self._checkpoint_wanted = False
+        self._recorded_step = 0
         self._replay: list[keel_pb2.AgentMessage] = []
 
     def begin(self, job: str, generation: int) -> None:
@@ -37,6 +38,17 @@ class Reports:
             self._step_times.clear()
             self._checkpoint_wanted = False
             self._replay = []
+
+    def recorded(self, generation: int, step: int) -> None:
+        """The controller recorded the checkpoint of ``step``: the ranks learn it in their
+        next acks (so that retention keeps it)."""
+        with self._lock:
+            if self._generation is not None and self._generation[1] == generation:
+                self._recorded_step = max(self._recorded_step, step)
+
+    def recorded_step(self) -> int:
+        with self._lock:
+            return self._recorded_step
 
     def end(self) -> None:
         """The generation stopped here: reports still arriving for it are dropped."""

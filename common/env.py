@@ -14,6 +14,7 @@ GENERATION = "KEEL_GENERATION"          # the generation the rank belongs to, fr
 MESH = "KEEL_MESH"                      # its layout, e.g. "dp_shard=2,tp=2"
 CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"      # the committed checkpoint to load; "" = fresh start
+RESTORE_FALLBACKS = "KEEL_RESTORE_FALLBACKS"  # older recorded ones, newest first, os.pathsep-joined
 AGENT_SOCKET = "KEEL_AGENT_SOCKET"      # the agent's Unix socket (AgentLocal); new per agent
 # The job's side of the deadline chain, seconds (common.deadlines): the agent's hang
 # budgets and stop grace, and the collective timeouts the trainer is to use, which
@@ -30,7 +31,7 @@ TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "TORCHELASTIC_ERROR_FILE")
 # What the agent sets for every rank; a job's spec may not set these.
 SET_FOR_RANKS = frozenset(TORCHRUN) | {JOB, GENERATION, MESH, CHECKPOINT_DIR, RESTORE_FROM,
-                                       AGENT_SOCKET, *DEADLINES.values()}
+                                       RESTORE_FALLBACKS, AGENT_SOCKET, *DEADLINES.values()}
 
 # ------------------------------------------------------- set by the job, optional
 FAULTS = "KEEL_FAULTS"          # a FaultSchedule as protobuf JSON (keel up --inject)

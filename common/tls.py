@@ -81,23 +81,6 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
                                        require_client_auth=True)
 
 
-def add_port(server: grpc.Server, listen: str, files: TlsFiles | None) -> int:
-    """Bind ``listen`` with mutual TLS (plaintext if ``files`` is None); the port."""
-    if files is None:
-        return server.add_insecure_port(listen)
-    return server.add_secure_port(listen, server_credentials(files))
-
-
-def channel(address: str, files: TlsFiles | None) -> grpc.Channel:
-    """A channel to ``address`` presenting ``files.cert`` and trusting only
-    ``files.ca`` (plaintext if ``files`` is None)."""
-    if files is None:
-        return grpc.insecure_channel(address)
-    ca, cert, key = files.pems()
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert))
-
-
 # ----------------------------------------------------------------------- etcd
 def etcd_credentials(etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None,
                      etcd_password=None, **_) -> EtcdCredentials | None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight")
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class AgentMessage(_message.Message):
     GENERATION_STOPPED_FIELD_NUMBER: _ClassVar[int]
     HANG_DETECTED_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     rendezvous_ready: RendezvousReady
     rank_exited: RankExited
@@ -24,21 +26,77 @@ class AgentMessage(_message.Message):
     generation_stopped: GenerationStopped
     hang_detected: HangDetected
     preflight: PreflightReport
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ...) -> None: ...
+    status: AgentStatus
+    checkpoint_problem: CheckpointProblem
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ...) -> None: ...
+
+class AgentStatus(_message.Message):
+    __slots__ = ("job", "generation", "phase", "running", "started_job", "started_generation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    STARTED_JOB_FIELD_NUMBER: _ClassVar[int]
+    STARTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    phase: str
+    running: _containers.RepeatedCompositeFieldContainer[RankAssignment]
+    started_job: str
+    started_generation: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[str] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ...) -> None: ...
+
+class CheckpointProblem(_message.Message):
+    __slots__ = ("job", "generation", "step", "path", "kind", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    step: int
+    path: str
+    kind: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "term")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
     STOP_GENERATION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    ETCD_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
     start_generation: StartGeneration
     stop_generation: StopGeneration
     checkpoint_now: CheckpointNow
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ...) -> None: ...
+    checkpoint_recorded: CheckpointRecorded
+    etcd_unreachable: EtcdUnreachable
+    term: int
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+
+class EtcdUnreachable(_message.Message):
+    __slots__ = ("down_s",)
+    DOWN_S_FIELD_NUMBER: _ClassVar[int]
+    down_s: float
+    def __init__(self, down_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointRecorded(_message.Message):
+    __slots__ = ("job", "generation", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointNow(_message.Message):
     __slots__ = ("job", "generation", "reason")
@@ -172,7 +230,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +253,7 @@ class StartGeneration(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -210,7 +269,8 @@ class StartGeneration(_message.Message):
     mesh: str
     health: HealthSpec
     deadlines: Deadlines
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ...) -> None: ...
+    restore_fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
@@ -656,6 +716,20 @@ class StopJobReply(_message.Message):
     message: str
     def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class DeleteJobReply(_message.Message):
+    __slots__ = ("job", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    message: str
+    def __init__(self, job: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -685,26 +759,30 @@ class LocalStepReports(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
 
 class LocalAck(_message.Message):
-    __slots__ = ("checkpoint_now",)
+    __slots__ = ("checkpoint_now", "recorded_step")
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_STEP_FIELD_NUMBER: _ClassVar[int]
     checkpoint_now: bool
-    def __init__(self, checkpoint_now: _Optional[bool] = ...) -> None: ...
+    recorded_step: int
+    def __init__(self, checkpoint_now: _Optional[bool] = ..., recorded_step: _Optional[int] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("kind", "rank", "node", "step", "factor", "down_s")
+    __slots__ = ("kind", "rank", "node", "step", "factor", "down_s", "for_s")
     KIND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     DOWN_S_FIELD_NUMBER: _ClassVar[int]
+    FOR_S_FIELD_NUMBER: _ClassVar[int]
     kind: str
     rank: int
     node: int
     step: int
     factor: float
     down_s: float
-    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ...) -> None: ...
+    for_s: float
+    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ..., for_s: _Optional[float] = ...) -> None: ...
 
 class FaultSchedule(_message.Message):
     __slots__ = ("faults",)

@@ -91,6 +91,11 @@ class ControllerStub:
                 request_serializer=protos_dot_keel__pb2.StopJobRequest.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.StopJobReply.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/keel.v1.Controller/DeleteJob',
+                request_serializer=protos_dot_keel__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.DeleteJobReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -174,6 +179,14 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Forget a job that has ended: its records in etcd go (a running job must be
+        stopped first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +244,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.StopJob,
                     request_deserializer=protos_dot_keel__pb2.StopJobRequest.FromString,
                     response_serializer=protos_dot_keel__pb2.StopJobReply.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=protos_dot_keel__pb2.DeleteJobRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.DeleteJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -542,6 +560,33 @@ class Controller:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/DeleteJob',
+            protos_dot_keel__pb2.DeleteJobRequest.SerializeToString,
+            protos_dot_keel__pb2.DeleteJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AgentLocalStub:
     """---------------------------------------------------------------- agent-local
@@ -570,6 +615,11 @@ class AgentLocalStub:
                 request_serializer=protos_dot_keel__pb2.PreflightReport.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
                 _registered_method=True)
+        self.ReportCheckpointProblem = channel.unary_unary(
+                '/keel.v1.AgentLocal/ReportCheckpointProblem',
+                request_serializer=protos_dot_keel__pb2.CheckpointProblem.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
+                _registered_method=True)
 
 
 class AgentLocalServicer:
@@ -596,6 +646,12 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCheckpointProblem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentLocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -612,6 +668,11 @@ def add_AgentLocalServicer_to_server(servicer, server):
             'ReportPreflight': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportPreflight,
                     request_deserializer=protos_dot_keel__pb2.PreflightReport.FromString,
+                    response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
+            'ReportCheckpointProblem': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCheckpointProblem,
+                    request_deserializer=protos_dot_keel__pb2.CheckpointProblem.FromString,
                     response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
             ),
     }
@@ -698,6 +759,33 @@ class AgentLocal:
             target,
             '/keel.v1.AgentLocal/ReportPreflight',
             protos_dot_keel__pb2.PreflightReport.SerializeToString,
+            protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCheckpointProblem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/ReportCheckpointProblem',
+            protos_dot_keel__pb2.CheckpointProblem.SerializeToString,
             protos_dot_keel__pb2.LocalAck.FromString,
             options,
             channel_credentials,

@@ -7,8 +7,12 @@ Layout under the job's checkpoint directory::
         .metadata                  DCP's global plan, written last by the coordinator
         __0_0.distcp  __1_0.distcp one shard file per saving rank
         ledger.json                the data ledger of the lineage (``trainer.ledger``)
+        manifest.json              every other file's size and CRC-32 (``trainer.manifest``)
     .step_00000015.g3.tmp/         being written by generation 3; never loaded
     .step_00000005.g3.expired.tmp/ removed by retention, being deleted; never loaded
+    .quarantine.step_00000020.g4/  failed verification when generation 4 restored it;
+                                   kept for a person to look at, never loaded
+    .fence, .fence.lock            which generation owns the directory (``trainer.fence``)
     .faults/                       one-shot fault markers (see ``trainer.runtime``)
 
 A checkpoint holds the model and optimizer under their global parameter names
@@ -19,9 +23,10 @@ trainer state: steps done, samples consumed, the LR scheduler, the RNG state and
 data ledger.
 
 A save is staged (copied to CPU memory) while training waits, written in a background
-thread while training goes on, and committed by rank 0 once the write is complete:
-fsync, atomic rename to ``step_<08d>``, report to the agent, then retention. One save
-is in flight at a time.
+thread while training goes on, and committed by rank 0 on a thread of its own once the
+write is complete: the manifest, fsyncs, atomic rename to ``step_<08d>``, report to
+the agent, then retention. One save is in flight at a time. Only the generation that
+owns the directory (``trainer.fence``) commits, removes or cleans up there.
 
 Durability: a committed checkpoint survives power loss. The fsyncs are split between
 DCP and us. ``dcp.save``/``dcp.async_save`` given only a ``checkpoint_id`` write
@@ -42,9 +47,11 @@ thread, and the ranks waiting for rank 0's commit, do not wait for the files to 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,8 +68,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainer import fence, manifest
 from trainer.ledger import LEDGER_FILE, Ledger
-from trainer.runtime import Runtime, env
+from trainer.runtime import Runtime
 
 METADATA_FILE = ".metadata"
 _COMMITTED = re.compile(r"step_(\d{8,})")
@@ -133,13 +141,6 @@ def committed_steps(checkpoint_dir: str) -> dict[int, str]:
     return found
 
 
-def latest_committed(checkpoint_dir: str) -> str | None:
-    """The highest ``step_*`` directory under ``checkpoint_dir`` that holds DCP
-    metadata, or None."""
-    found = committed_steps(checkpoint_dir)
-    return found[max(found)] if found else None
-
-
 def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
     """The committed checkpoints (by step) that retention deletes: all but the newest
     ``keep`` and those in ``protected`` (the one this run restored from, the one just
@@ -150,43 +151,21 @@ def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
     return sorted(step for step in steps if step not in newest and step not in protected)
 
 
-def restore_point(checkpoint_dir: str | None, restore_from: str | None,
-                  managed: bool) -> str | None:
-    """The checkpoint this rank must load, or None for a fresh start.
-
-    Under Keel (``managed``) the controller decides: ``restore_from`` is the last
-    checkpoint it recorded, and none means a fresh start, even if an unrecorded
-    ``step_*`` directory exists. Under plain torchrun, the latest committed one in
-    ``checkpoint_dir`` as rank 0 sees it. Collective when it has to look: call it on
-    every rank."""
-    if restore_from:
-        if not os.path.isfile(os.path.join(restore_from, METADATA_FILE)):
-            raise FileNotFoundError(
-                f"{env.RESTORE_FROM}={restore_from} has no {METADATA_FILE}; it is not a complete "
-                f"checkpoint. Point it at a committed step_* directory or unset it"
-            )
-        return restore_from
-    if managed or not checkpoint_dir:
-        return None
-    # Rank 0 decides for everyone, so ranks that list the directory at slightly
-    # different moments (a shared filesystem) still load the same checkpoint.
-    choice = [latest_committed(checkpoint_dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
-
-
-def discard_staging(checkpoint_dir: str | None) -> list[str]:
-    """Removes every staging directory (``.step_*.tmp``) left by ranks that died while
-    saving or deleting; returns what it removed. Call it on rank 0 before training
-    starts, when no rank of the job can be writing (the previous generation is
-    confirmed stopped)."""
-    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+def discard_staging(checkpoint_dir: str | None, generation: int) -> list[str]:
+    """Claims ``checkpoint_dir`` for ``generation`` (``trainer.fence``) and removes every
+    staging directory (``.step_*.tmp``) left by ranks that died while saving or
+    deleting, or by a generation superseded since; returns what it removed. Call it on
+    rank 0 before training starts. Raises fence.Superseded if a newer generation owns
+    the directory."""
+    if not checkpoint_dir:
         return []
+    fence.claim(checkpoint_dir, generation)
     removed = []
-    for name in os.listdir(checkpoint_dir):
-        if name.startswith(".step_") and name.endswith(".tmp"):
-            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
-            removed.append(name)
+    with fence.held(checkpoint_dir, generation):
+        for name in os.listdir(checkpoint_dir):
+            if name.startswith(".step_") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+                removed.append(name)
     return removed
 
 
@@ -242,15 +221,22 @@ class Checkpointer:
     """Saves checkpoints of one run and commits them, one save at a time.
 
     ``save`` blocks while the state is staged; ``poll`` (each step, non-blocking) and
-    ``wait`` (before the next save and at exit, blocking) commit a save whose write
-    finished. With ``use_async`` False, ``save`` writes and commits before returning.
-    Every rank calls ``save`` and ``wait`` at the same steps; rank 0 alone commits.
-    Checkpoints that retention removes are deleted in the background; ``wait`` (hence
-    also ``save``) waits for those deletions, and raises if one failed.
+    ``wait`` (before the next save and at exit, blocking) see to a save whose write
+    finished: rank 0 then commits it (manifest, fsyncs, rename, report, retention) on a
+    thread of its own, so neither it nor its peers wait for the checksums. With
+    ``use_async`` False, ``save`` writes and commits before returning. Every rank calls
+    ``save`` and ``wait`` at the same steps; rank 0 alone commits. Checkpoints that
+    retention removes are deleted in the background; ``wait`` (hence also ``save``)
+    waits for the commit and those deletions, and raises if one failed.
 
-    ``keep``: committed checkpoints kept after each commit (0: all); ``restored_from``:
-    the checkpoint this run loaded, never deleted. ``take_blocked_s`` says how long
-    ``save`` and ``poll`` held up the caller, for the step reports."""
+    Every destructive step runs held under the generation's fence (``trainer.fence``):
+    a commit, a retention or a cleanup of a generation that has been superseded is
+    refused (one log line, reported to the agent) and the save fails.
+
+    ``keep``: committed checkpoints kept after each commit (0: all); never deleted: the
+    checkpoint this run loaded (``restored_from``) and the newest one the controller
+    recorded (``Runtime.recorded_step``). ``take_blocked_s`` says how long ``save`` and
+    ``poll`` held up the caller, for the step reports."""
 
     def __init__(self, checkpoint_dir: str, runtime: Runtime, *, use_async: bool, keep: int,
                  restored_from: str | None) -> None:
@@ -262,12 +248,13 @@ class Checkpointer:
         self._rank = dist.get_rank()
         self._pending: _Pending | None = None
         self._blocked_s = 0.0
-        # The newest checkpoint the agent acknowledged, i.e. the controller's likely
-        # restore point: retention must not delete it even if later reports fail.
-        self._acknowledged: str | None = None
-        # Rank 0 deletes removed checkpoints here, off the training thread.
+        # Rank 0 commits async saves on one thread and deletes removed checkpoints on
+        # another, both off the training thread.
+        self._committer: ThreadPoolExecutor | None = None
+        self._commit_future: Future | None = None
         self._deleter: ThreadPoolExecutor | None = None
         self._deletions: list[Future] = []
+        self._deletions_lock = threading.Lock()
         # DCP's background writer gathers write results on this group while the
         # training loop runs its own collectives on the default one; sharing a group
         # between threads would interleave them. Gloo, because async save coordinates
@@ -287,7 +274,8 @@ class Checkpointer:
             # An earlier incarnation of this generation (torchrun restarts keep the
             # generation) may have died while writing this step; its shards must not
             # mix with ours.
-            shutil.rmtree(staging, ignore_errors=True)
+            with self._fenced(step, staging):
+                shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
             ledger.write(staging, global_batch, step)
         dist.barrier()
@@ -300,36 +288,60 @@ class Checkpointer:
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
-        """Commits the save in flight if its write has finished; never blocks on it
-        (nor on the deletions the commit's retention starts)."""
+        """Starts committing the save in flight if its write has finished, and raises
+        if a commit failed; never blocks on either."""
+        started = time.perf_counter()
         if self._pending is not None and self._pending.future.done():
-            started = time.perf_counter()
-            self._commit_pending()
-            self._blocked_s += time.perf_counter() - started
+            self._start_commit()
+        if self._commit_future is not None and self._commit_future.done():
+            self._commit_future, done = None, self._commit_future
+            done.result()
+        self._blocked_s += time.perf_counter() - started
 
     def take_blocked_s(self) -> float:
         """Seconds ``save`` and ``poll`` blocked their caller (staging, a synchronous
-        write, rank 0's commit) since the last call."""
+        write and commit) since the last call."""
         blocked_s, self._blocked_s = self._blocked_s, 0.0
         return blocked_s
 
     def wait(self) -> None:
-        """Blocks until the save in flight is written, then commits it, and until the
+        """Blocks until the save in flight is written and committed, and until the
         checkpoints removed so far are deleted (the process may end after this call
         without running its threads to completion)."""
-        self._commit_pending()
-        deletions, self._deletions = self._deletions, []
+        if self._pending is not None:
+            self._start_commit()
+        if self._commit_future is not None:
+            self._commit_future, done = None, self._commit_future
+            done.result()
+        with self._deletions_lock:
+            deletions, self._deletions = self._deletions, []
         for deletion in deletions:
             deletion.result()
 
-    def _commit_pending(self) -> None:
-        if self._pending is None:
-            return
+    def _start_commit(self) -> None:
         pending, self._pending = self._pending, None
         # A failed write raises here and fails the rank: an uncommitted checkpoint
         # must not look like progress.
         pending.future.result()
-        self._commit(pending.step, pending.samples, pending.staging)
+        if self._rank != 0:
+            return
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-commit")
+        self._commit_future = self._committer.submit(self._commit, pending.step, pending.samples,
+                                                     pending.staging)
+
+    @contextlib.contextmanager
+    def _fenced(self, step: int, path: str):
+        """Hold the generation's fence around a destructive step; a superseded
+        generation's step is refused: one log line, reported to the agent, raised."""
+        generation = self.runtime.generation
+        try:
+            with fence.held(self.checkpoint_dir, generation):
+                yield
+        except fence.Superseded as refused:
+            self.runtime.log(f"refusing to change checkpoint step {step}: {refused}")
+            self.runtime.report_checkpoint_problem(step, path, "stale_commit", str(refused))
+            raise
 
     def _commit(self, step: int, samples: int, staging: str) -> None:
         # DCP's coordinator (rank 0) writes the metadata only after gathering every
@@ -338,45 +350,51 @@ class Checkpointer:
         if self._rank != 0:
             return
         final = committed_path(self.checkpoint_dir, step)
-        # What DCP leaves unsynced: our ledger and the staging directory's entries.
+        # What DCP leaves unsynced: our ledger and the staging directory's entries;
+        # and the manifest, written (and fsynced) once every other file is there.
         _fsync_file(os.path.join(staging, LEDGER_FILE))
+        manifest.write(staging, step)
         _fsync_dir(staging)
-        if os.path.exists(final):
-            # Whoever wrote it died before the controller recorded it, or the job was
-            # restored from an earlier checkpoint: it was never committed. Move it to a
-            # name that is never loaded before deleting, so a crash mid-delete leaves
-            # no half checkpoint under a committed name.
-            self.runtime.log(f"replacing unrecorded checkpoint {final}")
-            self._remove(final, step, "discarded")
-        os.rename(staging, final)
-        _fsync_dir(self.checkpoint_dir)
-        if self.runtime.report_checkpoint(step, final, samples):
-            self._acknowledged = os.path.abspath(final)
+        with self._fenced(step, staging):
+            if os.path.exists(final):
+                # Whoever wrote it died before the controller recorded it, or the job
+                # was restored from an earlier checkpoint: it was never committed. Move
+                # it to a name that is never loaded before deleting, so a crash mid-delete
+                # leaves no half checkpoint under a committed name.
+                self.runtime.log(f"replacing unrecorded checkpoint {final}")
+                self._remove(final, step, "discarded")
+            os.rename(staging, final)
+            _fsync_dir(self.checkpoint_dir)
+        self.runtime.report_checkpoint(step, final, samples)
         self._retain(step)
 
     def _retain(self, committed_step: int) -> None:
         found = committed_steps(self.checkpoint_dir)
-        keep_paths = {self.restored_from, self._acknowledged}
-        protected = {committed_step} | {step for step, path in found.items() if os.path.abspath(path) in keep_paths}
+        protected = {committed_step, self.runtime.recorded_step} | {
+            step for step, path in found.items() if os.path.abspath(path) == self.restored_from}
         doomed = expired(list(found), self.keep, protected)
-        for step in doomed:
-            self._remove(found[step], step, "expired")
-        if doomed:
-            self.runtime.log(
-                f"retention (--keep-checkpoints {self.keep}) deleted checkpoints of steps {', '.join(map(str, doomed))}"
-            )
+        if not doomed:
+            return
+        with self._fenced(committed_step, self.checkpoint_dir):
+            for step in doomed:
+                self._remove(found[step], step, "expired")
+        self.runtime.log(
+            f"retention (--keep-checkpoints {self.keep}) deleted checkpoints of steps {', '.join(map(str, doomed))}"
+        )
 
     def _remove(self, path: str, step: int, why: str) -> None:
         """Renames ``path`` to a name that is never loaded, durably, and deletes it in
         the background: a crash mid-delete leaves no half checkpoint under a committed
-        name, only a ``.tmp`` directory that ``discard_staging`` removes."""
+        name, only a ``.tmp`` directory that ``discard_staging`` removes. Called with
+        the fence held."""
         doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.runtime.generation}.{why}.tmp")
         shutil.rmtree(doomed, ignore_errors=True)
         os.rename(path, doomed)
         _fsync_dir(self.checkpoint_dir)
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-delete")
-        self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))
+        with self._deletions_lock:
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-delete")
+            self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))
 
 
 def _fsync_file(path: str) -> None:

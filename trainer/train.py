@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import checkpoint, mesh, optim, parallelize, pipeline, preflight, runtime as keel_runtime, watchdog
+from trainer import (checkpoint, mesh, optim, parallelize, pipeline, preflight, restore as restore_from,
+                     runtime as keel_runtime, watchdog)
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.mesh import BatchPlan, Layout
@@ -176,7 +177,7 @@ def run_preflight(args: argparse.Namespace, rt: keel_runtime.Runtime, device: to
 
 def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> Setup:
     """Trains until ``args.steps`` optimizer steps are done, starting fresh or from the
-    checkpoint ``checkpoint.restore_point`` names, and returns what it trained (with
+    checkpoint ``trainer.restore.choose`` names, and returns what it trained (with
     the last checkpoint committed)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     run_preflight(args, rt, device)
@@ -188,9 +189,9 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
 
     state = TrainerState(step=0, samples=0, scheduler=run.optimizers.scheduler_state(), rng_state=torch.get_rng_state())
     if rank == 0:
-        for name in checkpoint.discard_staging(args.checkpoint_dir):
+        for name in checkpoint.discard_staging(args.checkpoint_dir, rt.generation):
             rt.log(f"removed {name}, left by a rank that died while saving")
-    restore = checkpoint.restore_point(args.checkpoint_dir, rt.restore_from, managed=bool(rt.job))
+    restore = restore_from.choose(args.checkpoint_dir, rt)
     if restore:
         state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)
         run.optimizers.load_scheduler_state(state.scheduler)

@@ -1,9 +1,12 @@
 """The one client of the controller that ``keel up`` and the operator verbs share: it
 finds the leader in etcd (or is given an address), and follows it when it changes.
 
-A standby answers every call UNAVAILABLE; so does a controller that has gone. Either
-way the client looks the leader up again and retries until ``wait_s`` after the first
-try, so a failover in progress costs a pause, not an error.
+A standby answers every call UNAVAILABLE; so does a controller that has gone. A
+controller that stalls (SIGSTOP, a frozen host) answers nothing, and the call's
+deadline passes. Either way the client looks the leader up again and retries until
+``wait_s`` after the first try, so a failover in progress costs a pause, not an error.
+A call whose effect is not safe to repeat (``NOT_REPEATABLE``) is retried after a
+refusal only: past a deadline it may have been carried out.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import time
 import grpc
 
 from common.etcd import EtcdCredentials, connect
-from common.tls import TlsFiles, call_metadata, channel
+from common.rpc import channel
+from common.tls import TlsFiles, call_metadata
 from orchestrator.controller.store import Store
 from protos import keel_pb2_grpc
 
 RPC_TIMEOUT_S = 10.0
 RETRY_S = 0.2
+# A second SubmitJob of a job that was submitted is refused ALREADY_EXISTS, a second
+# ReplaceNode FAILED_PRECONDITION; every other call may be repeated.
+NOT_REPEATABLE = frozenset({"SubmitJob", "ReplaceNode"})
 
 
 class NoController(Exception):
@@ -74,16 +81,19 @@ class ControllerClient:
         return keel_pb2_grpc.ControllerStub(self.channel)
 
     def call(self, method: str, request):
-        """One call to the leader. While there is none answering (a failover, etcd
-        briefly out of reach), retry until ``wait_s`` after the first try; then raise
-        the last error (a grpc.RpcError, or NoController)."""
+        """One call to the leader. While there is none answering (a failover, a stalled
+        leader, etcd briefly out of reach), retry until ``wait_s`` after the first try;
+        then raise the last error (a grpc.RpcError, or NoController)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
                 return getattr(self._stub(), method)(request, metadata=self.metadata,
                                                      timeout=self.rpc_timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                retry = exc.code() is grpc.StatusCode.UNAVAILABLE or (
+                    exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    and method not in NOT_REPEATABLE)
+                if not retry or time.monotonic() > deadline:
                     raise
             except NoController as exc:
                 if exc.etcd_error is not None or time.monotonic() > deadline:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import structlog
 
 from common.etcd import connect
-from common.tls import add_port
+from common import rpc
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
@@ -67,11 +66,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         """Bind, start campaigning for leadership and, once leading, reconciling; return
         host:port."""
         config = self.config
-        self.server = grpc.server(futures.ThreadPoolExecutor(
-                                      max_workers=MAX_AGENTS + OPERATOR_THREADS),
-                                  interceptors=[TokenInterceptor(config.tokens or config.token)])
+        self.server = rpc.server(MAX_AGENTS + OPERATOR_THREADS,
+                                 [TokenInterceptor(config.tokens or config.token)])
         keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
-        port = add_port(self.server, config.listen, config.tls)
+        port = rpc.add_port(self.server, config.listen, config.tls)
         if port == 0:
             raise OSError(f"cannot listen on {config.listen}")
         self.server.start()

@@ -16,8 +16,10 @@ from orchestrator.controller import metrics, observe
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.rebuild import newest_good
 from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.controller.store import Deposed
 from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
@@ -30,6 +32,13 @@ from orchestrator.spec.health import job_deadlines
 from protos import keel_pb2
 
 log = structlog.get_logger()
+
+# Records kept per job, newest first (and the restore point in use, whatever its age):
+# more than any retention keeps directories of, so every restore candidate has one.
+RECORDS_KEPT = 16
+# Older recorded checkpoints a generation may fall back to if its restore point fails
+# verification.
+RESTORE_FALLBACKS = 3
 
 
 class Executor:
@@ -123,8 +132,9 @@ class Executor:
         job.lost_nodes.clear()
         job.vanished.clear()
         self._drop_intents(job)
-        checkpoints = self.store.checkpoints(job.name)
-        job.restore_from = checkpoints[-1] if checkpoints else None
+        good = [r for r in self.store.checkpoints(job.name) if not r.get("quarantined")]
+        job.restore_from = good[-1] if good else None
+        job.restore_fallbacks = [r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS]
         self.state.send(placement[0].node, keel_pb2.ControllerMessage(
             prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
                                                           generation=job.generation)))
@@ -165,12 +175,13 @@ class Executor:
                 command=list(job.spec.command), env=dict(job.spec.env),
                 restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
                 restore_from=restore, mesh=plan["mesh"], health=job.health.spec,
-                deadlines=chain)
+                deadlines=chain, restore_fallbacks=job.restore_fallbacks)
             if job.health.spec.preflight_off:
                 start.env[env.PREFLIGHT] = "0"
             for local_rank, rank in enumerate(part.ranks):
                 start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
             self.state.send(part.node, keel_pb2.ControllerMessage(start_generation=start))
+        self.announce_recorded(job)
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
         cause = decision.root_cause
@@ -189,7 +200,9 @@ class Executor:
                 root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
         self.transition(job, JobState.STOPPING, decision.reason, now,
                         planned_stop=decision.replacement)
-        for node in job.nodes - job.lost_nodes:
+        # Lost nodes too, if they are still connected: a node whose lease expired may
+        # well be running.
+        for node in job.nodes:
             self.state.send(node, keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
                 job=job.name, generation=job.generation, reason=decision.reason,
                 collect_stacks=decision.collect_stacks)))
@@ -230,6 +243,8 @@ class Executor:
                 job.health.event("cordoned", f"{node} {decision.cordon}; no new generation "
                                              f"will be placed on it until `keel uncordon "
                                              f"{node}`", node=node, step=job.step)
+            except Deposed:
+                raise
             except Exception as exc:
                 job.health.event("alert", f"could not cordon {node} ({decision.cordon}): "
                                           f"{exc}", node=node)
@@ -317,6 +332,11 @@ class Executor:
             elif decision.action is Account.ADOPT:
                 log.info("adopted running ranks", job=decision.job, node=session.node,
                          generation=decision.generation, ranks=list(decision.ranks))
+                if job.last_checkpoint:
+                    session.send(keel_pb2.ControllerMessage(
+                        checkpoint_recorded=keel_pb2.CheckpointRecorded(
+                            job=job.name, generation=job.generation,
+                            step=job.last_checkpoint["step"])))
             else:
                 log.info("stopping stale ranks", job=decision.job, node=session.node,
                          generation=decision.generation)
@@ -332,6 +352,8 @@ class Executor:
         for record in list(job.unrecorded):
             try:
                 self.store.record_checkpoint(job.name, record)
+            except Deposed:
+                raise
             except Exception as exc:
                 log.warning("could not record checkpoint; will retry", job=job.name,
                             step=record["step"], error=str(exc))
@@ -342,6 +364,52 @@ class Executor:
             job.last_checkpoint = record
             log.info("checkpoint committed", job=job.name, generation=record["generation"],
                      step=record["step"], path=record["path"])
+            self.announce_recorded(job)
+            self._prune_records(job)
+
+    def announce_recorded(self, job: JobRuntime) -> None:
+        """Tell the job's nodes the newest recorded checkpoint: their ranks' retention
+        keeps it."""
+        if not job.last_checkpoint:
+            return
+        for node in job.nodes:
+            self.state.send(node, keel_pb2.ControllerMessage(
+                checkpoint_recorded=keel_pb2.CheckpointRecorded(
+                    job=job.name, generation=job.generation,
+                    step=job.last_checkpoint["step"])))
+
+    def _prune_records(self, job: JobRuntime) -> None:
+        """Keep the newest RECORDS_KEPT records, and the restore point in use."""
+        steps = [r["step"] for r in self.store.checkpoints(job.name)]
+        keep = set(steps[-RECORDS_KEPT:])
+        if job.restore_from:
+            keep.add(job.restore_from["step"])
+        doomed = [step for step in steps if step not in keep]
+        if doomed:
+            self.store.delete_checkpoints(job.name, doomed)
+
+    def record_problems(self, job: JobRuntime) -> None:
+        """Checkpoints ranks would not use: an event each; a quarantined one is marked
+        in its record, and is never a restore point again."""
+        while job.checkpoint_problems:
+            problem = job.checkpoint_problems[0]
+            if problem.kind == "quarantined":
+                records = {r["step"]: r for r in self.store.checkpoints(job.name)}
+                record = records.get(problem.step)
+                if record is not None and not record.get("quarantined"):
+                    self.store.update_checkpoint(job.name, record | {
+                        "quarantined": True, "quarantine_reason": problem.reason})
+                    records[problem.step] = record | {"quarantined": True}
+                job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
+                job.health.event("quarantined", f"checkpoint of step {problem.step} failed "
+                                                f"verification and was set aside: "
+                                                f"{problem.reason}", step=problem.step)
+            else:
+                job.health.event("checkpoint_refused", f"generation {problem.generation}'s "
+                                                       f"commit of step {problem.step} was "
+                                                       f"refused: {problem.reason}",
+                                 step=problem.step)
+            job.checkpoint_problems.pop(0)
 
     def store_initial_loss(self, job: JobRuntime) -> None:
         """Stored once, so a controller taking over reports the job's real start."""
@@ -354,13 +422,15 @@ class Executor:
         them too; what etcd does not take now is tried again next tick."""
         health = job.health
         try:
-            for seq in list(health.dropped):
-                self.store.delete_event(job.name, seq)
-                health.dropped.remove(seq)
+            if health.dropped:
+                self.store.delete_events(job.name, health.dropped)
+                health.dropped = []
             for seq, event in list(health.unsaved.items()):
                 # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
                 self.store.put_event(job.name, seq, json_format.MessageToDict(event))
                 if health.unsaved.get(seq) is event:
                     del health.unsaved[seq]
+        except Deposed:
+            raise
         except Exception as exc:
             log.warning("could not save events; will retry", job=job.name, error=str(exc))

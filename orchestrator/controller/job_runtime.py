@@ -31,6 +31,7 @@ class JobRuntime:
     rendezvous: tuple[str, int] | None = None
     deadlines: keel_pb2.Deadlines | None = None   # of the current generation, once placed
     restore_from: dict | None = None
+    restore_fallbacks: list[str] = field(default_factory=list)   # paths, newest first
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)
     lost_nodes: set[str] = field(default_factory=set)
@@ -49,6 +50,9 @@ class JobRuntime:
     health: JobHealth | None = None
     initial_loss_stored: bool = False
     unrecorded: list[dict] = field(default_factory=list)   # commits not yet recorded in etcd
+    # Checkpoints ranks would not use (refused stale commits, failed verifications),
+    # for the reconcile loop to record.
+    checkpoint_problems: list = field(default_factory=list)
     stop_requested: str = ""     # the operator's stop, with their reason (persisted)
     stop_now: bool = False       # ... without a final checkpoint
     planned_stop: bool = False   # the current generation was stopped on purpose (persisted)

@@ -1,10 +1,13 @@
 """Leadership: only the controller holding ``/keel/controller/leader`` acts.
 
 The key is created in a transaction (``version == 0``) on the controller's own lease
-(``leader_ttl_s``). A standby keeps its lease alive and tries again every quarter TTL;
-a leader refreshes it every third of a TTL and steps down when it cannot for a whole
-TTL. A controller that stepped down keeps its lease: if etcd comes back with the lease
-alive and the key still its own, nobody led meanwhile and it leads again at once.
+(``leader_ttl_s``); its create revision is the leader's *term*, which only grows. A
+standby keeps its lease alive and tries again every quarter TTL; a leader refreshes it
+every third of a TTL and steps down when it cannot for a whole TTL, or at once when a
+write finds the key no longer its own (``store.Deposed``: it stalled and another took
+over). A controller that stepped down keeps its lease: if etcd comes back with the
+lease alive and the key still its own, nobody led meanwhile and it leads again at
+once, with the same term.
 """
 
 from __future__ import annotations
@@ -40,14 +43,15 @@ class Leadership:
                 alive = False
         if not alive:
             self.lease = state.store.client.lease(int(state.config.leader_ttl_s))
-        if not state.store.campaign(state.id, state.address, self.lease.id):
+        term = state.store.campaign(state.id, state.address, self.lease.id)
+        if term is None:
             return False
         with state.lock:
             self.on_lead(now)
             state.leader_since, self.refreshed_at = now, now
             state.is_leader = True
         metrics.LEADER.set(1)
-        log.info("leading", controller_id=state.id, address=state.address,
+        log.info("leading", controller_id=state.id, address=state.address, term=term,
                  jobs=len(state.jobs))
         return True
 
@@ -69,7 +73,9 @@ class Leadership:
     def step_down(self, reason: str) -> None:
         state = self.state
         with state.lock:
+            was = state.store.term
             state.is_leader = False
+            state.store.term = None
             for session in state.sessions.values():
                 session.connected = False
                 session.close()
@@ -77,7 +83,7 @@ class Leadership:
             state.jobs.clear()
         # The lease is kept: see the module docstring.
         metrics.LEADER.set(0)
-        log.warning("stepped down", controller_id=state.id, reason=reason)
+        log.warning("stepped down", controller_id=state.id, term=was, reason=reason)
 
     def require(self, context) -> None:
         """Abort the call with UNAVAILABLE, naming the leader, unless this controller

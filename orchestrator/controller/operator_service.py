@@ -21,6 +21,7 @@ from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
+from orchestrator.controller.store import Deposed
 from orchestrator.policy import operations
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
@@ -44,6 +45,15 @@ class OperatorService:
     def _require_leader(self, context) -> None:
         self.leadership.require(context)
 
+    def _unrecorded(self, exc: Exception, context) -> None:
+        """An intent etcd did not take: the call fails and nothing changed. A write
+        refused because another controller leads ends this leadership too."""
+        if isinstance(exc, Deposed):
+            self.leadership.step_down(f"deposed: {exc}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; "
+                                                       "nothing changed: ask the leader")
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, nothing changed: {exc}")
+
     def SubmitJob(self, request, context):
         self._require_leader(context)
         spec = keel_pb2.JobSpec()
@@ -63,7 +73,7 @@ class OperatorService:
                 revision = self.store.create_job(
                     spec.name, json_format.MessageToDict(spec), job.record())
             except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+                self._unrecorded(exc, context)
             if not revision:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"job {spec.name!r} exists in etcd; choose another name")
@@ -166,8 +176,7 @@ class OperatorService:
         try:
             self.executor.cordon(node, reason, by="operator", drain=drain)
         except Exception as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, nothing changed: "
-                                                       f"{exc}")
+            self._unrecorded(exc, context)
 
     def _where_it_goes(self, job: JobRuntime, node: str) -> str:
         """How the job will do without ``node``, judged from the free nodes now."""
@@ -201,8 +210,7 @@ class OperatorService:
             try:
                 self.store.uncordon(request.node)
             except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"etcd unavailable, nothing changed: {exc}")
+                self._unrecorded(exc, context)
             was = self.state.cordons.pop(request.node)
             message = f"{request.node} uncordoned: new generations may go there again"
             job = self.state.job_on(request.node)
@@ -258,8 +266,7 @@ class OperatorService:
             try:
                 self.store.put_operation(job.name, operation.record())
             except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"etcd unavailable, nothing changed: {exc}")
+                self._unrecorded(exc, context)
             job.operation = operation   # the reconcile loop begins it
             self.state.wake.set()
             job.health.event("operator", f"replacement of {request.node} with {into} requested",
@@ -291,8 +298,7 @@ class OperatorService:
             try:
                 self.store.put_checkpoint_request(job.name, request_)
             except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"etcd unavailable, nothing changed: {exc}")
+                self._unrecorded(exc, context)
             # The reconcile loop passes it on to the agents.
             job.checkpoint_request, job.checkpoint_request_sent = request_, False
             self.state.wake.set()
@@ -319,8 +325,7 @@ class OperatorService:
                                                                 job.state_rev)
                 except Exception as exc:
                     job.stop_requested, job.stop_now = before
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"could not record the stop, nothing changed: {exc}")
+                    self._unrecorded(exc, context)
                 job.health.event("operator", reason, step=job.step)
                 log.info("job stop requested", job=job.name, reason=reason, now=request.now)
                 self.state.wake.set()

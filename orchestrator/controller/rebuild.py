@@ -36,6 +36,11 @@ def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
     return jobs
 
 
+def newest_good(records: list[dict]) -> dict | None:
+    """The newest checkpoint record that is not quarantined, or None."""
+    return next((r for r in reversed(records) if not r.get("quarantined")), None)
+
+
 def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     """Job ``name`` as etcd has it (None if its spec or state is missing); ``now`` is
     when it entered its state, as far as this controller knows."""
@@ -59,8 +64,7 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
         job.world_size, job.mesh = plan["world_size"], plan["mesh"]
         if not job.state.terminal:
             job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
-    checkpoints = store.checkpoints(name)
-    job.last_checkpoint = checkpoints[-1] if checkpoints else None
+    job.last_checkpoint = newest_good(store.checkpoints(name))
     if state.value.get("initial_loss") is not None:
         job.initial_loss = job.loss = state.value["initial_loss"]
         job.has_loss = job.initial_loss_stored = True

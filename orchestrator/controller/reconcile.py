@@ -25,10 +25,11 @@ from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
-from orchestrator.controller.store import StaleRevision
+from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import adoption, operations, remediation
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState
+from protos import keel_pb2
 
 log = structlog.get_logger()
 
@@ -65,14 +66,31 @@ class Reconciler:
                 if not etcd_down_since:
                     etcd_down_since = now
                     log.warning("etcd unreachable; retrying every tick", error=str(exc))
+                    self._hold_agents()
                 continue
             if etcd_down_since:
                 log.info("etcd reachable again", down_s=round(now - etcd_down_since, 2))
                 etcd_down_since = 0.0
             self.tick(now, registered)
 
+    def _hold_agents(self) -> None:
+        """etcd is out of our reach too: an outage everyone sees, so agents that cannot
+        renew their leases keep their ranks instead of fencing themselves."""
+        with self.state.lock:
+            for session in self.state.sessions.values():
+                if session.connected:
+                    session.send(keel_pb2.ControllerMessage(
+                        etcd_unreachable=keel_pb2.EtcdUnreachable()))
+
     def tick(self, now: float, registered: dict[str, dict]) -> None:
-        """One pass over everything, given the node records just read from etcd."""
+        """One pass over everything, given the node records just read from etcd; a
+        write that finds another controller leading ends it, and this leadership."""
+        try:
+            self._tick(now, registered)
+        except Deposed as exc:
+            self.leadership.step_down(f"deposed: {exc}")
+
+    def _tick(self, now: float, registered: dict[str, dict]) -> None:
         state = self.state
         with state.lock:
             state.registered = registered
@@ -98,6 +116,8 @@ class Reconciler:
         except StaleRevision as exc:
             log.error("job state changed under us; reloading", job=job.name, error=str(exc))
             self._reload(job)
+        except Deposed:
+            raise
         except Exception as exc:
             job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
             job.retry_at = now + job.retry_backoff_s
@@ -112,6 +132,7 @@ class Reconciler:
     def reconcile(self, job: JobRuntime, now: float) -> None:
         state, executor = self.state, self.executor
         executor.record_checkpoints(job)
+        executor.record_problems(job)
         executor.store_initial_loss(job)
         for node in observe.newly_lost(state, job, now):
             executor.mark_lost(job, node, observe.down_for(state, node, now))

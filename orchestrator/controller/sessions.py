@@ -22,6 +22,7 @@ from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.controller.store import Deposed
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -74,6 +75,10 @@ class AgentService:
                 state.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
                                                   "pid": hello.pid, "lease_id": hello.lease_id},
                                      hello.lease_id)
+        except Deposed as exc:
+            self.leadership.step_down(str(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; find "
+                                                       "the leader in etcd")
         except Exception as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         if not lease_alive:
@@ -82,7 +87,8 @@ class AgentService:
                           f"grant a new lease and reconnect")
 
         session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
-                               lease_id=hello.lease_id, pid=hello.pid, hello=hello)
+                               lease_id=hello.lease_id, pid=hello.pid, hello=hello,
+                               term=state.term or 0)
         with state.lock:
             stepped_down = not state.is_leader  # since the check on entry
             if not stepped_down:
@@ -174,7 +180,15 @@ class AgentService:
                     _steps(job, reports)
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
-            if job is not None and job.state is JobState.RUNNING and _queue_commit(job, body):
+            # A generation being stopped still commits what it saved before the stop.
+            if (job is not None and job.state in (JobState.RUNNING, JobState.STOPPING)
+                    and _queue_commit(job, body)):
+                wake.set()
+        elif kind == "checkpoint_problem":
+            # Any generation's: a refused commit comes from a superseded one.
+            job = self.state.jobs.get(body.job)
+            if job is not None and body.generation <= job.generation:
+                job.checkpoint_problems.append(body)
                 wake.set()
         elif kind == "generation_stopped":
             job = self._job_for(body.job, body.generation)

@@ -25,6 +25,7 @@ class AgentSession:
     lease_id: int
     pid: int
     hello: keel_pb2.Hello
+    term: int                  # of the leadership the stream was accepted under
     outbox: queue.Queue = field(default_factory=queue.Queue)
     connected: bool = True
     disconnected_at: float = 0.0
@@ -32,6 +33,7 @@ class AgentSession:
     accounted: bool = False
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
+        message.term = self.term
         self.outbox.put(message)
 
     def close(self) -> None:
@@ -53,6 +55,11 @@ class ControllerState:
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
+
+    @property
+    def term(self) -> int | None:
+        """While leading: the term, the create revision of our leader key."""
+        return self.store.term
 
     def job_on(self, node: str) -> JobRuntime | None:
         """The job whose current generation runs (or is being started or stopped) on

@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import env
+from common.etcd import connect
 from common.procs import terminate, tied_to_this_process
 from common.tls import TlsFiles, etcd_flags, resolve_tls
 from orchestrator.local.etcd_server import EmbeddedEtcd
 from orchestrator.local.options import UpOptions
+from orchestrator.controller.store import Store
+from orchestrator.local.proxy import NodeProxy
 from orchestrator.security.certs import init_once
+
 
 @dataclass
 class LocalCluster:
@@ -31,6 +35,10 @@ class LocalCluster:
     agents: list[subprocess.Popen] = field(default_factory=list)
     client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
     agent_credentials: list[str] = field(default_factory=list)
+    # With proxied: each node's agent reaches etcd and the controllers through a
+    # proxy of its own, which partition_node cuts.
+    proxied: bool = False
+    proxies: list[NodeProxy] = field(default_factory=list)
 
     @property
     def endpoints(self) -> str:
@@ -85,16 +93,23 @@ class LocalCluster:
                 time.sleep(0.05)
             self.addresses.append(address_file.read_text().strip())
         self.agent_credentials = credentials
+        if self.proxied:
+            store = Store(connect(self.endpoints.split(","), 2.0, self.options.etcd_credentials))
+            for _ in range(self.options.nodes + self.options.spares):
+                self.proxies.append(NodeProxy(self.endpoints.split(",")[0],
+                                              lambda: _leader_address(store)))
         for i in range(self.options.nodes + self.options.spares):
             self.agents.append(self.start_agent(i))
 
     def start_agent(self, index: int) -> subprocess.Popen:
         """Agent ``node-INDEX``, on its run directory (a restarted one finds there what
         its predecessor left running)."""
+        reach = (["--etcd-endpoints", self.proxies[index].etcd_endpoint,
+                  "--controller", self.proxies[index].controller] if self.proxies else
+                 ["--etcd-endpoints", self.endpoints])
         return self._spawn(
             ["-m", "agent", "--node", f"node-{index}",
-             "--slots", str(self.options.slots_per_node),
-             "--etcd-endpoints", self.endpoints, *self.agent_credentials,
+             "--slots", str(self.options.slots_per_node), *reach, *self.agent_credentials,
              "--run-dir", str(self.workdir / "nodes" / f"node-{index}"),
              "--lease-ttl-s", str(self.options.lease_ttl_s),
              "--stop-grace-s", str(self.options.stop_grace_s)],
@@ -105,5 +120,14 @@ class LocalCluster:
         grace = self.options.stop_grace_s + 5
         terminate(self.agents, grace)
         terminate(self.controllers, grace)
+        for proxy in self.proxies:
+            proxy.close()
         if self.etcd is not None:
             self.etcd.stop()
+
+
+def _leader_address(store: Store) -> str | None:
+    try:
+        return store.controller_address()
+    except Exception:  # etcd out of reach: the connection is refused, and retried
+        return None

@@ -14,6 +14,20 @@ Cluster faults, applied by `keel up` once rank 0 has reported step N:
                                  controller steps down and leads again when etcd is back)
     kill_agent:node=I,step=N     node I's agent is SIGKILLed (its ranks die with it) and
                                  started again on the same node
+    stall_leader:step=N,for=S    the leading controller is SIGSTOPped, and SIGCONTed S s
+                                 later (a standby takes over meanwhile; the old leader
+                                 wakes superseded)
+    stall_agent:node=I,step=N,for=S
+                                 node I's agent alone is SIGSTOPped for S s; its ranks
+                                 keep running
+    stall_node:node=I,step=N,for=S
+                                 node I's agent and every process under it (its ranks)
+                                 are SIGSTOPped for S s: a frozen host
+    partition_node:node=I,step=N,for=S
+                                 node I is cut from etcd and the controllers for S s
+                                 while it keeps running (keel up then runs each node's
+                                 agent behind a TCP proxy of its own, and the proxy
+                                 drops every connection and refuses new ones)
 """
 
 from __future__ import annotations
@@ -29,10 +43,15 @@ FIELDS = {
     "kill_leader": {"step"},
     "restart_etcd": {"step"},
     "kill_agent": {"node", "step"},
+    "stall_leader": {"step", "for"},
+    "stall_agent": {"node", "step", "for"},
+    "stall_node": {"node", "step", "for"},
+    "partition_node": {"node", "step", "for"},
 }
 OPTIONAL = {"restart_etcd": {"down"}}
 # Fired by `keel up` itself rather than by a rank.
-CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent"})
+CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent",
+                            "stall_leader", "stall_agent", "stall_node", "partition_node"})
 
 
 class BadFault(ValueError):
@@ -74,9 +93,14 @@ def parse_fault(text: str) -> keel_pb2.Fault:
             fault.down_s = float(values["down"])
             if not 0 < fault.down_s <= 600:
                 raise ValueError
+        if "for" in values:
+            fault.for_s = float(values["for"])
+            if not 0 < fault.for_s <= 600:
+                raise ValueError
     except ValueError:
         raise BadFault(f"fault {text!r}: rank and node are integers >= 0, step an integer "
-                       f">= 1, factor a number in (1, 100] and down seconds in (0, 600]") from None
+                       f">= 1, factor a number in (1, 100], down and for seconds in (0, 600]"
+                       ) from None
     return fault
 
 

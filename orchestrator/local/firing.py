@@ -1,16 +1,19 @@
 """Firing the cluster faults of ``keel up --inject`` (``lose_node``, ``kill_leader``,
-``restart_etcd``, ``kill_agent``) once rank 0 reports their step. Each firing is a
-``Fired`` record: what was done, to what, at which step."""
+``restart_etcd``, ``kill_agent``, the stalls and ``partition_node``) once rank 0
+reports their step. Each firing is a ``Fired`` record: what was done, to what, at which
+step. A stall or a partition is undone by a timer ``for_s`` after it fired, and, at
+the latest, by ``release`` when the cluster stops: no process is left stopped."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
-from common import env
+from common import env, procs
 from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.faults import CLUSTER_FAULTS
 from protos import keel_pb2
@@ -36,6 +39,9 @@ class ClusterFaults:
     pending: list[keel_pb2.Fault]
     lost: set[int] = field(default_factory=set)              # agent indexes
     killed_controllers: set[int] = field(default_factory=set)
+    undo: list[threading.Timer] = field(default_factory=list)   # stalls, partitions
+    stopped: set[int] = field(default_factory=set)           # pids SIGSTOPped now
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def of(cls, spec: keel_pb2.JobSpec) -> ClusterFaults:
@@ -67,13 +73,69 @@ class ClusterFaults:
                 down_s = fault.down_s or ETCD_DOWN_S
                 cluster.etcd.restart(down_s=down_s)
                 message = f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
+            elif fault.kind == "stall_agent":
+                agent = cluster.agents[fault.node]
+                self._stall([agent.pid], fault.for_s)
+                message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
+                           f"step {step} for {fault.for_s:g} s; its ranks run on")
+            elif fault.kind == "stall_node":
+                agent = cluster.agents[fault.node]
+                stalled = [agent.pid, *procs.descendants(agent.pid)]
+                self._stall(stalled, fault.for_s)
+                message = (f"injected: node-{fault.node} frozen at step {step} for "
+                           f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
+                           f"processes under it stopped)")
+            elif fault.kind == "partition_node":
+                cluster.proxies[fault.node].cut()
+                self._later(fault.for_s, cluster.proxies[fault.node].heal)
+                message = (f"injected: node-{fault.node} cut from etcd and the controllers at "
+                           f"step {step} for {fault.for_s:g} s; it runs on")
             elif leader in cluster.addresses:
                 index = cluster.addresses.index(leader)
-                os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
-                self.killed_controllers.add(index)
-                message = f"injected: leader controller {leader} killed at step {step}"
+                if fault.kind == "kill_leader":
+                    os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
+                    self.killed_controllers.add(index)
+                    message = f"injected: leader controller {leader} killed at step {step}"
+                else:
+                    self._stall([cluster.controllers[index].pid], fault.for_s)
+                    message = (f"injected: leader controller {leader} stopped at step {step} "
+                               f"for {fault.for_s:g} s")
             else:
                 continue  # no leader right now: fire once one leads
             self.pending.remove(fault)
             fired.append(Fired(fault.kind, step, message))
         return fired
+
+    def _stall(self, pids: list[int], for_s: float) -> None:
+        with self.lock:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    self.stopped.add(pid)
+                except ProcessLookupError:
+                    pass
+        self._later(for_s, lambda: self._resume(pids))
+
+    def _resume(self, pids: list[int]) -> None:
+        with self.lock:
+            for pid in pids:
+                if pid in self.stopped:
+                    self.stopped.discard(pid)
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+
+    def _later(self, delay_s: float, action) -> None:
+        timer = threading.Timer(delay_s, action)
+        timer.daemon = True
+        timer.start()
+        self.undo.append(timer)
+
+    def release(self, cluster: LocalCluster) -> None:
+        """Undo every stall and partition still in force (the cluster is stopping)."""
+        for timer in self.undo:
+            timer.cancel()
+        self._resume(list(self.stopped))
+        for proxy in cluster.proxies:
+            proxy.heal()

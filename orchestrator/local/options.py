@@ -145,7 +145,8 @@ def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions
     twice = sorted({n for n in lost if lost.count(n) > 1})
     if twice:
         raise ValueError(f"node {twice[0]} is lost twice; lose_node kills it for good")
-    restarted = sorted({f.node for f in faults if f.kind == "kill_agent"} & set(lost))
-    if restarted:
-        raise ValueError(f"node {restarted[0]} is lost by lose_node; kill_agent cannot "
-                         f"also restart its agent")
+    touched = [f for f in faults if f.kind in ("kill_agent", "stall_agent", "stall_node",
+                                                "partition_node") and f.node in set(lost)]
+    if touched:
+        raise ValueError(f"node {touched[0].node} is lost by lose_node; {touched[0].kind} "
+                         f"cannot also act on it")

@@ -46,11 +46,12 @@ def up(options: UpOptions) -> int:
     workdir = (options.workdir or Path(tempfile.mkdtemp(prefix="keel-up-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
-    cluster = LocalCluster(options, workdir)
     faults = ClusterFaults.of(spec)
+    cluster = LocalCluster(options, workdir,
+                           proxied=any(f.kind == "partition_node" for f in faults.pending))
     status, error, leader_changes = None, "", 0
-    failovers_s: list[float] = []     # from killing a leader to its successor answering
-    killed_at = None
+    failovers_s: list[float] = []     # from killing or stalling a leader to its successor answering
+    struck_at = None
     stop = []
     previous = {sig: signal.signal(sig, lambda *_: stop.append(1))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -73,15 +74,15 @@ def up(options: UpOptions) -> int:
             deadline = time.monotonic() + options.timeout_s
             while True:
                 status = client.call("GetJob", keel_pb2.GetJobRequest(job=spec.name))
-                if len(client.leaders) - 1 > leader_changes and killed_at is not None:
-                    failovers_s.append(round(time.monotonic() - killed_at, 2))
-                    killed_at = None
+                if len(client.leaders) - 1 > leader_changes and struck_at is not None:
+                    failovers_s.append(round(time.monotonic() - struck_at, 2))
+                    struck_at = None
                 leader_changes = len(client.leaders) - 1
                 progress.show(status)
                 for fired in faults.fire(status.step, cluster, client.address):
                     progress.note(fired.message)
-                    if fired.kind == "kill_leader":
-                        killed_at = time.monotonic()
+                    if fired.kind in ("kill_leader", "stall_leader"):
+                        struck_at = time.monotonic()
                 if JobState(status.state).terminal:
                     break
                 if stop:
@@ -103,6 +104,7 @@ def up(options: UpOptions) -> int:
         error = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     finally:
         progress.done()
+        faults.release(cluster)
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -41,6 +41,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "ReplaceNode": frozenset({Role.OPERATOR}),
     SERVICE + "CheckpointJob": frozenset({Role.OPERATOR}),
     SERVICE + "StopJob": frozenset({Role.OPERATOR}),
+    SERVICE + "DeleteJob": frozenset({Role.OPERATOR}),
 }
 
 

@@ -59,14 +59,18 @@ def test_an_agent_whose_lease_vanished_registers_again(cluster):  # noqa: F811
 def test_a_controller_that_stepped_down_leads_again_while_its_key_is_still_there(etcd):
     store = Store(connect([etcd.endpoint], 5))
     mine, theirs = store.client.lease(30), store.client.lease(30)
-    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id)
-    assert not store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
+    term = store.campaign("ctl-a", "127.0.0.1:1", mine.id)
+    assert term
+    assert store.campaign("ctl-b", "127.0.0.1:2", theirs.id) is None
     # A stepped down (etcd was out of reach past its lease) but nobody led since:
-    # the key is still A's, so A takes it again rather than waiting for it to lapse.
-    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id)
-    assert store.leader() == {"address": "127.0.0.1:1", "id": "ctl-a"}
-    # Once A's lease is gone, the key goes with it: B leads, and A may not take it back.
+    # the key is still A's, so A takes it again rather than waiting for it to lapse,
+    # and its term is unchanged.
+    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id) == term
+    assert store.leader() == {"address": "127.0.0.1:1", "id": "ctl-a", "term": term}
+    # Once A's lease is gone, the key goes with it: B leads with a larger term, and A
+    # may not take it back.
     mine.revoke()
-    assert store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
-    assert not store.campaign("ctl-a", "127.0.0.1:1", mine.id)
+    later = store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
+    assert later > term
+    assert store.campaign("ctl-a", "127.0.0.1:1", mine.id) is None
     assert store.leader()["id"] == "ctl-b"

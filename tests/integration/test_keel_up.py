@@ -50,7 +50,7 @@ def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
     result = keel("up", "--workdir", str(tmp_path / "run"), "--inject", "explode:rank=1,step=2",
                   timeout_s=60)
     assert result.returncode == 2
-    assert "kind must be one of crash, hang, kill, kill_agent, kill_leader, lose_node, restart_etcd, slow" in result.stderr
+    assert "kind must be one of crash, hang, kill, kill_agent, kill_leader, lose_node, partition_node, restart_etcd, slow, stall_agent, stall_leader, stall_node" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
     for layout, message in [("pp=4", "pp=4 is more than layers=2"),
                             ("dp_shard=2,tp=4", "spans 8 ranks but world_size is 4"),

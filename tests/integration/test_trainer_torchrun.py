@@ -81,7 +81,8 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     for step in (11, 12):
         assert replayed_losses[step] == pytest.approx(losses[step], abs=1e-4)
     assert f"replacing unrecorded checkpoint {ckpt / 'step_00000012'}" in replayed.stderr
-    assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [".metadata", "__0_0.distcp", "ledger.json"]
+    assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [
+        ".metadata", "__0_0.distcp", "ledger.json", "manifest.json"]
     assert committed_steps(ckpt) == [10, 12, 15, 16]
     assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
 

@@ -61,6 +61,8 @@ class Runtime:
         restart_count: int,
         agent_socket: str | None,
         faults: keel_pb2.FaultSchedule,
+        restore_fallbacks: tuple[str, ...] = (),
+        fence_after_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -70,16 +72,23 @@ class Runtime:
         self.mesh = mesh
         self.checkpoint_dir = checkpoint_dir
         self.restore_from = restore_from
+        self.restore_fallbacks = restore_fallbacks
         self.restart_count = restart_count
         self.agent_socket = agent_socket
         self._faults = FaultInjector(faults, rank, generation, self.log)
         self._agent = AgentReporter(agent_socket, rank=rank, world_size=world_size,
-                                    generation=generation, job=job, log=self.log) \
-            if agent_socket else None
+                                    generation=generation, job=job, log=self.log,
+                                    fence_after_s=fence_after_s) if agent_socket else None
 
     @property
     def slow_factor(self) -> float:
         return self._faults.slow_factor
+
+    @property
+    def recorded_step(self) -> int:
+        """The newest checkpoint the controller recorded in etcd, as last heard from the
+        agent (0: none yet, or no agent)."""
+        return self._agent.recorded_step if self._agent is not None else 0
 
     def log(self, message: str) -> None:
         """Writes one line to stderr, tagged with job, generation and rank."""
@@ -122,6 +131,14 @@ class Runtime:
         False without an agent."""
         return self._agent is not None and self._agent.report_checkpoint(step, path, samples)
 
+    def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
+        """Tells the agent of a checkpoint this rank would not or could not use: a
+        commit refused because a newer generation owns the directory
+        (``"stale_commit"``), or one that failed verification and was renamed aside
+        (``"quarantined"``). False without an agent."""
+        return self._agent is not None and self._agent.report_checkpoint_problem(
+            step, path, kind, reason)
+
     def flush(self) -> bool:
         """Waits until every step report queued so far was sent; True without an agent."""
         return self._agent is None or self._agent.flush()
@@ -151,7 +168,9 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
     handler that dumps every thread's Python stack to stderr, for hang diagnosis."""
     environ = os.environ if environ is None else environ
     identity = read_identity(environ)
-    runtime = Runtime(**vars(identity), faults=parse_fault_schedule(environ.get(env.FAULTS)))
+    # Under Keel, a rank whose agent answers nothing for the collective timeout stops.
+    runtime = Runtime(**vars(identity), faults=parse_fault_schedule(environ.get(env.FAULTS)),
+                      fence_after_s=job_deadlines(environ).get("collective_timeout_s"))
     # The process's own fd 2, which the agent captures, even when sys.stderr has been
     # swapped for something without a file descriptor.
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)

@@ -4,6 +4,7 @@ empty: generation 0, no job, no agent socket."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ class Identity:
     """``rank``, ``world_size``, ``local_rank`` and ``restart_count`` as torchrun gives
     them; ``generation`` (0 without Keel), ``job`` ("" without Keel), ``mesh``
     (dimension → size), ``checkpoint_dir`` and ``restore_from`` (paths or None) and
-    ``agent_socket`` (None without an agent) as Keel does."""
+    ``agent_socket`` (None without an agent) as Keel does; ``restore_fallbacks``: older
+    recorded checkpoints to restore if ``restore_from`` fails verification."""
     rank: int
     world_size: int
     local_rank: int
@@ -25,6 +27,7 @@ class Identity:
     mesh: dict[str, int]
     checkpoint_dir: str | None
     restore_from: str | None
+    restore_fallbacks: tuple[str, ...]
     restart_count: int
     agent_socket: str | None
 
@@ -62,6 +65,8 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         mesh=parse_mesh(environ.get(env.MESH), world_size),
         checkpoint_dir=environ.get(env.CHECKPOINT_DIR) or None,
         restore_from=environ.get(env.RESTORE_FROM) or None,
+        restore_fallbacks=tuple(p for p in environ.get(env.RESTORE_FALLBACKS, "").split(os.pathsep)
+                                if p),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
     )

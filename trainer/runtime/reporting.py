@@ -7,6 +7,8 @@ one line on stderr.
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +29,11 @@ REPORT_BATCH_SIZE = 32
 MAX_PENDING_REPORTS = 4096
 # A flush waits for at most one in-flight ReportSteps call plus scheduling slack.
 FLUSH_WAIT_S = STEP_REPORT_DEADLINE_S + 0.5
+# With no step to report (a long first step, a slow checkpoint) the agent is still
+# asked this often whether it answers: an empty report is the ping.
+PING_S = 1.0
+# A rank that fenced itself with SIGTERM and still runs this long after is SIGKILLed.
+FENCE_KILL_AFTER_S = 5.0
 
 # gRPC's default reconnect back-off grows to two minutes; an agent that restarts (or
 # starts listening after its ranks) should see reports again within seconds.
@@ -51,11 +58,16 @@ class _StepReporter:
     _STOP = object()
 
     def __init__(self, stub: keel_pb2_grpc.AgentLocalStub, generation: int, log,
-                 checkpoint_requested: threading.Event) -> None:
+                 on_ack: Callable[[keel_pb2.LocalAck], None],
+                 fence_after_s: float | None = None) -> None:
+        """``on_ack`` takes every ack; ``fence_after_s``: stop this rank when the agent
+        has answered nothing for this long (None: never)."""
         self._stub = stub
         self._generation = generation
         self._log = log
-        self._checkpoint_requested = checkpoint_requested
+        self._on_ack = on_ack
+        self._fence_after_s = fence_after_s
+        self._answered_at = self._sent_at = time.monotonic()
         # Step reports, and flush and stop markers; appends and pops are atomic.
         self._pending: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -108,11 +120,13 @@ class _StepReporter:
                 if item is self._STOP:
                     return
                 item.set()
-            self._send(batch)
+            self._send(batch, ping=time.monotonic() - self._sent_at >= PING_S)
+            self._check_fence()
 
-    def _send(self, batch: list[keel_pb2.StepReport]) -> None:
-        if not batch:
+    def _send(self, batch: list[keel_pb2.StepReport], ping: bool = False) -> None:
+        if not batch and not ping:
             return
+        self._sent_at = time.monotonic()
         try:
             ack = self._stub.ReportSteps(
                 keel_pb2.LocalStepReports(generation=self._generation, reports=batch),
@@ -126,11 +140,24 @@ class _StepReporter:
                 )
                 self._agent_failing = True
             return
+        self._answered_at = time.monotonic()
         if self._agent_failing:
             self._log("agent answers step reports again")
             self._agent_failing = False
-        if ack.checkpoint_now:
-            self._checkpoint_requested.set()
+        self._on_ack(ack)
+
+    def _check_fence(self) -> None:
+        """Self-fencing: a rank whose agent has answered nothing for the collective
+        timeout is no longer supervised (the agent stalled or is cut off, and its node
+        may count as lost), so it stops itself: SIGTERM, then SIGKILL."""
+        silent_s = time.monotonic() - self._answered_at
+        if self._fence_after_s is None or silent_s < self._fence_after_s:
+            return
+        self._log(f"the agent has answered nothing for {silent_s:.1f} s (the collective timeout "
+                  f"is {self._fence_after_s:g} s): stopping this rank")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(FENCE_KILL_AFTER_S)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 class AgentReporter:
     """This rank's connection to its node agent (the ``AgentLocal`` service on the Unix
@@ -138,7 +165,7 @@ class AgentReporter:
     does, from the reporter thread, so a missing agent never delays training."""
 
     def __init__(self, agent_socket: str, *, rank: int, world_size: int, generation: int,
-                 job: str, log: Callable[[str], None]) -> None:
+                 job: str, log: Callable[[str], None], fence_after_s: float | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.generation = generation
@@ -147,7 +174,13 @@ class AgentReporter:
         self._checkpoint_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
         self._stub = keel_pb2_grpc.AgentLocalStub(self._channel)
-        self._reporter = _StepReporter(self._stub, generation, log, self._checkpoint_requested)
+        self.recorded_step = 0   # the newest checkpoint the controller recorded, as last heard
+        self._reporter = _StepReporter(self._stub, generation, log, self._take_ack, fence_after_s)
+
+    def _take_ack(self, ack: keel_pb2.LocalAck) -> None:
+        if ack.checkpoint_now:
+            self._checkpoint_requested.set()
+        self.recorded_step = max(self.recorded_step, ack.recorded_step)
 
     def report_step(
         self,
@@ -227,7 +260,7 @@ class AgentReporter:
         agent and controller decide what counts as committed."""
         self._reporter.flush()
         try:
-            self._stub.ReportCheckpoint(
+            ack = self._stub.ReportCheckpoint(
                 keel_pb2.CheckpointSaved(
                     job=self.job, generation=self.generation, step=step, path=path, samples=samples
                 ),
@@ -235,6 +268,21 @@ class AgentReporter:
             )
         except grpc.RpcError as error:
             self.log(f"cannot report checkpoint step={step} path={path} ({error.code().name}: {error.details()})")
+            return False
+        self._take_ack(ack)
+        return True
+
+    def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
+        """Tells the agent of a checkpoint this rank would not or could not use
+        (``kind``: "stale_commit" or "quarantined"); whether it acknowledged."""
+        try:
+            self._stub.ReportCheckpointProblem(
+                keel_pb2.CheckpointProblem(job=self.job, generation=self.generation, step=step,
+                                           path=path, kind=kind, reason=reason),
+                timeout=CHECKPOINT_REPORT_DEADLINE_S)
+        except grpc.RpcError as error:
+            self.log(f"cannot report the {kind} checkpoint step={step} ({error.code().name}: "
+                     f"{error.details()})")
             return False
         return True
 

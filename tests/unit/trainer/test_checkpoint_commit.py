@@ -41,6 +41,11 @@ def runtime() -> Runtime:
                    faults=keel_pb2.FaultSchedule())
 
 
+def entries(directory) -> list[str]:
+    """What the checkpoint directory holds, but for its generation fence."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".fence"))
+
+
 def model_state(step: int) -> dict:
     return {"model": {"w": torch.full((64,), float(step)), "b": torch.arange(8.0)}, "step": torch.tensor(step)}
 
@@ -74,18 +79,18 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     final = ckpt / "step_00000005"
     staging = checkpoint.staging_path(str(ckpt), 5, 2)
     files = sorted(path.name for path in final.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "ledger.json"]
+    assert files == [".metadata", "__0_0.distcp", "ledger.json", "manifest.json"]
     synced = [path for kind, path in events if kind == "fsync"]
     # Each file fsynced exactly once, under the name it was written as (DCP writes
     # .metadata.tmp and renames it inside the staging directory).
     for name, written_as in ((".metadata", ".metadata.tmp"), ("__0_0.distcp", "__0_0.distcp"),
-                             ("ledger.json", "ledger.json")):
+                             ("ledger.json", "ledger.json"), ("manifest.json", "manifest.json")):
         assert synced.count(os.path.join(staging, written_as)) == 1, (name, events)
     commit = events.index(("rename", f"{staging} -> {final}"))
     # The staging directory (its entries) before the rename, the parent after it.
     assert ("fsync", staging) in events[:commit]
     assert ("fsync", str(ckpt)) in events[commit:]
-    assert checkpoint.latest_committed(str(ckpt)) == str(final)
+    assert checkpoint.committed_steps(str(ckpt)) == {5: str(final)}
 
 
 def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monkeypatch, one_rank_group):
@@ -105,12 +110,12 @@ def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monk
     # Step 1 expired with step 2's commit: renamed aside at once (never loaded again),
     # deleted in the background, which is still held up, yet save returned.
     doomed = ckpt / ".step_00000001.g2.expired.tmp"
-    assert sorted(path.name for path in ckpt.iterdir()) == [doomed.name, "step_00000002"]
+    assert entries(ckpt) == [doomed.name, "step_00000002"]
     assert checkpoint.committed_steps(str(ckpt)) == {2: str(ckpt / "step_00000002")}
 
     release.set()
     saver.wait()
-    assert sorted(path.name for path in ckpt.iterdir()) == ["step_00000002"]
+    assert entries(ckpt) == ["step_00000002"]
 
 
 def test_a_failed_deletion_fails_wait(tmp_path, monkeypatch, one_rank_group):

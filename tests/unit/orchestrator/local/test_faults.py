@@ -22,7 +22,10 @@ def test_parse_each_rank_fault():
 
 @pytest.mark.parametrize("text,message", [
     ("explode:rank=1,step=2", "kind must be one of crash, hang, kill, kill_agent, kill_leader, "
-                              "lose_node, restart_etcd, slow"),
+                              "lose_node, partition_node, restart_etcd, slow, stall_agent, "
+                              "stall_leader, stall_node"),
+    ("stall_node:node=1,step=2", "missing for"),
+    ("stall_agent:node=1,step=2,for=0", "down and for seconds in (0, 600]"),
     ("crash", "write it as crash:rank=...,step=..."),
     ("crash:rank=1", "missing step"),
     ("crash:rank=1,step=2,step=3", "each once"),
@@ -32,8 +35,8 @@ def test_parse_each_rank_fault():
     ("slow:rank=1,step=2,factor=0.5", "factor a number in (1, 100]"),
     ("slow:rank=1,step=2,factor=inf", "factor a number in (1, 100]"),
     ("kill:rank=1,step=2,factor=2", "is not one of"),
-    ("restart_etcd:step=2,down=0", "down seconds in (0, 600]"),
-    ("restart_etcd:step=2,down=soon", "down seconds in (0, 600]"),
+    ("restart_etcd:step=2,down=0", "down and for seconds in (0, 600]"),
+    ("restart_etcd:step=2,down=soon", "down and for seconds in (0, 600]"),
     ("crash:rank=1,step=2,down=3", "is not one of rank, step"),
     ("restart_etcd:down=3", "missing step"),
 ])
@@ -67,7 +70,7 @@ def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
     (dict(inject=("lose_node:node=1,step=5", "lose_node:node=1,step=9")),
      "node 1 is lost twice"),
     (dict(inject=("lose_node:node=1,step=5", "kill_agent:node=1,step=9")),
-     "node 1 is lost by lose_node; kill_agent cannot also restart its agent"),
+     "node 1 is lost by lose_node; kill_agent cannot also act on it"),
     (dict(etcd_endpoints=("127.0.0.1:2379",), inject=("restart_etcd:step=5",)),
      "drop --etcd-endpoints (and unset KEEL_ETCD_ENDPOINTS)"),
 ])

@@ -1,0 +1,64 @@
+"""gRPC channels and servers as every Keel process makes them: mutual TLS when given
+certificates (``common.tls``), keepalives on both sides, and explicit message limits.
+
+Keepalives are what notice a peer that stalls (a SIGSTOPped process, a frozen VM):
+its kernel still acknowledges TCP, so a stream to it would hang forever, but it answers
+no HTTP/2 ping, and after ``KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S`` the stream fails
+with UNAVAILABLE. That must fit well inside the controller's node-lost grace.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+
+from common.tls import TlsFiles, server_credentials
+
+KEEPALIVE_TIME_S = 2.0       # ping a quiet connection this often
+KEEPALIVE_TIMEOUT_S = 2.0    # and give up on it this long after a ping goes unanswered
+# Replies hold a job's events and a hang's stacks (each bounded, see the controller's
+# job health); nothing legitimate comes near this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    *_LIMITS,
+]
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Clients ping every KEEPALIVE_TIME_S: accept that, however idle the connection.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    *_LIMITS,
+]
+
+
+def channel(address: str, files: TlsFiles | None) -> grpc.Channel:
+    """A channel to ``address`` presenting ``files.cert`` and trusting only
+    ``files.ca`` (plaintext if ``files`` is None), with keepalives."""
+    if files is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    ca, cert, key = files.pems()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert), options=CHANNEL_OPTIONS)
+
+
+def server(max_workers: int, interceptors=()) -> grpc.Server:
+    """A server with keepalives and message limits."""
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                       interceptors=list(interceptors), options=SERVER_OPTIONS)
+
+
+def add_port(server_: grpc.Server, listen: str, files: TlsFiles | None) -> int:
+    """Bind ``listen`` with mutual TLS (plaintext if ``files`` is None); the port."""
+    if files is None:
+        return server_.add_insecure_port(listen)
+    return server_.add_secure_port(listen, server_credentials(files))

@@ -1,0 +1,72 @@
+"""A checkpoint's manifest: every file it holds, with its size and CRC-32, written by
+the commit before the rename, so a restore can tell a complete checkpoint from one that
+was torn, truncated or damaged since (``verify``).
+
+``manifest.json``: ``{"step": N, "files": {"<relative path>": {"bytes": B, "crc32": C}}}``.
+CRC-32 (zlib's, about 1 GB/s on one core) catches torn and corrupted files; it is not
+meant to stop tampering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+MANIFEST_FILE = "manifest.json"
+CHUNK_BYTES = 1 << 20
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(directory: str) -> list[str]:
+    found = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            relative = os.path.relpath(os.path.join(root, name), directory)
+            if relative != MANIFEST_FILE:
+                found.append(relative)
+    return sorted(found)
+
+
+def write(directory: str, step: int) -> str:
+    """Write ``directory``'s manifest (fsynced) and return its path."""
+    files = {name: {"bytes": os.path.getsize(os.path.join(directory, name)),
+                    "crc32": _crc32(os.path.join(directory, name))}
+             for name in _files(directory)}
+    path = os.path.join(directory, MANIFEST_FILE)
+    with open(path, "w") as out:
+        json.dump({"step": step, "files": files}, out)
+        out.flush()
+        os.fsync(out.fileno())
+    return path
+
+
+def verify(directory: str) -> str:
+    """Why the checkpoint in ``directory`` cannot be trusted, or "" if every file of its
+    manifest is there, of its size and CRC."""
+    if not os.path.isdir(directory):
+        return "the directory is missing"
+    try:
+        with open(os.path.join(directory, MANIFEST_FILE)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST_FILE}"
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST_FILE} is unreadable"
+    for name, expected in sorted(files.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        size = os.path.getsize(path)
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+        if _crc32(path) != expected["crc32"]:
+            return f"{name} does not match its checksum"
+    return ""
