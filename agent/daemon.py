@@ -37,6 +37,10 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
+# The agent tells the controller what it runs this often (AgentStatus); the controller
+# resends or stops until that agrees with the plan.
+STATUS_PERIOD_S = 1.0
+
 
 class Agent:
     def __init__(self, config: AgentConfig):
@@ -47,6 +51,7 @@ class Agent:
         self.stopping = threading.Event()
         self.supervisor = Supervisor(config.run_dir)
         self.generation = Generation()
+        self.started: tuple[str, int] | None = None   # the newest StartGeneration's
         self.reports = Reports()
         self.hang_config = HangConfig()
         self.lease = None
@@ -149,7 +154,26 @@ class Agent:
                 keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
                 for r in self.supervisor.of_generation(current.job, current.generation)
                 if r.popen.returncode is None)
-        return [keel_pb2.AgentMessage(hello=hello), *self.reports.replay()]
+        return [keel_pb2.AgentMessage(hello=hello), *self.reports.replay(),
+                keel_pb2.AgentMessage(status=self._status())]
+
+    def _status(self) -> keel_pb2.AgentStatus:
+        """What this agent runs: the generation (running or being stopped), its live
+        ranks, and the newest start it was given."""
+        state = self.generation
+        status = keel_pb2.AgentStatus(phase=state.phase.value)
+        current = state.start
+        if current is not None:
+            status.job, status.generation = current.job, current.generation
+            status.running.extend(
+                keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
+                for r in self.supervisor.of_generation(current.job, current.generation)
+                if r.popen.returncode is None)
+        elif state.stopping is not None:
+            status.job, status.generation = state.stopping
+        if self.started is not None:
+            status.started_job, status.started_generation = self.started
+        return status
 
     def _send(self, **kind) -> None:
         self.link.send(keel_pb2.AgentMessage(**kind))
@@ -166,6 +190,7 @@ class Agent:
     # ================================================================ main loop
     def _main_loop(self) -> None:
         next_flush = time.monotonic() + self.config.report_flush_s
+        next_status = time.monotonic() + STATUS_PERIOD_S
         while not self.stopping.is_set():
             try:
                 kind, payload = self.events.get(timeout=self.config.tick_s)
@@ -202,6 +227,9 @@ class Agent:
             if now >= next_flush:
                 self._flush_steps()
                 next_flush = now + self.config.report_flush_s
+            if now >= next_status:
+                self._send(status=self._status())
+                next_status = now + STATUS_PERIOD_S
 
     def _on_controller(self, message: keel_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("kind")
@@ -222,6 +250,10 @@ class Agent:
                 self._report_stacks(stop.job, stop.generation, running, hang=None)
             self.supervisor.stop(ranks, time.monotonic())
             self.generation.stop(stop.job, stop.generation, f"the controller: {stop.reason}")
+        elif kind == "resync":
+            for replayed in self.reports.replay():
+                self.link.send(replayed)
+            self._send(status=self._status())
         elif kind == "checkpoint_recorded":
             recorded = message.checkpoint_recorded
             self.reports.recorded(recorded.generation, recorded.step)
@@ -236,6 +268,11 @@ class Agent:
                      reason=request.reason)
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
+        if self.started == (start.job, start.generation):
+            log.info("generation already started here; ignoring the repeat", job=start.job,
+                     generation=start.generation)
+            return
+        self.started = (start.job, start.generation)
         # A node runs one generation at a time: anything older goes first.
         older = [r for r in self.supervisor.ranks if r.generation != start.generation
                  or r.job != start.job]

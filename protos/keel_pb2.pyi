@@ -63,7 +63,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "term")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "term")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ControllerMessage(_message.Message):
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_RECORDED_FIELD_NUMBER: _ClassVar[int]
     ETCD_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
@@ -79,8 +80,13 @@ class ControllerMessage(_message.Message):
     checkpoint_now: CheckpointNow
     checkpoint_recorded: CheckpointRecorded
     etcd_unreachable: EtcdUnreachable
+    resync: Resync
     term: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+
+class Resync(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class EtcdUnreachable(_message.Message):
     __slots__ = ("down_s",)

@@ -174,8 +174,10 @@ class AgentRecorder:
     (generation, reports).
 
     It asks for a checkpoint in an ack when ``ask(call_number, reports)`` says so
-    (``call_number`` counts ReportSteps calls from 1), and, with ``ask_from_step``,
-    once, in the ack of the first call that reports step ``ask_from_step`` or later."""
+    (``call_number`` counts ReportSteps calls with reports from 1; a rank's pings,
+    calls without reports, are answered and not counted), and, with
+    ``ask_from_step``, once, in the ack of the first call that reports step
+    ``ask_from_step`` or later."""
 
     def __init__(self, ask_from_step: int | None = None,
                  ask: Callable[[int, list], bool] | None = None) -> None:
@@ -187,6 +189,8 @@ class AgentRecorder:
         self._ask = ask
 
     def on_steps(self, generation: int, reports: list) -> bool:
+        if not reports:
+            return False   # a rank's ping: the agent answers, nothing to record
         with self.lock:
             self.calls.append((generation, list(reports)))
             self.events.extend(("step", report) for report in reports)

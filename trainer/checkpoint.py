@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -160,6 +161,8 @@ def discard_staging(checkpoint_dir: str | None, generation: int) -> list[str]:
     if not checkpoint_dir:
         return []
     fence.claim(checkpoint_dir, generation)
+    if not os.path.isdir(checkpoint_dir):
+        return []   # a first run outside Keel: nothing was ever saved there
     removed = []
     with fence.held(checkpoint_dir, generation):
         for name in os.listdir(checkpoint_dir):
@@ -283,20 +286,21 @@ class Checkpointer:
             future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
             self._pending = _Pending(step, samples, staging, future)
         else:
-            dcp.save(state, checkpoint_id=staging, process_group=self._group)
+            with self._superseded_if_lost(step, staging):
+                dcp.save(state, checkpoint_id=staging, process_group=self._group)
             self._commit(step, samples, staging)
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
         """Starts committing the save in flight if its write has finished, and raises
         if a commit failed; never blocks on either."""
-        started = time.perf_counter()
         if self._pending is not None and self._pending.future.done():
+            started = time.perf_counter()
             self._start_commit()
+            self._blocked_s += time.perf_counter() - started
         if self._commit_future is not None and self._commit_future.done():
             self._commit_future, done = None, self._commit_future
             done.result()
-        self._blocked_s += time.perf_counter() - started
 
     def take_blocked_s(self) -> float:
         """Seconds ``save`` and ``poll`` blocked their caller (staging, a synchronous
@@ -322,13 +326,31 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         # A failed write raises here and fails the rank: an uncommitted checkpoint
         # must not look like progress.
-        pending.future.result()
+        with self._superseded_if_lost(pending.step, pending.staging):
+            pending.future.result()
         if self._rank != 0:
             return
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-commit")
         self._commit_future = self._committer.submit(self._commit, pending.step, pending.samples,
                                                      pending.staging)
+
+    @contextlib.contextmanager
+    def _superseded_if_lost(self, step: int, staging: str):
+        """A write that fails because a newer generation took the directory (and
+        cleaned up this one's staging) is that generation's refusal, and says so."""
+        try:
+            yield
+        # DCP raises CheckpointException, a BaseException, for a failed write.
+        except (Exception, CheckpointException) as error:
+            owner = fence.owner(self.checkpoint_dir)
+            if owner <= self.runtime.generation or self.runtime.generation == 0:
+                raise
+            refused = fence.Superseded(self.checkpoint_dir, self.runtime.generation, owner)
+            self.runtime.log(f"refusing to change checkpoint step {step}: {refused} (its write "
+                             f"failed: {type(error).__name__})")
+            self.runtime.report_checkpoint_problem(step, staging, "stale_commit", str(refused))
+            raise refused from error
 
     @contextlib.contextmanager
     def _fenced(self, step: int, path: str):

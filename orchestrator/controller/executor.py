@@ -16,6 +16,7 @@ from orchestrator.controller import metrics, observe
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.plans import plan_record
 from orchestrator.controller.rebuild import newest_good
 from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
@@ -23,6 +24,7 @@ from orchestrator.controller.store import Deposed
 from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
+from orchestrator.policy.convergence import Fix, Fixing
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
 from orchestrator.policy.operations import Change, Operation, OperationDecision
@@ -110,11 +112,18 @@ class Executor:
             reason += f"; planner chose {mesh} at world size {world_size}"
         out = sorted((frozenset(job.lost_nodes) if decision.use_suspects else
                       observe.suspects(job)) & job.nodes)
-        self.transition(job, JobState.STARTING, reason, now, generation=job.generation + 1,
-                        planned_stop=False)
+        good = [r for r in self.store.checkpoints(job.name) if not r.get("quarantined")]
+        plan = dict(
+            generation=job.generation + 1, placement=placement, world_size=world_size,
+            mesh=mesh, deadlines=chain, rendezvous=None,
+            placed_agents={p.node: self.state.sessions[p.node].pid for p in placement},
+            restore_from=good[-1] if good else None,
+            restore_fallbacks=[r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS])
+        self.transition(job, JobState.STARTING, reason, now, plan_record(job, **plan),
+                        generation=plan["generation"], planned_stop=False)
         previous = job.nodes
-        job.placement, job.world_size, job.mesh = placement, world_size, mesh
-        job.deadlines = chain
+        for name, value in plan.items():
+            setattr(job, name, value)
         if out:
             newcomers = sorted(job.nodes - previous)
             health.replacement_times.append(now)
@@ -126,15 +135,11 @@ class Executor:
                                          f"{mesh} at world size {world_size}", node=out[0],
                              step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
-        job.rendezvous = None
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()
         job.vanished.clear()
         self._drop_intents(job)
-        good = [r for r in self.store.checkpoints(job.name) if not r.get("quarantined")]
-        job.restore_from = good[-1] if good else None
-        job.restore_fallbacks = [r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS]
         self.state.send(placement[0].node, keel_pb2.ControllerMessage(
             prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
                                                           generation=job.generation)))
@@ -154,34 +159,54 @@ class Executor:
         return keel_pb2.Deadlines(**vars(chain))
 
     def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
-        chain = job.deadlines or self._deadlines(job, job.placement)
-        host, port = job.rendezvous
-        restore = job.restore_from["path"] if job.restore_from else ""
-        plan = {"generation": job.generation, "world_size": job.world_size,
-                "master_addr": host, "master_port": port,
-                "nodes": {p.node: list(p.ranks) for p in job.placement},
-                "restore_from": restore, "command": list(job.spec.command),
-                "mesh": job.mesh,
-                "created_at": time.time()}
+        job.deadlines = job.deadlines or self._deadlines(job, job.placement)
+        restore = job.restore_from
         reason = (f"generation {job.generation}: {job.world_size} ranks on "
                   f"{len(job.placement)} nodes as {job.mesh}, "
-                  + (f"restoring step {job.restore_from['step']}" if job.restore_from
-                     else "fresh start"))
+                  + ("fresh start" if not restore else f"restoring step {restore['step']}"
+                     if "step" in restore else f"restoring {restore['path']}"))
+        # Now with the rendezvous endpoint: everything a new leader (or this one, after
+        # a write whose reply it lost) needs to start this generation's ranks again.
+        plan = plan_record(job)
         self.transition(job, JobState.RUNNING, reason, now, plan)
         for part in job.placement:
-            start = keel_pb2.StartGeneration(
-                job=job.name, generation=job.generation, world_size=job.world_size,
-                local_world_size=part.local_world_size, master_addr=host, master_port=port,
-                command=list(job.spec.command), env=dict(job.spec.env),
-                restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
-                restore_from=restore, mesh=plan["mesh"], health=job.health.spec,
-                deadlines=chain, restore_fallbacks=job.restore_fallbacks)
-            if job.health.spec.preflight_off:
-                start.env[env.PREFLIGHT] = "0"
-            for local_rank, rank in enumerate(part.ranks):
-                start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
-            self.state.send(part.node, keel_pb2.ControllerMessage(start_generation=start))
+            self._send_start(job, part, now)
         self.announce_recorded(job)
+
+    def _send_start(self, job: JobRuntime, part: NodeRanks, now: float) -> None:
+        host, port = job.rendezvous
+        start = keel_pb2.StartGeneration(
+            job=job.name, generation=job.generation, world_size=job.world_size,
+            local_world_size=part.local_world_size, master_addr=host, master_port=port,
+            command=list(job.spec.command), env=dict(job.spec.env),
+            restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
+            restore_from=job.restore_from["path"] if job.restore_from else "", mesh=job.mesh,
+            health=job.health.spec, deadlines=job.deadlines,
+            restore_fallbacks=job.restore_fallbacks)
+        if job.health.spec.preflight_off:
+            start.env[env.PREFLIGHT] = "0"
+        for local_rank, rank in enumerate(part.ranks):
+            start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
+        self.state.send(part.node, keel_pb2.ControllerMessage(start_generation=start))
+        self._fixed(part.node, now)
+
+    def _fixed(self, node: str, now: float) -> None:
+        session = self.state.sessions.get(node)
+        if session is not None:
+            session.fixed_at = now
+
+    def fix(self, session: AgentSession, fixing: Fixing, now: float) -> None:
+        """Carry out ``convergence.converge``'s decision about ``session``'s node."""
+        job = self.state.jobs.get(fixing.job)
+        log.warning("converging", node=session.node, job=fixing.job,
+                    generation=fixing.generation, fix=fixing.fix.value, reason=fixing.reason)
+        if fixing.fix is Fix.START:
+            part = next(p for p in job.placement if p.node == session.node)
+            self._send_start(job, part, now)
+            return
+        session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
+            job=fixing.job, generation=fixing.generation, reason=fixing.reason)))
+        session.fixed_at = now
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
         cause = decision.root_cause
@@ -203,6 +228,7 @@ class Executor:
         # Lost nodes too, if they are still connected: a node whose lease expired may
         # well be running.
         for node in job.nodes:
+            self._fixed(node, now)
             self.state.send(node, keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
                 job=job.name, generation=job.generation, reason=decision.reason,
                 collect_stacks=decision.collect_stacks)))
@@ -382,7 +408,7 @@ class Executor:
         """Keep the newest RECORDS_KEPT records, and the restore point in use."""
         steps = [r["step"] for r in self.store.checkpoints(job.name)]
         keep = set(steps[-RECORDS_KEPT:])
-        if job.restore_from:
+        if job.restore_from and "step" in job.restore_from:
             keep.add(job.restore_from["step"])
         doomed = [step for step in steps if step not in keep]
         if doomed:

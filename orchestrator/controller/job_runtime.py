@@ -63,6 +63,12 @@ class JobRuntime:
     # and whether this leader has passed it on to the agents.
     checkpoint_request: dict | None = None
     checkpoint_request_sent: bool = False
+    # The pid of the agent incarnation each node's ranks are planned for (persisted in
+    # the plan): only that one may still be given their start.
+    placed_agents: dict[str, int] = field(default_factory=dict)
+    # A reconcile failed: what is held here may differ from etcd, so the job is rebuilt
+    # from etcd before it is reconciled again.
+    rebuild: bool = False
     # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
     retry_at: float = 0.0
     retry_backoff_s: float = 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import AgentSession, ControllerState
-from orchestrator.policy import adoption, operations, remediation
+from orchestrator.policy import adoption, convergence, operations, remediation
 from orchestrator.policy.guardrails import restart_backoff_s
 from orchestrator.policy.job import Observed, Spec
 from orchestrator.policy.lifecycle import JobState
@@ -95,11 +95,34 @@ def draining(state: ControllerState, job: JobRuntime) -> tuple[str, ...]:
     return tuple(sorted(n for n in job.nodes if state.cordons.get(n, {}).get("drain")))
 
 
+def node_runs(session: AgentSession) -> convergence.NodeRuns | None:
+    """The agent's latest status, or None before its first."""
+    status = session.status
+    if status is None:
+        return None
+    return convergence.NodeRuns(node=session.node, pid=session.pid, job=status.job,
+                                generation=status.generation, phase=status.phase,
+                                started_job=status.started_job,
+                                started_generation=status.started_generation)
+
+
+def plans_on(state: ControllerState, node: str) -> list[convergence.PlanOnNode]:
+    """What every job's plan says of ``node``."""
+    return [convergence.PlanOnNode(
+        job=job.name, state=job.state, generation=job.generation, placed=node in job.nodes,
+        placed_agent=job.placed_agents.get(node, 0),
+        confirmed_stopped=node in job.stopped_nodes,
+        lost=node in job.lost_nodes or node in job.vanished) for job in state.jobs.values()]
+
+
 def agent_runs(session: AgentSession) -> adoption.AgentRuns:
-    hello = session.hello
-    return adoption.AgentRuns(node=session.node, pid=hello.pid, job=hello.running_job,
-                              generation=hello.running_generation,
-                              live_ranks=tuple(r.rank for r in hello.running))
+    """What the agent runs: its latest status, else its Hello."""
+    said = session.status if session.status is not None else session.hello
+    job, generation = ((said.job, said.generation) if session.status is not None
+                       else (said.running_job, said.running_generation))
+    return adoption.AgentRuns(node=session.node, pid=session.pid, job=job,
+                              generation=generation,
+                              live_ranks=tuple(r.rank for r in said.running))
 
 
 def job_on_node(job: JobRuntime, node: str) -> adoption.JobOnNode:
@@ -108,4 +131,5 @@ def job_on_node(job: JobRuntime, node: str) -> adoption.JobOnNode:
         first_node=bool(job.placement) and job.placement[0].node == node,
         rendezvous_known=job.rendezvous is not None,
         planned_ranks=tuple(r for p in job.placement if p.node == node for r in p.ranks),
-        exited_ranks=frozenset(job.exits), vanished=node in job.vanished)
+        exited_ranks=frozenset(job.exits), vanished=node in job.vanished,
+        placed_agent=job.placed_agents.get(node, 0))

@@ -9,10 +9,10 @@ from google.protobuf import json_format
 
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.plans import adopt_plan
 from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
-from orchestrator.policy.placement import NodeRanks
 from orchestrator.spec.health import resolve as resolve_health
 from protos import keel_pb2
 
@@ -59,12 +59,11 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
                      stop_requested=state.value.get("stop_requested", ""),
                      stop_now=state.value.get("stop_now", False),
                      planned_stop=state.value.get("planned_stop", False))
+    records = store.checkpoints(name)
     plan = store.plan(name, job.generation) if job.generation else None
     if plan:
-        job.world_size, job.mesh = plan["world_size"], plan["mesh"]
-        if not job.state.terminal:
-            job.placement = [NodeRanks(n, tuple(r)) for n, r in plan["nodes"].items()]
-    job.last_checkpoint = newest_good(store.checkpoints(name))
+        adopt_plan(job, plan, records)
+    job.last_checkpoint = newest_good(records)
     if state.value.get("initial_loss") is not None:
         job.initial_loss = job.loss = state.value["initial_loss"]
         job.has_loss = job.initial_loss_stored = True
@@ -82,3 +81,24 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
         if request is not None and request["generation"] == job.generation:
             job.checkpoint_request = request
     return job
+
+
+def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
+    """Give ``fresh`` (as etcd has the job) what this controller knew that etcd does
+    not hold: the job's progress and health record always, and what its agents
+    reported of the generation if etcd's is still the one they reported on."""
+    fresh.health = old.health
+    for name in ("step", "loss", "initial_loss", "has_loss", "initial_loss_stored", "tokens",
+                 "token_window", "step_times", "unrecorded", "checkpoint_problems"):
+        setattr(fresh, name, getattr(old, name))
+    if fresh.generation != old.generation:
+        fresh.health.new_generation(fresh.generation, fresh.rank_nodes)
+        return
+    for name in ("exits", "stopped_nodes", "lost_nodes", "vanished"):
+        setattr(fresh, name, getattr(old, name))
+    fresh.rendezvous = fresh.rendezvous or old.rendezvous
+    fresh.deadlines = fresh.deadlines or old.deadlines
+    if old.operation is not None and (fresh.operation is None or old.operation.begun):
+        fresh.operation = old.operation
+    if fresh.state is old.state:
+        fresh.state_since = old.state_since

@@ -24,9 +24,10 @@ from orchestrator.controller.errors import Terminal, next_backoff_s
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
+from orchestrator.controller.rebuild import carry_over, load_job
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
-from orchestrator.policy import adoption, operations, remediation
+from orchestrator.policy import adoption, convergence, operations, remediation
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState
 from protos import keel_pb2
@@ -106,28 +107,62 @@ class Reconciler:
                 if not job.state.terminal and now >= job.retry_at:
                     self._attempt(job, now)
                 self.executor.save_events(job)
+            for session in list(state.sessions.values()):
+                runs = observe.node_runs(session) if session.connected else None
+                if runs is not None:
+                    fixing = convergence.converge(now, runs, observe.plans_on(state, session.node),
+                                                  session.fixed_at)
+                    if fixing is not None:
+                        self.executor.fix(session, fixing, now)
 
     def _attempt(self, job: JobRuntime, now: float) -> None:
-        """``reconcile`` the job, handling its failure by kind (see ``errors``)."""
+        """``reconcile`` the job, handling its failure by kind (see ``errors``). After
+        any failure but a terminal one, what this controller holds of the job may differ
+        from etcd (a write went through but its reply was lost, or the state moved
+        under us): the job is rebuilt from etcd before it is reconciled again."""
         try:
+            if job.rebuild:
+                job = self._rebuild(job, now)
             self.reconcile(job, now)
         except Terminal as exc:
             self.executor.fail(job, str(exc), now)
         except StaleRevision as exc:
-            log.error("job state changed under us; reloading", job=job.name, error=str(exc))
-            self._reload(job)
+            log.error("job state changed under us; rebuilding it from etcd", job=job.name,
+                      error=str(exc))
+            job.rebuild = True
         except Deposed:
             raise
         except Exception as exc:
+            job.rebuild = True
             job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
             job.retry_at = now + job.retry_backoff_s
             if job.retry_backoff_s == next_backoff_s(0):
-                log.exception("reconcile failed; retrying with back-off", job=job.name)
+                log.exception("reconcile failed; rebuilding from etcd after a back-off",
+                              job=job.name)
             else:
                 log.warning("reconcile failed again", job=job.name, error=str(exc),
                             retry_in_s=job.retry_backoff_s)
         else:
             job.retry_backoff_s, job.retry_at = 0.0, 0.0
+
+    def _rebuild(self, job: JobRuntime, now: float) -> JobRuntime:
+        """The job as etcd has it, read with the code a new leader uses, with what only
+        this controller knows carried over; its agents are asked to tell everything
+        again (their Hellos are squared with the plan anew). Raises on etcd errors."""
+        state = self.state
+        fresh = load_job(state.store, job.name, now)
+        if fresh is None:
+            raise RuntimeError(f"job {job.name} is no longer in etcd")
+        carry_over(job, fresh)
+        state.jobs[job.name] = fresh
+        for node in fresh.nodes:
+            session = state.sessions.get(node)
+            if session is not None and session.connected:
+                session.accounted = False
+                session.send(keel_pb2.ControllerMessage(resync=keel_pb2.Resync()))
+        log.info("job rebuilt from etcd", job=fresh.name, state=fresh.state.value,
+                 generation=fresh.generation)
+        return fresh
 
     def reconcile(self, job: JobRuntime, now: float) -> None:
         state, executor = self.state, self.executor
@@ -152,18 +187,3 @@ class Reconciler:
                 executor.pass_on_checkpoint_request(job)
         decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
         executor.apply(job, decision, now)
-
-    def _reload(self, job: JobRuntime) -> None:
-        """Take the job's state record as etcd has it. If the read fails, the next
-        tick's write fails on the stale revision again and lands here again."""
-        try:
-            found = self.state.store.job_state(job.name)
-        except Exception as exc:
-            log.warning("cannot reload the job's state; retrying next tick", job=job.name,
-                        error=str(exc))
-            return
-        if found.value is not None:
-            job.state = JobState(found.value["state"])
-            job.state_rev = found.mod_revision
-            job.generation = found.value["generation"]
-            job.restarts = found.value["restarts"]

@@ -205,6 +205,8 @@ class AgentService:
             if job is not None:
                 job.health.add_preflight(session.node, body, job.step)
                 wake.set()
+        elif kind == "status":
+            session.status = body
         elif kind == "hello":
             log.warning("ignoring a second Hello on one stream", node=session.node)
 

@@ -31,6 +31,8 @@ class AgentSession:
     disconnected_at: float = 0.0
     # Its Hello has been squared with the plan (adoption); the reconcile loop does it.
     accounted: bool = False
+    status: keel_pb2.AgentStatus | None = None   # what it said it runs, last
+    fixed_at: float = 0.0      # monotonic: it was last sent a start or a stop
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
         message.term = self.term

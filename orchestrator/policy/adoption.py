@@ -47,6 +47,7 @@ class JobOnNode:
     planned_ranks: tuple[int, ...]  # the generation's ranks on the node
     exited_ranks: frozenset[int]
     vanished: bool                 # the node is already counted as vanished
+    placed_agent: int = 0          # the pid of the agent the ranks were planned for
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,10 @@ def account(runs: AgentRuns, jobs: Iterable[JobOnNode]) -> list[AccountDecision]
                                              f"{job.generation}", job.generation))
             continue
         missing = tuple(r for r in job.planned_ranks if r not in job.exited_ranks)
-        if missing and not job.vanished:
+        # The incarnation the ranks were planned for may just not have got their start
+        # (convergence gives it again); another one means they died with its
+        # predecessor.
+        if missing and not job.vanished and runs.pid != job.placed_agent:
             decisions.append(AccountDecision(
                 Account.VANISHED, job.job,
                 f"the agent of {runs.node} (pid {runs.pid}) came back without rank(s) "

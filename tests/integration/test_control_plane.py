@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,11 +19,12 @@ from tests.conftest import wait_for
 TOKEN = "s3cret-token"
 
 
-def spawn(args, log_path):
+def spawn(args, log_path, env=None):
     # The child keeps its own copy of the log's descriptor; ours is closed at once.
     with open(log_path, "wb") as log:
         return subprocess.Popen([sys.executable, *args], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def stop(proc, grace_s=10):
@@ -41,11 +43,13 @@ def cluster(etcd, no_leaks):
     (tmp / "token").write_text(TOKEN)
     started = []
 
-    def controller():
+    def controller(launcher=("-m", "orchestrator.cli", "controller"), env=None):
+        """Start a controller (``launcher``: what runs it, before its options) and wait
+        for it to lead."""
         (tmp / "address").unlink(missing_ok=True)
-        proc = spawn(["-m", "orchestrator.cli", "controller", "--etcd-endpoints", etcd.endpoint,
+        proc = spawn([*launcher, "--etcd-endpoints", etcd.endpoint,
                       "--token-file", str(tmp / "token"), "--address-file",
-                      str(tmp / "address")], tmp / "controller.log")
+                      str(tmp / "address")], tmp / "controller.log", env)
         started.append(proc)
         Cluster.controllers.append(proc)
         wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,

@@ -4,7 +4,6 @@ default ``sync_files=True``), the commit fsyncs only what DCP does not (``ledger
 and the directory entries around the rename), and retention deletes what it removes off
 the training thread, with ``wait`` waiting for the deletions."""
 
-import gc
 import inspect
 import os
 import shutil
@@ -12,7 +11,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from protos import keel_pb2
@@ -22,17 +20,6 @@ from trainer.ledger import Ledger
 from trainer.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    gc.collect()
-    dist.destroy_process_group()
 
 
 def runtime() -> Runtime:

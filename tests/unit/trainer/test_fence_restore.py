@@ -3,11 +3,10 @@ of what to restore: in-process, on a one-rank gloo group."""
 
 import os
 import threading
-import time
 
 import pytest
 
-from tests.unit.trainer.test_checkpoint_commit import model_state, one_rank_group  # noqa: F401
+from tests.unit.trainer.test_checkpoint_commit import model_state
 from protos import keel_pb2
 from trainer import fence, manifest, restore
 from trainer.checkpoint import Checkpointer, committed_path
