@@ -22,7 +22,9 @@ from etcd3.client import EtcdTokenCallCredentials
 
 ENDPOINT_RETRY_S = 0.5
 # gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
-# this instead.
+# this instead. (With Keel's message limits, ``common.rpc``: gRPC's default 4 MiB would
+# fail a range read past it. No keepalive: every call has a deadline, and etcd answers
+# pings more often than every 5 s with GOAWAY.)
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -73,8 +75,11 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
         secure = "ca_cert" in kwargs
         creds = (self.get_secure_creds(kwargs["ca_cert"], kwargs.get("cert_key"),
                                        kwargs.get("cert_cert")) if secure else None)
+        # Here, not at the top: common.rpc imports common.tls, which imports this module.
+        from common.rpc import MESSAGE_LIMITS
         members = [etcd3.Endpoint(host, port, secure=secure, creds=creds,
-                                  time_retry=ENDPOINT_RETRY_S, opts=CHANNEL_OPTIONS)
+                                  time_retry=ENDPOINT_RETRY_S,
+                                  opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS])
                    for host, port in map(host_port, endpoints)]
         if not members:
             raise ValueError("etcd endpoints: give at least one host:port")

@@ -21,14 +21,14 @@ KEEPALIVE_TIMEOUT_S = 2.0    # and give up on it this long after a ping goes una
 # job health); nothing legitimate comes near this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    *_LIMITS,
+    *MESSAGE_LIMITS,
 ]
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
@@ -37,7 +37,7 @@ SERVER_OPTIONS = [
     # Clients ping every KEEPALIVE_TIME_S: accept that, however idle the connection.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2),
     ("grpc.http2.max_ping_strikes", 0),
-    *_LIMITS,
+    *MESSAGE_LIMITS,
 ]
 
 

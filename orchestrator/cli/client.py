@@ -25,7 +25,7 @@ RPC_TIMEOUT_S = 10.0
 RETRY_S = 0.2
 # A second SubmitJob of a job that was submitted is refused ALREADY_EXISTS, a second
 # ReplaceNode FAILED_PRECONDITION; every other call may be repeated.
-NOT_REPEATABLE = frozenset({"SubmitJob", "ReplaceNode"})
+NOT_REPEATABLE = frozenset({"SubmitJob", "ReplaceNode", "DeleteJob"})
 
 
 class NoController(Exception):

@@ -61,6 +61,10 @@ def main():
               help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
                    "median step time) without progress. The trainer's collective timeout "
                    "is raised to fit it (at least 1.2 x (floor + the 5 s stop grace)).")
+@click.option("--collective-timeout-s", type=float, default=0.0,
+              help="The ranks' collective timeout, also how long a rank runs on when its "
+                   "agent stops answering before it stops itself (default: 60 s, or more "
+                   "to fit --hang-floor-s; at least 1.2 x (floor + the 5 s stop grace)).")
 @click.option("--no-preflight", is_flag=True,
               help="Skip the collective bandwidth sweep before each generation's first step.")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
@@ -79,7 +83,8 @@ def main():
               help="Print the summary as one JSON object on stdout.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
-       controllers, spares, straggler_policy, hang_floor_s, no_preflight, max_restarts,
+       controllers, spares, straggler_policy, hang_floor_s, collective_timeout_s,
+       no_preflight, max_restarts,
        etcd_endpoints,
        workdir, timeout_s, use_tls, as_json, script_args, **etcd):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
@@ -99,7 +104,7 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
             inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
             controllers=controllers,
             straggler_policy=straggler_policy, hang_floor_s=hang_floor_s,
-            preflight=not no_preflight,
+            collective_timeout_s=collective_timeout_s, preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
             workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, tls=use_tls,
@@ -198,12 +203,16 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
               help="A node whose agent stream is down this long is lost.")
 @click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
               help="Rank 0's agent must publish a rendezvous port within this.")
+@click.option("--finished-job-ttl-s", type=float, default=7 * 24 * 3600.0, show_default=True,
+              help="Delete an ended job's records from etcd this long after it ended (0: "
+                   "keep them until `keel delete JOB`). Its checkpoints stay on disk.")
 @tls.role_token_options
 @flags.tls_options("controller", "ca.pem, controller.pem, controller.key and the three "
                                 "role tokens")
 @flags.etcd_options
 def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
-               metrics_port, node_lost_grace_s, rendezvous_timeout_s, **security):
+               metrics_port, node_lost_grace_s, rendezvous_timeout_s, finished_job_ttl_s,
+               **security):
     """Run the controller daemon in the foreground.
 
     Serves mutual TLS when given certificates (--tls-dir, or --ca/--cert/--key), else
@@ -222,7 +231,7 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
             listen=listen, advertise_host=advertise_host,
             address_file=Path(address_file) if address_file else None,
             metrics_port=metrics_port, node_lost_grace_s=node_lost_grace_s,
-            rendezvous_timeout_s=rendezvous_timeout_s)
+            rendezvous_timeout_s=rendezvous_timeout_s, finished_job_ttl_s=finished_job_ttl_s)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     configure("controller")

@@ -364,4 +364,17 @@ def stop(job, now, reason, wait, timeout_s, controller, etcd_endpoints, token_fi
     click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
 
 
-MUTATING = (cordon, uncordon, drain, replace, checkpoint, submit, stop)
+@click.command(context_settings=CONTEXT)
+@click.argument("job")
+@connection_options
+def delete(job, controller, etcd_endpoints, token_file, as_json, **security):
+    """Forget JOB, which has ended: its records go from etcd (spec, state, plans, events,
+    checkpoint records). Its checkpoint directory is left as it is. A job that still
+    runs is refused: `keel stop` it first. Ended jobs are also deleted on their own
+    after the controller's --finished-job-ttl-s."""
+    client = Client(controller, etcd_endpoints, token_file, **security)
+    reply = client.call("DeleteJob", keel_pb2.DeleteJobRequest(job=job))
+    click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
+
+
+MUTATING = (cordon, uncordon, drain, replace, checkpoint, submit, stop, delete)

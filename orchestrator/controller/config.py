@@ -21,6 +21,7 @@ class ControllerConfig:
     leader_ttl_s: float = 5.0            # lease on the published controller address
     node_lost_grace_s: float = 10.0      # a node whose stream is down this long is lost
     rendezvous_timeout_s: float = 30.0   # rank 0's agent must publish a port within this
+    finished_job_ttl_s: float = 7 * 24 * 3600   # ended jobs' records are kept this long; 0: ever
     metrics_port: int | None = None      # Prometheus endpoint; None = not served
     address_file: Path | None = None     # write "host:port" here once serving
     tokens: Tokens | None = None         # per-role tokens (join, operator, reader)
@@ -46,5 +47,8 @@ class ControllerConfig:
         if self.leader_ttl_s < 2 * self.tick_s or self.leader_ttl_s < 2:
             raise ValueError(f"leader_ttl_s={self.leader_ttl_s} must be at least 2 s and "
                              f"twice tick_s")
+        if self.finished_job_ttl_s < 0:
+            raise ValueError(f"finished_job_ttl_s={self.finished_job_ttl_s}: give 0 (keep "
+                             f"ended jobs until `keel delete`) or a positive number of seconds")
         if self.rendezvous_timeout_s <= self.tick_s:
             raise ValueError("rendezvous_timeout_s must be longer than tick_s")

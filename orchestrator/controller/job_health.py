@@ -17,7 +17,10 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
+# A job keeps its newest events within both bounds (the oldest go first, from memory
+# and from etcd): every GetJob reply carries them, and a new leader reads them all.
 MAX_EVENTS = 1000
+MAX_EVENT_BYTES = 2 * 1024 * 1024
 # Characters of stacks one hang event keeps whole; past them, each further rank keeps
 # only its first line (where it is: its full dump is in its own log). The event lives
 # in memory, in every GetJob reply and in etcd: it must stay well under gRPC's 4 MiB
@@ -45,6 +48,7 @@ class JobHealth:
     next_seq: int = 1
     unsaved: dict[int, keel_pb2.Event] = field(default_factory=dict)  # seq -> to (re)write
     dropped: list[int] = field(default_factory=list)   # seqs trimmed here, still in etcd
+    event_bytes: dict[int, int] = field(default_factory=dict)   # seq -> serialized size
     rank_nodes: dict[int, str] = field(default_factory=dict)
     generation: int = 0
     straggler_state: object = field(default_factory=initial_state)
@@ -71,24 +75,39 @@ class JobHealth:
                                at=time.time(), seq=self.next_seq, **fields)
         self.next_seq += 1
         self.events.append(event)
-        self.unsaved[event.seq] = event
-        for old in self.events[:-MAX_EVENTS]:
-            self.unsaved.pop(old.seq, None)
-            self.dropped.append(old.seq)
-        del self.events[:-MAX_EVENTS]
+        self.changed(event)
         log.info("event", job=self.job, generation=self.generation, kind=kind,
                  node=event.node, rank=event.rank if event.HasField("rank") else None,
                  step=event.step, reason=reason)
         return event
 
     def changed(self, event: keel_pb2.Event) -> None:
-        """``event`` was updated after it was made (stacks arriving for a hang)."""
+        """``event`` is new, or was updated after it was made (stacks arriving for a
+        hang): it is saved next, and the oldest events go if the bounds are passed."""
         self.unsaved[event.seq] = event
+        self.event_bytes[event.seq] = event.ByteSize()
+        self._trim()
 
     def restore(self, events: list[keel_pb2.Event]) -> None:
-        """The events a previous leader saved, oldest first."""
-        self.events = events[-MAX_EVENTS:]
+        """The events a previous leader saved, oldest first; those past the bounds
+        (saved by a version that kept more) are dropped, from etcd too."""
+        self.events = list(events)
+        self.event_bytes = {e.seq: e.ByteSize() for e in events}
         self.next_seq = events[-1].seq + 1 if events else 1
+        self._trim()
+
+    def _trim(self) -> None:
+        total, keep = 0, 0
+        for event in reversed(self.events):
+            total += self.event_bytes[event.seq]
+            if keep == MAX_EVENTS or (keep and total > MAX_EVENT_BYTES):
+                break
+            keep += 1
+        for old in self.events[:len(self.events) - keep]:
+            self.unsaved.pop(old.seq, None)
+            self.event_bytes.pop(old.seq, None)
+            self.dropped.append(old.seq)
+        del self.events[:len(self.events) - keep]
 
     # ------------------------------------------------------------- generations
     def new_generation(self, generation: int, rank_nodes: dict[int, str]) -> None:

@@ -15,6 +15,11 @@ from orchestrator.policy.placement import NodeRanks
 from protos import keel_pb2
 
 
+# Root causes of failed generations a job keeps, newest last (each up to ~12 KB of
+# traceback and stderr, in the job's state record: etcd takes 1.5 MiB a request).
+MAX_FAILURES = 20
+
+
 @dataclass(eq=False)
 class JobRuntime:
     spec: keel_pb2.JobSpec
@@ -69,6 +74,10 @@ class JobRuntime:
     # A reconcile failed: what is held here may differ from etcd, so the job is rebuilt
     # from etcd before it is reconciled again.
     rebuild: bool = False
+    # Its checkpoint records in etcd were pruned since it was read from there.
+    records_pruned: bool = False
+    # When it ended (wall clock, persisted): finished jobs are deleted a retention after.
+    ended_at: float | None = None
     # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
     retry_at: float = 0.0
     retry_backoff_s: float = 0.0
@@ -94,7 +103,7 @@ class JobRuntime:
         """The job state as stored in etcd."""
         return {"state": self.state.value, "generation": self.generation,
                 "restarts": self.restarts, "reason": self.reason,
-                "failures": self.failures[-20:],
+                "failures": self.failures,
                 "initial_loss": self.initial_loss if self.has_loss else None,
                 "stop_requested": self.stop_requested, "stop_now": self.stop_now,
-                "planned_stop": self.planned_stop}
+                "planned_stop": self.planned_stop, "ended_at": self.ended_at}

@@ -307,6 +307,24 @@ class OperatorService:
             return keel_pb2.CheckpointJobReply(job=job.name, generation=job.generation,
                                                after_step=job.step)
 
+    def DeleteJob(self, request, context):
+        """Forget a job that has ended: its spec, state, plans, events and checkpoint
+        records go from etcd (its checkpoint directory stays: it is the user's data)."""
+        self._require_leader(context)
+        with self.lock:
+            job = self._job_named(request.job, context)
+            if not job.state.terminal:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"job {job.name} is {job.state.value}; stop it first "
+                              f"(`keel stop {job.name}`), then delete it")
+            try:
+                self.executor.forget(job, "deleted by the operator")
+            except Exception as exc:
+                self._unrecorded(exc, context)
+        where = f"; its checkpoints stay in {job.spec.checkpoint_dir}" \
+            if job.spec.checkpoint_dir else ""
+        return keel_pb2.DeleteJobReply(job=job.name, message=f"job {job.name} deleted{where}")
+
     def StopJob(self, request, context):
         self._require_leader(context)
         self._short_reason(request.reason, context)

@@ -4,6 +4,8 @@ events, and the operator intents under way). The agents' replays tell it the res
 
 from __future__ import annotations
 
+import time
+
 import structlog
 from google.protobuf import json_format
 
@@ -58,11 +60,16 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
                      failures=state.value.get("failures", []),
                      stop_requested=state.value.get("stop_requested", ""),
                      stop_now=state.value.get("stop_now", False),
-                     planned_stop=state.value.get("planned_stop", False))
+                     planned_stop=state.value.get("planned_stop", False),
+                     ended_at=state.value.get("ended_at"))
     records = store.checkpoints(name)
     plan = store.plan(name, job.generation) if job.generation else None
     if plan:
         adopt_plan(job, plan, records)
+    if job.state.terminal and job.ended_at is None:
+        # Ended under a version that did not record when: about when its last
+        # generation started, else now.
+        job.ended_at = plan["created_at"] if plan else time.time()
     job.last_checkpoint = newest_good(records)
     if state.value.get("initial_loss") is not None:
         job.initial_loss = job.loss = state.value["initial_loss"]

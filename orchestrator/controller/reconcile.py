@@ -17,6 +17,8 @@ next tick sees the whole state again.
 
 from __future__ import annotations
 
+import time
+
 import structlog
 
 from orchestrator.controller import metrics, observe
@@ -29,7 +31,7 @@ from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import adoption, convergence, operations, remediation
 from orchestrator.policy.job import decide
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import JobState, past_retention
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -103,10 +105,16 @@ class Reconciler:
                             for job in state.jobs.values()]
                     self.executor.account(session, adoption.account(
                         observe.agent_runs(session), jobs))
+            wall = time.time()
             for job in list(state.jobs.values()):
                 if not job.state.terminal and now >= job.retry_at:
                     self._attempt(job, now)
+                    job = state.jobs[job.name]   # rebuilt from etcd, perhaps
                 self.executor.save_events(job)
+                if not job.records_pruned:   # just read from etcd: it may hold too many
+                    self._guarded(self.executor.prune_records, job)
+                if past_retention(job.state, job.ended_at, wall, state.config.finished_job_ttl_s):
+                    self._forget(job)
             for session in list(state.sessions.values()):
                 runs = observe.node_runs(session) if session.connected else None
                 if runs is not None:
@@ -114,6 +122,21 @@ class Reconciler:
                                                   session.fixed_at)
                     if fixing is not None:
                         self.executor.fix(session, fixing, now)
+
+    def _forget(self, job: JobRuntime) -> None:
+        self._guarded(self.executor.forget, job, f"ended {job.state.value} more than "
+                                                 f"{self.state.config.finished_job_ttl_s:g} s ago")
+
+    def _guarded(self, bookkeeping, job: JobRuntime, *args) -> None:
+        """Run ``bookkeeping(job, *args)``, a write that can wait: if etcd does not take
+        it, it is tried again next tick."""
+        try:
+            bookkeeping(job, *args)
+        except Deposed:
+            raise
+        except Exception as exc:
+            log.warning("etcd did not take a write; will retry", job=job.name,
+                        write=bookkeeping.__name__, error=str(exc))
 
     def _attempt(self, job: JobRuntime, now: float) -> None:
         """``reconcile`` the job, handling its failure by kind (see ``errors``). After

@@ -10,14 +10,17 @@ controller that has been superseded (it stalled, and another took over) fails, a
 raises ``Deposed``; the controller then steps down at once. Writes that decide
 something compare the revision they read as well (``StaleRevision`` when it moved).
 
-Reads of a prefix are paginated (``PAGE`` keys a call) at one revision, so no reply
-comes near gRPC's message limit however much a prefix holds.
+Reads of a prefix are paginated (``PAGE`` keys a call, fewer if a page of large values
+would pass the message limit) at one revision, so however much a prefix holds, a new
+leader can read it.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+import grpc
 
 from common import keys
 from common.etcd import EtcdClient
@@ -58,10 +61,18 @@ class Store:
         in key order, read page by page at the revision of the first page."""
         found: dict[str, dict | None] = {}
         start, end = prefix.encode(), _prefix_end(prefix.encode())
-        revision = None
+        revision, page = None, PAGE
         while True:
-            response = self.client.get_range_response(start, end, limit=PAGE,
-                                                      revision=revision, keys_only=keys_only)
+            try:
+                response = self.client.get_range_response(start, end, limit=page,
+                                                          revision=revision,
+                                                          keys_only=keys_only)
+            except grpc.RpcError as exc:
+                # A page of large values past the message limit: smaller pages.
+                if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or page == 1:
+                    raise
+                page = max(1, page // 4)
+                continue
             revision = revision or response.header.revision
             for kv in response.kvs:
                 found[kv.key.decode()] = None if keys_only else json.loads(kv.value)

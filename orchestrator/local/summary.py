@@ -16,11 +16,13 @@ class Progress:
     def __init__(self):
         self.tty = sys.stderr.isatty()
         self.last = ""
-        self.failures_shown = 0
-        self.events_shown = 0
+        # Both lists are bounded (the oldest go): what is new is told by generation
+        # (one root cause each) and by sequence number.
+        self.failures_shown = 0   # generation
+        self.events_shown = 0     # seq
 
     def show(self, status: keel_pb2.JobStatus) -> None:
-        for failure in status.failures[self.failures_shown:]:
+        for failure in [f for f in status.failures if f.generation > self.failures_shown]:
             self._line(f"generation {failure.generation} failed: rank {failure.rank} on "
                        f"{failure.node} " + (f"killed by signal {failure.signal}"
                                              if failure.signal else
@@ -28,13 +30,13 @@ class Progress:
                        + f" after step {failure.last_step}"
                        + (f" — {failure.traceback.strip().splitlines()[-1]}"
                           if failure.traceback.strip() else ""))
-        self.failures_shown = len(status.failures)
-        for event in status.events[self.events_shown:]:
+        self.failures_shown = max([self.failures_shown, *(f.generation for f in status.failures)])
+        for event in [e for e in status.events if e.seq > self.events_shown]:
             if event.kind != "crash":  # crashes are shown above with their traceback
                 self._line(f"event: {event.kind} {event.node} — {event.reason}"
                            + (f"; {event.root_cause.splitlines()[0]}"
                               if event.kind == "hang" and event.root_cause else ""))
-        self.events_shown = len(status.events)
+        self.events_shown = max([self.events_shown, *(e.seq for e in status.events)])
         target = f"/{status.target_steps}" if status.target_steps else ""
         loss = f"{status.loss:.4f}" if status.has_loss else "-"
         text = (f"{status.state:<9} gen {status.generation} world {status.world_size} "

@@ -44,3 +44,9 @@ def check_transition(current: JobState, target: JobState) -> JobState:
     if target not in TRANSITIONS[current]:
         raise IllegalTransition(f"job cannot go from {current.value} to {target.value}")
     return target
+
+
+def past_retention(state: JobState, ended_at: float | None, now: float, ttl_s: float) -> bool:
+    """Whether a job that ended at ``ended_at`` (wall clock) is kept no longer: its
+    records go from etcd. ``ttl_s`` 0 keeps ended jobs until they are deleted."""
+    return state.terminal and ended_at is not None and ttl_s > 0 and now - ended_at >= ttl_s

@@ -43,21 +43,24 @@ def cluster(etcd, no_leaks):
     (tmp / "token").write_text(TOKEN)
     started = []
 
-    def controller(launcher=("-m", "orchestrator.cli", "controller"), env=None):
-        """Start a controller (``launcher``: what runs it, before its options) and wait
-        for it to lead."""
-        (tmp / "address").unlink(missing_ok=True)
+    def controller(launcher=("-m", "orchestrator.cli", "controller"), env=None,
+                   name="controller", lead=True):
+        """Start a controller (``launcher``: what runs it, before its options; it logs
+        to NAME.log) and, with ``lead``, wait for it to lead; returns its address."""
+        address_file = tmp / ("address" if name == "controller" else f"{name}.address")
+        address_file.unlink(missing_ok=True)
         proc = spawn([*launcher, "--etcd-endpoints", etcd.endpoint,
                       "--token-file", str(tmp / "token"), "--address-file",
-                      str(tmp / "address")], tmp / "controller.log", env)
+                      str(address_file)], tmp / f"{name}.log", env)
         started.append(proc)
         Cluster.controllers.append(proc)
-        wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,
+        wait_for(lambda: address_file.exists() or proc.poll() is not None, 30,
                  what="controller address")
-        assert proc.poll() is None, (tmp / "controller.log").read_text()
-        address = (tmp / "address").read_text().strip()
-        wait_for(lambda: Cluster.store.controller_address() == address, 30,
-                 what="the controller to lead")
+        assert proc.poll() is None, (tmp / f"{name}.log").read_text()
+        address = address_file.read_text().strip()
+        if lead:
+            wait_for(lambda: Cluster.store.controller_address() == address, 30,
+                     what="the controller to lead")
         return address
 
     def agent(node, token_file="token", ttl="2", slots="2"):
