@@ -74,7 +74,7 @@ class Agent:
             self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
             self.lease_ok_at = time.monotonic()
             self.local_server = serve(self.socket_path, AgentLocalService(
-                self.reports.add_steps, lambda saved: self.events.put(("checkpoint", saved)),
+                self.supervisor.identify, self.reports.add_steps, lambda saved: self.events.put(("checkpoint", saved)),
                 lambda report: self.events.put(("preflight", report)),
                 lambda problem: self.events.put(("problem", problem)),
                 self.reports.recorded_step))

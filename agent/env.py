@@ -12,13 +12,16 @@ from protos import keel_pb2
 
 def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
              assignment: keel_pb2.RankAssignment, agent_socket: str,
-             error_file: str, chain: Deadlines) -> dict[str, str]:
-    """Environment for one rank: ``base`` (the agent's), then the job's, then ours.
+             error_file: str, chain: Deadlines, rank_token: str = "") -> dict[str, str]:
+    """Environment for one rank: ``base`` (the agent's) but for its Keel variables,
+    then the job's, then ours.
 
-    Keel's variables come last so that neither the agent's environment nor the job
-    can point a rank at the wrong rendezvous or generation.
+    Least privilege: a rank gets none of the agent's ``KEEL_*`` variables (its token,
+    etcd's endpoints and password, the controller's address): only what the plan
+    gives it. Keel's own variables come last so that neither the agent's environment
+    nor the job can point a rank at the wrong rendezvous or generation.
     """
-    env = dict(base)
+    env = {name: value for name, value in base.items() if not name.startswith("KEEL_")}
     env.update(start.env)
     # As torchrun does: one OpenMP thread per rank unless the job says otherwise, so
     # several ranks on a node do not oversubscribe its cores.
@@ -42,6 +45,7 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
         keel_env.RESTORE_FROM: start.restore_from,
         keel_env.RESTORE_FALLBACKS: os.pathsep.join(start.restore_fallbacks),
         keel_env.AGENT_SOCKET: agent_socket,
+        keel_env.RANK_TOKEN: rank_token,
         **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},
     })
     return env

@@ -1,50 +1,109 @@
-"""The agent-local gRPC service that trainers reach over a Unix socket."""
+"""The agent-local gRPC service that trainers reach over a Unix socket.
+
+Every call names its caller: the rank token (``KEEL_RANK_TOKEN``, metadata
+``x-keel-rank-token``) the agent gave the rank when it started it. A rank speaks only
+for itself, in its own generation: its steps, its preflight, and, rank 0 alone,
+commits inside the job's checkpoint directory and problems with checkpoints. A caller
+without a live rank's token is refused (UNAUTHENTICATED); a rank that reports for
+another, or a path outside the directory, is refused (PERMISSION_DENIED) and nothing
+is passed on.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
+from common import env
+from common.paths import inside
 from protos import keel_pb2, keel_pb2_grpc
 
 MAX_REPORTS_PER_CALL = 4096
 
 
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who holds a rank token: ``ranks`` of ``generation`` of ``job`` (one rank, for the
+    ranks an agent starts)."""
+    job: str
+    generation: int
+    ranks: frozenset[int]
+    checkpoint_dir: str
+
+
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
-    def __init__(self, on_steps: Callable[[int, list], bool],
+    def __init__(self, identify: Callable[[str], RankIdentity | None],
+                 on_steps: Callable[[int, list], bool],
                  on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
                  on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
                  on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
                  recorded_step: Callable[[], int] = lambda: 0):
-        """``on_steps(generation, reports)`` returns whether the controller has asked
+        """``identify(token)``: the rank a token belongs to, None if none does;
+        ``on_steps(generation, reports)`` returns whether the controller has asked
         this generation for a checkpoint (answered to the trainer in the ack);
         ``recorded_step()``: the newest checkpoint the controller recorded, for the acks."""
+        self._identify = identify
         self._on_steps = on_steps
         self._on_checkpoint = on_checkpoint
         self._on_preflight = on_preflight
         self._on_problem = on_problem
         self._recorded_step = recorded_step
 
+    def _caller(self, context, generation: int) -> RankIdentity:
+        token = dict(context.invocation_metadata()).get(env.RANK_TOKEN_METADATA, "")
+        who = self._identify(token) if token else None
+        if who is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "no live rank's token (KEEL_RANK_TOKEN): only ranks this agent "
+                          "started report here")
+        if generation != who.generation:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"generation {generation}: this rank belongs to generation "
+                          f"{who.generation}")
+        return who
+
+    @staticmethod
+    def _only(context, who: RankIdentity, rank: int, what: str) -> None:
+        if rank not in who.ranks:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{what} of rank {rank}: this caller is rank(s) {sorted(who.ranks)}")
+
     def ReportSteps(self, request, context):
+        who = self._caller(context, request.generation)
         if len(request.reports) > MAX_REPORTS_PER_CALL:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"at most {MAX_REPORTS_PER_CALL} reports per call")
+        for report in request.reports:
+            self._only(context, who, report.rank, "a step report")
         wanted = self._on_steps(request.generation, list(request.reports))
         return keel_pb2.LocalAck(checkpoint_now=bool(wanted), recorded_step=self._recorded_step())
 
     def ReportPreflight(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, request.rank, "a preflight report")
         self._on_preflight(request)
         return keel_pb2.LocalAck()
 
     def ReportCheckpoint(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, 0, "a checkpoint commit (rank 0's to report)")
         if not request.path:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path: the committed directory")
+        # Absolute: the rank's working directory is not the agent's.
+        if not os.path.isabs(request.path) or not inside(request.path, who.checkpoint_dir):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"path {request.path!r} is not inside the job's checkpoint directory "
+                          f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}")
         self._on_checkpoint(request)
         return keel_pb2.LocalAck(recorded_step=self._recorded_step())
 
     def ReportCheckpointProblem(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, 0, "a checkpoint problem (rank 0's to report)")
         if request.kind not in ("stale_commit", "quarantined"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "kind: stale_commit or quarantined")

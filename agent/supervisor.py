@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -19,6 +20,7 @@ import structlog
 
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
+from agent.local_server import RankIdentity
 from common.deadlines import Deadlines
 from common.procs import group_alive, signal_group, tied_to_this_process
 from protos import keel_pb2
@@ -64,6 +66,7 @@ class RankProcess:
     started_at: float = field(default_factory=time.monotonic)
     stop_grace_s: float = 5.0      # SIGTERM to SIGKILL, the generation's
     exit_report: keel_pb2.RankExited | None = field(default=None)
+    token: str = field(default="", repr=False)   # its credential on the agent's socket
 
     @property
     def pid(self) -> int:
@@ -93,6 +96,13 @@ class Supervisor:
         self.run_dir = run_dir
         self.reap_timeout_s = reap_timeout_s
         self.ranks: list[RankProcess] = []
+        # Each rank's credential on the agent's socket, while it runs.
+        self.identities: dict[str, RankIdentity] = {}
+
+    def identify(self, token: str) -> RankIdentity | None:
+        """Who presents ``token`` on the agent's socket: a rank this agent started and
+        that has not exited, or None."""
+        return self.identities.get(token)
 
     def start(self, start: keel_pb2.StartGeneration, agent_socket: str,
               chain: Deadlines) -> list[RankProcess]:
@@ -104,7 +114,9 @@ class Supervisor:
         for assignment in start.ranks:
             error_file = log_dir / f"rank{assignment.rank}.error.json"
             error_file.unlink(missing_ok=True)
-            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain)
+            token = secrets.token_urlsafe(24)
+            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain,
+                           token)
             with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
                     open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
                 popen = subprocess.Popen(
@@ -115,6 +127,10 @@ class Supervisor:
                                rank=assignment.rank, local_rank=assignment.local_rank,
                                popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s)
             self.ranks.append(proc)
+            self.identities[token] = RankIdentity(
+                job=start.job, generation=start.generation,
+                ranks=frozenset({assignment.rank}), checkpoint_dir=start.checkpoint_dir)
+            proc.token = token
             started.append(proc)
             log.info("rank started", job=start.job, generation=start.generation,
                      rank=assignment.rank, pid=popen.pid)
@@ -142,6 +158,7 @@ class Supervisor:
                     proc.move(RankPhase.EXITED, f"exit status {code}")
                     proc.exited_at = now
                     proc.exit_report = self._exit_report(proc, code, stopped)
+                    self.identities.pop(proc.token, None)
                     # Whatever the rank left in its group (workers, helpers) goes with it.
                     signal_group(proc.pid, signal.SIGKILL)
                     exited.append(proc)

@@ -16,6 +16,8 @@ CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"      # the committed checkpoint to load; "" = fresh start
 RESTORE_FALLBACKS = "KEEL_RESTORE_FALLBACKS"  # older recorded ones, newest first, os.pathsep-joined
 AGENT_SOCKET = "KEEL_AGENT_SOCKET"      # the agent's Unix socket (AgentLocal); new per agent
+RANK_TOKEN = "KEEL_RANK_TOKEN"          # the rank's credential on that socket; new per rank
+RANK_TOKEN_METADATA = "x-keel-rank-token"   # ... sent as this call metadata
 # The job's side of the deadline chain, seconds (common.deadlines): the agent's hang
 # budgets and stop grace, and the collective timeouts the trainer is to use, which
 # must fit around them.

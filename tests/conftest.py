@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_server import AgentLocalService, serve
+from agent.local_server import AgentLocalService, RankIdentity, serve
 from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary
 from protos import keel_pb2
 
@@ -187,6 +188,16 @@ class AgentRecorder:
         self.asked = False
         self._ask_from_step = ask_from_step
         self._ask = ask
+        self.identities: dict[str, RankIdentity] = {}
+
+    def token_for(self, generation: int, world_size: int, checkpoint_dir="", job="") -> str:
+        """A rank token (KEEL_RANK_TOKEN) for every rank of one torchrun launch (its
+        ranks share one environment), in ``generation``."""
+        token = secrets.token_urlsafe(16)
+        self.identities[token] = RankIdentity(job=job, generation=generation,
+                                              ranks=frozenset(range(world_size)),
+                                              checkpoint_dir=str(checkpoint_dir))
+        return token
 
     def on_steps(self, generation: int, reports: list) -> bool:
         if not reports:
@@ -241,7 +252,7 @@ def local_agent(recorder):
     directory = tempfile.mkdtemp(prefix="keel-agent-")
     socket_path = os.path.join(directory, "agent.sock")
     server = serve(socket_path, AgentLocalService(
-        recorder.on_steps, recorder.on_checkpoint,
+        recorder.identities.get, recorder.on_steps, recorder.on_checkpoint,
         getattr(recorder, "on_preflight", lambda _report: None)))
     try:
         yield socket_path

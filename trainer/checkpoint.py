@@ -284,7 +284,18 @@ class Checkpointer:
         dist.barrier()
         if self.use_async:
             future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
-            self._pending = _Pending(step, samples, staging, future)
+            pending = _Pending(step, samples, staging, future)
+            if self._rank == 0:
+                # Committed as soon as it is written, by the committer thread: not when
+                # the training loop next looks, which may be blocked in a collective on
+                # a hung peer while the checkpoint is as good as done.
+                if self._committer is None:
+                    self._committer = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="keel-checkpoint-commit")
+                self._commit_future = self._committer.submit(self._commit_when_written,
+                                                             pending)
+            else:
+                self._pending = pending
         else:
             with self._superseded_if_lost(step, staging):
                 dcp.save(state, checkpoint_id=staging, process_group=self._group)
@@ -292,19 +303,17 @@ class Checkpointer:
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
-        """Starts committing the save in flight if its write has finished, and raises
-        if a commit failed; never blocks on either."""
+        """Raises if the save in flight failed to write (ranks but 0) or to commit (rank
+        0); never blocks."""
         if self._pending is not None and self._pending.future.done():
-            started = time.perf_counter()
-            self._start_commit()
-            self._blocked_s += time.perf_counter() - started
+            self._written()
         if self._commit_future is not None and self._commit_future.done():
             self._commit_future, done = None, self._commit_future
             done.result()
 
     def take_blocked_s(self) -> float:
-        """Seconds ``save`` and ``poll`` blocked their caller (staging, a synchronous
-        write and commit) since the last call."""
+        """Seconds ``save`` blocked its caller (staging, a synchronous write and
+        commit, the wait for the previous save) since the last call."""
         blocked_s, self._blocked_s = self._blocked_s, 0.0
         return blocked_s
 
@@ -313,7 +322,7 @@ class Checkpointer:
         checkpoints removed so far are deleted (the process may end after this call
         without running its threads to completion)."""
         if self._pending is not None:
-            self._start_commit()
+            self._written()
         if self._commit_future is not None:
             self._commit_future, done = None, self._commit_future
             done.result()
@@ -322,18 +331,17 @@ class Checkpointer:
         for deletion in deletions:
             deletion.result()
 
-    def _start_commit(self) -> None:
+    def _written(self) -> None:
+        """Waits for this rank's write in flight; a failed one raises and fails the
+        rank: an uncommitted checkpoint must not look like progress."""
         pending, self._pending = self._pending, None
-        # A failed write raises here and fails the rank: an uncommitted checkpoint
-        # must not look like progress.
         with self._superseded_if_lost(pending.step, pending.staging):
             pending.future.result()
-        if self._rank != 0:
-            return
-        if self._committer is None:
-            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-commit")
-        self._commit_future = self._committer.submit(self._commit, pending.step, pending.samples,
-                                                     pending.staging)
+
+    def _commit_when_written(self, pending: _Pending) -> None:
+        with self._superseded_if_lost(pending.step, pending.staging):
+            pending.future.result()
+        self._commit(pending.step, pending.samples, pending.staging)
 
     @contextlib.contextmanager
     def _superseded_if_lost(self, step: int, staging: str):
@@ -387,7 +395,7 @@ class Checkpointer:
                 self._remove(final, step, "discarded")
             os.rename(staging, final)
             _fsync_dir(self.checkpoint_dir)
-        self.runtime.report_checkpoint(step, final, samples)
+        self.runtime.report_checkpoint(step, os.path.abspath(final), samples)
         self._retain(step)
 
     def _retain(self, committed_step: int) -> None:

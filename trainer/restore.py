@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainer import fence, manifest
 from trainer.checkpoint import committed_steps
-from trainer.runtime import Runtime
+from trainer.runtime import Runtime, inside
 
 _STEP = re.compile(r"step_(\d{8,})$")
 
@@ -55,6 +55,15 @@ def quarantine(checkpoint_dir: str, path: str, generation: int) -> str | None:
     return aside
 
 
+def _outside(path: str, checkpoint_dir: str | None) -> str:
+    """Why ``path`` may not be restored from: a checkpoint is loaded (and DCP unpickles
+    it) only from inside the job's checkpoint directory; "" if it is inside (or the job
+    names no directory: outside Keel)."""
+    if checkpoint_dir and not inside(path, checkpoint_dir):
+        return f"it is not inside the job's checkpoint directory {checkpoint_dir}"
+    return ""
+
+
 def choose(checkpoint_dir: str | None, runtime: Runtime) -> str | None:
     """The checkpoint every rank loads (None: a fresh start). Collective: rank 0
     verifies and quarantines, then broadcasts its choice. Raises NothingToRestore."""
@@ -63,12 +72,15 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> str | None:
         tried = candidates(checkpoint_dir, runtime)
         chosen, problems = None, []
         for path in tried:
-            problem = manifest.verify(path)
+            outside = _outside(path, checkpoint_dir)
+            problem = outside or manifest.verify(path)
             if not problem:
                 chosen = path
                 break
             problems.append(f"{path}: {problem}")
-            aside = quarantine(checkpoint_dir or os.path.dirname(path), path, runtime.generation)
+            # What lies outside the job's directory is not the job's to rename.
+            aside = None if outside else quarantine(checkpoint_dir or os.path.dirname(path),
+                                                    path, runtime.generation)
             runtime.log(f"quarantined checkpoint {path}: {problem}"
                         + (f"; moved to {aside}" if aside else ""))
             match = _STEP.search(os.path.basename(os.path.normpath(path)))

@@ -15,7 +15,7 @@ from common.deadlines import DeadlineError
 from orchestrator.controller import metrics, observe
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
-from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.job_runtime import MAX_FAILURES, JobRuntime
 from orchestrator.controller.plans import plan_record
 from orchestrator.controller.rebuild import newest_good
 from orchestrator.controller.sessions import agent_deadlines
@@ -51,10 +51,12 @@ class Executor:
     # ================================================================ lifecycle
     def transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
                    plan: dict | None = None, **changes: int | bool) -> None:
-        """Persist the new state and ``changes`` (generation, restarts) in one
-        revision-guarded write, and only then adopt them."""
+        """Persist the new state and ``changes`` (generation, restarts; the end time of
+        a job that ends) in one revision-guarded write, and only then adopt them."""
         check_transition(job.state, target)
         previous = job.state
+        if target.terminal:
+            changes["ended_at"] = time.time()
         record = job.record() | changes | {"state": target.value, "reason": reason}
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
         for name, value in changes.items():
@@ -216,6 +218,7 @@ class Executor:
                 "pid": cause.pid, "exitCode": cause.exit_code, "signal": cause.signal,
                 "traceback": cause.traceback[-8000:], "stderrTail": cause.stderr_tail[-4000:],
                 "exitedAt": cause.exited_at, "lastStep": cause.last_step})
+            del job.failures[:-MAX_FAILURES]
             job.health.event(
                 "crash", decision.reason, node=cause.node, rank=cause.rank,
                 step=cause.last_step,
@@ -246,6 +249,12 @@ class Executor:
         target = {Action.SUCCEED: JobState.SUCCEEDED, Action.FAIL: JobState.FAILED,
                   Action.CANCEL: JobState.CANCELLED}[decision.action]
         self.transition(job, target, decision.reason, now)
+
+    def forget(self, job: JobRuntime, why: str) -> None:
+        """Delete an ended job's records from etcd (its checkpoints stay on disk)."""
+        self.store.delete_job(job.name)
+        del self.state.jobs[job.name]
+        log.info("job deleted", job=job.name, state=job.state.value, reason=why)
 
     # ==================================================================== nodes
     def mark_lost(self, job: JobRuntime, node: str, down_for_s: float) -> None:
@@ -391,7 +400,7 @@ class Executor:
             log.info("checkpoint committed", job=job.name, generation=record["generation"],
                      step=record["step"], path=record["path"])
             self.announce_recorded(job)
-            self._prune_records(job)
+            self.prune_records(job)
 
     def announce_recorded(self, job: JobRuntime) -> None:
         """Tell the job's nodes the newest recorded checkpoint: their ranks' retention
@@ -404,15 +413,19 @@ class Executor:
                     job=job.name, generation=job.generation,
                     step=job.last_checkpoint["step"])))
 
-    def _prune_records(self, job: JobRuntime) -> None:
-        """Keep the newest RECORDS_KEPT records, and the restore point in use."""
-        steps = [r["step"] for r in self.store.checkpoints(job.name)]
-        keep = set(steps[-RECORDS_KEPT:])
-        if job.restore_from and "step" in job.restore_from:
-            keep.add(job.restore_from["step"])
-        doomed = [step for step in steps if step not in keep]
+    def prune_records(self, job: JobRuntime) -> None:
+        """Keep the newest RECORDS_KEPT records, the restore point in use and its
+        fallbacks."""
+        records = self.store.checkpoints(job.name)
+        keep = {r["step"] for r in records[-RECORDS_KEPT:]}
+        needed = set(job.restore_fallbacks) | ({job.restore_from["path"]} if job.restore_from
+                                               else set())
+        doomed = [r["step"] for r in records if r["step"] not in keep and r["path"] not in needed]
         if doomed:
             self.store.delete_checkpoints(job.name, doomed)
+            log.info("checkpoint records pruned", job=job.name, deleted=len(doomed),
+                     kept=len(records) - len(doomed))
+        job.records_pruned = True
 
     def record_problems(self, job: JobRuntime) -> None:
         """Checkpoints ranks would not use: an event each; a quarantined one is marked
@@ -422,6 +435,8 @@ class Executor:
             if problem.kind == "quarantined":
                 records = {r["step"]: r for r in self.store.checkpoints(job.name)}
                 record = records.get(problem.step)
+                if record is not None and record["path"] != problem.path:
+                    record = None   # not the checkpoint etcd records for that step
                 if record is not None and not record.get("quarantined"):
                     self.store.update_checkpoint(job.name, record | {
                         "quarantined": True, "quarantine_reason": problem.reason})

@@ -16,3 +16,6 @@ JOB_STEP = Gauge("keel_job_step", "Highest training step reported by rank 0", ["
 def serve(port: int) -> None:
     """Serve /metrics on ``port`` (0 picks a free one) from a daemon thread."""
     start_http_server(port)
+AGENT_MESSAGES_REFUSED = Counter(
+    "keel_agent_messages_refused", "Agent messages refused because the plan does not let "
+    "the node say them (see orchestrator.policy.authority)", ["kind"])

@@ -73,7 +73,9 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         state=job.state, state_since=job.state_since, restarts=job.restarts,
         generation=job.generation, generation_world_size=job.world_size,
         free_slots={n: s for n, s in free.items() if n not in avoid},
-        suspect_slots={n: s for n, s in free.items() if n in avoid - job.lost_nodes},
+        # Suspects that are connected and registered again, lost nodes that came back
+        # among them: used only when nothing else can run the job.
+        suspect_slots={n: s for n, s in free.items() if n in avoid},
         generation_nodes=job.nodes, rendezvous_ready=job.rendezvous is not None,
         exits=tuple(job.exits.values()), lost_nodes=frozenset(job.lost_nodes),
         vanished_nodes=frozenset(job.vanished),

@@ -23,6 +23,8 @@ from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed
+from orchestrator.policy.authority import (NodeAuthority, checkpoint_refusal,
+                                           rank_refusal)
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -142,6 +144,16 @@ class AgentService:
             return None
         return job
 
+    @staticmethod
+    def _refused(session: AgentSession, kind: str, refusal: str) -> bool:
+        """Log and count a message the node may not send (``refusal`` says why); False
+        if there is no refusal."""
+        if refusal:
+            log.warning("refusing an agent message", node=session.node, kind=kind,
+                        reason=refusal)
+            metrics.AGENT_MESSAGES_REFUSED.labels(kind=kind).inc()
+        return bool(refusal)
+
     def _record(self, session: AgentSession, message: keel_pb2.AgentMessage) -> None:
         kind = message.WhichOneof("kind")
         body = getattr(message, kind) if kind else None
@@ -154,7 +166,8 @@ class AgentService:
                 wake.set()
         elif kind == "rank_exited":
             job = self._job_for(body.job, body.generation)
-            if job is None:
+            if job is None or self._refused(session, kind, rank_refusal(
+                    authority(job, session.node), body.rank)):
                 return
             job.exits[body.rank] = RankExit(
                 node=session.node, rank=body.rank, pid=body.pid, exit_code=body.exit_code,
@@ -174,6 +187,11 @@ class AgentService:
                             "that is not a finite number of seconds", node=session.node,
                             count=len(body.reports) - len(reports))
             if job is not None:
+                mine = authority(job, session.node)
+                theirs = [r for r in reports if r.rank not in mine.ranks]
+                if theirs:
+                    self._refused(session, kind, rank_refusal(mine, theirs[0].rank))
+                    reports = [r for r in reports if r.rank in mine.ranks]
                 if body.replayed:
                     _progress(job, reports)
                 else:
@@ -182,14 +200,25 @@ class AgentService:
             job = self._job_for(body.job, body.generation)
             # A generation being stopped still commits what it saved before the stop.
             if (job is not None and job.state in (JobState.RUNNING, JobState.STOPPING)
+                    and not self._refused(session, kind, checkpoint_refusal(
+                        authority(job, session.node), body.step, body.path))
                     and _queue_commit(job, body)):
                 wake.set()
         elif kind == "checkpoint_problem":
             # Any generation's: a refused commit comes from a superseded one.
             job = self.state.jobs.get(body.job)
-            if job is not None and body.generation <= job.generation:
-                job.checkpoint_problems.append(body)
-                wake.set()
+            if job is None or body.generation > job.generation:
+                return
+            # Marking a checkpoint quarantined changes what restores: only the current
+            # generation's rank 0, which verified it, may.
+            if body.kind == "quarantined" and self._refused(session, kind, (
+                    "" if body.generation == job.generation
+                    and authority(job, session.node).commits else
+                    f"{session.node} reported a quarantine, but does not host rank 0 of "
+                    f"generation {job.generation}")):
+                return
+            job.checkpoint_problems.append(body)
+            wake.set()
         elif kind == "generation_stopped":
             job = self._job_for(body.job, body.generation)
             if job is not None:
@@ -197,12 +226,15 @@ class AgentService:
                 wake.set()
         elif kind == "hang_detected":
             job = self._job_for(body.job, body.generation)
-            if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
+            if (job is not None and job.state in (JobState.RUNNING, JobState.STOPPING)
+                    and not self._refused(session, kind, rank_refusal(
+                        authority(job, session.node), body.rank))):
                 _hang(job, session.node, body)
                 wake.set()
         elif kind == "preflight":
             job = self._job_for(body.job, body.generation)
-            if job is not None:
+            if job is not None and not self._refused(session, kind, rank_refusal(
+                    authority(job, session.node), body.rank)):
                 job.health.add_preflight(session.node, body, job.step)
                 wake.set()
         elif kind == "status":
@@ -238,6 +270,13 @@ def deadline_misfit(hello: keel_pb2.Hello, config: ControllerConfig) -> str:
     except deadlines.DeadlineError as exc:
         return f"the deadlines of agent {hello.node} do not fit this controller's: {exc}"
     return ""
+
+
+def authority(job: JobRuntime, node: str) -> NodeAuthority:
+    """What the plan of ``job``'s current generation lets ``node`` report."""
+    ranks = frozenset(r for p in job.placement if p.node == node for r in p.ranks)
+    return NodeAuthority(node=node, generation=job.generation, ranks=ranks,
+                         commits=0 in ranks, checkpoint_dir=job.spec.checkpoint_dir)
 
 
 def _usable(report: keel_pb2.StepReport) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import env
-from common.etcd import connect
+from common.etcd import EtcdCredentials, connect
 from common.procs import terminate, tied_to_this_process
 from common.tls import TlsFiles, etcd_flags, resolve_tls
 from orchestrator.local.etcd_server import EmbeddedEtcd
@@ -34,6 +34,8 @@ class LocalCluster:
     addresses: list[str] = field(default_factory=list)   # of each controller, in order
     agents: list[subprocess.Popen] = field(default_factory=list)
     client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
+    etcd_tls: TlsFiles | None = None     # the embedded etcd's, with --tls
+    etcd_credentials: EtcdCredentials | None = None   # keel up's own, for etcd
     agent_credentials: list[str] = field(default_factory=list)
     # With proxied: each node's agent reaches etcd and the controllers through a
     # proxy of its own, which partition_node cuts.
@@ -50,11 +52,14 @@ class LocalCluster:
                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
 
-    def _credentials(self) -> list[str]:
-        """The daemons' credential flags. Plain: one token for everything. With --tls:
-        a CA and certificates in <workdir>/tls, agents given only the join token and
-        keel up itself the operator's. Then the etcd credentials, if any."""
+    def _credentials(self) -> tuple[list[str], list[str]]:
+        """The controllers' and the agents' credential flags. Plain: one token for
+        everything. With --tls: a CA and certificates in <workdir>/tls, agents given
+        only the join token and keel up itself the operator's; and the embedded etcd
+        serves TLS to holders of that CA's certificates only, each party presenting its
+        own. Then the given etcd's credentials, if any."""
         etcd = etcd_flags(self.options.etcd_credentials)
+        self.etcd_credentials = self.options.etcd_credentials
         if self.options.etcd_credentials and self.options.etcd_credentials.password:
             # The daemons inherit it from here: a flag would show in ps.
             os.environ[env.ETCD_PASSWORD] = self.options.etcd_credentials.password
@@ -62,18 +67,29 @@ class LocalCluster:
             token_file = self.workdir / "token"
             token_file.touch(mode=0o600)
             token_file.write_text(self.token)
-            return ["--token-file", str(token_file), *etcd]
+            flags = ["--token-file", str(token_file), *etcd]
+            return flags, flags
         tls_dir = init_once(self.workdir / "tls")
         self.token = (tls_dir / "operator.token").read_text().strip()
         self.client_tls = resolve_tls(tls_dir, "operator")
-        return ["--tls-dir", str(tls_dir), *etcd]
+        if self.options.etcd_endpoints:
+            return ["--tls-dir", str(tls_dir), *etcd], ["--tls-dir", str(tls_dir), *etcd]
+
+        def party(name: str) -> EtcdCredentials:
+            return EtcdCredentials(ca=tls_dir / "ca.pem", cert=tls_dir / f"{name}.pem",
+                                   key=tls_dir / f"{name}.key")
+        self.etcd_tls = resolve_tls(tls_dir, "controller")
+        self.etcd_credentials = party("operator")
+        return (["--tls-dir", str(tls_dir), *etcd_flags(party("controller"))],
+                ["--tls-dir", str(tls_dir), *etcd_flags(party("agent"))])
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        credentials = self._credentials()
+        credentials, self.agent_credentials = self._credentials()
         if not self.options.etcd_endpoints:
             self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
-                                     data_parent=self.workdir, die_with_parent=True).start()
+                                     data_parent=self.workdir, die_with_parent=True,
+                                     tls=self.etcd_tls).start()
         for i in range(self.options.controllers):
             address_file = self.workdir / f"controller-{i}.address"
             address_file.unlink(missing_ok=True)
@@ -92,9 +108,8 @@ class LocalCluster:
                     raise RuntimeError("controller did not start within 30 s")
                 time.sleep(0.05)
             self.addresses.append(address_file.read_text().strip())
-        self.agent_credentials = credentials
         if self.proxied:
-            store = Store(connect(self.endpoints.split(","), 2.0, self.options.etcd_credentials))
+            store = Store(connect(self.endpoints.split(","), 2.0, self.etcd_credentials))
             for _ in range(self.options.nodes + self.options.spares):
                 self.proxies.append(NodeProxy(self.endpoints.split(",")[0],
                                               lambda: _leader_address(store)))

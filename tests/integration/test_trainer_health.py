@@ -31,7 +31,7 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
         2, "-m", "trainer.train", "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0",
         "--preflight-sizes-mb", "0.25,1",
         env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path, "KEEL_JOB": "demo",
-             "KEEL_GENERATION": "2"},
+             "KEEL_GENERATION": "2", "KEEL_RANK_TOKEN": recorder.token_for(2, 2, ckpt)},
     )
     assert sorted(step_losses(run, only_steps=True)) == list(range(1, STEPS + 1))
 
@@ -139,3 +139,37 @@ def test_late_rank_is_named_and_the_short_collective_timeout_applies(tmp_path):
     # group started with.
     assert "1500ms" in timeout, timeout
     assert float(timeout.split(" after ")[1].split(" s")[0]) < 60, timeout
+
+
+FENCED_RANK = """
+import sys, time
+from trainer import runtime
+rt = runtime.init()
+step = 0
+while True:   # trains fast, as a real rank would, until something stops it
+    step += 1
+    rt.report_step(step, loss=1.0, tokens=64, step_time_s=0.001)
+    time.sleep(0.001)
+"""
+
+
+def test_a_rank_whose_agent_stops_answering_stops_itself():
+    """The agent's socket accepts calls but never answers (a SIGSTOPped agent looks like
+    this). Before, the rank trained on unsupervised, and its reporter, busy timing out
+    one batch after another, never looked at how long the agent had been silent; now
+    it stops itself after the collective timeout."""
+    from tests.unit.trainer.test_runtime import StuckAgent
+    from tests.conftest import local_agent
+    stuck = StuckAgent()
+    with local_agent(stuck) as socket_path:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "WORLD_SIZE": "1",
+               "KEEL_JOB": "j", "KEEL_GENERATION": "1", "KEEL_AGENT_SOCKET": socket_path,
+               "KEEL_RANK_TOKEN": stuck.token_for(1, 1), "KEEL_COLLECTIVE_TIMEOUT_S": "4"}
+        try:
+            rank = subprocess.run([sys.executable, "-c", FENCED_RANK], env=env, cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)
+        finally:
+            stuck.release.set()
+    assert rank.returncode == -15, rank.stderr[-2000:]
+    assert "the agent has answered nothing for" in rank.stderr
+    assert "(the collective timeout is 4 s): stopping this rank" in rank.stderr

@@ -30,6 +30,7 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
         env={
             "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path,
             "KEEL_JOB": "demo", "KEEL_GENERATION": "3", "KEEL_MESH": "dp_shard=2",
+            "KEEL_RANK_TOKEN": recorder.token_for(3, 2, ckpt),
         },
     )
     losses = step_losses(first, only_steps=True)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from common import env
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
+from common.paths import inside
 from protos import keel_pb2
 from trainer.runtime.faults import (FaultInjector, claim_fault, fault_marker_path,
                                     parse_fault_schedule, rank_faults)
@@ -34,7 +35,7 @@ from trainer.runtime.reporting import (CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_
 
 __all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "Identity", "Layout",
            "LayoutError", "Runtime", "claim_fault", "deadline_problems", "env",
-           "fault_marker_path", "init", "job_deadlines", "parse_fault_schedule", "parse_mesh",
+           "fault_marker_path", "init", "inside", "job_deadlines", "parse_fault_schedule", "parse_mesh",
            "rank_faults"]
 
 
@@ -63,6 +64,7 @@ class Runtime:
         faults: keel_pb2.FaultSchedule,
         restore_fallbacks: tuple[str, ...] = (),
         fence_after_s: float | None = None,
+        agent_token: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -78,7 +80,8 @@ class Runtime:
         self._faults = FaultInjector(faults, rank, generation, self.log)
         self._agent = AgentReporter(agent_socket, rank=rank, world_size=world_size,
                                     generation=generation, job=job, log=self.log,
-                                    fence_after_s=fence_after_s) if agent_socket else None
+                                    fence_after_s=fence_after_s,
+                                    token=agent_token) if agent_socket else None
 
     @property
     def slow_factor(self) -> float:

@@ -30,6 +30,7 @@ class Identity:
     restore_fallbacks: tuple[str, ...]
     restart_count: int
     agent_socket: str | None
+    agent_token: str = ""         # this rank's credential on the agent's socket
 
 
 def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
@@ -69,6 +70,7 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
                                 if p),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
+        agent_token=environ.get(env.RANK_TOKEN, ""),
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from common import env
 from protos import keel_pb2, keel_pb2_grpc
 
 STEP_REPORT_DEADLINE_S = 2.0
@@ -101,6 +102,8 @@ class _StepReporter:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        # While the agent fails, each call would wait out its deadline: reports are
+        # dropped and only the ping goes, so the fence is checked every few seconds.
         while True:
             self._wake.wait(REPORT_INTERVAL_S)
             # Whatever is appended after this clear wakes the next wait; whatever was
@@ -110,6 +113,8 @@ class _StepReporter:
             while self._pending:
                 item = self._pending.popleft()
                 if isinstance(item, keel_pb2.StepReport):
+                    if self._agent_failing:
+                        continue   # dropped, as logged; the ping below finds out when it is back
                     batch.append(item)
                     if len(batch) == REPORT_BATCH_SIZE:
                         self._send(batch)
@@ -159,13 +164,34 @@ class _StepReporter:
         time.sleep(FENCE_KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _Credential(grpc.UnaryUnaryClientInterceptor):
+    """Sends the rank's token with every call to its agent."""
+
+    def __init__(self, token: str):
+        self._metadata = ((env.RANK_TOKEN_METADATA, token),)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_CallDetails(
+            details.method, details.timeout, [*(details.metadata or ()), *self._metadata],
+            details.credentials, details.wait_for_ready, details.compression), request)
+
+
 class AgentReporter:
     """This rank's connection to its node agent (the ``AgentLocal`` service on the Unix
     socket ``agent_socket``). Creating the channel does not connect; the first call
     does, from the reporter thread, so a missing agent never delays training."""
 
     def __init__(self, agent_socket: str, *, rank: int, world_size: int, generation: int,
-                 job: str, log: Callable[[str], None], fence_after_s: float | None = None) -> None:
+                 job: str, log: Callable[[str], None], fence_after_s: float | None = None,
+                 token: str = "") -> None:
+        """``token``: the rank's credential (``KEEL_RANK_TOKEN``), sent with every call."""
         self.rank = rank
         self.world_size = world_size
         self.generation = generation
@@ -173,7 +199,8 @@ class AgentReporter:
         self.log = log
         self._checkpoint_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
-        self._stub = keel_pb2_grpc.AgentLocalStub(self._channel)
+        self._stub = keel_pb2_grpc.AgentLocalStub(
+            grpc.intercept_channel(self._channel, _Credential(token)))
         self.recorded_step = 0   # the newest checkpoint the controller recorded, as last heard
         self._reporter = _StepReporter(self._stub, generation, log, self._take_ack, fence_after_s)
 

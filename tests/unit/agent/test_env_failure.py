@@ -46,6 +46,21 @@ def test_job_env_cannot_override_the_rendezvous_but_can_set_threads():
     assert env["MASTER_PORT"] == "29511" and env["OMP_NUM_THREADS"] == "4"
 
 
+def test_ranks_get_none_of_the_agents_secrets_or_keel_settings():
+    agent = {"PATH": "/bin", "HOME": "/root", "KEEL_TOKEN": "join-secret",
+             "KEEL_ETCD_PASSWORD": "etcd-secret", "KEEL_ETCD_ENDPOINTS": "10.0.0.9:2379",
+             "KEEL_CONTROLLER": "10.0.0.8:50051", "KEEL_GENERATION": "1"}
+    env = rank_env(agent, start_message(KEEL_FAULTS="{}"),
+                   keel_pb2.RankAssignment(rank=0, local_rank=0), "s", "e", CHAIN)
+    assert env["PATH"] == "/bin" and env["HOME"] == "/root"
+    for secret in ("KEEL_TOKEN", "KEEL_ETCD_PASSWORD", "KEEL_ETCD_ENDPOINTS",
+                   "KEEL_CONTROLLER"):
+        assert secret not in env
+    assert "join-secret" not in env.values() and "etcd-secret" not in env.values()
+    # Keel's variables come from the plan (and the job's own env), not the agent's.
+    assert env["KEEL_GENERATION"] == "3" and env["KEEL_FAULTS"] == "{}"
+
+
 def test_error_file_traceback_reads_torchelastic_format(tmp_path):
     path = tmp_path / "error.json"
     path.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {

@@ -182,7 +182,7 @@ class StuckAgent(AgentRecorder):
 def test_reporting_does_not_wait_for_the_agent():
     stuck = StuckAgent()
     with local_agent(stuck) as socket_path:
-        rt = runtime.init(agent_env(socket_path))
+        rt = runtime.init(agent_env(socket_path, stuck))
         try:
             # A flagged report goes out at once: the reporter's call is now held by the agent.
             rt.report_step(1, loss=2.5, tokens=512, step_time_s=0.5, checkpointing=True)
@@ -210,15 +210,16 @@ def asks_in_ack(call: int):
                                    ids=[f"asks-in-ack-{call}"])
 
 
-def agent_env(socket: str) -> dict:
-    return {"RANK": "1", "WORLD_SIZE": "2", "KEEL_JOB": "demo", "KEEL_GENERATION": "4", "KEEL_AGENT_SOCKET": socket}
+def agent_env(socket: str, recorder: AgentRecorder) -> dict:
+    return {"RANK": "1", "WORLD_SIZE": "2", "KEEL_JOB": "demo", "KEEL_GENERATION": "4", "KEEL_AGENT_SOCKET": socket,
+            "KEEL_RANK_TOKEN": recorder.token_for(4, 2)}
 
 
 def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypatch):
     socket_path, recorder = agent
     # Batches would otherwise wait a minute: only the flag can make this one leave.
     monkeypatch.setattr(reporting, "REPORT_INTERVAL_S", 60.0)
-    rt = runtime.init(agent_env(socket_path))
+    rt = runtime.init(agent_env(socket_path, recorder))
     rt.report_step(7, loss=2.5, tokens=512, step_time_s=0.5, data_s=0.01, compute_s=0.3, optimizer_s=0.1,
                    checkpoint_s=0.2, checkpointing=True)
     (report,) = wait_for(lambda: recorder.of("step"), 5, what="the checkpointing report")
@@ -230,7 +231,7 @@ def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypa
 @asks_in_ack(2)
 def test_checkpoint_now_in_an_ack_is_taken_once(agent):
     socket_path, recorder = agent
-    rt = runtime.init(agent_env(socket_path))
+    rt = runtime.init(agent_env(socket_path, recorder))
     assert not rt.take_checkpoint_request()
     rt.report_step(1, loss=2.5, tokens=512, step_time_s=0.5, checkpointing=True)
     wait_for(lambda: len(recorder.calls) == 1, 5, what="the first ack")
@@ -252,7 +253,7 @@ class Figure:
 
 def test_preflight_reports_reach_the_agent(agent):
     socket_path, recorder = agent
-    rt = runtime.init(agent_env(socket_path))
+    rt = runtime.init(agent_env(socket_path, recorder))
     assert rt.report_preflight([Figure("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)], wall_s=0.7)
     (report,) = recorder.of("preflight")
     assert (report.job, report.generation, report.rank, report.world_size, report.wall_s) == ("demo", 4, 1, 2, 0.7)

@@ -1,0 +1,79 @@
+"""The agent's socket: a rank speaks only for itself, with the token it was given."""
+
+import grpc
+import pytest
+
+from common import env
+from tests.conftest import AgentRecorder, local_agent
+from protos import keel_pb2, keel_pb2_grpc
+
+
+@pytest.fixture
+def socket(tmp_path):
+    recorder = AgentRecorder()
+    # Rank 1 of generation 4 alone (the agent gives each rank a token of its own), and
+    # rank 0, which commits into the job's checkpoint directory.
+    rank1 = recorder.token_for(4, 2, tmp_path / "ckpt")
+    recorder.identities[rank1] = recorder.identities[rank1].__class__(
+        job="demo", generation=4, ranks=frozenset({1}), checkpoint_dir=str(tmp_path / "ckpt"))
+    rank0 = recorder.token_for(4, 1, tmp_path / "ckpt")
+    with local_agent(recorder) as path, grpc.insecure_channel(f"unix:{path}") as channel:
+        yield keel_pb2_grpc.AgentLocalStub(channel), recorder, rank0, rank1, tmp_path / "ckpt"
+
+
+def call(method, request, token):
+    metadata = ((env.RANK_TOKEN_METADATA, token),) if token else ()
+    try:
+        method(request, metadata=metadata, timeout=5)
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+def steps(generation, *ranks):
+    return keel_pb2.LocalStepReports(generation=generation, reports=[
+        keel_pb2.StepReport(rank=r, step=3) for r in ranks])
+
+
+def test_a_caller_without_a_live_ranks_token_is_refused(socket):
+    stub, recorder, *_ = socket
+    for token in ("", "made-up"):
+        code, details = call(stub.ReportSteps, steps(4, 1), token)
+        assert code is grpc.StatusCode.UNAUTHENTICATED and "KEEL_RANK_TOKEN" in details
+    assert recorder.of("step") == []
+
+
+def test_a_rank_reports_only_its_own_steps_in_its_own_generation(socket):
+    stub, recorder, _, rank1, _ = socket
+    assert call(stub.ReportSteps, steps(4, 1), rank1) == (grpc.StatusCode.OK, "")
+    assert call(stub.ReportSteps, steps(4, 1, 0), rank1) == (
+        grpc.StatusCode.PERMISSION_DENIED, "a step report of rank 0: this caller is rank(s) [1]")
+    code, details = call(stub.ReportSteps, steps(3, 1), rank1)
+    assert code is grpc.StatusCode.PERMISSION_DENIED and "belongs to generation 4" in details
+    # Only the first call's report was passed on.
+    assert [(r.rank, r.step) for r in recorder.of("step")] == [(1, 3)]
+
+
+def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket):
+    stub, recorder, rank0, rank1, ckpt = socket
+
+    def commit(path, token):
+        return call(stub.ReportCheckpoint, keel_pb2.CheckpointSaved(
+            job="demo", generation=4, step=10, path=str(path), samples=40), token)
+
+    assert commit(ckpt / "step_00000010", rank1)[0] is grpc.StatusCode.PERMISSION_DENIED
+    for outside in ("/tmp/evil", ckpt / ".." / "other" / "step_00000010", ckpt,
+                    "step_00000010"):
+        code, details = commit(outside, rank0)
+        assert code is grpc.StatusCode.PERMISSION_DENIED and "not inside" in details, outside
+    # A symbolic link inside that points outside is outside.
+    ckpt.mkdir()
+    (ckpt / "link").symlink_to("/tmp")
+    assert commit(ckpt / "link" / "step_00000010", rank0)[0] is grpc.StatusCode.PERMISSION_DENIED
+    assert recorder.of("checkpoint") == []
+    assert commit(ckpt / "step_00000010", rank0) == (grpc.StatusCode.OK, "")
+    assert [c.path for c in recorder.of("checkpoint")] == [str(ckpt / "step_00000010")]
+    problem = keel_pb2.CheckpointProblem(job="demo", generation=4, step=10, kind="quarantined",
+                                         path=str(ckpt / "step_00000010"), reason="bad")
+    assert call(stub.ReportCheckpointProblem, problem, rank1)[0] is \
+        grpc.StatusCode.PERMISSION_DENIED
