@@ -150,12 +150,14 @@ class Agent:
         current = self.generation.start
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
-            hello.running.extend(
-                keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
-                for r in self.supervisor.of_generation(current.job, current.generation)
-                if r.popen.returncode is None)
+            hello.running.extend(self._live_ranks(current))
         return [keel_pb2.AgentMessage(hello=hello), *self.reports.replay(),
                 keel_pb2.AgentMessage(status=self._status())]
+
+    def _live_ranks(self, start: keel_pb2.StartGeneration) -> list[keel_pb2.RankAssignment]:
+        return [keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
+                for r in self.supervisor.of_generation(start.job, start.generation)
+                if r.popen.returncode is None]
 
     def _status(self) -> keel_pb2.AgentStatus:
         """What this agent runs: the generation (running or being stopped), its live
@@ -165,10 +167,7 @@ class Agent:
         current = state.start
         if current is not None:
             status.job, status.generation = current.job, current.generation
-            status.running.extend(
-                keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
-                for r in self.supervisor.of_generation(current.job, current.generation)
-                if r.popen.returncode is None)
+            status.running.extend(self._live_ranks(current))
         elif state.stopping is not None:
             status.job, status.generation = state.stopping
         if self.started is not None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import threading
 import time
@@ -70,11 +69,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import fence, manifest
+from trainer.checkpoint_dir import (committed_path, committed_steps, expired, fsync_dir,
+                                    fsync_file, staging_path)
 from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.runtime import Runtime
 
-METADATA_FILE = ".metadata"
-_COMMITTED = re.compile(r"step_(\d{8,})")
 # Optimizer state keyed per parameter name ("state.layers.0.mlp.w1.weight.exp_avg"),
 # not as one param_groups list per rank: ranks of different pipeline stages hold
 # different parameters, and a per-rank list would not survive a change of layout.
@@ -116,60 +115,6 @@ class TrainerState:
             rng_state=state["rng_state"],
             ledger=Ledger(state["ledger"]),
         )
-
-
-def committed_path(checkpoint_dir: str, step: int) -> str:
-    """The directory of step ``step``'s committed checkpoint."""
-    return os.path.join(checkpoint_dir, f"step_{step:08d}")
-
-
-def staging_path(checkpoint_dir: str, step: int, generation: int) -> str:
-    """The directory generation ``generation`` writes step ``step`` into before commit."""
-    return os.path.join(checkpoint_dir, f".step_{step:08d}.g{generation}.tmp")
-
-
-def committed_steps(checkpoint_dir: str) -> dict[int, str]:
-    """Step → path of every ``step_*`` directory under ``checkpoint_dir`` that holds DCP
-    metadata."""
-    if not os.path.isdir(checkpoint_dir):
-        return {}
-    found = {}
-    for name in os.listdir(checkpoint_dir):
-        match = _COMMITTED.fullmatch(name)
-        path = os.path.join(checkpoint_dir, name)
-        if match and os.path.isfile(os.path.join(path, METADATA_FILE)):
-            found[int(match.group(1))] = path
-    return found
-
-
-def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
-    """The committed checkpoints (by step) that retention deletes: all but the newest
-    ``keep`` and those in ``protected`` (the one this run restored from, the one just
-    committed). ``keep`` 0 keeps everything. Pure."""
-    if keep <= 0:
-        return []
-    newest = set(sorted(steps, reverse=True)[:keep])
-    return sorted(step for step in steps if step not in newest and step not in protected)
-
-
-def discard_staging(checkpoint_dir: str | None, generation: int) -> list[str]:
-    """Claims ``checkpoint_dir`` for ``generation`` (``trainer.fence``) and removes every
-    staging directory (``.step_*.tmp``) left by ranks that died while saving or
-    deleting, or by a generation superseded since; returns what it removed. Call it on
-    rank 0 before training starts. Raises fence.Superseded if a newer generation owns
-    the directory."""
-    if not checkpoint_dir:
-        return []
-    fence.claim(checkpoint_dir, generation)
-    if not os.path.isdir(checkpoint_dir):
-        return []   # a first run outside Keel: nothing was ever saved there
-    removed = []
-    with fence.held(checkpoint_dir, generation):
-        for name in os.listdir(checkpoint_dir):
-            if name.startswith(".step_") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
-                removed.append(name)
-    return removed
 
 
 def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer: TrainerState) -> dict:
@@ -382,9 +327,9 @@ class Checkpointer:
         final = committed_path(self.checkpoint_dir, step)
         # What DCP leaves unsynced: our ledger and the staging directory's entries;
         # and the manifest, written (and fsynced) once every other file is there.
-        _fsync_file(os.path.join(staging, LEDGER_FILE))
+        fsync_file(os.path.join(staging, LEDGER_FILE))
         manifest.write(staging, step)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         with self._fenced(step, staging):
             if os.path.exists(final):
                 # Whoever wrote it died before the controller recorded it, or the job
@@ -394,7 +339,7 @@ class Checkpointer:
                 self.runtime.log(f"replacing unrecorded checkpoint {final}")
                 self._remove(final, step, "discarded")
             os.rename(staging, final)
-            _fsync_dir(self.checkpoint_dir)
+            fsync_dir(self.checkpoint_dir)
         self.runtime.report_checkpoint(step, os.path.abspath(final), samples)
         self._retain(step)
 
@@ -420,24 +365,8 @@ class Checkpointer:
         doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.runtime.generation}.{why}.tmp")
         shutil.rmtree(doomed, ignore_errors=True)
         os.rename(path, doomed)
-        _fsync_dir(self.checkpoint_dir)
+        fsync_dir(self.checkpoint_dir)
         with self._deletions_lock:
             if self._deleter is None:
                 self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-delete")
             self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,7 @@ import re
 import torch.distributed as dist
 
 from trainer import fence, manifest
-from trainer.checkpoint import committed_steps
+from trainer.checkpoint_dir import committed_steps
 from trainer.runtime import Runtime, inside
 
 _STEP = re.compile(r"step_(\d{8,})$")

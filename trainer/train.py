@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import (checkpoint, mesh, optim, parallelize, pipeline, preflight, restore as restore_from,
-                     runtime as keel_runtime, watchdog)
+from trainer import (checkpoint, checkpoint_dir, mesh, optim, parallelize, pipeline, preflight,
+                     restore as restore_from, runtime as keel_runtime, watchdog)
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.mesh import BatchPlan, Layout
@@ -189,7 +189,7 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
 
     state = TrainerState(step=0, samples=0, scheduler=run.optimizers.scheduler_state(), rng_state=torch.get_rng_state())
     if rank == 0:
-        for name in checkpoint.discard_staging(args.checkpoint_dir, rt.generation):
+        for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation):
             rt.log(f"removed {name}, left by a rank that died while saving")
     restore = restore_from.choose(args.checkpoint_dir, rt)
     if restore:

@@ -40,7 +40,11 @@ def main():
                    "restart_etcd:step=N[,down=S] (etcd SIGKILLed, back S s later on its data; "
                    "default 2) | "
                    "kill_agent:node=I,step=N (node I's agent SIGKILLed, then started "
-                   "again).")
+                   "again) | stall_leader:step=N,for=S (the leader SIGSTOPped for S s) | "
+                   "stall_agent:node=I,step=N,for=S (node I's agent alone SIGSTOPped) | "
+                   "stall_node:node=I,step=N,for=S (the agent and every process under it) | "
+                   "partition_node:node=I,step=N,for=S (node I cut from etcd and the "
+                   "controllers by its TCP proxy while it runs on).")
 @click.option("--layout", default=None, metavar="LAYOUT",
               help="Parallel layout, e.g. dp_shard=2,tp=2 (axes dp_replicate, dp_shard, tp, "
                    "pp; omitted ones are 1), or 'auto' for the planner's choice. Default: "

@@ -17,7 +17,7 @@ from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import MAX_FAILURES, JobRuntime
 from orchestrator.controller.plans import plan_record
-from orchestrator.controller.rebuild import newest_good
+from orchestrator.controller.records import CheckpointRecords
 from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed
@@ -35,9 +35,6 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-# Records kept per job, newest first (and the restore point in use, whatever its age):
-# more than any retention keeps directories of, so every restore candidate has one.
-RECORDS_KEPT = 16
 # Older recorded checkpoints a generation may fall back to if its restore point fails
 # verification.
 RESTORE_FALLBACKS = 3
@@ -47,6 +44,7 @@ class Executor:
     def __init__(self, state: ControllerState):
         self.state = state
         self.store = state.store
+        self.records = CheckpointRecords(state)
 
     # ================================================================ lifecycle
     def transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
@@ -173,7 +171,7 @@ class Executor:
         self.transition(job, JobState.RUNNING, reason, now, plan)
         for part in job.placement:
             self._send_start(job, part, now)
-        self.announce_recorded(job)
+        self.records.announce(job)
 
     def _send_start(self, job: JobRuntime, part: NodeRanks, now: float) -> None:
         host, port = job.rendezvous
@@ -380,78 +378,6 @@ class Executor:
         session.accounted = True
 
     # ============================================================ bookkeeping
-    def record_checkpoints(self, job: JobRuntime) -> None:
-        """Commit queued checkpoints in etcd; what etcd does not take stays queued and
-        the next tick tries again. Not recorded means not committed: until then the
-        restore point stays the previous one."""
-        for record in list(job.unrecorded):
-            try:
-                self.store.record_checkpoint(job.name, record)
-            except Deposed:
-                raise
-            except Exception as exc:
-                log.warning("could not record checkpoint; will retry", job=job.name,
-                            step=record["step"], error=str(exc))
-                continue
-            job.unrecorded.remove(record)
-            if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
-                continue  # a late retry of an older one
-            job.last_checkpoint = record
-            log.info("checkpoint committed", job=job.name, generation=record["generation"],
-                     step=record["step"], path=record["path"])
-            self.announce_recorded(job)
-            self.prune_records(job)
-
-    def announce_recorded(self, job: JobRuntime) -> None:
-        """Tell the job's nodes the newest recorded checkpoint: their ranks' retention
-        keeps it."""
-        if not job.last_checkpoint:
-            return
-        for node in job.nodes:
-            self.state.send(node, keel_pb2.ControllerMessage(
-                checkpoint_recorded=keel_pb2.CheckpointRecorded(
-                    job=job.name, generation=job.generation,
-                    step=job.last_checkpoint["step"])))
-
-    def prune_records(self, job: JobRuntime) -> None:
-        """Keep the newest RECORDS_KEPT records, the restore point in use and its
-        fallbacks."""
-        records = self.store.checkpoints(job.name)
-        keep = {r["step"] for r in records[-RECORDS_KEPT:]}
-        needed = set(job.restore_fallbacks) | ({job.restore_from["path"]} if job.restore_from
-                                               else set())
-        doomed = [r["step"] for r in records if r["step"] not in keep and r["path"] not in needed]
-        if doomed:
-            self.store.delete_checkpoints(job.name, doomed)
-            log.info("checkpoint records pruned", job=job.name, deleted=len(doomed),
-                     kept=len(records) - len(doomed))
-        job.records_pruned = True
-
-    def record_problems(self, job: JobRuntime) -> None:
-        """Checkpoints ranks would not use: an event each; a quarantined one is marked
-        in its record, and is never a restore point again."""
-        while job.checkpoint_problems:
-            problem = job.checkpoint_problems[0]
-            if problem.kind == "quarantined":
-                records = {r["step"]: r for r in self.store.checkpoints(job.name)}
-                record = records.get(problem.step)
-                if record is not None and record["path"] != problem.path:
-                    record = None   # not the checkpoint etcd records for that step
-                if record is not None and not record.get("quarantined"):
-                    self.store.update_checkpoint(job.name, record | {
-                        "quarantined": True, "quarantine_reason": problem.reason})
-                    records[problem.step] = record | {"quarantined": True}
-                job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
-                job.health.event("quarantined", f"checkpoint of step {problem.step} failed "
-                                                f"verification and was set aside: "
-                                                f"{problem.reason}", step=problem.step)
-            else:
-                job.health.event("checkpoint_refused", f"generation {problem.generation}'s "
-                                                       f"commit of step {problem.step} was "
-                                                       f"refused: {problem.reason}",
-                                 step=problem.step)
-            job.checkpoint_problems.pop(0)
-
     def store_initial_loss(self, job: JobRuntime) -> None:
         """Stored once, so a controller taking over reports the job's real start."""
         if job.has_loss and not job.initial_loss_stored:

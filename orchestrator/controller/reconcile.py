@@ -112,7 +112,7 @@ class Reconciler:
                     job = state.jobs[job.name]   # rebuilt from etcd, perhaps
                 self.executor.save_events(job)
                 if not job.records_pruned:   # just read from etcd: it may hold too many
-                    self._guarded(self.executor.prune_records, job)
+                    self._guarded(self.executor.records.prune, job)
                 if past_retention(job.state, job.ended_at, wall, state.config.finished_job_ttl_s):
                     self._forget(job)
             for session in list(state.sessions.values()):
@@ -189,8 +189,8 @@ class Reconciler:
 
     def reconcile(self, job: JobRuntime, now: float) -> None:
         state, executor = self.state, self.executor
-        executor.record_checkpoints(job)
-        executor.record_problems(job)
+        executor.records.record(job)
+        executor.records.problems(job)
         executor.store_initial_loss(job)
         for node in observe.newly_lost(state, job, now):
             executor.mark_lost(job, node, observe.down_for(state, node, now))

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import REPO, keel
 
 VERBS = ("up", "plan", "controller", "agent", "status", "nodes", "jobs", "events", "cordon",
-         "uncordon", "drain", "replace", "checkpoint", "submit", "stop", "certs")
+         "uncordon", "drain", "replace", "checkpoint", "submit", "stop", "delete", "certs")
 
 
 def test_keel_lists_every_verb():
@@ -22,8 +22,9 @@ def test_keel_lists_every_verb():
 
 
 @pytest.mark.parametrize("verb, flags", [
-    ("up", ("--hang-floor-s", "--inject", "--controllers", "--spares", "--tls")),
-    ("controller", ("--node-lost-grace-s", "--tls-dir", "--etcd-ca")),
+    ("up", ("--hang-floor-s", "--collective-timeout-s", "--inject", "--controllers",
+            "--spares", "--tls")),
+    ("controller", ("--node-lost-grace-s", "--finished-job-ttl-s", "--tls-dir", "--etcd-ca")),
     ("agent", ("--lease-ttl-s", "--stop-grace-s", "--tls-dir", "--etcd-password")),
     ("drain", ("--wait", "--controller", "--etcd-endpoints")),
 ])

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from protos import keel_pb2
 from tests.conftest import REPO, committed_steps, step_losses, torchrun
-from trainer.checkpoint import expired
+from trainer.checkpoint_dir import expired
 from orchestrator.local.ledger_check import audit as summarize
 from trainer.optim import lr_factor
 

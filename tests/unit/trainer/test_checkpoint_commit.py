@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from protos import keel_pb2
-from trainer import checkpoint
+from trainer import checkpoint_dir
 from trainer.checkpoint import Checkpointer
 from trainer.ledger import Ledger
 from trainer.runtime import Runtime
@@ -64,7 +64,7 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     saver.wait()
 
     final = ckpt / "step_00000005"
-    staging = checkpoint.staging_path(str(ckpt), 5, 2)
+    staging = checkpoint_dir.staging_path(str(ckpt), 5, 2)
     files = sorted(path.name for path in final.iterdir())
     assert files == [".metadata", "__0_0.distcp", "ledger.json", "manifest.json"]
     synced = [path for kind, path in events if kind == "fsync"]
@@ -77,7 +77,7 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     # The staging directory (its entries) before the rename, the parent after it.
     assert ("fsync", staging) in events[:commit]
     assert ("fsync", str(ckpt)) in events[commit:]
-    assert checkpoint.committed_steps(str(ckpt)) == {5: str(final)}
+    assert checkpoint_dir.committed_steps(str(ckpt)) == {5: str(final)}
 
 
 def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monkeypatch, one_rank_group):
@@ -98,7 +98,7 @@ def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monk
     # deleted in the background, which is still held up, yet save returned.
     doomed = ckpt / ".step_00000001.g2.expired.tmp"
     assert entries(ckpt) == [doomed.name, "step_00000002"]
-    assert checkpoint.committed_steps(str(ckpt)) == {2: str(ckpt / "step_00000002")}
+    assert checkpoint_dir.committed_steps(str(ckpt)) == {2: str(ckpt / "step_00000002")}
 
     release.set()
     saver.wait()

@@ -9,7 +9,8 @@ import pytest
 from tests.unit.trainer.test_checkpoint_commit import model_state
 from protos import keel_pb2
 from trainer import fence, manifest, restore
-from trainer.checkpoint import Checkpointer, committed_path
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_dir import committed_path
 from trainer.ledger import Ledger
 from trainer.runtime import Runtime
 

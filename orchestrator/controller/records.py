@@ -1,0 +1,98 @@
+"""A job's checkpoint records in etcd: recording the commits agents report, telling
+the job's nodes the newest (their ranks' retention keeps it), pruning old records, and
+the problems ranks report (refused stale commits, quarantined checkpoints). Part of
+the executor: called with the state lock held, from the reconcile thread."""
+
+from __future__ import annotations
+
+import structlog
+
+from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.rebuild import newest_good
+from orchestrator.controller.state import ControllerState
+from orchestrator.controller.store import Deposed
+from protos import keel_pb2
+
+log = structlog.get_logger()
+
+# Records kept per job, newest first (and the restore point in use, whatever its age):
+# more than any retention keeps directories of, so every restore candidate has one.
+RECORDS_KEPT = 16
+
+
+class CheckpointRecords:
+    def __init__(self, state: ControllerState):
+        self.state = state
+        self.store = state.store
+
+    def record(self, job: JobRuntime) -> None:
+        """Commit queued checkpoints in etcd; what etcd does not take stays queued and
+        the next tick tries again. Not recorded means not committed: until then the
+        restore point stays the previous one."""
+        for record in list(job.unrecorded):
+            try:
+                self.store.record_checkpoint(job.name, record)
+            except Deposed:
+                raise
+            except Exception as exc:
+                log.warning("could not record checkpoint; will retry", job=job.name,
+                            step=record["step"], error=str(exc))
+                continue
+            job.unrecorded.remove(record)
+            if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
+                continue  # a late retry of an older one
+            job.last_checkpoint = record
+            log.info("checkpoint committed", job=job.name, generation=record["generation"],
+                     step=record["step"], path=record["path"])
+            self.announce(job)
+            self.prune(job)
+
+    def announce(self, job: JobRuntime) -> None:
+        """Tell the job's nodes the newest recorded checkpoint: their ranks' retention
+        keeps it."""
+        if not job.last_checkpoint:
+            return
+        for node in job.nodes:
+            self.state.send(node, keel_pb2.ControllerMessage(
+                checkpoint_recorded=keel_pb2.CheckpointRecorded(
+                    job=job.name, generation=job.generation,
+                    step=job.last_checkpoint["step"])))
+
+    def prune(self, job: JobRuntime) -> None:
+        """Keep the newest RECORDS_KEPT records, the restore point in use and its
+        fallbacks."""
+        records = self.store.checkpoints(job.name)
+        keep = {r["step"] for r in records[-RECORDS_KEPT:]}
+        needed = set(job.restore_fallbacks) | ({job.restore_from["path"]} if job.restore_from
+                                               else set())
+        doomed = [r["step"] for r in records if r["step"] not in keep and r["path"] not in needed]
+        if doomed:
+            self.store.delete_checkpoints(job.name, doomed)
+            log.info("checkpoint records pruned", job=job.name, deleted=len(doomed),
+                     kept=len(records) - len(doomed))
+        job.records_pruned = True
+
+    def problems(self, job: JobRuntime) -> None:
+        """Checkpoints ranks would not use: an event each; a quarantined one is marked
+        in its record, and is never a restore point again."""
+        while job.checkpoint_problems:
+            problem = job.checkpoint_problems[0]
+            if problem.kind == "quarantined":
+                records = {r["step"]: r for r in self.store.checkpoints(job.name)}
+                record = records.get(problem.step)
+                if record is not None and record["path"] != problem.path:
+                    record = None   # not the checkpoint etcd records for that step
+                if record is not None and not record.get("quarantined"):
+                    self.store.update_checkpoint(job.name, record | {
+                        "quarantined": True, "quarantine_reason": problem.reason})
+                    records[problem.step] = record | {"quarantined": True}
+                job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
+                job.health.event("quarantined", f"checkpoint of step {problem.step} failed "
+                                                f"verification and was set aside: "
+                                                f"{problem.reason}", step=problem.step)
+            else:
+                job.health.event("checkpoint_refused", f"generation {problem.generation}'s "
+                                                       f"commit of step {problem.step} was "
+                                                       f"refused: {problem.reason}",
+                                 step=problem.step)
+            job.checkpoint_problems.pop(0)
