@@ -124,6 +124,7 @@ class Executor:
         previous = job.nodes
         for name, value in plan.items():
             setattr(job, name, value)
+        out = [node for node in out if node not in job.nodes]   # a suspect used again is not out
         if out:
             newcomers = sorted(job.nodes - previous)
             health.replacement_times.append(now)
