@@ -1,11 +1,12 @@
 """The command-line flags every daemon and the CLI share: how to reach etcd securely
-and which TLS files to present. Their values become settings through ``common.tls``."""
+and which TLS files to present, whose values become settings through ``common.tls``,
+and how to log (``common.logs``)."""
 
 from __future__ import annotations
 
 import click
 
-from common import env
+from common import env, logs
 
 FILE = click.Path(exists=True, dir_okay=False)
 
@@ -52,3 +53,15 @@ def tls_options(party: str, uses: str, ca_help: str = "CA certificate that signs
                          help=f"The {party} private key (overrides --tls-dir)."),
         ])
     return decorate
+
+
+def log_options(command):
+    """``--log-format`` and ``--log-level`` (``common.logs``), both None when not given."""
+    return _apply(command, [
+        click.option("--log-format", type=click.Choice(logs.FORMATS), default=None,
+                     help=f"Log lines as JSON objects or as text for a person (default: "
+                          f"console on a terminal, else json; env {env.LOG_FORMAT})."),
+        click.option("--log-level", type=click.Choice(logs.LEVELS), default=None,
+                     help=f"Drop log lines below this level (default: info; env "
+                          f"{env.LOG_LEVEL})."),
+    ])

@@ -52,6 +52,8 @@ class UpOptions:
     tls: bool = False                # mutual TLS and role tokens, from <workdir>/tls
     etcd_credentials: EtcdCredentials | None = None  # of the --etcd-endpoints cluster
     json: bool = False
+    log_format: str = "json"         # of the daemons and ranks (common.logs)
+    log_level: str = "info"
 
     def __post_init__(self):
         if self.nodes < 1 or self.slots_per_node < 1:
@@ -122,6 +124,7 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
     _check_cluster_can_fire(schedule, options)
     if schedule.faults:
         spec.env[env.FAULTS] = json_format.MessageToJson(schedule, indent=None)
+    spec.env[env.LOG_FORMAT], spec.env[env.LOG_LEVEL] = options.log_format, options.log_level
     validate(spec)
     return spec
 

@@ -131,7 +131,7 @@ def test_a_real_dump_lists_threads_newest_first_and_the_main_thread_last():
 
 def test_the_agents_way_sigusr1_then_the_new_tail_of_stderr(tmp_path):
     stderr_path = tmp_path / "rank0.stderr"
-    stderr_path.write_text("step=41 loss=2.31\nan earlier line\n")
+    stderr_path.write_text('{"event": "step", "step": 41, "loss": 2.31}\nan earlier line\n')
     before = stderr_path.read_text()
     with open(stderr_path, "a") as stderr:
         child = subprocess.Popen([sys.executable, "-c", SLEEP_UNTIL_SIGNALLED],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.etcd import connect
 from orchestrator.controller.store import Store
-from tests.conftest import REPO, keel, processes_mentioning, wait_for
+from tests.conftest import REPO, keel, processes_mentioning, step_events, wait_for
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "plain_allreduce.py"
 
@@ -62,14 +62,9 @@ def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
 
 
 def steps_logged(workdir: Path, generation: int) -> dict[int, float]:
-    """step -> loss from rank 0's stdout in one generation (`step=N loss=L ...`)."""
-    out = workdir / "nodes" / "node-0" / "keel-up" / f"gen{generation}" / "rank0.out"
-    found = {}
-    for line in out.read_text().splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        if "step" in fields and "loss" in fields:
-            found[int(fields["step"])] = float(fields["loss"])
-    return found
+    """step -> loss from rank 0's ``step`` log events in one generation (its stderr)."""
+    err = workdir / "nodes" / "node-0" / "keel-up" / f"gen{generation}" / "rank0.err"
+    return {step: event["loss"] for step, event in step_events(err.read_text()).items()}
 
 
 def test_keel_up_trains_the_reference_model_at_world_size_4(no_leaks):
@@ -136,10 +131,13 @@ def test_killing_keel_up_itself_leaves_no_process_behind(no_leaks):
         [sys.executable, "-m", "orchestrator.cli", "up", "--workdir", str(run), "--steps",
          "1000", "--checkpoint-every", "1000"], cwd=REPO, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    rank0 = run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.out"
+    rank0 = run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.err"
+
+    def logged_step_2() -> bool:
+        text = rank0.read_text() if rank0.exists() else ""
+        return 2 in step_events(text[:text.rfind("\n") + 1])  # whole lines only: it is written to
     try:
-        wait_for(lambda: rank0.exists() and "step=2 " in rank0.read_text(), 120,
-                 what="training to start")
+        wait_for(logged_step_2, 120, what="training to start")
         # etcd, controller, 2 agents, 4 ranks (each rank's launcher has exec'd).
         assert len(processes_mentioning(str(run))) >= 8
     finally:

@@ -128,7 +128,7 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
                                        "KEEL_FAULTS": faults})
     assert crashed.returncode != 0
     assert "injected crash at step 9 on rank 3" in crashed.stderr
-    assert "step=8 " in crashed.stdout
+    assert 8 in step_losses(crashed, check=False)
     # Async saves commit when their write is done; step 6's had two steps to finish.
     committed = committed_steps(ckpt)
     assert committed and committed[-1] in (3, 6), committed
@@ -152,8 +152,8 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
     earlier = json.loads((ckpt / "step_00000009" / "ledger.json").read_text())
     assert earlier["ranges"] == ledger["ranges"][:9]
     # Weights, optimizer, schedule and data position all resumed exactly: the losses
-    # are those of an uninterrupted single-rank run (to the printed 6 decimals, plus
-    # the few-ulp drift of other reduction orders; see test_layouts).
+    # are those of an uninterrupted single-rank run (to the few-ulp drift of other
+    # reduction orders; see test_layouts).
     crashed_losses, resumed_losses = step_losses(crashed, check=False), step_losses(resumed)
     assert sorted(resumed_losses) == list(range(restored + 1, 11))
     for step, loss in {**crashed_losses, **resumed_losses}.items():
