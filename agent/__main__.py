@@ -35,13 +35,22 @@ from common.logs import configure
 @click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
               help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
                    "stopped with the job's own stop grace).")
-@click.option("--metrics-port", type=int, default=None,
-              help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-listen", metavar="[HOST]:PORT",
+              help="Serve Prometheus metrics (/metrics, its ranks' included) here; a bare "
+                   ":PORT binds --host; port 0 picks a free one. HTTPS with the agent's "
+                   "certificate under mutual TLS. Not served without it.")
+@click.option("--metrics-address-file", type=click.Path(dir_okay=False),
+              help="Write the metrics host:port here once serving.")
+@click.option("--accelerator", default="",
+              help="What this node's slots are, for the job's MFU (e.g. 'NVIDIA H100 80GB "
+                   "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
+@flags.log_options
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
-         stop_grace_s, metrics_port, **security):
+         stop_grace_s, metrics_listen, metrics_address_file, accelerator, log_format,
+         log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -50,10 +59,12 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lea
             node=node, slots=slots,
             etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
             run_dir=Path(run_dir).resolve(), host=host, controller=controller,
-            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, metrics_port=metrics_port)
+            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, metrics_listen=metrics_listen,
+            metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
+            accelerator=accelerator)
+        configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    configure("agent", node=node)
     try:
         run(config)
     except RunDirInUse as exc:

@@ -26,7 +26,9 @@ class AgentConfig:
     stop_grace_s: float = 5.0             # SIGTERM → SIGKILL
     etcd_timeout_s: float | None = None   # default: lease_ttl_s / 3
     reconnect_max_s: float = 5.0          # back-off cap between controller reconnects
-    metrics_port: int | None = None
+    metrics_listen: str | None = None     # [host]:port of /metrics; a bare :port binds `host`
+    metrics_address_file: Path | None = None   # write the metrics host:port here once serving
+    accelerator: str = ""                 # what its slots are; "" = detect (agent.accelerator)
     tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 

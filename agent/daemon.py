@@ -14,6 +14,7 @@ import os
 import queue
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -31,7 +32,10 @@ from agent.local_server import AgentLocalService, serve
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
 from common import deadlines, procs
+from common import metrics as common_metrics
 from common.etcd import EtcdClient
+from common.metrics import listen_address
+from common.paths import write_atomically
 from common.leader import LeaderWatch
 from protos import keel_pb2
 
@@ -49,13 +53,16 @@ class Agent:
                                config.etcd_credentials)
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.supervisor = Supervisor(config.run_dir)
+        self.supervisor = Supervisor(config.run_dir, node=config.node)
         self.generation = Generation()
         self.started: tuple[str, int] | None = None   # the newest StartGeneration's
         self.reports = Reports()
         self.hang_config = HangConfig()
         self.lease = None
         self.lease_ok_at = 0.0   # monotonic: the lease was last renewed (or granted)
+        self.metrics_server = None
+        self.rank_series = metrics.RankSeries(config.node)
+        self.accelerator = config.accelerator or detect_accelerator()
         self.held = False        # the controller said etcd is out of its reach too
         self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
         self.socket_path = f"{self.socket_dir}/agent.sock"
@@ -74,12 +81,17 @@ class Agent:
             self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
             self.lease_ok_at = time.monotonic()
             self.local_server = serve(self.socket_path, AgentLocalService(
-                self.supervisor.identify, self.reports.add_steps, lambda saved: self.events.put(("checkpoint", saved)),
+                self.supervisor.identify, self._on_steps, self._on_checkpoint,
                 lambda report: self.events.put(("preflight", report)),
                 lambda problem: self.events.put(("problem", problem)),
                 self.reports.recorded_step))
-            if self.config.metrics_port is not None:
-                metrics.serve(self.config.metrics_port)
+            if self.config.metrics_listen is not None:
+                self.metrics_server = common_metrics.serve(
+                    listen_address(self.config.metrics_listen, self.config.host),
+                    self.config.tls)
+                if self.config.metrics_address_file:
+                    write_atomically(self.config.metrics_address_file,
+                                     f"{self.config.host}:{self.metrics_server.server_port}")
             threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
             self.leaders.start()
             threading.Thread(target=self.link.run, name="stream", daemon=True).start()
@@ -101,6 +113,8 @@ class Agent:
         self.leaders.stop()
         if self.local_server is not None:
             self.local_server.stop(0.5).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         try:
             if self.lease is not None:
                 self.lease.revoke()  # the node record goes at once, not after the TTL
@@ -146,7 +160,8 @@ class Agent:
                                lease_id=self.lease.id, pid=os.getpid(),
                                heartbeat_s=config.report_flush_s,
                                reconnect_max_s=config.reconnect_max_s,
-                               lease_ttl_s=config.lease_ttl_s)
+                               lease_ttl_s=config.lease_ttl_s,
+                               accelerator=self.accelerator)
         current = self.generation.start
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
@@ -173,6 +188,24 @@ class Agent:
         if self.started is not None:
             status.started_job, status.started_generation = self.started
         return status
+
+    # ============================================================ rank reports
+    def _job_of(self, generation: int) -> str:
+        start = self.generation.start
+        return start.job if start is not None and start.generation == generation else ""
+
+    def _on_steps(self, generation: int, reports: list) -> bool:
+        """A rank's step reports (from the local server's threads)."""
+        job = self._job_of(generation)
+        if job:
+            self.rank_series.steps(job, reports)
+        return self.reports.add_steps(generation, reports)
+
+    def _on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
+        job = self._job_of(saved.generation)
+        if job:
+            self.rank_series.checkpoint(job, saved)
+        self.events.put(("checkpoint", saved))
 
     def _send(self, **kind) -> None:
         self.link.send(keel_pb2.AgentMessage(**kind))
@@ -213,16 +246,21 @@ class Agent:
                 log.info("rank exited", job=proc.job, generation=proc.generation,
                          rank=proc.rank, pid=proc.pid, exit_code=report.exit_code,
                          signal=report.signal, stopped_by_agent=report.stopped_by_agent)
-                metrics.RANK_EXITS.labels(outcome="ok" if report.exit_code == 0
-                                          and report.signal == 0 else "failed").inc()
+                metrics.RANK_EXITS.labels(node=self.config.node, outcome=(
+                    "stopped" if report.stopped_by_agent else "signal" if report.signal
+                    else "ok" if report.exit_code == 0 else "failed")).inc()
                 self._flush_steps()
                 self._send(rank_exited=report)
                 self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
             self._maybe_confirm_stop()
             self._check_fence(now)
             self._check_hang(now)
-            metrics.RANKS_RUNNING.set(sum(1 for r in self.supervisor.ranks
-                                          if r.popen.returncode is None))
+            node = self.config.node
+            metrics.RANKS_RUNNING.labels(node).set(sum(1 for r in self.supervisor.ranks
+                                                       if r.popen.returncode is None))
+            metrics.CONTROLLER_CONNECTED.labels(node).set(1 if self.link.up else 0)
+            metrics.LEASE_OK.labels(node).set(
+                1 if now - self.lease_ok_at < self.config.lease_ttl_s else 0)
             if now >= next_flush:
                 self._flush_steps()
                 next_flush = now + self.config.report_flush_s
@@ -367,6 +405,7 @@ class Agent:
     def _report_stacks(self, job: str, generation: int, ranks: list, hang) -> None:
         report = hangs.collect_stacks(job, generation, ranks, hang)
         self.generation.hang_reported = True
+        metrics.HANGS.labels(self.config.node).inc()
         self._flush_steps()
         self._send(hang_detected=report)
 
@@ -393,3 +432,17 @@ def run(config: AgentConfig) -> None:
     signal.signal(signal.SIGTERM, agent.request_stop)
     signal.signal(signal.SIGINT, agent.request_stop)
     agent.run()
+
+
+def detect_accelerator() -> str:
+    """The first GPU ``nvidia-smi`` names (e.g. "NVIDIA H100 80GB HBM3"), else "cpu"."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "cpu"
+    try:
+        names = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    first = names.stdout.strip().splitlines()
+    return first[0].strip() if first else "cpu"

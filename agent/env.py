@@ -12,7 +12,8 @@ from protos import keel_pb2
 
 def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
              assignment: keel_pb2.RankAssignment, agent_socket: str,
-             error_file: str, chain: Deadlines, rank_token: str = "") -> dict[str, str]:
+             error_file: str, chain: Deadlines, rank_token: str = "",
+             node: str = "") -> dict[str, str]:
     """Environment for one rank: ``base`` (the agent's) but for its Keel variables,
     then the job's, then ours.
 
@@ -40,6 +41,7 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
         "PYTHONUNBUFFERED": "1",
         keel_env.JOB: start.job,
         keel_env.GENERATION: str(start.generation),
+        keel_env.NODE: node,
         keel_env.MESH: start.mesh,
         keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
         keel_env.RESTORE_FROM: start.restore_from,

@@ -92,8 +92,9 @@ class RankProcess:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0):
+    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = ""):
         self.run_dir = run_dir
+        self.node = node
         self.reap_timeout_s = reap_timeout_s
         self.ranks: list[RankProcess] = []
         # Each rank's credential on the agent's socket, while it runs.
@@ -116,7 +117,7 @@ class Supervisor:
             error_file.unlink(missing_ok=True)
             token = secrets.token_urlsafe(24)
             env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain,
-                           token)
+                           token, self.node)
             with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
                     open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
                 popen = subprocess.Popen(

@@ -11,6 +11,7 @@ from __future__ import annotations
 # ------------------------------------------------------------- set for each rank
 JOB = "KEEL_JOB"                        # the job's name; "" or unset outside Keel
 GENERATION = "KEEL_GENERATION"          # the generation the rank belongs to, from 1
+NODE = "KEEL_NODE"                      # the node it runs on (for its log lines)
 MESH = "KEEL_MESH"                      # its layout, e.g. "dp_shard=2,tp=2"
 CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"      # the committed checkpoint to load; "" = fresh start
@@ -32,7 +33,7 @@ TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR
             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
             "TORCHELASTIC_ERROR_FILE")
 # What the agent sets for every rank; a job's spec may not set these.
-SET_FOR_RANKS = frozenset(TORCHRUN) | {JOB, GENERATION, MESH, CHECKPOINT_DIR, RESTORE_FROM,
+SET_FOR_RANKS = frozenset(TORCHRUN) | {JOB, GENERATION, NODE, MESH, CHECKPOINT_DIR, RESTORE_FROM,
                                        RESTORE_FALLBACKS, AGENT_SOCKET, *DEADLINES.values()}
 
 # ------------------------------------------------------- set by the job, optional
@@ -46,3 +47,7 @@ ETCD_ENDPOINTS = "KEEL_ETCD_ENDPOINTS"  # host:port,... of etcd
 ETCD_PASSWORD = "KEEL_ETCD_PASSWORD"    # of --etcd-user (a flag would show in ps)
 CONTROLLER = "KEEL_CONTROLLER"          # host:port of the controller, for the CLI
 AGENT_PROG = "KEEL_AGENT_PROG"          # how `keel agent` names itself in usage lines
+# Log format (json, console) and level (debug ... error) when no --log-format or
+# --log-level is given (common.logs); a rank reads them from its job's env.
+LOG_FORMAT = "KEEL_LOG_FORMAT"
+LOG_LEVEL = "KEEL_LOG_LEVEL"

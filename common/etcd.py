@@ -20,6 +20,8 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
 
+from common.metrics import EtcdCallMetrics
+
 ENDPOINT_RETRY_S = 0.5
 # gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
 # this instead. (With Keel's message limits, ``common.rpc``: gRPC's default 4 MiB would
@@ -66,6 +68,13 @@ def host_port(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _Endpoint(etcd3.Endpoint):
+    """An etcd member whose unary calls are timed and counted (``common.metrics``)."""
+
+    def _mkchannel(self, opts):
+        return grpc.intercept_channel(super()._mkchannel(opts), EtcdCallMetrics())
+
+
 class EtcdClient(etcd3.MultiEndpointEtcd3Client):
     def __init__(self, endpoints: list[str], timeout_s: float,
                  credentials: EtcdCredentials | None = None):
@@ -77,9 +86,9 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
                                        kwargs.get("cert_cert")) if secure else None)
         # Here, not at the top: common.rpc imports common.tls, which imports this module.
         from common.rpc import MESSAGE_LIMITS
-        members = [etcd3.Endpoint(host, port, secure=secure, creds=creds,
-                                  time_retry=ENDPOINT_RETRY_S,
-                                  opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS])
+        members = [_Endpoint(host, port, secure=secure, creds=creds,
+                             time_retry=ENDPOINT_RETRY_S,
+                             opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS])
                    for host, port in map(host_port, endpoints)]
         if not members:
             raise ValueError("etcd endpoints: give at least one host:port")

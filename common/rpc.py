@@ -13,6 +13,7 @@ from concurrent import futures
 
 import grpc
 
+from common.metrics import RpcMetrics
 from common.tls import TlsFiles, server_credentials
 
 KEEPALIVE_TIME_S = 2.0       # ping a quiet connection this often
@@ -52,9 +53,10 @@ def channel(address: str, files: TlsFiles | None) -> grpc.Channel:
 
 
 def server(max_workers: int, interceptors=()) -> grpc.Server:
-    """A server with keepalives and message limits."""
+    """A server with keepalives and message limits, whose RPCs are counted and timed
+    (``common.metrics``; outermost, so that calls ``interceptors`` refuse count too)."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=list(interceptors), options=SERVER_OPTIONS)
+                       interceptors=[RpcMetrics(), *interceptors], options=SERVER_OPTIONS)
 
 
 def add_port(server_: grpc.Server, listen: str, files: TlsFiles | None) -> int:

@@ -176,7 +176,7 @@ class PreflightReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s")
+    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s", "accelerator")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class Hello(_message.Message):
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_MAX_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     slots: int
@@ -199,7 +200,8 @@ class Hello(_message.Message):
     heartbeat_s: float
     reconnect_max_s: float
     lease_ttl_s: float
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    accelerator: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("controller_id",)
@@ -345,7 +347,7 @@ class RankExited(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ..., reaped_at: _Optional[float] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at", "data_s", "compute_s", "optimizer_s", "checkpoint_s", "checkpointing")
+    __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at", "data_s", "compute_s", "optimizer_s", "checkpoint_s", "checkpointing", "restore_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +359,7 @@ class StepReport(_message.Message):
     OPTIMIZER_S_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     loss: float
@@ -368,7 +371,8 @@ class StepReport(_message.Message):
     optimizer_s: float
     checkpoint_s: float
     checkpointing: bool
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ...) -> None: ...
+    restore_s: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ..., restore_s: _Optional[float] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
     __slots__ = ("job", "generation", "reports", "replayed")
@@ -383,18 +387,22 @@ class StepReportBatch(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
-    __slots__ = ("job", "generation", "step", "path", "samples")
+    __slots__ = ("job", "generation", "step", "path", "samples", "save_s", "bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     step: int
     path: str
     samples: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., samples: _Optional[int] = ...) -> None: ...
+    save_s: float
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., samples: _Optional[int] = ..., save_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class GenerationStopped(_message.Message):
     __slots__ = ("job", "generation")
@@ -554,7 +562,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s", "goodput", "submitted_at", "ended_at")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +582,9 @@ class JobStatus(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: str
     reason: str
@@ -593,7 +604,29 @@ class JobStatus(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[Event]
     preflight: _containers.RepeatedCompositeFieldContainer[NodePreflight]
     step_time_s: float
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    goodput: Goodput
+    submitted_at: float
+    ended_at: float
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
+
+class Goodput(_message.Message):
+    __slots__ = ("ratio", "accounted_s", "seconds", "at_risk_s")
+    class SecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTED_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AT_RISK_S_FIELD_NUMBER: _ClassVar[int]
+    ratio: float
+    accounted_s: float
+    seconds: _containers.ScalarMap[str, float]
+    at_risk_s: float
+    def __init__(self, ratio: _Optional[float] = ..., accounted_s: _Optional[float] = ..., seconds: _Optional[_Mapping[str, float]] = ..., at_risk_s: _Optional[float] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("kind", "node", "rank", "step", "detected_after_s", "detected_after_steps", "root_cause", "stacks", "reason", "generation", "at", "seq")

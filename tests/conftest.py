@@ -4,8 +4,8 @@ processes, the agent's real AgentLocal service with a recorder, and torchrun lau
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -119,9 +119,6 @@ def keel(*args: str, timeout_s: float = 300, cwd: Path = REPO) -> subprocess.Com
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-STEP_LINE = re.compile(r"step=(\d+) loss=(\d+\.\d+) tokens/s=\d+")
-
-
 def torchrun(nproc: int, *command: str, env: dict | None = None,
              timeout_s: float = 240) -> subprocess.CompletedProcess:
     """Runs ``command`` (``"-m", "trainer.train", ...`` or a script and its arguments)
@@ -149,18 +146,34 @@ def torchrun(nproc: int, *command: str, env: dict | None = None,
                 pass
 
 
+def step_events(stderr: str) -> dict[int, dict]:
+    """step → rank 0's ``step`` log event (fields ``step``, ``loss``, ``tokens_per_s``,
+    ``rank`` ...) among the JSON lines of a trainer's ``stderr``. Lines that are not
+    JSON (torch's, torchrun's, a traceback) are passed over, but one that starts as JSON
+    must parse, and no step may be logged twice."""
+    events = {}
+    for line in stderr.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"a log line that is not JSON ({exc}): {line!r}") from None
+        if event.get("event") == "step":
+            assert event["step"] not in events, f"step {event['step']} logged twice: {line}"
+            assert event["rank"] == 0 and event["tokens_per_s"] >= 0, line
+            events[event["step"]] = event
+    return events
+
+
 def step_losses(run: subprocess.CompletedProcess, check: bool = True, only_steps: bool = False) -> dict[int, float]:
-    """step → loss from rank 0's ``step=N loss=L tokens/s=T`` lines on stdout. ``check``:
-    the launch must have succeeded; ``only_steps``: stdout must hold nothing else."""
+    """step → loss from rank 0's ``step`` events on stderr (``step_events``). ``check``:
+    the launch must have succeeded; ``only_steps``: stdout must be empty (the trainer
+    says everything in log lines)."""
     if check:
         assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
-    losses = {}
-    for line in run.stdout.splitlines():
-        match = STEP_LINE.fullmatch(line)
-        assert match or not only_steps, f"unexpected stdout line {line!r}"
-        if match:
-            losses[int(match.group(1))] = float(match.group(2))
-    return losses
+    assert not (only_steps and run.stdout), f"unexpected stdout {run.stdout[:2000]!r}"
+    return {step: float(event["loss"]) for step, event in step_events(run.stderr).items()}
 
 
 def committed_steps(ckpt: Path) -> list[int]:
@@ -259,3 +272,43 @@ def local_agent(recorder):
     finally:
         server.stop(grace=None)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _from_debian_prometheus(name: str) -> str:
+    """The path of ``name`` (promtool, prometheus), from Debian's prometheus package:
+    installed first if it is missing and we are root with apt-get; the test is skipped,
+    saying how to get it, if it still cannot be had."""
+    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin"])
+    found = shutil.which(name, path=search)
+    why = ""
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        apt_env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+        try:
+            result = subprocess.run(install, env=apt_env, capture_output=True, text=True,
+                                    timeout=600)
+            if result.returncode != 0:   # a fresh machine may have no package lists yet
+                subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True,
+                               timeout=600)
+                result = subprocess.run(install, env=apt_env, capture_output=True,
+                                        text=True, timeout=600)
+            why = f" (apt-get install prometheus: {result.stderr.strip()[-300:] or 'done'})"
+        except subprocess.TimeoutExpired:
+            why = " (apt-get install prometheus took over 600 s)"
+        found = shutil.which(name, path=search)
+    if found is None:
+        pytest.skip(f"{name} not found{why}: install Debian's prometheus package "
+                    f"(apt-get install prometheus), which provides {name}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Path of promtool (Debian's prometheus package)."""
+    return _from_debian_prometheus("promtool")
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    """Path of the prometheus server binary (Debian's prometheus package)."""
+    return _from_debian_prometheus("prometheus")

@@ -163,6 +163,7 @@ class _Pending:
     samples: int
     staging: str
     future: Future
+    started: float               # perf_counter seconds, when its save began
 
 
 class Checkpointer:
@@ -229,7 +230,7 @@ class Checkpointer:
         dist.barrier()
         if self.use_async:
             future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
-            pending = _Pending(step, samples, staging, future)
+            pending = _Pending(step, samples, staging, future, started)
             if self._rank == 0:
                 # Committed as soon as it is written, by the committer thread: not when
                 # the training loop next looks, which may be blocked in a collective on
@@ -244,7 +245,7 @@ class Checkpointer:
         else:
             with self._superseded_if_lost(step, staging):
                 dcp.save(state, checkpoint_id=staging, process_group=self._group)
-            self._commit(step, samples, staging)
+            self._commit(step, samples, staging, started)
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
@@ -286,7 +287,7 @@ class Checkpointer:
     def _commit_when_written(self, pending: _Pending) -> None:
         with self._superseded_if_lost(pending.step, pending.staging):
             pending.future.result()
-        self._commit(pending.step, pending.samples, pending.staging)
+        self._commit(pending.step, pending.samples, pending.staging, pending.started)
 
     @contextlib.contextmanager
     def _superseded_if_lost(self, step: int, staging: str):
@@ -318,7 +319,9 @@ class Checkpointer:
             self.runtime.report_checkpoint_problem(step, path, "stale_commit", str(refused))
             raise
 
-    def _commit(self, step: int, samples: int, staging: str) -> None:
+    def _commit(self, step: int, samples: int, staging: str, started: float) -> None:
+        """Make the written checkpoint of ``step`` durable under its committed name and
+        report it (with the seconds since its save ``started``, perf_counter)."""
         # DCP's coordinator (rank 0) writes the metadata only after gathering every
         # rank's write results, so rank 0's write being done means everyone's is, and
         # DCP has fsynced every shard file and .metadata (see the module docstring).
@@ -328,7 +331,7 @@ class Checkpointer:
         # What DCP leaves unsynced: our ledger and the staging directory's entries;
         # and the manifest, written (and fsynced) once every other file is there.
         fsync_file(os.path.join(staging, LEDGER_FILE))
-        manifest.write(staging, step)
+        size = manifest.write(staging, step)
         fsync_dir(staging)
         with self._fenced(step, staging):
             if os.path.exists(final):
@@ -340,7 +343,8 @@ class Checkpointer:
                 self._remove(final, step, "discarded")
             os.rename(staging, final)
             fsync_dir(self.checkpoint_dir)
-        self.runtime.report_checkpoint(step, os.path.abspath(final), samples)
+        self.runtime.report_checkpoint(step, os.path.abspath(final), samples,
+                                       save_s=time.perf_counter() - started, size=size)
         self._retain(step)
 
     def _retain(self, committed_step: int) -> None:

@@ -35,8 +35,8 @@ def _files(directory: str) -> list[str]:
     return sorted(found)
 
 
-def write(directory: str, step: int) -> str:
-    """Write ``directory``'s manifest (fsynced) and return its path."""
+def write(directory: str, step: int) -> int:
+    """Write ``directory``'s manifest (fsynced); return the bytes of the files it lists."""
     files = {name: {"bytes": os.path.getsize(os.path.join(directory, name)),
                     "crc32": _crc32(os.path.join(directory, name))}
              for name in _files(directory)}
@@ -45,7 +45,7 @@ def write(directory: str, step: int) -> str:
         json.dump({"step": step, "files": files}, out)
         out.flush()
         os.fsync(out.fileno())
-    return path
+    return sum(f["bytes"] for f in files.values())
 
 
 def verify(directory: str) -> str:

@@ -8,9 +8,11 @@ Launch it with torchrun (or let a Keel agent do so)::
         --checkpoint-dir /tmp/ckpt
 
 The layout comes from ``--layout``, else ``KEEL_MESH``, else ``dp_shard`` over all
-ranks. Rank 0 prints one line per step to stdout, ``step=N loss=L tokens/s=T``: N counts
-optimizer steps from 1, L is the mean loss over the global batch in nats (the same on
-every rank), T the global tokens per second of that step. Other messages go to stderr.
+ranks. Every message is a structured log line on stderr (``trainer.runtime``; JSON
+unless stderr is a terminal). Rank 0 logs a ``step`` event per step with fields
+``step`` (optimizer steps, from 1), ``loss`` (the mean loss over the global batch in
+nats, the same on every rank) and ``tokens_per_s`` (the global tokens per second of
+that step).
 
 A generation starts with a barrier that names missing ranks and a preflight sweep of
 the collectives (``trainer.preflight``); collectives get ``--startup-timeout-s`` until
@@ -191,6 +193,7 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
     if rank == 0:
         for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation):
             rt.log(f"removed {name}, left by a rank that died while saving")
+    restoring = time.perf_counter()
     restore = restore_from.choose(args.checkpoint_dir, rt)
     if restore:
         state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)
@@ -202,6 +205,8 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
                 rt.log(f"keeping the checkpoint's lr={run.optimizers.peak_lr:g}, not --lr {args.lr:g}")
     elif rank == 0:
         rt.log(f"fresh start on {world_size} ranks as {layout}")
+    # Choosing (verifying) and loading the checkpoint; reported with the first step.
+    restore_s = time.perf_counter() - restoring if restore else 0.0
     checkpointer = None
     if args.checkpoint_dir:
         checkpointer = Checkpointer(args.checkpoint_dir, rt, use_async=args.async_checkpoint,
@@ -235,10 +240,11 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         # Sent before the save starts, so the agent's hang detector gives it the
         # checkpoint's budget; the time it blocks is in the next step's report.
         rt.report_step(step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds(), checkpointing=save,
-                       checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0)
+                       checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0,
+                       restore_s=restore_s if step == first_step else 0.0)
         if rank == 0:
             tokens_per_s = args.global_batch * args.seq_len / (time.perf_counter() - started)
-            print(f"step={step} loss={shared.mean_loss:.6f} tokens/s={tokens_per_s:.0f}", flush=True)
+            rt.log("step", step=step, loss=shared.mean_loss, tokens_per_s=round(tokens_per_s))
             if shared.checkpoint_requested:
                 rt.log(f"the agent asked for a checkpoint: saving after step {step}" if checkpointer
                        else "the agent asked for a checkpoint, but there is no --checkpoint-dir: not saving")

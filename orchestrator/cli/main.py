@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from common import env, flags
+from common import env, flags, logs
 from common.tls import etcd_credentials
 from orchestrator.security import tls
 
@@ -85,12 +85,18 @@ def main():
                    "if there), agents given the join token, keel up the operator's.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout.")
+@click.option("--log-format", type=click.Choice(logs.FORMATS), default=None,
+              help=f"Log format of the controllers, agents and ranks started, which log "
+                   f"to WORKDIR/logs and WORKDIR/nodes/NODE/JOB/genG/rankR.err (default: "
+                   f"json; env {env.LOG_FORMAT}). keel up's own progress stays text.")
+@click.option("--log-level", type=click.Choice(logs.LEVELS), default=None,
+              help=f"Their log level (default: info; env {env.LOG_LEVEL}).")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
        controllers, spares, straggler_policy, hang_floor_s, collective_timeout_s,
        no_preflight, max_restarts,
        etcd_endpoints,
-       workdir, timeout_s, use_tls, as_json, script_args, **etcd):
+       workdir, timeout_s, use_tls, as_json, log_format, log_level, script_args, **etcd):
     """Start etcd, a controller and agents here, run one job to its end, stop all.
 
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
@@ -102,6 +108,8 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
     if script_args and not script:
         raise click.UsageError("arguments after -- are passed to --script; give --script")
     try:
+        # Their logs go to files, never a terminal: json unless asked otherwise.
+        log_format, log_level = logs.settings(log_format, log_level, tty=False)
         options = UpOptions(
             nodes=nodes, slots_per_node=slots_per_node, steps=steps,
             checkpoint_every=checkpoint_every, script=script, script_args=tuple(script_args),
@@ -112,7 +120,8 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
             workdir=Path(workdir) if workdir else None, timeout_s=timeout_s, tls=use_tls,
-            etcd_credentials=etcd_credentials(**etcd), json=as_json)
+            etcd_credentials=etcd_credentials(**etcd), json=as_json,
+            log_format=log_format, log_level=log_level)
         code = run_up(options)
     except ValueError as exc:  # bad options, faults or job spec: nothing was started
         raise click.UsageError(str(exc)) from exc
@@ -201,8 +210,18 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
               help="Host agents and operators reach this controller on.")
 @click.option("--address-file", type=click.Path(dir_okay=False),
               help="Write the served host:port here once listening.")
-@click.option("--metrics-port", type=int, default=None,
-              help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-listen", metavar="[HOST]:PORT",
+              help="Serve Prometheus metrics (/metrics) here; a bare :PORT binds the "
+                   "advertised host; port 0 picks a free one. HTTPS with this daemon's "
+                   "certificate under mutual TLS. Not served without it.")
+@click.option("--metrics-address-file", type=click.Path(dir_okay=False),
+              help="Write the metrics host:port here once serving.")
+@click.option("--finished-job-metrics-s", type=float, default=300.0, show_default=True,
+              help="Keep exporting an ended job's series this long.")
+@click.option("--peak-flops", "peak_flops", multiple=True, metavar="NAME=FLOPS",
+              help="Peak FLOP/s of an accelerator whose name contains NAME, for MFU "
+                   "(adds to or overrides the built-in H100/H200/A100/B200/... table); "
+                   "repeatable.")
 @click.option("--node-lost-grace-s", type=float, default=10.0, show_default=True,
               help="A node whose agent stream is down this long is lost.")
 @click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
@@ -214,9 +233,11 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
 @flags.tls_options("controller", "ca.pem, controller.pem, controller.key and the three "
                                 "role tokens")
 @flags.etcd_options
+@flags.log_options
 def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
-               metrics_port, node_lost_grace_s, rendezvous_timeout_s, finished_job_ttl_s,
-               **security):
+               metrics_listen, metrics_address_file, finished_job_metrics_s, peak_flops,
+               node_lost_grace_s, rendezvous_timeout_s, finished_job_ttl_s,
+               log_format, log_level, **security):
     """Run the controller daemon in the foreground.
 
     Serves mutual TLS when given certificates (--tls-dir, or --ca/--cert/--key), else
@@ -234,12 +255,28 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
             **tls.controller_settings(token_file, security),
             listen=listen, advertise_host=advertise_host,
             address_file=Path(address_file) if address_file else None,
-            metrics_port=metrics_port, node_lost_grace_s=node_lost_grace_s,
+            metrics_listen=metrics_listen,
+            metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
+            finished_job_metrics_s=finished_job_metrics_s,
+            peak_flops=_peak_flops(peak_flops), node_lost_grace_s=node_lost_grace_s,
             rendezvous_timeout_s=rendezvous_timeout_s, finished_job_ttl_s=finished_job_ttl_s)
+        configure("controller", fmt=log_format, level=log_level)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    configure("controller")
     run(config)
+
+
+def _peak_flops(pairs: tuple[str, ...]) -> dict[str, float]:
+    """``NAME=FLOPS`` pairs, e.g. ``H100=989e12``."""
+    peaks = {}
+    for pair in pairs:
+        name, _, flops = pair.partition("=")
+        try:
+            peaks[name.strip()] = float(flops)
+        except ValueError:
+            raise ValueError(f"--peak-flops {pair!r}: write NAME=FLOPS, e.g. "
+                             f"H100=989e12") from None
+    return peaks
 
 
 @main.command(context_settings={**CONTEXT, "ignore_unknown_options": True,

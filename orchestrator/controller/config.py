@@ -22,7 +22,11 @@ class ControllerConfig:
     node_lost_grace_s: float = 10.0      # a node whose stream is down this long is lost
     rendezvous_timeout_s: float = 30.0   # rank 0's agent must publish a port within this
     finished_job_ttl_s: float = 7 * 24 * 3600   # ended jobs' records are kept this long; 0: ever
-    metrics_port: int | None = None      # Prometheus endpoint; None = not served
+    metrics_listen: str | None = None    # host:port of /metrics (see common.metrics); None = not served
+    metrics_address_file: Path | None = None   # write the metrics host:port here once serving
+    finished_job_metrics_s: float = 300.0      # an ended job's series are exported this long
+    # Peak FLOP/s per accelerator name (substring), over metrics.PEAK_FLOPS, for MFU.
+    peak_flops: dict[str, float] = field(default_factory=dict)
     address_file: Path | None = None     # write "host:port" here once serving
     tokens: Tokens | None = None         # per-role tokens (join, operator, reader)
     tls: TlsFiles | None = None          # mutual TLS on the gRPC port; None = plaintext
@@ -50,5 +54,12 @@ class ControllerConfig:
         if self.finished_job_ttl_s < 0:
             raise ValueError(f"finished_job_ttl_s={self.finished_job_ttl_s}: give 0 (keep "
                              f"ended jobs until `keel delete`) or a positive number of seconds")
+        if self.finished_job_metrics_s < 0:
+            raise ValueError(f"finished_job_metrics_s={self.finished_job_metrics_s}: give the "
+                             f"seconds an ended job's series stay exported (0: none)")
+        for name, flops in self.peak_flops.items():
+            if not name or not flops > 0:
+                raise ValueError(f"peak FLOP/s {name}={flops}: give NAME=FLOPS with a "
+                                 f"positive number, e.g. H100=989e12")
         if self.rendezvous_timeout_s <= self.tick_s:
             raise ValueError("rendezvous_timeout_s must be longer than tick_s")

@@ -15,8 +15,11 @@ import time
 import grpc
 import structlog
 
-from common.etcd import connect
+from common import metrics as common_metrics
 from common import rpc
+from common.etcd import connect
+from common.metrics import listen_address
+from common.paths import write_atomically as write_address
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
@@ -43,6 +46,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.agents = AgentService(self.state, self.leadership)
         self.operator = OperatorService(self.state, self.leadership, self.executor)
         self.reconciler = Reconciler(self.state, self.leadership, self.executor)
+        self.collector = self.metrics_server = None
         self.server: grpc.Server | None = None
         # The gRPC methods of the Controller service: Connect is the agents', the rest
         # the operators'.
@@ -74,12 +78,16 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             raise OSError(f"cannot listen on {config.listen}")
         self.server.start()
         self.state.address = f"{config.advertise_host}:{port}"
+        if config.metrics_listen is not None:
+            self.collector = metrics.register(self.state)
+            self.metrics_server = common_metrics.serve(
+                listen_address(config.metrics_listen, config.advertise_host), config.tls)
+            if config.metrics_address_file:
+                write_address(config.metrics_address_file,
+                              f"{config.advertise_host}:{self.metrics_server.server_port}")
+        # Last: whoever waits for the address finds the metrics address there too.
         if config.address_file:
-            tmp = config.address_file.with_suffix(".tmp")
-            tmp.write_text(self.state.address)
-            tmp.replace(config.address_file)
-        if config.metrics_port is not None:
-            metrics.serve(config.metrics_port)
+            write_address(config.address_file, self.state.address)
         threading.Thread(target=self.reconciler.loop, args=(time.monotonic,), name="reconcile",
                          daemon=True).start()
         log.info("controller serving", address=self.state.address, controller_id=self.state.id,
@@ -96,6 +104,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         if self.server is not None:
             self.server.stop(grace_s).wait()
         self.leadership.release()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            metrics.unregister(self.collector)
         log.info("controller stopped")
 
 

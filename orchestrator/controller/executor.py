@@ -12,7 +12,7 @@ from google.protobuf import json_format
 
 from common import env
 from common.deadlines import DeadlineError
-from orchestrator.controller import metrics, observe
+from orchestrator.controller import observe
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import MAX_FAILURES, JobRuntime
@@ -48,26 +48,58 @@ class Executor:
 
     # ================================================================ lifecycle
     def transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
-                   plan: dict | None = None, **changes: int | bool) -> None:
+                   plan: dict | None = None, restore_step: int | None = None,
+                   **changes) -> None:
         """Persist the new state and ``changes`` (generation, restarts; the end time of
-        a job that ends) in one revision-guarded write, and only then adopt them."""
+        a job that ends) in one revision-guarded write, and only then adopt them. A
+        STARTING ``plan`` restores the checkpoint of ``restore_step`` (None: none)."""
         check_transition(job.state, target)
         previous = job.state
+        wall = time.time()
         if target.terminal:
-            changes["ended_at"] = time.time()
-        record = job.record() | changes | {"state": target.value, "reason": reason}
+            changes["ended_at"] = wall
+        # The accounting moves with the state, in the same write.
+        goodput = job.goodput.copy()
+        goodput.on_state(wall, target, stop_requested=bool(job.stop_requested),
+                         generation=changes.get("generation", job.generation),
+                         world_size=(plan or {}).get("world_size", job.world_size),
+                         restore_step=restore_step)
+        state_seconds = dict(job.state_seconds)
+        state_seconds[previous.value] = (state_seconds.get(previous.value, 0.0)
+                                         + max(0.0, wall - job.state_entered_at))
+        accounting = {"goodput": goodput.record(), "state_seconds": state_seconds,
+                      "state_entered_at": wall}
+        record = job.record() | changes | accounting | {"state": target.value,
+                                                         "reason": reason}
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
         for name, value in changes.items():
             setattr(job, name, value)
+        job.goodput, job.state_seconds, job.state_entered_at = goodput, state_seconds, wall
         job.state, job.reason, job.state_since = target, reason, now
-        metrics.JOB_STATE.labels(job=job.name).set(list(JobState).index(target))
-        metrics.JOB_GENERATION.labels(job=job.name).set(job.generation)
+        self._track_recovery(job, target, wall)
         log.info("job state", job=job.name, generation=job.generation,
                  **{"from": previous.value, "to": target.value}, reason=reason,
                  restarts=job.restarts)
 
+    @staticmethod
+    def _track_recovery(job: JobRuntime, target: JobState, wall: float) -> None:
+        """Time the recovery under way: the old generation stopped (PENDING), the new
+        one started (RUNNING); its first step completes it (``metrics.recovered``)."""
+        recovery = job.recovery
+        if recovery is None:
+            return
+        if target.terminal:
+            job.recovery = None
+        elif target is JobState.PENDING:
+            recovery.setdefault("stopped_at", wall)
+        elif target is JobState.RUNNING:
+            recovery["started_at"] = wall
+
     def apply(self, job: JobRuntime, decision: Decision, now: float) -> None:
         """Carry out a lifecycle decision of ``policy.job.decide``."""
+        if job.state is JobState.PENDING:
+            job.goodput.waiting(time.time(), decision.action is Action.WAIT
+                                and decision.awaits_capacity)
         if decision.action is Action.WAIT:
             if decision.reason != job.last_wait_reason:
                 job.last_wait_reason = decision.reason
@@ -119,7 +151,9 @@ class Executor:
             placed_agents={p.node: self.state.sessions[p.node].pid for p in placement},
             restore_from=good[-1] if good else None,
             restore_fallbacks=[r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS])
+        restore = plan["restore_from"]
         self.transition(job, JobState.STARTING, reason, now, plan_record(job, **plan),
+                        restore_step=restore.get("step") if restore else None,
                         generation=plan["generation"], planned_stop=False)
         previous = job.nodes
         for name, value in plan.items():
@@ -136,6 +170,7 @@ class Executor:
                                          f"{mesh} at world size {world_size}", node=out[0],
                              step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
+        job.rank_step_times.clear()
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()
@@ -225,8 +260,20 @@ class Executor:
                 # controller knowing, traceback included.
                 detected_after_s=max(0.0, cause.reported_at - (cause.reaped_at or cause.exited_at)),
                 root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
+        counts = dict(job.restarts_by_cause)
+        if decision.cause:
+            counts[decision.cause] = counts.get(decision.cause, 0) + 1
         self.transition(job, JobState.STOPPING, decision.reason, now,
-                        planned_stop=decision.replacement)
+                        planned_stop=decision.replacement, restarts_by_cause=counts)
+        job.recovery = None
+        if decision.cause:
+            detected = job.state_entered_at
+            kind = {"agent_restart": "agent_restarted"}.get(decision.cause, decision.cause)
+            fault = next((e for e in reversed(job.health.events)
+                          if e.kind == kind and e.generation == job.generation), None)
+            job.recovery = {"cause": decision.cause, "detected_at": detected,
+                            "fault_at": (min(detected, fault.at - fault.detected_after_s)
+                                         if fault is not None else detected)}
         # Lost nodes too, if they are still connected: a node whose lease expired may
         # well be running.
         for node in job.nodes:
@@ -242,7 +289,6 @@ class Executor:
             self.transition(job, JobState.PENDING, decision.reason, now)
             return
         self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
-        metrics.JOB_RESTARTS.labels(job=job.name).inc()
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
         target = {Action.SUCCEED: JobState.SUCCEEDED, Action.FAIL: JobState.FAILED,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from orchestrator.controller import metrics
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
@@ -76,6 +77,7 @@ class JobHealth:
         self.next_seq += 1
         self.events.append(event)
         self.changed(event)
+        metrics.detected(self.job, kind, event.detected_after_s, event.detected_after_steps)
         log.info("event", job=self.job, generation=self.generation, kind=kind,
                  node=event.node, rank=event.rank if event.HasField("rank") else None,
                  step=event.step, reason=reason)

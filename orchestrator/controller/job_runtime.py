@@ -5,8 +5,10 @@ that takes over; ``record()`` is the part stored there."""
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
+from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
@@ -81,6 +83,26 @@ class JobRuntime:
     # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
     retry_at: float = 0.0
     retry_backoff_s: float = 0.0
+    # Accounting, persisted with the state at each transition (docs/metrics.md): where
+    # the wall time went, generations ended by cause, checkpoints ranks would not use
+    # by kind, and seconds spent in each state before the current one (entered at
+    # ``state_entered_at``, wall clock).
+    goodput: Goodput | None = None
+    restarts_by_cause: dict[str, int] = field(default_factory=dict)
+    checkpoint_problem_counts: dict[str, int] = field(default_factory=dict)
+    state_seconds: dict[str, float] = field(default_factory=dict)
+    state_entered_at: float = field(default_factory=time.time)
+    # The latest generation change under way, for the recovery histograms: when its
+    # fault happened, was detected, the old generation stopped and the new one started
+    # (wall clock), and its cause. None when no recovery is under way.
+    recovery: dict | None = None
+    # Each rank's latest own step times (seconds), for the slowest ranks' series.
+    rank_step_times: dict[int, collections.deque] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.goodput is None:
+            slowdown = self.health.spec.straggler_slowdown if self.health else 1.25
+            self.goodput = Goodput(time.time(), slowdown)
 
     @property
     def name(self) -> str:
@@ -95,6 +117,13 @@ class JobRuntime:
         """Each rank of the current placement, and its node."""
         return {rank: p.node for p in self.placement for rank in p.ranks}
 
+    def tokens_per_s(self) -> float:
+        """Tokens per second over the latest reports of the current generation (the
+        window ``sessions.TOKENS_WINDOW_S`` keeps)."""
+        window = self.token_window
+        span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
+        return sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
+
     def ranks_on(self, node: str) -> int:
         """How many ranks of the current placement run on ``node``."""
         return sum(len(p.ranks) for p in self.placement if p.node == node)
@@ -106,4 +135,9 @@ class JobRuntime:
                 "failures": self.failures,
                 "initial_loss": self.initial_loss if self.has_loss else None,
                 "stop_requested": self.stop_requested, "stop_now": self.stop_now,
-                "planned_stop": self.planned_stop, "ended_at": self.ended_at}
+                "planned_stop": self.planned_stop, "ended_at": self.ended_at,
+                "goodput": self.goodput.record(), "restarts_by_cause": self.restarts_by_cause,
+                "checkpoint_problems": self.checkpoint_problem_counts,
+                "state_seconds": self.state_seconds,
+                "state_entered_at": self.state_entered_at, "tokens": self.tokens,
+                "step": self.step}

@@ -51,6 +51,8 @@ class Leadership:
             state.leader_since, self.refreshed_at = now, now
             state.is_leader = True
         metrics.LEADER.set(1)
+        metrics.TERM.set(term)
+        metrics.LEADER_CHANGES.inc()
         log.info("leading", controller_id=state.id, address=state.address, term=term,
                  jobs=len(state.jobs))
         return True
@@ -83,6 +85,9 @@ class Leadership:
             state.jobs.clear()
         # The lease is kept: see the module docstring.
         metrics.LEADER.set(0)
+        metrics.TERM.set(0)
+        metrics.LEADER_CHANGES.inc()
+        metrics.prune(set())
         log.warning("stepped down", controller_id=state.id, term=was, reason=reason)
 
     def require(self, context) -> None:

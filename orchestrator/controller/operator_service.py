@@ -99,15 +99,12 @@ class OperatorService:
                                                 sorted(self.state.jobs.items())])
 
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
-        window = job.token_window
-        span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
-        rate = sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
         status = keel_pb2.JobStatus(
             job=job.name, state=job.state.value, reason=job.reason,
             generation=job.generation, world_size=job.world_size or job.spec.world_size,
             mesh=job.mesh, restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
             loss=job.loss, initial_loss=job.initial_loss, has_loss=job.has_loss,
-            tokens_per_s=rate, tokens=job.tokens,
+            tokens_per_s=job.tokens_per_s(), tokens=job.tokens,
             step_time_s=statistics.median(job.step_times) if job.step_times else 0.0)
         if job.last_checkpoint:
             ck = job.last_checkpoint
@@ -118,6 +115,11 @@ class OperatorService:
             status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
         status.events.extend(job.health.events)
         status.preflight.extend(job.health.preflight_status())
+        goodput = job.goodput
+        status.goodput.CopyFrom(keel_pb2.Goodput(
+            ratio=goodput.ratio() or 0.0, accounted_s=goodput.accounted_s,
+            seconds=goodput.seconds, at_risk_s=goodput.at_risk_s))
+        status.submitted_at, status.ended_at = goodput.start, job.ended_at or 0.0
         return status
 
     def ListNodes(self, request, context):
@@ -132,17 +134,11 @@ class OperatorService:
         record = self.state.registered.get(name, {})
         cordon = self.state.cordons.get(name)
         job = self.state.job_on(name)
-        if cordon is None:
-            state = "ready"
-        elif cordon["drain"]:
-            state = "draining" if job is not None else "drained"
-        else:
-            state = "cordoned"
         return keel_pb2.NodeInfo(
             node=name, host=record.get("host", session.host if session else ""),
             slots=record.get("slots", session.slots if session else 0),
             connected=bool(session and session.connected),
-            lease_id=record.get("lease_id", 0), state=state,
+            lease_id=record.get("lease_id", 0), state=self.state.node_state(name),
             cordon_reason=("" if cordon is None else cordon["reason"] if cordon["by"] == "operator"
                            else f"{cordon['reason']} (by the {cordon['by']})"),
             job=job.name if job is not None else "")

@@ -9,6 +9,7 @@ import time
 import structlog
 from google.protobuf import json_format
 
+from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.plans import adopt_plan
@@ -61,7 +62,15 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
                      stop_requested=state.value.get("stop_requested", ""),
                      stop_now=state.value.get("stop_now", False),
                      planned_stop=state.value.get("planned_stop", False),
-                     ended_at=state.value.get("ended_at"))
+                     ended_at=state.value.get("ended_at"),
+                     restarts_by_cause=state.value.get("restarts_by_cause", {}),
+                     checkpoint_problem_counts=state.value.get("checkpoint_problems", {}),
+                     state_seconds=state.value.get("state_seconds", {}),
+                     state_entered_at=state.value.get("state_entered_at", time.time()),
+                     tokens=state.value.get("tokens", 0))
+    if state.value.get("goodput"):
+        job.goodput = Goodput.from_record(state.value["goodput"],
+                                          job.health.spec.straggler_slowdown)
     records = store.checkpoints(name)
     plan = store.plan(name, job.generation) if job.generation else None
     if plan:
@@ -71,6 +80,10 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
         # generation started, else now.
         job.ended_at = plan["created_at"] if plan else time.time()
     job.last_checkpoint = newest_good(records)
+    # The step as of the last transition, or the newest checkpoint's if later: what a
+    # new leader exports until the agents' replays tell it the step they are at.
+    job.step = max(state.value.get("step", 0),
+                   job.last_checkpoint["step"] if job.last_checkpoint else 0)
     if state.value.get("initial_loss") is not None:
         job.initial_loss = job.loss = state.value["initial_loss"]
         job.has_loss = job.initial_loss_stored = True
@@ -96,8 +109,13 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
     reported of the generation if etcd's is still the one they reported on."""
     fresh.health = old.health
     for name in ("step", "loss", "initial_loss", "has_loss", "initial_loss_stored", "tokens",
-                 "token_window", "step_times", "unrecorded", "checkpoint_problems"):
+                 "token_window", "step_times", "unrecorded", "checkpoint_problems",
+                 "recovery", "rank_step_times"):
         setattr(fresh, name, getattr(old, name))
+    if fresh.state is old.state and fresh.generation == old.generation:
+        # No transition happened that this controller missed: its accounting is ahead
+        # of etcd's (the steps since the last write), else etcd's holds the transition.
+        fresh.goodput = old.goodput
     if fresh.generation != old.generation:
         fresh.health.new_generation(fresh.generation, fresh.rank_nodes)
         return

@@ -89,7 +89,8 @@ class Reconciler:
         """One pass over everything, given the node records just read from etcd; a
         write that finds another controller leading ends it, and this leadership."""
         try:
-            self._tick(now, registered)
+            with metrics.RECONCILE_TICK.time():
+                self._tick(now, registered)
         except Deposed as exc:
             self.leadership.step_down(f"deposed: {exc}")
 
@@ -97,8 +98,6 @@ class Reconciler:
         state = self.state
         with state.lock:
             state.registered = registered
-            metrics.NODES.set(sum(1 for n in registered
-                                  if n in state.sessions and state.sessions[n].connected))
             for session in list(state.sessions.values()):
                 if session.connected and not session.accounted:
                     jobs = [observe.job_on_node(job, session.node)
@@ -113,8 +112,11 @@ class Reconciler:
                 self.executor.save_events(job)
                 if not job.records_pruned:   # just read from etcd: it may hold too many
                     self._guarded(self.executor.records.prune, job)
+                if job.state in (JobState.PENDING, JobState.STOPPING):
+                    job.goodput.commit_open(wall)
                 if past_retention(job.state, job.ended_at, wall, state.config.finished_job_ttl_s):
                     self._forget(job)
+            metrics.prune({job.name for job in metrics.exported(state, wall)})
             for session in list(state.sessions.values()):
                 runs = observe.node_runs(session) if session.connected else None
                 if runs is not None:

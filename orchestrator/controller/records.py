@@ -39,6 +39,7 @@ class CheckpointRecords:
                             step=record["step"], error=str(exc))
                 continue
             job.unrecorded.remove(record)
+            job.goodput.settle(record["step"])
             if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
                 continue  # a late retry of an older one
             job.last_checkpoint = record
@@ -95,4 +96,6 @@ class CheckpointRecords:
                                                        f"commit of step {problem.step} was "
                                                        f"refused: {problem.reason}",
                                  step=problem.step)
+            job.checkpoint_problem_counts[problem.kind] = \
+                job.checkpoint_problem_counts.get(problem.kind, 0) + 1
             job.checkpoint_problems.pop(0)

@@ -8,6 +8,7 @@ controller's server threads while it lasts (see ``MAX_AGENTS``), and a reader th
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -195,7 +196,7 @@ class AgentService:
                 if body.replayed:
                     _progress(job, reports)
                 else:
-                    _steps(job, reports)
+                    _steps(job, body.generation, reports)
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
             # A generation being stopped still commits what it saved before the stop.
@@ -236,6 +237,7 @@ class AgentService:
             if job is not None and not self._refused(session, kind, rank_refusal(
                     authority(job, session.node), body.rank)):
                 job.health.add_preflight(session.node, body, job.step)
+                job.goodput.preflight(body.generation, body.wall_s)
                 wake.set()
         elif kind == "status":
             session.status = body
@@ -290,14 +292,17 @@ def _progress(job: JobRuntime, reports) -> None:
     for report in reports:
         if report.rank == 0 and report.step >= job.step:
             job.step, job.loss = report.step, report.loss
-    metrics.JOB_STEP.labels(job=job.name).set(job.step)
 
 
-def _steps(job: JobRuntime, reports) -> None:
+def _steps(job: JobRuntime, generation: int, reports) -> None:
     for report in reports:
         job.tokens += report.tokens
         if report.step_time_s > 0:
             job.step_times.append(report.step_time_s)
+            times = job.rank_step_times.get(report.rank)
+            if times is None:
+                times = job.rank_step_times[report.rank] = collections.deque(maxlen=5)
+            times.append(report.step_time_s)
         job.token_window.append((report.at, report.tokens))
         if report.rank == 0 and not job.has_loss:
             job.initial_loss, job.has_loss = report.loss, True
@@ -306,6 +311,8 @@ def _steps(job: JobRuntime, reports) -> None:
     while window and window[-1][0] - window[0][0] > TOKENS_WINDOW_S:
         window.popleft()
     job.health.add_steps(reports)
+    job.goodput.steps(generation, reports, time.time())
+    metrics.recovered(job)
 
 
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:

@@ -69,6 +69,16 @@ class ControllerState:
         return next((j for j in self.jobs.values()
                      if j.state.holds_nodes and node in j.nodes), None)
 
+    def node_state(self, node: str) -> str:
+        """``ready``, ``cordoned``, ``draining`` (cordoned, a job still on it) or
+        ``drained``."""
+        cordon = self.cordons.get(node)
+        if cordon is None:
+            return "ready"
+        if cordon["drain"]:
+            return "draining" if self.job_on(node) is not None else "drained"
+        return "cordoned"
+
     def connected(self) -> int:
         """Agents whose stream is up."""
         with self.lock:

@@ -16,6 +16,7 @@ from common import env
 from common.etcd import EtcdCredentials, connect
 from common.procs import terminate, tied_to_this_process
 from common.tls import TlsFiles, etcd_flags, resolve_tls
+from orchestrator.local import prometheus
 from orchestrator.local.etcd_server import EmbeddedEtcd
 from orchestrator.local.options import UpOptions
 from orchestrator.controller.store import Store
@@ -47,6 +48,9 @@ class LocalCluster:
         return ",".join(self.options.etcd_endpoints) or self.etcd.endpoint
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        """A daemon, ``python ARGS`` plus the log flags, logging to ``logs/LOG_NAME``."""
+        args = [*args, "--log-format", self.options.log_format,
+                "--log-level", self.options.log_level]
         with open(self.workdir / "logs" / log_name, "ab") as log:
             return subprocess.Popen([*tied_to_this_process(), sys.executable, *args],
                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL,
@@ -85,6 +89,9 @@ class LocalCluster:
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "prometheus").mkdir(parents=True, exist_ok=True)
+        for stale in (self.workdir / "prometheus").glob("*.address"):
+            stale.unlink()   # of an earlier run in this workdir
         credentials, self.agent_credentials = self._credentials()
         if not self.options.etcd_endpoints:
             self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
@@ -96,7 +103,9 @@ class LocalCluster:
             log_name = "controller.log" if i == 0 else f"controller-{i}.log"
             controller = self._spawn(
                 ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
-                 *credentials, "--address-file", str(address_file)],
+                 *credentials, "--address-file", str(address_file),
+                 "--metrics-listen", ":0", "--metrics-address-file",
+                 str(self._metrics_file(f"controller-{i}"))],
                 log_name)
             self.controllers.append(controller)
             deadline = time.monotonic() + 30
@@ -127,8 +136,30 @@ class LocalCluster:
              "--slots", str(self.options.slots_per_node), *reach, *self.agent_credentials,
              "--run-dir", str(self.workdir / "nodes" / f"node-{index}"),
              "--lease-ttl-s", str(self.options.lease_ttl_s),
-             "--stop-grace-s", str(self.options.stop_grace_s)],
+             "--stop-grace-s", str(self.options.stop_grace_s),
+             "--metrics-listen", ":0", "--metrics-address-file",
+             str(self._metrics_file(f"agent-node-{index}"))],
             f"agent-node-{index}.log")
+
+    def _metrics_file(self, daemon: str) -> Path:
+        return self.workdir / "prometheus" / f"{daemon}.address"
+
+    def write_prometheus(self) -> Path:
+        """Write ``prometheus.yml`` and the targets (see ``orchestrator.local.prometheus``);
+        the config's path."""
+        self.refresh_targets()
+        return prometheus.write_config(self.workdir / "prometheus", self.client_tls)
+
+    def refresh_targets(self) -> None:
+        """Rewrite the targets if a daemon's metrics address changed (an agent
+        restarted); a daemon not serving yet is added once it is."""
+        def read(daemon: str) -> list[str]:
+            path = self._metrics_file(daemon)
+            return [path.read_text().strip()] if path.exists() else []
+        prometheus.write_targets(
+            self.workdir / "prometheus",
+            [a for i in range(len(self.controllers)) for a in read(f"controller-{i}")],
+            [a for i in range(len(self.agents)) for a in read(f"agent-node-{i}")])
 
     def stop(self) -> None:
         """Agents first (they stop their ranks), then the controller, then etcd."""

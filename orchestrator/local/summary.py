@@ -79,7 +79,7 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
     if status is None:
         return {"state": "NOT_STARTED", "reason": error, "steps": 0, "initial_loss": None,
                 "final_loss": None, "world_size": 0, "layout": "", "generations": 0,
-                "restarts": 0, "data": None, "events": [], "preflight": [],
+                "restarts": 0, "data": None, "events": [], "preflight": [], "goodput": None,
                 "wall_s": round(wall_s, 2), "workdir": str(workdir), "failures": []}
     return {
         "job": status.job, "state": status.state, "reason": error or status.reason,
@@ -97,6 +97,11 @@ def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
                       "last_step": f.last_step, "traceback": f.traceback}
                      for f in status.failures],
         "data": _data_audit(status),
+        "goodput": {"ratio": round(status.goodput.ratio, 4),
+                    "wall_s": round(status.goodput.accounted_s, 3),
+                    "at_risk_s": round(status.goodput.at_risk_s, 3),
+                    "submitted_at": status.submitted_at, "ended_at": status.ended_at,
+                    "seconds": {k: round(v, 3) for k, v in sorted(status.goodput.seconds.items())}},
         "events": [_event_json(e) for e in status.events],
         "preflight": [{"node": p.node, "generation": p.generation, "slow": p.slow,
                        "results": [{"collective": r.collective, "size_bytes": r.size_bytes,
@@ -147,6 +152,13 @@ def print_summary(summary: dict, as_json: bool) -> None:
           f"{summary['world_size']} ({summary.get('layout') or '-'}){loss}; "
           f"{summary['generations']} generation(s), {summary['restarts']} restart(s), "
           f"{summary['wall_s']:.1f} s")
+    if summary.get("goodput") and summary["goodput"]["wall_s"] > 0:
+        goodput = summary["goodput"]
+        lost = ", ".join(f"{cause} {seconds:.1f} s" for cause, seconds in
+                         sorted(goodput["seconds"].items(), key=lambda kv: -kv[1])
+                         if cause != "productive" and seconds >= 0.05)
+        print(f"  goodput: {goodput['ratio']:.1%} of {goodput['wall_s']:.1f} s"
+              + (f"; lost to {lost}" if lost else ""))
     if summary.get("data"):
         data = summary["data"]
         print(f"  data: {data['consumed']}/{data['expected']} samples consumed, "

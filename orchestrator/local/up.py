@@ -65,12 +65,14 @@ def up(options: UpOptions) -> int:
             # Every agent joins before the job is submitted, so the placement is by node
             # name and the spares are the last nodes, whatever order they started in.
             _wait_for_agents(client, options.nodes + options.spares, workdir)
+            scrape = cluster.write_prometheus()
             client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
             credentials = " ".join([*(["--tls-dir", str(workdir / "tls")] if options.tls
                                       else ["--token-file", str(workdir / "token")]),
                                     *etcd_flags(cluster.etcd_credentials)])
             progress.note(f"job {spec.name} submitted; from another shell: keel status "
                           f"--etcd-endpoints {cluster.endpoints} {credentials}")
+            progress.note(f"metrics: prometheus --config.file {scrape}")
             deadline = time.monotonic() + options.timeout_s
             while True:
                 status = client.call("GetJob", keel_pb2.GetJobRequest(job=spec.name))
@@ -79,6 +81,7 @@ def up(options: UpOptions) -> int:
                     struck_at = None
                 leader_changes = len(client.leaders) - 1
                 progress.show(status)
+                cluster.refresh_targets()
                 for fired in faults.fire(status.step, cluster, client.address):
                     progress.note(fired.message)
                     if fired.kind in ("kill_leader", "stall_leader"):

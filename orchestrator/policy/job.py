@@ -13,6 +13,10 @@ from dataclasses import dataclass, field, replace
 from orchestrator.policy.lifecycle import JobState
 
 
+# What can end a generation (``Decision.cause``), as the restarts metric counts them.
+RESTART_CAUSES = ("crash", "hang", "straggler", "node_lost", "operator", "agent_restart")
+
+
 class Action(str, enum.Enum):
     WAIT = "WAIT"            # nothing to do yet; the reason says what is awaited
     PREPARE = "PREPARE"      # choose nodes for the next generation, ask for a rendezvous
@@ -73,6 +77,7 @@ class Observed:
     hang: str = ""                     # an agent declared a rank hung: its reason
     replace: str = ""                  # a checkpoint-then-stop (node replacement, drain,
                                        # operator stop) is ready to go: its reason
+    replace_origin: str = "operator"   # ... and who began it: "operator" or "straggler"
     stop_requested: str = ""           # the operator stopped the job: their reason
     planned_stop: bool = False         # the generation was stopped on purpose (a node
                                        # replaced or drained), not by a failure
@@ -98,6 +103,10 @@ class Decision:
     replacement: bool = False     # STOP to carry out a node replacement
     use_suspects: tuple[str, ...] = ()  # PREPARE on these suspect nodes too (no spare)
     alert: str = ""               # a person should know this: recorded as an alert event
+    # STOP: what ended the generation, one of RESTART_CAUSES (the operation's origin for
+    # a replacement: "straggler" or "operator"); "" for an operator's stop of the job.
+    cause: str = ""
+    awaits_capacity: bool = False  # WAIT in PENDING: not enough free slots
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
@@ -133,18 +142,19 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
     if state is JobState.STARTING:
         if observed.lost_nodes:
             return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} "
-                                         f"lost while starting")
+                                         f"lost while starting", cause="node_lost")
         if observed.rendezvous_ready:
             return Decision(Action.START, "rendezvous endpoint published")
         waited = now - observed.state_since
         if waited > spec.rendezvous_timeout_s:
             return Decision(Action.STOP, f"no rendezvous endpoint after {waited:.0f}s "
-                                         f"(limit {spec.rendezvous_timeout_s:.0f}s)")
+                                         f"(limit {spec.rendezvous_timeout_s:.0f}s)",
+                            cause="crash")
         return Decision(Action.WAIT, "waiting for the rendezvous endpoint")
 
     if state is JobState.RUNNING:
         if observed.hang:
-            return Decision(Action.STOP, observed.hang, collect_stacks=True)
+            return Decision(Action.STOP, observed.hang, collect_stacks=True, cause="hang")
         cause = root_cause(observed.exits)
         gone = observed.lost_nodes | observed.unreachable_nodes | observed.vanished_nodes
         if cause is not None:
@@ -152,15 +162,20 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
                 # Peers of a vanished node fail with connection errors at once, seconds
                 # before its lease expires: the vanished node is the likelier cause.
                 return Decision(Action.STOP, f"node {', '.join(sorted(gone))} unreachable; "
-                                             f"then {cause.describe()}", cause)
-            return Decision(Action.STOP, cause.describe(), cause)
+                                             f"then {cause.describe()}", cause,
+                                cause="agent_restart" if gone <= observed.vanished_nodes
+                                else "node_lost")
+            return Decision(Action.STOP, cause.describe(), cause, cause="crash")
         if observed.lost_nodes:
-            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost")
+            return Decision(Action.STOP, f"node {', '.join(sorted(observed.lost_nodes))} lost",
+                            cause="node_lost")
         if observed.vanished_nodes:
             return Decision(Action.STOP, f"the agent of {', '.join(sorted(observed.vanished_nodes))} "
-                                         f"restarted; its ranks died with it")
+                                         f"restarted; its ranks died with it",
+                            cause="agent_restart")
         if observed.replace:
-            return Decision(Action.STOP, observed.replace, replacement=True)
+            return Decision(Action.STOP, observed.replace, replacement=True,
+                            cause=observed.replace_origin)
         ranks = observed.generation_world_size
         done = sum(1 for e in observed.exits if e.exit_code == 0 and e.signal == 0)
         if done == ranks:
@@ -204,4 +219,4 @@ def _place(free_slots: dict[str, int], generation: int, spec: Spec) -> Decision:
                         f"{spec.min_nodes})", shrink=True)
     floor = f", or {spec.min_nodes} nodes to shrink to" if spec.min_nodes and generation else ""
     return Decision(Action.WAIT, f"{free}/{spec.world_size} slots free on {nodes} nodes, "
-                                 f"need {spec.world_size}{floor}")
+                                 f"need {spec.world_size}{floor}", awaits_capacity=True)

@@ -31,6 +31,7 @@ class Operation:
     generation: int = 0
     with_node: str = ""      # replace: the node to take its place ("" = any free one)
     checkpoint: bool = True  # False: stop at once from the last committed checkpoint
+    origin: str = "operator"  # who asked: "operator" or "straggler" (a slow node's remedy)
     after_step: int | None = None
     requested_at: float | None = None
 
@@ -45,13 +46,14 @@ class Operation:
         """What etcd keeps of it: the intent, not this leader's progress on it."""
         return {"node": self.node, "reason": self.reason, "policy": self.policy,
                 "generation": self.generation, "with_node": self.with_node,
-                "checkpoint": self.checkpoint}
+                "checkpoint": self.checkpoint, "origin": self.origin}
 
     @classmethod
     def from_record(cls, record: dict) -> Operation:
         return cls(node=record["node"], reason=record["reason"], policy=record["policy"],
                    generation=record["generation"], with_node=record.get("with_node", ""),
-                   checkpoint=record.get("checkpoint", True))
+                   checkpoint=record.get("checkpoint", True),
+                   origin=record.get("origin", "operator"))
 
 
 class Change(str, enum.Enum):

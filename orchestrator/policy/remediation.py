@@ -51,7 +51,7 @@ def slow_node(now: float, node: str, job: str, state: JobState, generation: int,
     reason = f"{policy} straggler {node}"
     return SlowNodeDecision(Remedy.REPLACE if policy == "replace" else Remedy.EXCLUDE, reason,
                             cordon, Operation(node=node, reason=reason, policy=policy,
-                                              generation=generation))
+                                              generation=generation, origin="straggler"))
 
 
 def suspects(lost: frozenset[str], hung: str, planned: Operation | None) -> frozenset[str]:

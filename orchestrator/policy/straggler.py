@@ -103,6 +103,7 @@ class StragglerState:
     pending: tuple[StepSample, ...] = ()    # reports after last_step, one per (rank, step)
     streaks: tuple[NodeStreak, ...] = ()    # by node name
     flagged: frozenset[str] = frozenset()
+    scores: tuple[NodeScore, ...] = ()      # of the latest window scored, by node
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
     streaks = {s.node: s for s in state.streaks}
     flagged = set(state.flagged)
     last_step = state.last_step
+    scores = state.scores
     flags: list[Flag] = []
     cleared: list[str] = []
 
@@ -172,7 +174,8 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
         last_step = last
         if len({s.rank for s in window}) < config.min_ranks:
             continue
-        for score in score_window(window):
+        scores = tuple(score_window(window))
+        for score in scores:
             streak = streaks.get(score.node, NodeStreak(score.node))
             if score.node in flagged:
                 if score.ratio < config.recover:
@@ -197,7 +200,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
         last_step=last_step, ranks=frozenset(ranks),
         pending=tuple(pending[key] for key in sorted(pending)),
         streaks=tuple(streaks[node] for node in sorted(streaks)),
-        flagged=frozenset(flagged))
+        flagged=frozenset(flagged), scores=scores)
     return new_state, flags, cleared
 
 

@@ -1,7 +1,12 @@
 """The library a training script uses to live under Keel: the rank's identity from its
-environment (``identity``), step, checkpoint and preflight reports to the node agent
-and the agent's checkpoint requests (``reporting``), stack dumps on SIGUSR1, and
-scripted fault injection (``faults``).
+environment (``identity``), its structured logs (``Runtime.log``), step, checkpoint and
+preflight reports to the node agent and the agent's checkpoint requests
+(``reporting``), stack dumps on SIGUSR1, and scripted fault injection (``faults``).
+
+A ``Runtime`` configures the rank's logs (``common.logs``): lines on stderr, JSON unless
+stderr is a terminal (``KEEL_LOG_FORMAT`` and ``KEEL_LOG_LEVEL`` override), each with
+component ``trainer``, the ``rank`` and, under Keel, the ``job`` and ``generation``.
+Tracebacks of uncaught exceptions stay plain text on stderr, for the agent.
 
 Everything degrades to a no-op under plain ``torchrun``: without ``KEEL_AGENT_SOCKET``
 nothing is sent, without ``KEEL_FAULTS`` nothing is injected. Reporting never blocks or
@@ -22,7 +27,9 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from common import env
+import structlog
+
+from common import env, logs
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
 from common.paths import inside
 from protos import keel_pb2
@@ -32,6 +39,8 @@ from trainer.runtime.identity import (Identity, deadline_problems, job_deadlines
                                       read_identity)
 from trainer.runtime.reporting import (CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S,
                                        AgentReporter)
+
+_log = structlog.get_logger()
 
 __all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "Identity", "Layout",
            "LayoutError", "Runtime", "claim_fault", "deadline_problems", "env",
@@ -65,6 +74,7 @@ class Runtime:
         restore_fallbacks: tuple[str, ...] = (),
         fence_after_s: float | None = None,
         agent_token: str = "",
+        node: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -77,6 +87,8 @@ class Runtime:
         self.restore_fallbacks = restore_fallbacks
         self.restart_count = restart_count
         self.agent_socket = agent_socket
+        under_keel = {"job": job, "generation": generation, "node": node}
+        logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
         self._faults = FaultInjector(faults, rank, generation, self.log)
         self._agent = AgentReporter(agent_socket, rank=rank, world_size=world_size,
                                     generation=generation, job=job, log=self.log,
@@ -93,17 +105,15 @@ class Runtime:
         agent (0: none yet, or no agent)."""
         return self._agent.recorded_step if self._agent is not None else 0
 
-    def log(self, message: str) -> None:
-        """Writes one line to stderr, tagged with job, generation and rank."""
-        print(
-            f"keel.trainer job={self.job or '-'} generation={self.generation} rank={self.rank}: {message}",
-            file=sys.stderr,
-            flush=True,
-        )
+    def log(self, message: str, **fields: object) -> None:
+        """Logs event ``message`` with ``fields`` at level info: one line on stderr,
+        tagged with the job, generation and rank (see the module's docstring)."""
+        _log.info(message, **fields)
 
     def report_step(self, step: int, loss: float, tokens: int, step_time_s: float, *,
                     data_s: float = 0.0, compute_s: float = 0.0, optimizer_s: float = 0.0,
-                    checkpoint_s: float = 0.0, checkpointing: bool = False) -> None:
+                    checkpoint_s: float = 0.0, checkpointing: bool = False,
+                    restore_s: float = 0.0) -> None:
         """Queues the report of finished step ``step`` for the agent and returns at once.
         ``tokens`` are the tokens this rank processed in the step; ``step_time_s`` is its
         own time for the step in seconds, before waiting on peers. The phases, in
@@ -111,11 +121,13 @@ class Runtime:
         ``optimizer_s``, and ``checkpoint_s``, the time the loop was blocked by a
         checkpoint since the previous report. ``checkpointing``: a checkpoint save
         follows this step; such a report is sent at once, so call this before the save.
+        ``restore_s``: on the generation's first step, the seconds its restore took.
         A no-op without an agent."""
         if self._agent is not None:
             self._agent.report_step(step, loss, tokens, step_time_s, data_s=data_s,
                                     compute_s=compute_s, optimizer_s=optimizer_s,
-                                    checkpoint_s=checkpoint_s, checkpointing=checkpointing)
+                                    checkpoint_s=checkpoint_s, checkpointing=checkpointing,
+                                    restore_s=restore_s)
 
     def take_checkpoint_request(self) -> bool:
         """Whether the agent asked for a checkpoint since the last call (cleared by the
@@ -128,11 +140,14 @@ class Runtime:
         the agent acknowledged. False without an agent."""
         return self._agent is not None and self._agent.report_preflight(results, wall_s)
 
-    def report_checkpoint(self, step: int, path: str, samples: int) -> bool:
+    def report_checkpoint(self, step: int, path: str, samples: int, *, save_s: float = 0.0,
+                          size: int = 0) -> bool:
         """Tells the agent that the checkpoint of step ``step`` is durable at ``path``
-        (``samples``: global data position after it); whether the agent acknowledged.
-        False without an agent."""
-        return self._agent is not None and self._agent.report_checkpoint(step, path, samples)
+        (``samples``: global data position after it; ``save_s``: seconds from the save's
+        start to now; ``size``: its bytes); whether the agent acknowledged. False
+        without an agent."""
+        return self._agent is not None and self._agent.report_checkpoint(
+            step, path, samples, save_s=save_s, size=size)
 
     def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
         """Tells the agent of a checkpoint this rank would not or could not use: a

@@ -31,6 +31,7 @@ class Identity:
     restart_count: int
     agent_socket: str | None
     agent_token: str = ""         # this rank's credential on the agent's socket
+    node: str = ""                # the node it runs on, as its agent names it ("" without)
 
 
 def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
@@ -71,6 +72,7 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
         agent_token=environ.get(env.RANK_TOKEN, ""),
+        node=environ.get(env.NODE, ""),
     )
 
 

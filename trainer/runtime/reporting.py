@@ -221,6 +221,7 @@ class AgentReporter:
         optimizer_s: float = 0.0,
         checkpoint_s: float = 0.0,
         checkpointing: bool = False,
+        restore_s: float = 0.0,
     ) -> None:
         """Queues the report of finished step ``step`` and returns at once (the
         arguments are ``Runtime.report_step``'s)."""
@@ -237,6 +238,7 @@ class AgentReporter:
                 optimizer_s=optimizer_s,
                 checkpoint_s=checkpoint_s,
                 checkpointing=checkpointing,
+                restore_s=restore_s,
             )
         )
 
@@ -279,7 +281,8 @@ class AgentReporter:
             return False
         return True
 
-    def report_checkpoint(self, step: int, path: str, samples: int) -> bool:
+    def report_checkpoint(self, step: int, path: str, samples: int, *, save_s: float = 0.0,
+                          size: int = 0) -> bool:
         """Tells the agent that the checkpoint of step ``step`` is durable at ``path``
         (``samples``: global data position after that step). Sends pending step reports
         first, then blocks for at most ``CHECKPOINT_REPORT_DEADLINE_S`` seconds. Returns
@@ -289,7 +292,8 @@ class AgentReporter:
         try:
             ack = self._stub.ReportCheckpoint(
                 keel_pb2.CheckpointSaved(
-                    job=self.job, generation=self.generation, step=step, path=path, samples=samples
+                    job=self.job, generation=self.generation, step=step, path=path, samples=samples,
+                    save_s=save_s, bytes=size,
                 ),
                 timeout=CHECKPOINT_REPORT_DEADLINE_S,
             )

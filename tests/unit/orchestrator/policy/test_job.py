@@ -208,3 +208,30 @@ def test_with_no_spare_the_job_runs_on_a_suspect_node_and_says_so():
                    suspect_slots={"b": 2})
     d = decide(1.0, few, spec)
     assert (d.action, d.reason) == (Action.WAIT, "1/4 slots free on 1 nodes, need 4")
+
+
+def test_every_stop_names_what_ended_the_generation():
+    crash = exit_(1, code=1)
+    cases = [
+        (running(exits=(crash,)), "crash"),
+        (running(hang="rank 1 made no progress"), "hang"),
+        (running(lost_nodes=frozenset({"b"})), "node_lost"),
+        (running(vanished_nodes=frozenset({"b"})), "agent_restart"),
+        # Peers of a vanished node fail at once: the vanished node's restart is the cause.
+        (running(exits=(crash,), vanished_nodes=frozenset({"b"})), "agent_restart"),
+        (running(exits=(crash,), unreachable_nodes=frozenset({"b"})), "node_lost"),
+        (running(replace="replace straggler b", replace_origin="straggler"), "straggler"),
+        (running(replace="drain b"), "operator"),
+        (Observed(JobState.STARTING, 0.0, 0, lost_nodes=frozenset({"a"})), "node_lost"),
+    ]
+    for observed, cause in cases:
+        d = decide(10.0, observed, SPEC)
+        assert (d.action, d.cause) == (Action.STOP, cause), observed
+
+
+def test_only_a_shortage_of_slots_is_waiting_for_capacity():
+    short = decide(10.0, Observed(JobState.PENDING, 0.0, 0, free_slots={"a": 2}), SPEC)
+    assert short.action is Action.WAIT and short.awaits_capacity
+    backing_off = decide(1.0, Observed(JobState.PENDING, 0.0, 1, backoff_s=5.0,
+                                       free_slots={"a": 2, "b": 2}), SPEC)
+    assert backing_off.action is Action.WAIT and not backing_off.awaits_capacity

@@ -39,7 +39,8 @@ def test_a_slow_node_is_replaced_excluded_or_reported(kw, remedy, reason, cordon
     assert (decision.remedy, decision.reason, decision.cordon) == (remedy, reason, cordon)
     if remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
         assert decision.operation == Operation(node="b", reason=reason,
-                                               policy=kw.get("policy", "replace"), generation=3)
+                                               policy=kw.get("policy", "replace"), generation=3,
+                                               origin="straggler")
     else:
         assert decision.operation is None
 

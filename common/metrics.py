@@ -1,0 +1,135 @@
+"""What every daemon exports to Prometheus alike: its etcd calls and the RPCs it
+serves, and the ``/metrics`` endpoint itself (docs/metrics.md names every series).
+
+Labels stay bounded: an etcd call is labelled by its method (``Range``, ``Txn``, ...),
+an RPC by its method and status code."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:  # common.tls imports common.etcd, which uses this module
+    from common.tls import TlsFiles
+
+ETCD_SECONDS = Histogram("keel_etcd_request_seconds", "One etcd call, seconds", ["op"],
+                         buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+ETCD_ERRORS = Counter("keel_etcd_request_errors", "etcd calls that failed", ["op"])
+ETCD_UP = Gauge("keel_etcd_up", "1 if the latest etcd call succeeded")
+RPC_HANDLED = Counter("keel_grpc_server_handled", "RPCs served, by status code",
+                      ["method", "code"])
+RPC_SECONDS = Histogram("keel_grpc_server_handling_seconds",
+                        "Time to serve one RPC (a stream: its whole life), seconds",
+                        ["method"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 30, 300, 3600))
+
+
+def listen_address(listen: str, advertise_host: str) -> str:
+    """``--metrics-listen`` as "host:port": a bare port (or ":port") binds the address
+    the daemon advertises, not every interface."""
+    host, _, port = listen.rpartition(":")
+    return f"{host or advertise_host}:{port}"
+
+
+def serve(listen: str, tls: TlsFiles | None = None):
+    """Serve ``/metrics`` on ``listen`` ("host:port"; port 0 picks a free one) from a
+    daemon thread, over HTTPS with the daemon's certificate when ``tls`` is given
+    (clients then need a certificate of the same CA). Returns the server: its
+    ``server_port``, and ``shutdown()`` to stop it."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"metrics address {listen!r}: write it as host:port (port 0 "
+                         f"picks a free one)")
+    kwargs = {}
+    if tls is not None:
+        kwargs = dict(certfile=str(tls.cert), keyfile=str(tls.key),
+                      client_cafile=str(tls.ca), client_auth_required=True)
+    server, _ = start_http_server(int(port), addr=host.strip("[]"), **kwargs)
+    return server
+
+
+def _method(full: str) -> str:
+    """``/keel.v1.Controller/GetJob`` -> ``GetJob``."""
+    return full.rpartition("/")[2] or full
+
+
+class EtcdCallMetrics(grpc.UnaryUnaryClientInterceptor):
+    """Times every unary etcd call (streams, the watches and lease keep-alives, are
+    long-lived and not timed) and counts its failures."""
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        op = _method(client_call_details.method)
+        start = time.monotonic()
+        outcome = continuation(client_call_details, request)
+        # The outcome is a future that has completed (a blocking call) or carries the
+        # error; code() waits for it.
+        failed = outcome.code() is not grpc.StatusCode.OK
+        ETCD_SECONDS.labels(op=op).observe(time.monotonic() - start)
+        errors = ETCD_ERRORS.labels(op=op)   # at 0 from an op's first call
+        if failed:
+            errors.inc()
+        ETCD_UP.set(0 if failed and outcome.code() in (
+            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else 1)
+        return outcome
+
+
+class RpcMetrics(grpc.ServerInterceptor):
+    """Counts every RPC a server handles by method and status code, and times it."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _method(handler_call_details.method)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _streaming(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _streaming(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
+def _record(method: str, context, start: float, error: BaseException | None) -> None:
+    code = context.code()
+    if code is None:
+        code = grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
+    RPC_HANDLED.labels(method=method, code=code.name).inc()
+    RPC_SECONDS.labels(method=method).observe(time.monotonic() - start)
+
+
+def _unary(behavior, method: str):
+    def handle(request, context):
+        start, error = time.monotonic(), None
+        try:
+            return behavior(request, context)
+        except BaseException as exc:  # context.abort raises; it is re-raised
+            error = exc
+            raise
+        finally:
+            _record(method, context, start, error)
+    return handle
+
+
+def _streaming(behavior, method: str):
+    def handle(request, context):
+        start, error = time.monotonic(), None
+        try:
+            yield from behavior(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _record(method, context, start, error)
+    return handle
