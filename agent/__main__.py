@@ -35,12 +35,7 @@ from common.logs import configure
 @click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
               help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
                    "stopped with the job's own stop grace).")
-@click.option("--metrics-listen", metavar="[HOST]:PORT",
-              help="Serve Prometheus metrics (/metrics, its ranks' included) here; a bare "
-                   ":PORT binds --host; port 0 picks a free one. HTTPS with the agent's "
-                   "certificate under mutual TLS. Not served without it.")
-@click.option("--metrics-address-file", type=click.Path(dir_okay=False),
-              help="Write the metrics host:port here once serving.")
+@flags.metrics_options("--host", ", its ranks' included")
 @click.option("--accelerator", default="",
               help="What this node's slots are, for the job's MFU (e.g. 'NVIDIA H100 80GB "
                    "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.")

@@ -65,3 +65,19 @@ def log_options(command):
                      help=f"Drop log lines below this level (default: info; env "
                           f"{env.LOG_LEVEL})."),
     ])
+
+
+def metrics_options(bound_to: str, exported: str = ""):
+    """``--metrics-listen`` and ``--metrics-address-file`` (``common.metrics``): a bare
+    ``:PORT`` binds ``bound_to``, the address the daemon advertises."""
+    def apply(command):
+        return _apply(command, [
+            click.option("--metrics-listen", metavar="[HOST]:PORT",
+                         help=f"Serve Prometheus metrics (/metrics{exported}) here; a bare "
+                              f":PORT binds {bound_to}; port 0 picks a free one. HTTPS with "
+                              f"this daemon's certificate under mutual TLS. Not served "
+                              f"without it."),
+            click.option("--metrics-address-file", type=click.Path(dir_okay=False),
+                         help="Write the metrics host:port here once serving."),
+        ])
+    return apply

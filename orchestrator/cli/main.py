@@ -210,12 +210,7 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
               help="Host agents and operators reach this controller on.")
 @click.option("--address-file", type=click.Path(dir_okay=False),
               help="Write the served host:port here once listening.")
-@click.option("--metrics-listen", metavar="[HOST]:PORT",
-              help="Serve Prometheus metrics (/metrics) here; a bare :PORT binds the "
-                   "advertised host; port 0 picks a free one. HTTPS with this daemon's "
-                   "certificate under mutual TLS. Not served without it.")
-@click.option("--metrics-address-file", type=click.Path(dir_okay=False),
-              help="Write the metrics host:port here once serving.")
+@flags.metrics_options("--advertise-host")
 @click.option("--finished-job-metrics-s", type=float, default=300.0, show_default=True,
               help="Keep exporting an ended job's series this long.")
 @click.option("--peak-flops", "peak_flops", multiple=True, metavar="NAME=FLOPS",

@@ -97,9 +97,9 @@ def monitored_run(tmp_path_factory, prometheus_binary):
     up = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "up", "--json", "--workdir", str(workdir),
          "--timeout-s", "420", "--controllers", "2", "--nodes", "2", "--spares", "1",
-         "--slots-per-node", "1", "--steps", "55", "--checkpoint-every", "5",
+         "--slots-per-node", "1", "--steps", "60", "--checkpoint-every", "5",
          "--inject", "crash:rank=0,step=12", "--inject", "kill_leader:step=20",
-         "--inject", "slow:rank=1,step=24,factor=2"],
+         "--inject", "slow:rank=1,step=22,factor=5"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=open(base / "up.err", "wb"), text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     server = None
@@ -125,9 +125,12 @@ def monitored_run(tmp_path_factory, prometheus_binary):
 def test_the_run_itself_went_as_injected(monitored_run):
     summary, _ = monitored_run
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
-    assert (summary["state"], summary["steps"]) == ("SUCCEEDED", 55)
+    assert (summary["state"], summary["steps"]) == ("SUCCEEDED", 60)
     assert summary["leader_changes"] == 1 and summary["restarts"] == 1
-    assert summary["generations"] == 3, [e["kind"] for e in summary["events"]]
+    # The crash, then the straggler replaced (rank 1 stays slow wherever it runs: it
+    # may be flagged and moved again before the end).
+    kinds = [e["kind"] for e in summary["events"]]
+    assert summary["generations"] >= 3 and "replaced" in kinds, kinds
 
 
 def test_prometheus_holds_the_step_the_goodput_and_the_restarts_by_cause(monitored_run):
@@ -135,7 +138,7 @@ def test_prometheus_holds_the_step_the_goodput_and_the_restarts_by_cause(monitor
     window = "30m"
     # The step at the last scrape before keel up stopped the cluster (it scrapes every 2 s).
     step = prometheus.value(f'max(max_over_time(keel_job_step{{job_name="{JOB}"}}[{window}]))')
-    assert step is not None and 45 <= step <= 55, step
+    assert step is not None and 50 <= step <= 60, step
     ratio = prometheus.value(f'max(last_over_time(keel_goodput_ratio{{job_name="{JOB}"}}[{window}]))')
     assert ratio is not None and 0 < ratio < 1
     for cause in ("crash", "straggler"):
@@ -191,11 +194,11 @@ def test_the_new_leader_exports_the_job_at_its_first_scrape(monitored_run):
     state = prometheus.samples(f'keel_job_state{{instance="{new}",job_name="{JOB}",'
                                f'state="RUNNING"}}')
     # In the very scrape where it first says it leads, the job's state and step are
-    # there: the step etcd knows (the newest checkpoint's, every 5 steps), and by the
-    # next scrape the step the ranks are at (rank 0 had passed step 20 when the old
-    # leader was killed).
+    # there: the step etcd knows (stored at the last transition, 11 when the crash
+    # restarted the job, or the newest checkpoint's if later), and by the next scrape
+    # the step the ranks are at (rank 0 had passed step 20 when the old leader died).
     assert first in step and first in state, (first, sorted(step)[:3], sorted(state)[:3])
-    assert state[first] == 1 and step[first] >= 15, (step[first], sorted(step.items())[:4])
+    assert state[first] == 1 and step[first] >= 11, (step[first], sorted(step.items())[:4])
     following = min(t for t in step if t > first)
     assert step[following] >= 20, sorted(step.items())[:4]
     # While it stood by, it exported no job series at all.

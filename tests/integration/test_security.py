@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -30,7 +34,8 @@ def secure(etcd, no_leaks):
 
     def controller():
         proc = spawn(["-m", "orchestrator.cli", "controller", "--etcd-endpoints", etcd.endpoint,
-                      "--tls-dir", str(tls_dir), "--address-file", str(tmp / "address")],
+                      "--tls-dir", str(tls_dir), "--address-file", str(tmp / "address"),
+                      "--metrics-listen", ":0", "--metrics-address-file", str(tmp / "metrics")],
                      tmp / "controller.log")
         started.append(proc)
         wait_for(lambda: (tmp / "address").exists() or proc.poll() is not None, 30,
@@ -151,6 +156,18 @@ def test_mutual_tls_and_role_tokens(secure, etcd):
     assert refused.returncode == 1
     assert "the reader token cannot call DrainNode; use the operator token" in refused.stderr
     assert secure.store.cordons() == {}
+
+    # Its metrics are HTTPS with the controller's certificate, to holders of a
+    # certificate of the same CA only.
+    metrics = f"https://{(secure.path / 'metrics').read_text().strip()}/metrics"
+    trusting = ssl.create_default_context(cafile=str(secure.tls / "ca.pem"))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(metrics, context=trusting, timeout=10).read()
+    trusting.load_cert_chain(secure.tls / "reader.pem", secure.tls / "reader.key")
+    with urllib.request.urlopen(metrics, context=trusting, timeout=10) as reply:
+        assert b"keel_controller_leader 1.0" in reply.read()
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(metrics.replace("https:", "http:"), timeout=10).read()
 
 
 def test_keel_up_with_tls(no_leaks):
