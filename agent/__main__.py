@@ -32,6 +32,10 @@ from common.logs import configure
               help="Controller host:port; default: discover the leader through etcd.")
 @click.option("--lease-ttl-s", type=float, default=5.0, show_default=True,
               help="TTL of the node's etcd lease: a dead node is noticed after this.")
+@click.option("--drain-timeout-s", type=float, default=60.0, show_default=True,
+              help="On SIGTERM while running ranks, move the job off this node around a "
+                   "checkpoint (as `keel drain` does) for at most this long, then stop. "
+                   "SIGINT, or a second SIGTERM, stops at once.")
 @click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
               help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
                    "stopped with the job's own stop grace).")
@@ -44,8 +48,8 @@ from common.logs import configure
 @flags.etcd_options
 @flags.log_options
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
-         stop_grace_s, metrics_listen, metrics_address_file, accelerator, log_format,
-         log_level, **security):
+         drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
+         log_format, log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -54,7 +58,8 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lea
             node=node, slots=slots,
             etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
             run_dir=Path(run_dir).resolve(), host=host, controller=controller,
-            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, metrics_listen=metrics_listen,
+            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, drain_timeout_s=drain_timeout_s,
+            metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
             accelerator=accelerator)
         configure("agent", fmt=log_format, level=log_level, node=node)

@@ -24,6 +24,7 @@ class AgentConfig:
     tick_s: float = 0.05                  # supervision period (rank exit detection)
     report_flush_s: float = 0.5           # step reports are batched up to this long
     stop_grace_s: float = 5.0             # SIGTERM → SIGKILL
+    drain_timeout_s: float = 60.0         # on SIGTERM: at most this long moving the job off
     etcd_timeout_s: float | None = None   # default: lease_ttl_s / 3
     reconnect_max_s: float = 5.0          # back-off cap between controller reconnects
     metrics_listen: str | None = None     # [host]:port of /metrics; a bare :port binds `host`
@@ -53,6 +54,9 @@ class AgentConfig:
         if self.etcd_timeout_s >= self.lease_ttl_s / 2:
             raise ValueError(f"etcd_timeout_s={self.etcd_timeout_s} must be below "
                              f"lease_ttl_s/2 ({self.lease_ttl_s / 2})")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
+                             f"SIGTERM may spend moving the job off the node (e.g. 60)")
         if not 0 < self.tick_s <= self.stop_grace_s / 10:
             raise ValueError(f"tick_s={self.tick_s} must be positive and at most "
                              f"stop_grace_s/10")

@@ -61,6 +61,7 @@ class Agent:
         self.lease = None
         self.lease_ok_at = 0.0   # monotonic: the lease was last renewed (or granted)
         self.metrics_server = None
+        self.leaving_since: float | None = None   # monotonic: SIGTERM asked it to drain
         self.rank_series = metrics.RankSeries(config.node)
         self.accelerator = config.accelerator or detect_accelerator()
         self.held = False        # the controller said etcd is out of its reach too
@@ -84,7 +85,7 @@ class Agent:
                 self.supervisor.identify, self._on_steps, self._on_checkpoint,
                 lambda report: self.events.put(("preflight", report)),
                 lambda problem: self.events.put(("problem", problem)),
-                self.reports.recorded_step))
+                self.reports.recorded_step, self._on_attach))
             if self.config.metrics_listen is not None:
                 self.metrics_server = common_metrics.serve(
                     listen_address(self.config.metrics_listen, self.config.host),
@@ -102,8 +103,32 @@ class Agent:
             self._shutdown()
 
     def request_stop(self, *_):
+        """SIGINT, or a second signal: stop now (the ranks with their grace)."""
         self.stopping.set()
         self.events.put(("wake", None))
+
+    def request_leave(self, *_):
+        """SIGTERM: drain this node (``Leaving``) if it runs ranks and the controller
+        is there to move the job; stop once they are stopped, or after the drain
+        timeout. With nothing to drain, or asked twice, stop now."""
+        if self.leaving_since is not None or not self._live_ranks_any() or not self.link.up:
+            self.request_stop()
+            return
+        self.leaving_since = time.monotonic()
+        self.events.put(("leave", None))
+
+    def _live_ranks_any(self) -> bool:
+        return any(r.popen.returncode is None for r in self.supervisor.ranks)
+
+    def _leave_done(self, now: float) -> bool:
+        """Leaving, and nothing is left to drain (or it took too long)."""
+        if self.leaving_since is None:
+            return False
+        if now - self.leaving_since > self.config.drain_timeout_s:
+            log.warning("drain timed out; stopping the ranks",
+                        drain_timeout_s=self.config.drain_timeout_s)
+            return True
+        return not self._live_ranks_any() and self.generation.phase is Phase.IDLE
 
     def _shutdown(self) -> None:
         self.supervisor.stop_all(self.config.stop_grace_s + 2)
@@ -166,8 +191,16 @@ class Agent:
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
             hello.running.extend(self._live_ranks(current))
-        return [keel_pb2.AgentMessage(hello=hello), *self.reports.replay(),
-                keel_pb2.AgentMessage(status=self._status())]
+        opening = [keel_pb2.AgentMessage(hello=hello), *self.reports.replay(),
+                   keel_pb2.AgentMessage(status=self._status())]
+        if self.leaving_since is not None:
+            opening.append(keel_pb2.AgentMessage(leaving=self._leaving()))
+        return opening
+
+    @staticmethod
+    def _leaving() -> keel_pb2.Leaving:
+        return keel_pb2.Leaving(reason="its agent was sent SIGTERM (the node is shutting "
+                                       "down or being drained)")
 
     def _live_ranks(self, start: keel_pb2.StartGeneration) -> list[keel_pb2.RankAssignment]:
         return [keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
@@ -200,6 +233,12 @@ class Agent:
         if job:
             self.rank_series.steps(job, reports)
         return self.reports.add_steps(generation, reports)
+
+    def _on_attach(self, who, rank: int) -> None:
+        """Rank ``rank`` reports its steps: it may be judged hung before its first."""
+        for proc in self.supervisor.of_generation(who.job, who.generation):
+            if proc.rank == rank:
+                proc.attached = True
 
     def _on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
         job = self._job_of(saved.generation)
@@ -234,6 +273,10 @@ class Agent:
                     self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=payload))
                 elif kind == "preflight":
                     self._send(preflight=payload)
+                elif kind == "leave":
+                    log.info("draining the node before stopping",
+                             drain_timeout_s=self.config.drain_timeout_s)
+                    self._send(leaving=self._leaving())
                 elif kind == "problem":
                     log.warning("a rank would not use a checkpoint", kind=payload.kind,
                                 step=payload.step, path=payload.path, reason=payload.reason)
@@ -267,6 +310,8 @@ class Agent:
             if now >= next_status:
                 self._send(status=self._status())
                 next_status = now + STATUS_PERIOD_S
+            if self._leave_done(now):
+                self.stopping.set()
 
     def _on_controller(self, message: keel_pb2.ControllerMessage) -> None:
         kind = message.WhichOneof("kind")
@@ -429,7 +474,7 @@ class Agent:
 
 def run(config: AgentConfig) -> None:
     agent = Agent(config)
-    signal.signal(signal.SIGTERM, agent.request_stop)
+    signal.signal(signal.SIGTERM, agent.request_leave)
     signal.signal(signal.SIGINT, agent.request_stop)
     agent.run()
 

@@ -3,6 +3,10 @@
 A rank makes progress when it reports a finished step. It has hung when it made none
 for longer than the timeout of the phase it is in: before its first step (start-up:
 rendezvous, model build, preflight), while saving a checkpoint, or between steps.
+Only a rank that reports steps can be judged on them: one that neither said it would
+(``reports_steps``, a rank using ``trainer.runtime``) nor reported one (a plain
+torchrun script) is never hung, whatever its first step takes; its exits and its
+liveness are what it is judged on.
 No I/O, no clock reads: the caller passes ``now`` in the seconds of the clock its
 ``RankProgress`` times come from.
 """
@@ -49,6 +53,7 @@ class RankProgress:
     last_report_at: float | None    # when its latest step report arrived; None = no step yet
     last_step: int                  # the step of that report; 0 = none
     checkpointing: bool             # that report said a checkpoint save follows the step
+    reports_steps: bool = True      # it said it reports steps (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ def find_hang(now: float, ranks: Sequence[RankProgress],
     stalled = []
     for rank in ranks:
         phase = phase_of(rank)
+        if phase == "first_step" and not rank.reports_steps:
+            continue   # a plain script: no step will ever say it progresses
         since = rank.started_at if rank.last_report_at is None else rank.last_report_at
         timeout_s, why = _timeout(config, recent_step_times_s, phase)
         if now - since > timeout_s:

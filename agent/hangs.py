@@ -28,7 +28,8 @@ def check(now: float, ranks: list[RankProcess],
         at, report = latest.get(rank.rank, (None, keel_pb2.StepReport()))
         progress.append(RankProgress(rank=rank.rank, pid=rank.pid, started_at=rank.started_at,
                                      last_report_at=at, last_step=report.step,
-                                     checkpointing=report.checkpointing))
+                                     checkpointing=report.checkpointing,
+                                     reports_steps=rank.attached))
     return find_hang(now, progress, recent_step_times, config)
 
 

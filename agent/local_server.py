@@ -41,7 +41,8 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                  on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
                  on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
                  on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
-                 recorded_step: Callable[[], int] = lambda: 0):
+                 recorded_step: Callable[[], int] = lambda: 0,
+                 on_attach: Callable[[RankIdentity, int], None] = lambda who, rank: None):
         """``identify(token)``: the rank a token belongs to, None if none does;
         ``on_steps(generation, reports)`` returns whether the controller has asked
         this generation for a checkpoint (answered to the trainer in the ack);
@@ -52,6 +53,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         self._on_preflight = on_preflight
         self._on_problem = on_problem
         self._recorded_step = recorded_step
+        self._on_attach = on_attach
 
     def _caller(self, context, generation: int) -> RankIdentity:
         token = dict(context.invocation_metadata()).get(env.RANK_TOKEN_METADATA, "")
@@ -71,6 +73,12 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         if rank not in who.ranks:
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"{what} of rank {rank}: this caller is rank(s) {sorted(who.ranks)}")
+
+    def Attach(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, request.rank, "an attach")
+        self._on_attach(who, request.rank)
+        return keel_pb2.LocalAck(recorded_step=self._recorded_step())
 
     def ReportSteps(self, request, context):
         who = self._caller(context, request.generation)

@@ -67,6 +67,7 @@ class RankProcess:
     stop_grace_s: float = 5.0      # SIGTERM to SIGKILL, the generation's
     exit_report: keel_pb2.RankExited | None = field(default=None)
     token: str = field(default="", repr=False)   # its credential on the agent's socket
+    attached: bool = False         # it said it reports steps (AgentLocal.Attach)
 
     @property
     def pid(self) -> int:

@@ -29,9 +29,17 @@ DEADLINES = {"hang_floor_s": "KEEL_HANG_FLOOR_S",
              "collective_timeout_s": "KEEL_COLLECTIVE_TIMEOUT_S",
              "startup_timeout_s": "KEEL_STARTUP_TIMEOUT_S"}
 
-TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+# Every variable torchrun's agent sets for a worker (torch.distributed.elastic's
+# LocalElasticAgent), with the same meaning: a node is a torchrun "group", every rank
+# plays the one role "default", and the rank's store is its own (rank 0 hosts it at
+# MASTER_ADDR:MASTER_PORT), not an agent's.
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
             "TORCHELASTIC_ERROR_FILE")
+# ... and one it sets only where the job's environment does not (as torchrun does).
+TORCHRUN_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 # What the agent sets for every rank; a job's spec may not set these.
 SET_FOR_RANKS = frozenset(TORCHRUN) | {JOB, GENERATION, NODE, MESH, CHECKPOINT_DIR, RESTORE_FROM,
                                        RESTORE_FALLBACKS, AGENT_SOCKET, *DEADLINES.values()}

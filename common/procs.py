@@ -45,14 +45,15 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+def terminate(procs: Sequence[subprocess.Popen], grace_s: float,
+              sig: int = signal.SIGTERM) -> None:
     """Stop ``procs``, each the leader of its own process group (started with
-    ``start_new_session=True``): SIGTERM to each process, up to ``grace_s`` seconds for
-    all of them to exit, then SIGKILL to the groups of those left, and wait until every
-    group is empty (at most ``REAP_WAIT_S`` more)."""
+    ``start_new_session=True``): ``sig`` (SIGTERM) to each process, up to ``grace_s``
+    seconds for all of them to exit, then SIGKILL to the groups of those left, and wait
+    until every group is empty (at most ``REAP_WAIT_S`` more)."""
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem")
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class AgentMessage(_message.Message):
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     rendezvous_ready: RendezvousReady
     rank_exited: RankExited
@@ -28,7 +29,14 @@ class AgentMessage(_message.Message):
     preflight: PreflightReport
     status: AgentStatus
     checkpoint_problem: CheckpointProblem
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ...) -> None: ...
+    leaving: Leaving
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
+
+class Leaving(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentStatus(_message.Message):
     __slots__ = ("job", "generation", "phase", "running", "started_job", "started_generation")
@@ -238,7 +246,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +270,9 @@ class StartGeneration(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -278,7 +289,10 @@ class StartGeneration(_message.Message):
     health: HealthSpec
     deadlines: Deadlines
     restore_fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    group_rank: int
+    group_world_size: int
+    max_restarts: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
@@ -788,6 +802,14 @@ class ListNodesReply(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class RankAttach(_message.Message):
+    __slots__ = ("generation", "rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class LocalStepReports(_message.Message):
     __slots__ = ("generation", "reports")

@@ -600,6 +600,11 @@ class AgentLocalStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Attach = channel.unary_unary(
+                '/keel.v1.AgentLocal/Attach',
+                request_serializer=protos_dot_keel__pb2.RankAttach.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
+                _registered_method=True)
         self.ReportSteps = channel.unary_unary(
                 '/keel.v1.AgentLocal/ReportSteps',
                 request_serializer=protos_dot_keel__pb2.LocalStepReports.SerializeToString,
@@ -628,6 +633,15 @@ class AgentLocalServicer:
     Served by each agent on the Unix socket named in KEEL_AGENT_SOCKET.
     """
 
+    def Attach(self, request, context):
+        """A rank says it reports its steps (it uses trainer.runtime): from then on it may be
+        judged hung before its first step. A rank that never attaches is judged by its
+        exits and liveness only, until it reports a step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportSteps(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -655,6 +669,11 @@ class AgentLocalServicer:
 
 def add_AgentLocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_keel__pb2.RankAttach.FromString,
+                    response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
             'ReportSteps': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportSteps,
                     request_deserializer=protos_dot_keel__pb2.LocalStepReports.FromString,
@@ -688,6 +707,33 @@ class AgentLocal:
 
     Served by each agent on the Unix socket named in KEEL_AGENT_SOCKET.
     """
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/Attach',
+            protos_dot_keel__pb2.RankAttach.SerializeToString,
+            protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def ReportSteps(request,

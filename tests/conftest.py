@@ -234,8 +234,13 @@ class AgentRecorder:
         with self.lock:
             self.events.append(("preflight", report))
 
+    def on_attach(self, who: RankIdentity, rank: int) -> None:
+        with self.lock:
+            self.events.append(("attach", (who.generation, rank)))
+
     def of(self, kind: str) -> list:
-        """The payloads of ``kind`` ("step", "checkpoint" or "preflight") so far."""
+        """The payloads of ``kind`` ("step", "checkpoint", "preflight" or "attach": the
+        (generation, rank) of each) so far."""
         with self.lock:
             return [payload for what, payload in self.events if what == kind]
 
@@ -266,7 +271,7 @@ def local_agent(recorder):
     socket_path = os.path.join(directory, "agent.sock")
     server = serve(socket_path, AgentLocalService(
         recorder.identities.get, recorder.on_steps, recorder.on_checkpoint,
-        getattr(recorder, "on_preflight", lambda _report: None)))
+        getattr(recorder, "on_preflight", lambda _report: None), on_attach=recorder.on_attach))
     try:
         yield socket_path
     finally:

@@ -65,6 +65,11 @@ def main():
               help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
                    "median step time) without progress. The trainer's collective timeout "
                    "is raised to fit it (at least 1.2 x (floor + the 5 s stop grace)).")
+@click.option("--first-step-timeout-s", type=float, default=0.0,
+              help="A rank that reports steps (the reference trainer, any script using "
+                   "trainer.runtime) and has not reported its first step this long after "
+                   "starting is hung (default: 120 s, or --hang-floor-s if longer). A "
+                   "script that never reports is judged by its exits only.")
 @click.option("--collective-timeout-s", type=float, default=0.0,
               help="The ranks' collective timeout, also how long a rank runs on when its "
                    "agent stops answering before it stops itself (default: 60 s, or more "
@@ -93,7 +98,8 @@ def main():
               help=f"Their log level (default: info; env {env.LOG_LEVEL}).")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, min_nodes,
-       controllers, spares, straggler_policy, hang_floor_s, collective_timeout_s,
+       controllers, spares, straggler_policy, hang_floor_s, first_step_timeout_s,
+       collective_timeout_s,
        no_preflight, max_restarts,
        etcd_endpoints,
        workdir, timeout_s, use_tls, as_json, log_format, log_level, script_args, **etcd):
@@ -116,6 +122,7 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
             inject=tuple(inject), layout=layout, min_nodes=min_nodes, spares=spares,
             controllers=controllers,
             straggler_policy=straggler_policy, hang_floor_s=hang_floor_s,
+            first_step_timeout_s=first_step_timeout_s,
             collective_timeout_s=collective_timeout_s, preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),

@@ -95,15 +95,18 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         return self.state.address
 
     def shutdown(self, grace_s: float = 2.0) -> None:
+        """Hand the lead over at once (revoking the leader lease deletes the key: a
+        standby takes it at its next campaign, and agents watching the key follow),
+        then close the agents' streams and stop serving."""
         state = self.state
         state.stopping.set()
         state.wake.set()
+        self.leadership.release()
         with state.lock:
             for session in state.sessions.values():
                 session.close()
         if self.server is not None:
             self.server.stop(grace_s).wait()
-        self.leadership.release()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             metrics.unregister(self.collector)

@@ -218,7 +218,9 @@ class Executor:
             restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
             restore_from=job.restore_from["path"] if job.restore_from else "", mesh=job.mesh,
             health=job.health.spec, deadlines=job.deadlines,
-            restore_fallbacks=job.restore_fallbacks)
+            restore_fallbacks=job.restore_fallbacks,
+            group_rank=job.placement.index(part), group_world_size=len(job.placement),
+            max_restarts=job.spec.max_restarts)
         if job.health.spec.preflight_off:
             start.env[env.PREFLIGHT] = "0"
         for local_rank, rank in enumerate(part.ranks):
@@ -333,14 +335,36 @@ class Executor:
         elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
             self.begin(job, decision.operation, now, persist=True)
 
-    def cordon(self, node: str, reason: str, by: str, drain: bool) -> dict:
-        """Keep new generations off ``node`` (in etcd first, then here)."""
-        record = {"reason": reason, "by": by, "drain": drain, "at": time.time()}
+    def cordon(self, node: str, reason: str, by: str, drain: bool, **extra) -> dict:
+        """Keep new generations off ``node`` (in etcd first, then here); ``extra`` is
+        kept in the record (the pid of an agent that drains its own node)."""
+        record = {"reason": reason, "by": by, "drain": drain, "at": time.time(), **extra}
         self.store.cordon(node, record)
         self.state.cordons[node] = record
         log.info("node cordoned", node=node, reason=reason, by=by, drain=drain)
         self.state.wake.set()
         return record
+
+    def uncordon(self, node: str, why: str) -> dict:
+        """Let new generations go to ``node`` again (in etcd first); the cordon it had."""
+        self.store.uncordon(node)
+        was = self.state.cordons.pop(node)
+        log.info("node uncordoned", node=node, was=was["reason"], why=why)
+        self.state.wake.set()
+        return was
+
+    def agent_cordon(self, session: AgentSession) -> None:
+        """Carry out ``operations.agent_cordon`` for ``session``'s node."""
+        change = operations.agent_cordon(session.leaving, session.pid,
+                                         self.state.cordons.get(session.node))
+        if change is None:
+            return
+        what, reason = change
+        if what == "drain":
+            self.cordon(session.node, reason, by=operations.BY_AGENT, drain=True,
+                        pid=session.pid)
+        else:
+            self.uncordon(session.node, reason)
 
     # =============================================================== operations
     def operate(self, job: JobRuntime, decision: OperationDecision, now: float) -> None:

@@ -111,3 +111,5 @@ class Leadership:
             self.lease.revoke()
         except Exception as exc:  # etcd may already be gone at shutdown
             log.warning("could not revoke controller lease", error=str(exc))
+        if self.state.is_leader:
+            self.step_down("shutting down: the lead is handed over")

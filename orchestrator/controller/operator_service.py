@@ -204,18 +204,15 @@ class OperatorService:
                 return keel_pb2.NodeReply(node=self._node_info(request.node),
                                           message=f"{request.node} was not cordoned")
             try:
-                self.store.uncordon(request.node)
+                self.executor.uncordon(request.node, "the operator uncordoned it")
             except Exception as exc:
                 self._unrecorded(exc, context)
-            was = self.state.cordons.pop(request.node)
             message = f"{request.node} uncordoned: new generations may go there again"
             job = self.state.job_on(request.node)
             pending = job.operation if job is not None else None
             if pending is not None and pending.policy == "drain" and pending.node == request.node:
                 # The reconcile loop calls it off: the node is no longer draining.
                 message += f"; the drain is called off and job {job.name} stays on it"
-            log.info("node uncordoned", node=request.node, was=was["reason"])
-            self.state.wake.set()
             return keel_pb2.NodeReply(node=self._node_info(request.node), message=message)
 
     def DrainNode(self, request, context):

@@ -27,7 +27,7 @@ from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.rebuild import carry_over, load_job
-from orchestrator.controller.state import ControllerState
+from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import adoption, convergence, operations, remediation
 from orchestrator.policy.job import decide
@@ -104,6 +104,8 @@ class Reconciler:
                             for job in state.jobs.values()]
                     self.executor.account(session, adoption.account(
                         observe.agent_runs(session), jobs))
+                if session.connected:
+                    self._guarded(self.executor.agent_cordon, session)
             wall = time.time()
             for job in list(state.jobs.values()):
                 if not job.state.terminal and now >= job.retry_at:
@@ -129,15 +131,17 @@ class Reconciler:
         self._guarded(self.executor.forget, job, f"ended {job.state.value} more than "
                                                  f"{self.state.config.finished_job_ttl_s:g} s ago")
 
-    def _guarded(self, bookkeeping, job: JobRuntime, *args) -> None:
-        """Run ``bookkeeping(job, *args)``, a write that can wait: if etcd does not take
-        it, it is tried again next tick."""
+    def _guarded(self, bookkeeping, subject: JobRuntime | AgentSession, *args) -> None:
+        """Run ``bookkeeping(subject, *args)`` (a job's, or an agent's node's), a write
+        that can wait: if etcd does not take it, it is tried again next tick."""
         try:
-            bookkeeping(job, *args)
+            bookkeeping(subject, *args)
         except Deposed:
             raise
         except Exception as exc:
-            log.warning("etcd did not take a write; will retry", job=job.name,
+            whose = ({"job": subject.name} if isinstance(subject, JobRuntime)
+                     else {"node": subject.node})
+            log.warning("etcd did not take a write; will retry", **whose,
                         write=bookkeeping.__name__, error=str(exc))
 
     def _attempt(self, job: JobRuntime, now: float) -> None:

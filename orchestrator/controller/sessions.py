@@ -241,6 +241,10 @@ class AgentService:
                 wake.set()
         elif kind == "status":
             session.status = body
+        elif kind == "leaving":
+            # An intent, like an operator's drain: the reconcile loop records it.
+            session.leaving = body.reason or "its agent is shutting down"
+            wake.set()
         elif kind == "hello":
             log.warning("ignoring a second Hello on one stream", node=session.node)
 

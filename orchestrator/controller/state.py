@@ -33,6 +33,7 @@ class AgentSession:
     accounted: bool = False
     status: keel_pb2.AgentStatus | None = None   # what it said it runs, last
     fixed_at: float = 0.0      # monotonic: it was last sent a start or a stop
+    leaving: str = ""          # the agent asked for its node to be drained: why
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
         message.term = self.term

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -162,9 +163,10 @@ class LocalCluster:
             [a for i in range(len(self.agents)) for a in read(f"agent-node-{i}")])
 
     def stop(self) -> None:
-        """Agents first (they stop their ranks), then the controller, then etcd."""
+        """Agents first (they stop their ranks: SIGINT, at once, where SIGTERM would
+        drain their nodes), then the controller, then etcd."""
         grace = self.options.stop_grace_s + 5
-        terminate(self.agents, grace)
+        terminate(self.agents, grace, signal.SIGINT)
         terminate(self.controllers, grace)
         for proxy in self.proxies:
             proxy.close()

@@ -14,6 +14,11 @@ Cluster faults, applied by `keel up` once rank 0 has reported step N:
                                  controller steps down and leads again when etcd is back)
     kill_agent:node=I,step=N     node I's agent is SIGKILLed (its ranks die with it) and
                                  started again on the same node
+    term_agent:node=I,step=N     node I's agent is sent SIGTERM, as a scheduler shutting
+                                 the node down would: it drains the node (a checkpoint,
+                                 then the job moves to a spare or shrinks) and exits
+    term_leader:step=N           the leading controller is sent SIGTERM: it hands the
+                                 lead over at once instead of letting its lease lapse
     stall_leader:step=N,for=S    the leading controller is SIGSTOPped, and SIGCONTed S s
                                  later (a standby takes over meanwhile; the old leader
                                  wakes superseded)
@@ -43,6 +48,8 @@ FIELDS = {
     "kill_leader": {"step"},
     "restart_etcd": {"step"},
     "kill_agent": {"node", "step"},
+    "term_agent": {"node", "step"},
+    "term_leader": {"step"},
     "stall_leader": {"step", "for"},
     "stall_agent": {"node", "step", "for"},
     "stall_node": {"node", "step", "for"},
@@ -51,7 +58,8 @@ FIELDS = {
 OPTIONAL = {"restart_etcd": {"down"}}
 # Fired by `keel up` itself rather than by a rank.
 CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent",
-                            "stall_leader", "stall_agent", "stall_node", "partition_node"})
+                            "term_agent", "term_leader", "stall_leader", "stall_agent",
+                            "stall_node", "partition_node"})
 
 
 class BadFault(ValueError):

@@ -69,6 +69,12 @@ class ClusterFaults:
                 message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed at "
                            f"step {step} and started again (pid "
                            f"{cluster.agents[fault.node].pid})")
+            elif fault.kind == "term_agent":
+                agent = cluster.agents[fault.node]
+                agent.send_signal(signal.SIGTERM)
+                self.lost.add(fault.node)   # it exits once its node is drained
+                message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
+                           f"SIGTERM at step {step}: its node drains")
             elif fault.kind == "restart_etcd":
                 down_s = fault.down_s or ETCD_DOWN_S
                 cluster.etcd.restart(down_s=down_s)
@@ -96,6 +102,11 @@ class ClusterFaults:
                     os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
                     self.killed_controllers.add(index)
                     message = f"injected: leader controller {leader} killed at step {step}"
+                elif fault.kind == "term_leader":
+                    cluster.controllers[index].send_signal(signal.SIGTERM)
+                    self.killed_controllers.add(index)
+                    message = (f"injected: leader controller {leader} sent SIGTERM at step "
+                               f"{step}: it hands the lead over")
                 else:
                     self._stall([cluster.controllers[index].pid], fault.for_s)
                     message = (f"injected: leader controller {leader} stopped at step {step} "

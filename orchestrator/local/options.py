@@ -5,6 +5,7 @@ starts."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,13 @@ REFERENCE = {"dim": 64, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 64,
              "global_batch": 16}
 
 
+def reference_global_batch(world_size: int) -> int:
+    """The reference trainer's samples per step at ``world_size``: the smallest multiple
+    of its 16 that the world size divides (every rank data-parallel: 48 for 3 ranks)."""
+    return REFERENCE["global_batch"] * world_size // math.gcd(REFERENCE["global_batch"],
+                                                              world_size)
+
+
 @dataclass(frozen=True)
 class UpOptions:
     nodes: int = 2
@@ -41,6 +49,7 @@ class UpOptions:
     controllers: int = 1             # more than one: standbys take over from the leader
     straggler_policy: str = "replace"
     hang_floor_s: float = 30.0       # the hang timeout's floor (k x median step above it)
+    first_step_timeout_s: float = 0.0   # 0: 120 s, or the floor if longer
     collective_timeout_s: float = 0.0   # 0: derived from the floor (common.deadlines)
     preflight: bool = True
     max_restarts: int = 3
@@ -98,10 +107,11 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
         spec.command.extend([sys.executable, "-u", str(Path(options.script).resolve()),
                              *options.script_args])
     else:
+        reference = REFERENCE | {"global_batch": reference_global_batch(options.world_size)}
         spec.command.extend([sys.executable, "-u", "-m", "trainer.train",
                              "--steps", str(options.steps),
                              "--checkpoint-every", str(options.checkpoint_every),
-                             *(f"--{k.replace('_', '-')}={v}" for k, v in REFERENCE.items())])
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in reference.items())])
         spec.steps = options.steps
         shape = planner.ModelShape.from_dims(layers=REFERENCE["layers"],
                                              hidden=REFERENCE["dim"],
@@ -111,11 +121,11 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
             vocab=shape.vocab))
         spec.training.CopyFrom(keel_pb2.TrainingShape(
             seq_len=REFERENCE["seq_len"], micro_batch=1,
-            global_batch=REFERENCE["global_batch"], precision="fp32",
+            global_batch=reference["global_batch"], precision="fp32",
             gpu_memory_gb=_slot_memory_gb(options.world_size)))
     spec.health.CopyFrom(keel_pb2.HealthSpec(
         straggler_policy=options.straggler_policy, hang_floor_s=options.hang_floor_s,
-        first_step_timeout_s=max(options.hang_floor_s, 120.0),
+        first_step_timeout_s=options.first_step_timeout_s or max(options.hang_floor_s, 120.0),
         checkpoint_timeout_s=max(options.hang_floor_s, 120.0), stop_grace_s=options.stop_grace_s,
         collective_timeout_s=options.collective_timeout_s,
         preflight_off=not options.preflight))
@@ -142,16 +152,17 @@ def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions
     if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in faults):
         raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
                          "(and unset KEEL_ETCD_ENDPOINTS)")
-    leader_kills = sum(1 for f in faults if f.kind == "kill_leader")
+    leader_kills = sum(1 for f in faults if f.kind in ("kill_leader", "term_leader"))
     if leader_kills >= options.controllers:
-        raise ValueError(f"{leader_kills} kill_leader fault(s) need as many standbys: give "
-                         f"--controllers {leader_kills + 1}")
-    lost = [f.node for f in faults if f.kind == "lose_node"]
+        raise ValueError(f"{leader_kills} kill_leader/term_leader fault(s) need as many "
+                         f"standbys: give --controllers {leader_kills + 1}")
+    lost = [f.node for f in faults if f.kind in ("lose_node", "term_agent")]
     twice = sorted({n for n in lost if lost.count(n) > 1})
     if twice:
-        raise ValueError(f"node {twice[0]} is lost twice; lose_node kills it for good")
+        raise ValueError(f"node {twice[0]} is lost twice; lose_node and term_agent end its "
+                         f"agent for good")
     touched = [f for f in faults if f.kind in ("kill_agent", "stall_agent", "stall_node",
                                                 "partition_node") and f.node in set(lost)]
     if touched:
-        raise ValueError(f"node {touched[0].node} is lost by lose_node; {touched[0].kind} "
-                         f"cannot also act on it")
+        raise ValueError(f"node {touched[0].node} is lost by lose_node or term_agent; "
+                         f"{touched[0].kind} cannot also act on it")

@@ -84,7 +84,7 @@ def up(options: UpOptions) -> int:
                 cluster.refresh_targets()
                 for fired in faults.fire(status.step, cluster, client.address):
                     progress.note(fired.message)
-                    if fired.kind in ("kill_leader", "stall_leader"):
+                    if fired.kind in ("kill_leader", "stall_leader", "term_leader"):
                         struck_at = time.monotonic()
                 if JobState(status.state).terminal:
                     break

@@ -56,6 +56,23 @@ class Operation:
                    origin=record.get("origin", "operator"))
 
 
+# Who cordons a node whose agent drains it on its way out (SIGTERM).
+BY_AGENT = "agent"
+
+
+def agent_cordon(leaving: str, pid: int, cordon: dict | None) -> tuple[str, str] | None:
+    """What a node's agent (process ``pid``) asks of the node's ``cordon`` (as stored,
+    or None): ``("drain", reason)`` when it is leaving (``leaving``: why) and the node is
+    not cordoned yet, as `keel drain` would; ``("lift", reason)`` when another agent
+    process runs on a node its predecessor drained on its way out (the node is back);
+    else None. An operator's cordon is never lifted here."""
+    if leaving:
+        return ("drain", f"drained by its agent: {leaving}") if cordon is None else None
+    if cordon is not None and cordon.get("by") == BY_AGENT and cordon.get("pid") != pid:
+        return "lift", f"a new agent (pid {pid}) runs on the node its predecessor drained"
+    return None
+
+
 class Change(str, enum.Enum):
     NONE = "NONE"
     BEGIN = "BEGIN"          # ask for the checkpoint now; ``operation`` is what to begin

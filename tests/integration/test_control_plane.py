@@ -28,8 +28,9 @@ def spawn(args, log_path, env=None):
 
 
 def stop(proc, grace_s=10):
+    """Stop a daemon now: SIGINT (SIGTERM would have an agent drain its node first)."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.etcd import connect
 from orchestrator.controller.store import Store
-from tests.conftest import REPO, keel, processes_mentioning, step_events, wait_for
+from tests.conftest import REPO, keel, processes_mentioning, step_events, torchrun, wait_for
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "plain_allreduce.py"
 
@@ -162,6 +162,92 @@ def test_restarts_across_two_layouts_consume_every_sample_exactly_once(no_leaks)
     assert summary["data"] == {"expected": 40 * 16, "consumed": 40 * 16, "duplicates": 0,
                                "missing": 0}
     assert summary["final_loss"] < 0.5 * summary["initial_loss"]
+
+
+SLOW_FIRST_STEP = REPO / "tests" / "integration" / "scripts" / "slow_first_step.py"
+
+
+def test_a_script_that_reports_no_steps_is_not_hung_by_a_slow_first_step(no_leaks):
+    """Before, the agent's first-step timeout declared a plain torchrun script hung, and
+    the controller excluded a node of a healthy job. Now only a rank that said it
+    reports steps (trainer.runtime attaches) is held to it."""
+    markers = no_leaks / "markers"
+    markers.mkdir()
+    summary = run_up(no_leaks / "plain", "--nodes", "2", "--slots-per-node", "1",
+                     "--hang-floor-s", "2", "--first-step-timeout-s", "3", "--no-preflight",
+                     "--script", str(SLOW_FIRST_STEP), "--", str(markers), "8")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["state"], summary["generations"], summary["events"]) == ("SUCCEEDED", 1, [])
+    assert [(markers / f"done-{r}").read_text() for r in (0, 1)] == ["world=2\n"] * 2
+    # The reference trainer attaches: stuck before its first step, it is found hung.
+    summary = run_up(no_leaks / "reference", "--nodes", "2", "--slots-per-node", "1",
+                     "--steps", "4", "--hang-floor-s", "2", "--first-step-timeout-s", "6",
+                     "--no-preflight", "--inject", "hang:rank=1,step=1")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    hang = next(e for e in summary["events"] if e["kind"] == "hang")
+    assert hang["rank"] == 1 and "first_step" in hang["reason"], hang
+
+
+def test_a_sigtermed_agent_drains_its_node_and_a_sigtermed_leader_hands_over(no_leaks):
+    """Before, SIGTERM to an agent (what a scheduler sends a node it shuts down) killed
+    its ranks with no checkpoint. Now its node is drained like `keel drain`: a checkpoint,
+    then the job moves to the spare without spending a restart, and the agent exits."""
+    summary = run_up(no_leaks / "run", "--controllers", "2", "--nodes", "2", "--spares", "1",
+                     "--slots-per-node", "1", "--steps", "40", "--checkpoint-every", "100",
+                     "--inject", "term_agent:node=1,step=10", "--inject", "term_leader:step=25")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["steps"], summary["restarts"], summary["generations"]) == (40, 0, 2)
+    replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
+    assert replaced["node"] == "node-1" and "node-2" in replaced["reason"], replaced
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["missing"] == 0
+    logs = no_leaks / "run" / "logs"
+    assert "draining the node before stopping" in (logs / "agent-node-1.log").read_text()
+    # The only checkpoint before step 40 is the one the drain took, after step 10.
+    second = [json.loads(line) for path in logs.glob("controller*.log")
+              for line in path.read_text().splitlines()
+              if '"to": "RUNNING"' in line and "generation 2:" in line]
+    assert second and "restoring step" in second[0]["reason"], second
+    assert int(second[0]["reason"].rpartition("restoring step ")[2]) >= 10
+    # The leader handed over: the standby took the lead, the job ran on (no restart).
+    assert summary["leader_changes"] == 1
+    assert "the lead is handed over" in "".join(p.read_text() for p in logs.glob("controller*.log"))
+
+
+def test_three_single_slot_nodes_train_the_reference_model(no_leaks):
+    """Before, refused: the reference trainer's 16 samples a step do not split 3 ways."""
+    summary = run_up(no_leaks / "run", "--nodes", "3", "--slots-per-node", "1", "--steps", "6",
+                     "--checkpoint-every", "3", "--no-preflight")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["state"], summary["world_size"], summary["steps"]) == ("SUCCEEDED", 3, 6)
+    data = summary["data"]
+    assert (data["expected"], data["duplicates"], data["missing"]) == (6 * 48, 0, 0), data
+    assert summary["final_loss"] < summary["initial_loss"]
+
+
+DUMP_ENV = REPO / "tests" / "integration" / "scripts" / "dump_env.py"
+
+
+def test_a_script_sees_the_environment_torchrun_would_give_it(no_leaks):
+    """Before, ranks missed GROUP_RANK, ROLE_*, TORCHELASTIC_MAX_RESTARTS and more."""
+    under_torchrun, under_keel = no_leaks / "torchrun", no_leaks / "keel"
+    under_torchrun.mkdir()
+    under_keel.mkdir()
+    ran = torchrun(2, str(DUMP_ENV), str(under_torchrun))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    summary = run_up(no_leaks / "run", "--nodes", "1", "--slots-per-node", "2",
+                     "--max-restarts", "0", "--script", str(DUMP_ENV), "--", str(under_keel))
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    # Where they differ, they must: ports and ids are the launch's own, the error file is
+    # per launch, and under Keel rank 0 hosts the store where torchrun's agent would.
+    own = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+           "TORCHELASTIC_USE_AGENT_STORE"}
+    for rank in (0, 1):
+        theirs = json.loads((under_torchrun / f"env-{rank}.json").read_text())
+        ours = json.loads((under_keel / f"env-{rank}.json").read_text())
+        assert sorted(ours) == sorted(theirs), (sorted(set(theirs) ^ set(ours)))
+        assert {k: v for k, v in ours.items() if k not in own} == \
+            {k: v for k, v in theirs.items() if k not in own}
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
 def test_a_hang_is_detected_within_its_timeout_and_the_stuck_rank_is_named(no_leaks):

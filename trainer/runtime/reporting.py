@@ -21,6 +21,9 @@ from protos import keel_pb2, keel_pb2_grpc
 STEP_REPORT_DEADLINE_S = 2.0
 CHECKPOINT_REPORT_DEADLINE_S = 5.0
 PREFLIGHT_REPORT_DEADLINE_S = 5.0
+# Attaching waits for the agent's socket this long; a rank that cannot attach is
+# watched from its first step report only.
+ATTACH_DEADLINE_S = 30.0
 # Batches go out at least this often so the agent's hang detector, which measures the
 # age of the latest report, sees progress within a fraction of a second.
 REPORT_INTERVAL_S = 0.25
@@ -203,6 +206,19 @@ class AgentReporter:
             grpc.intercept_channel(self._channel, _Credential(token)))
         self.recorded_step = 0   # the newest checkpoint the controller recorded, as last heard
         self._reporter = _StepReporter(self._stub, generation, log, self._take_ack, fence_after_s)
+        threading.Thread(target=self._attach, name="keel-attach", daemon=True).start()
+
+    def _attach(self) -> None:
+        """Tell the agent this rank reports its steps, so that it is watched for a hang
+        before its first one too (a rank that never says so is not)."""
+        try:
+            self._take_ack(self._stub.Attach(
+                keel_pb2.RankAttach(generation=self.generation, rank=self.rank),
+                timeout=ATTACH_DEADLINE_S, wait_for_ready=True))
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.CANCELLED:   # closed: the rank is ending
+                self.log(f"cannot attach to the agent ({exc.code().name}: {exc.details()}); "
+                         f"it will watch this rank from its first step report")
 
     def _take_ack(self, ack: keel_pb2.LocalAck) -> None:
         if ack.checkpoint_now:

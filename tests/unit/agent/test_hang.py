@@ -93,3 +93,17 @@ def test_a_stall_before_the_first_step_outranks_a_later_one():
 def test_config_validation_says_how_to_fix_it(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         HangConfig(**kwargs)
+
+
+def test_a_rank_that_never_said_it_reports_steps_is_never_hung_before_its_first():
+    plain = RankProgress(rank=0, pid=1, started_at=0.0, last_report_at=None, last_step=0,
+                         checkpointing=False, reports_steps=False)
+    assert find_hang(10_000.0, [plain], [], CONFIG) is None
+    # One that said so is held to the first-step budget ...
+    attached = RankProgress(rank=1, pid=2, started_at=0.0, last_report_at=None, last_step=0,
+                            checkpointing=False, reports_steps=True)
+    assert find_hang(61.0, [plain, attached], [], CONFIG).rank == 1
+    # ... and so is a plain script from its first step report on, to the step timeout.
+    reported = RankProgress(rank=0, pid=1, started_at=0.0, last_report_at=100.0, last_step=1,
+                            checkpointing=False, reports_steps=False)
+    assert find_hang(111.0, [reported], [], CONFIG).phase == "step"

@@ -77,3 +77,14 @@ def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket)
                                          path=str(ckpt / "step_00000010"), reason="bad")
     assert call(stub.ReportCheckpointProblem, problem, rank1)[0] is \
         grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_rank_attaches_as_itself(socket):
+    stub, recorder, _, rank1, _ = socket
+    attach = keel_pb2.RankAttach
+    assert call(stub.Attach, attach(generation=4, rank=1), rank1) == (grpc.StatusCode.OK, "")
+    assert call(stub.Attach, attach(generation=4, rank=0), rank1) == (
+        grpc.StatusCode.PERMISSION_DENIED, "an attach of rank 0: this caller is rank(s) [1]")
+    assert call(stub.Attach, attach(generation=4, rank=1), "")[0] is \
+        grpc.StatusCode.UNAUTHENTICATED
+    assert recorder.of("attach") == [(4, 1)]
