@@ -10,7 +10,7 @@ import click
 from agent.config import AgentConfig, security_settings
 from agent.daemon import run
 from agent.leftovers import RunDirInUse
-from common import env, flags
+from common import env, flags, net
 from common.logs import configure
 
 
@@ -26,8 +26,13 @@ from common.logs import configure
                    "--tls-dir's join.token, else env KEEL_TOKEN).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=".keel/agent",
               show_default=True, help="Where rank logs and error files go.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address other nodes reach this node's ranks on.")
+@click.option("--host", default=None,
+              help="Address other nodes reach this node's ranks on (default: this "
+                   "machine's address on the route to etcd; a loopback one is refused when "
+                   "etcd is remote).")
+@click.option("--rendezvous-ports", metavar="LOW-HIGH", default=None,
+              help="Take the rendezvous port of a generation whose rank 0 runs here from "
+                   "this range (for a firewall); default: any free port.")
 @click.option("--controller", default=None,
               help="Controller host:port; default: discover the leader through etcd.")
 @click.option("--lease-ttl-s", type=float, default=5.0, show_default=True,
@@ -47,17 +52,21 @@ from common.logs import configure
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
 @flags.log_options
-def main(node, slots, etcd_endpoints, token_file, run_dir, host, controller, lease_ttl_s,
+def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
+         lease_ttl_s,
          drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
          log_format, log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
+        endpoints = tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip())
         config = AgentConfig(
             **security_settings(node, token_file, **security),
-            node=node, slots=slots,
-            etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
-            run_dir=Path(run_dir).resolve(), host=host, controller=controller,
+            node=node, slots=slots, etcd_endpoints=endpoints,
+            run_dir=Path(run_dir).resolve(),
+            host=net.advertised(host, endpoints, "--host") if endpoints else host,
+            rendezvous_ports=net.port_range(rendezvous_ports) if rendezvous_ports else None,
+            controller=controller,
             lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, drain_timeout_s=drain_timeout_s,
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,

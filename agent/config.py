@@ -19,6 +19,7 @@ class AgentConfig:
     token: str = field(repr=False)       # the join token (or the controller's only one)
     run_dir: Path                         # rank logs and error files
     host: str = "127.0.0.1"               # address peers reach this node's ranks on
+    rendezvous_ports: range | None = None  # rank 0's rendezvous port from these; None = any
     controller: str | None = None         # host:port; None = discover through etcd
     lease_ttl_s: float = 5.0              # node record expires this long after death
     tick_s: float = 0.05                  # supervision period (rank exit detection)

@@ -31,10 +31,10 @@ from agent.link import ControllerLink
 from agent.local_server import AgentLocalService, serve
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
-from common import deadlines, procs
+from common import deadlines, net
 from common import metrics as common_metrics
 from common.etcd import EtcdClient
-from common.metrics import listen_address
+from common.net import listen_address
 from common.paths import write_atomically
 from common.leader import LeaderWatch
 from protos import keel_pb2
@@ -317,7 +317,7 @@ class Agent:
         kind = message.WhichOneof("kind")
         if kind == "prepare_rendezvous":
             prep = message.prepare_rendezvous
-            port = procs.free_port(self.config.host)
+            port = net.free_port(self.config.host, self.config.rendezvous_ports)
             log.info("rendezvous port chosen", job=prep.job, generation=prep.generation,
                      port=port)
             self._send(rendezvous_ready=keel_pb2.RendezvousReady(

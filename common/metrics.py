@@ -26,13 +26,6 @@ RPC_SECONDS = Histogram("keel_grpc_server_handling_seconds",
                         ["method"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 30, 300, 3600))
 
 
-def listen_address(listen: str, advertise_host: str) -> str:
-    """``--metrics-listen`` as "host:port": a bare port (or ":port") binds the address
-    the daemon advertises, not every interface."""
-    host, _, port = listen.rpartition(":")
-    return f"{host or advertise_host}:{port}"
-
-
 def serve(listen: str, tls: TlsFiles | None = None):
     """Serve ``/metrics`` on ``listen`` ("host:port"; port 0 picks a free one) from a
     daemon thread, over HTTPS with the daemon's certificate when ``tls`` is given

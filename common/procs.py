@@ -1,6 +1,5 @@
 """Processes and their groups: start a child that dies with its parent, signal and
-probe a process group, stop processes with a grace period and confirm they are gone,
-and pick free ports.
+probe a process group, stop processes with a grace period and confirm they are gone.
 
 Shutdown is a protocol (SIGTERM, a grace, SIGKILL to the process group, confirm the
 group is empty); ``terminate`` runs it for a list of processes at once.
@@ -10,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -67,17 +65,6 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float,
     deadline = time.monotonic() + REAP_WAIT_S
     while any(group_alive(proc.pid) for proc in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a port that was free on ``host`` a moment ago.
-
-    The socket is closed before returning, so the caller must bind promptly; every
-    caller here binds within milliseconds and fails loudly if it lost the race.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from common import env, flags, logs
+from common import env, flags, logs, net
+from common.net import listen_address
 from common.tls import etcd_credentials
 from orchestrator.security import tls
 
@@ -211,10 +212,13 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
               help="File holding the one token every client must send, valid for every "
                    "role (else the role tokens, else env KEEL_TOKEN).")
-@click.option("--listen", default="127.0.0.1:0", show_default=True,
-              help="host:port to serve gRPC on; port 0 picks a free one.")
-@click.option("--advertise-host", default="127.0.0.1", show_default=True,
-              help="Host agents and operators reach this controller on.")
+@click.option("--listen", default=None, metavar="[HOST]:PORT",
+              help="Serve gRPC here; a bare :PORT binds the advertised host; port 0 picks "
+                   "a free one (default: the advertised host, a free port).")
+@click.option("--advertise-host", default=None,
+              help="Host agents and operators reach this controller on (default: this "
+                   "machine's address on the route to etcd; a loopback one is refused when "
+                   "etcd is remote).")
 @click.option("--address-file", type=click.Path(dir_okay=False),
               help="Write the served host:port here once listening.")
 @flags.metrics_options("--advertise-host")
@@ -252,10 +256,14 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
     from common.logs import configure
 
     try:
+        endpoints = tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip())
+        advertise_host = (net.advertised(advertise_host, endpoints, "--advertise-host")
+                          if endpoints else advertise_host or "127.0.0.1")
         config = ControllerConfig(
-            etcd_endpoints=tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip()),
+            etcd_endpoints=endpoints,
             **tls.controller_settings(token_file, security),
-            listen=listen, advertise_host=advertise_host,
+            listen=listen_address(listen or ":0", advertise_host),
+            advertise_host=advertise_host,
             address_file=Path(address_file) if address_file else None,
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,

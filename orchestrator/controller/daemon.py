@@ -18,7 +18,7 @@ import structlog
 from common import metrics as common_metrics
 from common import rpc
 from common.etcd import connect
-from common.metrics import listen_address
+from common.net import listen_address
 from common.paths import write_atomically as write_address
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig

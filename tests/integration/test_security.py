@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from orchestrator.security import certs
-from common import procs
+from common import net
 from common.tls import call_metadata
 from orchestrator.local.etcd_server import etcd_binary
 from common.etcd import connect
@@ -212,7 +212,7 @@ def secure_etcd(no_leaks):
     with authentication on and a user ``keel`` that may only touch /keel/."""
     tls_dir = no_leaks / "etcd-tls"
     certs.init(tls_dir)
-    client_port, peer_port = procs.free_port(), procs.free_port()
+    client_port, peer_port = net.free_port("127.0.0.1"), net.free_port("127.0.0.1")
     endpoint = f"127.0.0.1:{client_port}"
     server = [str(tls_dir / "controller.pem"), str(tls_dir / "controller.key")]
     # etcd keeps its own copy of the log's descriptor; ours is closed at once.

@@ -1,0 +1,86 @@
+"""Which address a daemon advertises, and which ports it may bind: a daemon on a real
+cluster must hand its peers an address they reach, never a loopback one when they are
+remote, and take ports a firewall was opened for."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+
+class AddressError(ValueError):
+    pass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
+
+
+def route_address(peer: str, port: int) -> str:
+    """This machine's address on the route to ``peer``:``port`` (what the peer sees us
+    as): the source address the kernel picks for a UDP socket connected there, which
+    sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, port))
+        return probe.getsockname()[0]
+
+
+def advertised(given: str | None, etcd_endpoints: tuple[str, ...], flag: str) -> str:
+    """The address to advertise: ``given`` (``flag``'s value), else this machine's
+    address on the route to the first etcd endpoint. A loopback address is refused
+    when etcd, and so the peers, are remote: they could not reach it."""
+    host, _, port = etcd_endpoints[0].rpartition(":")
+    remote = not is_loopback(host)
+    if given:
+        if remote and is_loopback(given):
+            raise AddressError(f"{flag} {given}: etcd is at {etcd_endpoints[0]}, so peers are "
+                               f"remote and cannot reach a loopback address; give {flag} "
+                               f"this machine's address on the cluster network")
+        return given
+    try:
+        return route_address(host, int(port))
+    except OSError as exc:
+        raise AddressError(f"cannot tell this machine's address on the route to etcd "
+                           f"{etcd_endpoints[0]} ({exc}); give {flag}") from None
+
+
+def listen_address(listen: str, advertise_host: str) -> str:
+    """A ``--listen``-style "[host]:port" as "host:port": a bare port (or ":port") binds
+    the address the daemon advertises, not every interface."""
+    host, _, port = listen.rpartition(":")
+    return f"{host or advertise_host}:{port}"
+
+
+def port_range(text: str) -> range:
+    """``"LOW-HIGH"`` (inclusive) as a range of ports; raises ValueError with the fix."""
+    low, sep, high = text.partition("-")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"port range {text!r}: write LOW-HIGH, e.g. 29500-29599") from None
+    if not 0 < first <= last < 65536:
+        raise ValueError(f"port range {text!r}: give 1 <= LOW <= HIGH <= 65535")
+    return range(first, last + 1)
+
+
+def free_port(host: str, ports: range | None = None) -> int:
+    """A port that was free on ``host`` a moment ago: any (port 0), or the first free
+    one of ``ports``. The socket is closed before returning, so the caller binds
+    promptly; every caller here does, and fails loudly if it lost the race."""
+    for port in ports or (0,):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError(f"no free port on {host} in {ports.start}-{ports.stop - 1}")
