@@ -329,10 +329,13 @@ class Checkpointer:
             return
         final = committed_path(self.checkpoint_dir, step)
         # What DCP leaves unsynced: our ledger and the staging directory's entries;
-        # and the manifest, written (and fsynced) once every other file is there.
-        fsync_file(os.path.join(staging, LEDGER_FILE))
-        size = manifest.write(staging, step)
-        fsync_dir(staging)
+        # and the manifest, written (and fsynced) once every other file is there. A
+        # newer generation may have cleaned this staging directory up meanwhile: then
+        # that is its refusal, not a crash.
+        with self._superseded_if_lost(step, staging):
+            fsync_file(os.path.join(staging, LEDGER_FILE))
+            size = manifest.write(staging, step)
+            fsync_dir(staging)
         with self._fenced(step, staging):
             if os.path.exists(final):
                 # Whoever wrote it died before the controller recorded it, or the job

@@ -171,6 +171,9 @@ class Executor:
                              step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
         job.rank_step_times.clear()
+        # The job is back at the step it restores: what an operation or a checkpoint
+        # request of this generation waits to see passed.
+        job.step = restore.get("step", 0) if restore else 0
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()

@@ -43,7 +43,8 @@ class JobRuntime:
     stopped_nodes: set[str] = field(default_factory=set)
     lost_nodes: set[str] = field(default_factory=set)
     vanished: dict[str, list[int]] = field(default_factory=dict)  # node -> ranks gone with its agent
-    # progress, from step reports
+    # progress, from step reports: rank 0's latest step in the current generation (the
+    # step it restored until it reports one)
     step: int = 0
     loss: float = 0.0
     initial_loss: float = 0.0
