@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.etcd import EtcdCredentials, host_port
 from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.net import listen_address
 from common.tls import TlsFiles, etcd_credentials, first_identity, read_token, resolve_tls
 
 
@@ -55,6 +56,8 @@ class AgentConfig:
         if self.etcd_timeout_s >= self.lease_ttl_s / 2:
             raise ValueError(f"etcd_timeout_s={self.etcd_timeout_s} must be below "
                              f"lease_ttl_s/2 ({self.lease_ttl_s / 2})")
+        if self.metrics_listen is not None:
+            listen_address(self.metrics_listen, self.host)   # raises with the fix
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
                              f"SIGTERM may spend moving the job off the node (e.g. 60)")

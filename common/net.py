@@ -57,6 +57,8 @@ def listen_address(listen: str, advertise_host: str) -> str:
     """A ``--listen``-style "[host]:port" as "host:port": a bare port (or ":port") binds
     the address the daemon advertises, not every interface."""
     host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{listen!r}: write [HOST]:PORT, e.g. :9400 (port 0 picks a free one)")
     return f"{host or advertise_host}:{port}"
 
 

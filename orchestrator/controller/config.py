@@ -7,6 +7,7 @@ from pathlib import Path
 
 from orchestrator.security.auth import Tokens
 from common.etcd import EtcdCredentials, host_port
+from common.net import listen_address
 from common.tls import TlsFiles
 
 
@@ -54,6 +55,8 @@ class ControllerConfig:
         if self.finished_job_ttl_s < 0:
             raise ValueError(f"finished_job_ttl_s={self.finished_job_ttl_s}: give 0 (keep "
                              f"ended jobs until `keel delete`) or a positive number of seconds")
+        if self.metrics_listen is not None:
+            listen_address(self.metrics_listen, self.advertise_host)   # raises with the fix
         if self.finished_job_metrics_s < 0:
             raise ValueError(f"finished_job_metrics_s={self.finished_job_metrics_s}: give the "
                              f"seconds an ended job's series stay exported (0: none)")

@@ -182,14 +182,14 @@ class JobCollector(Collector):
                 known(job.name)
                 self._job(families, job, wall)
             if state.is_leader:
-                families.gauge("keel_agents_connected", "Agents whose stream is up").add(
+                families.gauge("keel_agents_connected", "Agents whose stream is up").add_metric(
                     [], sum(1 for s in state.sessions.values() if s.connected))
                 nodes = families.gauge("keel_nodes", "Nodes by state", ["state"])
                 counts = dict.fromkeys(NODE_STATES, 0)
                 for name in set(state.registered) | set(state.sessions):
                     counts[self._node_state(name)] += 1
                 for name, count in counts.items():
-                    nodes.add([name], count)
+                    nodes.add_metric([name], count)
         yield from families.all()
 
     def _node_state(self, node: str) -> str:
@@ -210,45 +210,45 @@ class JobCollector(Collector):
         in_state = f.counter("keel_job_state_seconds", "Seconds the job spent in each state",
                              ["job_name", "state"])
         for state in JobState:
-            states.add([name, state.value], 1 if job.state is state else 0)
+            states.add_metric([name, state.value], 1 if job.state is state else 0)
             seconds = job.state_seconds.get(state.value, 0.0)
             if job.state is state and not state.terminal:
                 seconds += max(0.0, wall - job.state_entered_at)
-            in_state.add([name, state.value], seconds)
-        f.gauge("keel_job_step", "Highest step rank 0 reported", ["job_name"]).add(labels, job.step)
-        f.gauge("keel_job_target_steps", "The job's step target (0: none)", ["job_name"]).add(
+            in_state.add_metric([name, state.value], seconds)
+        f.gauge("keel_job_step", "Highest step rank 0 reported", ["job_name"]).add_metric(labels, job.step)
+        f.gauge("keel_job_target_steps", "The job's step target (0: none)", ["job_name"]).add_metric(
             labels, job.spec.steps)
         if job.has_loss:
-            f.gauge("keel_job_loss", "Rank 0's latest loss", ["job_name"]).add(labels, job.loss)
-        f.counter("keel_job_tokens", "Tokens trained", ["job_name"]).add(labels, job.tokens)
+            f.gauge("keel_job_loss", "Rank 0's latest loss", ["job_name"]).add_metric(labels, job.loss)
+        f.counter("keel_job_tokens", "Tokens trained", ["job_name"]).add_metric(labels, job.tokens)
         running = job.state is JobState.RUNNING
         rate = job.tokens_per_s() if running else 0.0
         f.gauge("keel_job_tokens_per_second", "Tokens per second, latest reports",
-                ["job_name"]).add(labels, rate)
+                ["job_name"]).add_metric(labels, rate)
         accelerators = [self.state.sessions[p.node].hello.accelerator
                         for p in job.placement for _ in p.ranks
                         if p.node in self.state.sessions]
         utilization = mfu(job.spec.model.params, rate, accelerators, self.peaks)
         if utilization is not None and running:
-            f.gauge("keel_job_mfu_ratio", "Model FLOP/s utilization", ["job_name"]).add(
+            f.gauge("keel_job_mfu_ratio", "Model FLOP/s utilization", ["job_name"]).add_metric(
                 labels, utilization)
-        f.gauge("keel_job_world_size", "Ranks of the current generation", ["job_name"]).add(
+        f.gauge("keel_job_world_size", "Ranks of the current generation", ["job_name"]).add_metric(
             labels, job.world_size or job.spec.world_size)
-        f.gauge("keel_job_generation", "Current generation", ["job_name"]).add(labels, job.generation)
+        f.gauge("keel_job_generation", "Current generation", ["job_name"]).add_metric(labels, job.generation)
         restarts = f.counter("keel_job_restarts", "Generations ended, by cause",
                              ["job_name", "cause"])
         for cause in RESTART_CAUSES:
-            restarts.add([name, cause], job.restarts_by_cause.get(cause, 0))
+            restarts.add_metric([name, cause], job.restarts_by_cause.get(cause, 0))
         scores = f.gauge("keel_job_straggler_score", "A node's slowest rank's step time over "
                          "the latest window / the other nodes' median", ["job_name", "node"])
         for score in job.health.straggler_state.scores:
-            scores.add([name, score.node], score.ratio)
+            scores.add_metric([name, score.node], score.ratio)
         ranks = f.gauge("keel_rank_step_seconds", f"Median own step time of the {TOP_RANKS} "
                         f"slowest ranks, latest steps", ["job_name", "rank"])
         medians = {rank: statistics.median(times)
                    for rank, times in job.rank_step_times.items() if times}
         for rank in sorted(medians, key=lambda r: (-medians[r], r))[:TOP_RANKS]:
-            ranks.add([name, str(rank)], medians[rank])
+            ranks.add_metric([name, str(rank)], medians[rank])
         self._goodput(f, job)
         self._checkpoints(f, job, wall)
 
@@ -258,16 +258,16 @@ class JobCollector(Collector):
         ratio = goodput.ratio()
         if ratio is not None:
             f.gauge("keel_goodput_ratio", "Productive seconds / accounted seconds",
-                    ["job_name"]).add(labels, ratio)
-        f.counter("keel_goodput_seconds", "Productive seconds", ["job_name"]).add(
+                    ["job_name"]).add_metric(labels, ratio)
+        f.counter("keel_goodput_seconds", "Productive seconds", ["job_name"]).add_metric(
             labels, goodput.seconds["productive"])
         badput = f.counter("keel_badput_seconds", "Seconds lost, by cause", ["job_name", "cause"])
         for cause in BADPUT:
-            badput.add([job.name, cause], goodput.seconds[cause])
+            badput.add_metric([job.name, cause], goodput.seconds[cause])
         f.gauge("keel_goodput_accounted_seconds", "Wall time accounted: productive plus "
-                "badput", ["job_name"]).add(labels, goodput.accounted_s)
+                "badput", ["job_name"]).add_metric(labels, goodput.accounted_s)
         f.gauge("keel_goodput_at_risk_seconds", "Productive time of steps no checkpoint "
-                "covers yet", ["job_name"]).add(labels, goodput.at_risk_s)
+                "covers yet", ["job_name"]).add_metric(labels, goodput.at_risk_s)
 
     @staticmethod
     def _checkpoints(f: _Families, job: JobRuntime, wall: float) -> None:
@@ -275,45 +275,36 @@ class JobCollector(Collector):
         last = job.last_checkpoint
         if last:
             f.gauge("keel_checkpoint_last_step", "Step of the newest committed checkpoint",
-                    ["job_name"]).add(labels, last["step"])
+                    ["job_name"]).add_metric(labels, last["step"])
             if last.get("recorded_at"):
                 f.gauge("keel_checkpoint_last_timestamp_seconds", "When it was recorded, "
-                        "unix seconds", ["job_name"]).add(labels, last["recorded_at"])
-                f.gauge("keel_checkpoint_age_seconds", "Seconds since then", ["job_name"]).add(
+                        "unix seconds", ["job_name"]).add_metric(labels, last["recorded_at"])
+                f.gauge("keel_checkpoint_age_seconds", "Seconds since then", ["job_name"]).add_metric(
                     labels, max(0.0, wall - last["recorded_at"]))
         problems = f.counter("keel_checkpoint_problems", "Checkpoints ranks would not use",
                              ["job_name", "kind"])
         for kind in PROBLEM_KINDS:
-            problems.add([job.name, kind], job.checkpoint_problem_counts.get(kind, 0))
+            problems.add_metric([job.name, kind], job.checkpoint_problem_counts.get(kind, 0))
 
 
 class _Families:
     """Metric families by name, each made once per scrape, in the order first asked."""
 
     def __init__(self):
-        self._families: dict[str, object] = {}
+        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
-    def gauge(self, name: str, documentation: str, labels=()) -> _Family:
-        return self._get(name, lambda: GaugeMetricFamily(name, documentation, labels=labels))
-
-    def counter(self, name: str, documentation: str, labels=()) -> _Family:
-        return self._get(name, lambda: CounterMetricFamily(name, documentation, labels=labels))
-
-    def _get(self, name, make):
+    def gauge(self, name: str, documentation: str, labels=()) -> GaugeMetricFamily:
         if name not in self._families:
-            self._families[name] = make()
-        return _Family(self._families[name])
+            self._families[name] = GaugeMetricFamily(name, documentation, labels=labels)
+        return self._families[name]
+
+    def counter(self, name: str, documentation: str, labels=()) -> CounterMetricFamily:
+        if name not in self._families:
+            self._families[name] = CounterMetricFamily(name, documentation, labels=labels)
+        return self._families[name]
 
     def all(self):
         return iter(self._families.values())
-
-
-class _Family:
-    def __init__(self, family):
-        self.family = family
-
-    def add(self, labels, value: float) -> None:
-        self.family.add_metric(list(labels), value)
 
 
 def register(state: ControllerState) -> JobCollector:

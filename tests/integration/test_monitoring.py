@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from common.net import free_port
 from tests.conftest import REPO, wait_for
 from tests.promql import dashboard_exprs, metric_names, rule_exprs
 
@@ -32,17 +32,11 @@ JOB = "keel-up"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     """A Prometheus server on a free port, and its HTTP API."""
 
     def __init__(self, binary: str, config: Path, data: Path, log: Path):
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
@@ -94,14 +88,15 @@ def monitored_run(tmp_path_factory, prometheus_binary):
     """A ``keel up`` run watched by Prometheus: its summary, and the server (still up)."""
     base = tmp_path_factory.mktemp("monitored")
     workdir = base / "run"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "up", "--json", "--workdir", str(workdir),
-         "--timeout-s", "420", "--controllers", "2", "--nodes", "2", "--spares", "1",
-         "--slots-per-node", "1", "--steps", "60", "--checkpoint-every", "5",
-         "--inject", "crash:rank=0,step=12", "--inject", "kill_leader:step=20",
-         "--inject", "slow:rank=1,step=22,factor=5"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=open(base / "up.err", "wb"), text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(base / "up.err", "wb") as up_err:   # the child keeps its own descriptor
+        up = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "up", "--json", "--workdir", str(workdir),
+             "--timeout-s", "420", "--controllers", "2", "--nodes", "2", "--spares", "1",
+             "--slots-per-node", "1", "--steps", "60", "--checkpoint-every", "5",
+             "--inject", "crash:rank=0,step=12", "--inject", "kill_leader:step=20",
+             "--inject", "slow:rank=1,step=22,factor=5"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=up_err, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
     server = None
     try:
         config = workdir / "prometheus" / "prometheus.yml"

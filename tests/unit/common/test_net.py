@@ -50,3 +50,9 @@ def test_a_free_port_is_taken_from_the_range_past_a_busy_one():
 def test_a_bare_port_listens_on_the_advertised_host():
     assert net.listen_address(":0", "10.0.0.2") == "10.0.0.2:0"
     assert net.listen_address("0.0.0.0:7070", "10.0.0.2") == "0.0.0.0:7070"
+
+
+def test_a_malformed_listen_address_is_refused_with_the_form_to_use():
+    for bad in ("9400x", "host", ":99999"):
+        with pytest.raises(ValueError, match=r"write \[HOST\]:PORT"):
+            net.listen_address(bad, "10.0.0.2")
