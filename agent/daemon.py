@@ -23,7 +23,7 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from agent import hangs, leftovers, metrics
+from agent import hangs, leftovers, metrics, rank_logs
 from agent.config import AgentConfig
 from agent.generation import Generation, Phase
 from agent.hang import HangConfig
@@ -343,6 +343,13 @@ class Agent:
             self.held = True
             log.warning("the controller cannot reach etcd either: keeping the ranks while "
                         "our lease cannot be renewed")
+        elif kind == "read_log":
+            request = message.read_log
+            running = any(r.rank == request.rank and r.popen.returncode is None
+                          for r in self.supervisor.of_generation(request.job,
+                                                                 request.generation))
+            self._send(log_chunk=rank_logs.read(self.config.run_dir, self.config.node,
+                                                request, running))
         elif kind == "checkpoint_now":
             request = message.checkpoint_now
             self.reports.want_checkpoint(request.generation)

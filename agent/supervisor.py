@@ -92,6 +92,11 @@ class RankProcess:
         return self.log_dir / f"rank{self.rank}.err"
 
 
+def rank_log(run_dir: Path, job: str, generation: int, rank: int, stream: str) -> Path:
+    """Where a rank's ``out`` or ``err`` stream is written on its node."""
+    return run_dir / job / f"gen{generation}" / f"rank{rank}.{stream}"
+
+
 class Supervisor:
     def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = ""):
         self.run_dir = run_dir
@@ -110,7 +115,7 @@ class Supervisor:
               chain: Deadlines) -> list[RankProcess]:
         """Start the ranks ``start`` assigns to this node, each stopped (when it comes to
         that) with the generation's stop grace from ``chain``."""
-        log_dir = self.run_dir / start.job / f"gen{start.generation}"
+        log_dir = rank_log(self.run_dir, start.job, start.generation, 0, "out").parent
         log_dir.mkdir(parents=True, exist_ok=True)
         started = []
         for assignment in start.ranks:
@@ -124,7 +129,7 @@ class Supervisor:
                 popen = subprocess.Popen(
                     [*tied_to_this_process(), *start.command],
                     env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    start_new_session=True)
+                    cwd=start.working_dir or None, start_new_session=True)
             proc = RankProcess(job=start.job, generation=start.generation,
                                rank=assignment.rank, local_rank=assignment.local_rank,
                                popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s)

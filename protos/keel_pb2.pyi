@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving")
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class AgentMessage(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     rendezvous_ready: RendezvousReady
     rank_exited: RankExited
@@ -30,7 +31,8 @@ class AgentMessage(_message.Message):
     status: AgentStatus
     checkpoint_problem: CheckpointProblem
     leaving: Leaving
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
+    log_chunk: LogChunk
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
 
 class Leaving(_message.Message):
     __slots__ = ("reason",)
@@ -71,7 +73,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "term")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "term")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +82,7 @@ class ControllerMessage(_message.Message):
     CHECKPOINT_RECORDED_FIELD_NUMBER: _ClassVar[int]
     ETCD_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    READ_LOG_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
@@ -89,8 +92,9 @@ class ControllerMessage(_message.Message):
     checkpoint_recorded: CheckpointRecorded
     etcd_unreachable: EtcdUnreachable
     resync: Resync
+    read_log: ReadLog
     term: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
@@ -211,6 +215,44 @@ class Hello(_message.Message):
     accelerator: str
     def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ...) -> None: ...
 
+class ReadLog(_message.Message):
+    __slots__ = ("request_id", "job", "generation", "rank", "out_offset", "err_offset", "max_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    job: str
+    generation: int
+    rank: int
+    out_offset: int
+    err_offset: int
+    max_bytes: int
+    def __init__(self, request_id: _Optional[int] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., out_offset: _Optional[int] = ..., err_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("request_id", "out", "err", "out_offset", "err_offset", "running", "path", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    ERR_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    out: bytes
+    err: bytes
+    out_offset: int
+    err_offset: int
+    running: bool
+    path: str
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., out: _Optional[bytes] = ..., err: _Optional[bytes] = ..., out_offset: _Optional[int] = ..., err_offset: _Optional[int] = ..., running: _Optional[bool] = ..., path: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class Welcome(_message.Message):
     __slots__ = ("controller_id",)
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -246,7 +288,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +315,7 @@ class StartGeneration(_message.Message):
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -292,7 +335,8 @@ class StartGeneration(_message.Message):
     group_rank: int
     group_world_size: int
     max_restarts: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+    working_dir: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
@@ -427,7 +471,7 @@ class GenerationStopped(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health")
+    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health", "ranks_per_node", "working_dir")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +491,8 @@ class JobSpec(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     name: str
     world_size: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -459,7 +505,9 @@ class JobSpec(_message.Message):
     model: ModelShape
     training: TrainingShape
     health: HealthSpec
-    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ...) -> None: ...
+    ranks_per_node: int
+    working_dir: str
+    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., ranks_per_node: _Optional[int] = ..., working_dir: _Optional[str] = ...) -> None: ...
 
 class HealthSpec(_message.Message):
     __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour", "stop_grace_s", "collective_timeout_s", "startup_timeout_s")
@@ -782,6 +830,46 @@ class DeleteJobReply(_message.Message):
     job: str
     message: str
     def __init__(self, job: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ReadLogRequest(_message.Message):
+    __slots__ = ("job", "generation", "rank", "out_offset", "err_offset", "max_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    out_offset: int
+    err_offset: int
+    max_bytes: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., out_offset: _Optional[int] = ..., err_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadLogReply(_message.Message):
+    __slots__ = ("job", "generation", "rank", "node", "out", "err", "out_offset", "err_offset", "running", "path")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    ERR_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    node: str
+    out: bytes
+    err: bytes
+    out_offset: int
+    err_offset: int
+    running: bool
+    path: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., out: _Optional[bytes] = ..., err: _Optional[bytes] = ..., out_offset: _Optional[int] = ..., err_offset: _Optional[int] = ..., running: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

@@ -96,6 +96,11 @@ class ControllerStub:
                 request_serializer=protos_dot_keel__pb2.DeleteJobRequest.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.DeleteJobReply.FromString,
                 _registered_method=True)
+        self.ReadLog = channel.unary_unary(
+                '/keel.v1.Controller/ReadLog',
+                request_serializer=protos_dot_keel__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.ReadLogReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -187,6 +192,14 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLog(self, request, context):
+        """A rank's output (stdout and stderr from the given offsets), read by the agent of
+        the node that ran it, through that agent's stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +262,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.DeleteJob,
                     request_deserializer=protos_dot_keel__pb2.DeleteJobRequest.FromString,
                     response_serializer=protos_dot_keel__pb2.DeleteJobReply.SerializeToString,
+            ),
+            'ReadLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLog,
+                    request_deserializer=protos_dot_keel__pb2.ReadLogRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.ReadLogReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -577,6 +595,33 @@ class Controller:
             '/keel.v1.Controller/DeleteJob',
             protos_dot_keel__pb2.DeleteJobRequest.SerializeToString,
             protos_dot_keel__pb2.DeleteJobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/ReadLog',
+            protos_dot_keel__pb2.ReadLogRequest.SerializeToString,
+            protos_dot_keel__pb2.ReadLogReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -304,8 +304,10 @@ def agent(ctx):
 
 def _register_operator_commands() -> None:
     from orchestrator.cli import operator as operator_cli
+    from orchestrator.cli.logs import logs
+    from orchestrator.cli.run import run
     from orchestrator.security.certs import certs
-    for command in (operator_cli.status, operator_cli.nodes, operator_cli.jobs,
+    for command in (run, logs, operator_cli.status, operator_cli.nodes, operator_cli.jobs,
                     operator_cli.events, *operator_cli.MUTATING, certs):
         main.add_command(command)
 

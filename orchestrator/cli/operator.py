@@ -24,8 +24,11 @@ FOLLOW_POLL_S = 1.0
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
-def connection_options(command):
-    """The options every operator command takes to reach the controller."""
+def connection_options(command=None, *, with_json: bool = True):
+    """The options every operator command takes to reach the controller (and
+    ``--json``, unless ``with_json`` is off)."""
+    if command is None:
+        return lambda command: connection_options(command, with_json=with_json)
     command = click.option(
         "--controller", envvar=env.CONTROLLER, default=None,
         help="Controller host:port (env KEEL_CONTROLLER); default: the leader "
@@ -42,6 +45,8 @@ def connection_options(command):
                               "ca.pem and operator.pem/.key/.token, or if it has none, "
                               "reader.pem/.key/.token")(command)
     command = flags.etcd_options(command)
+    if not with_json:
+        return command
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON instead of a table.")(command)
 

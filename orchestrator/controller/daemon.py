@@ -31,7 +31,7 @@ from orchestrator.controller.sessions import MAX_AGENTS, OPERATOR_THREADS, Agent
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Store
 from orchestrator.security.auth import TokenInterceptor
-from protos import keel_pb2_grpc
+from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
 
@@ -51,10 +51,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         # The gRPC methods of the Controller service: Connect is the agents', the rest
         # the operators'.
         self.Connect = self.agents.connect
-        for method in ("SubmitJob", "GetJob", "ListJobs", "ListNodes", "CordonNode",
-                       "UncordonNode", "DrainNode", "ReplaceNode", "CheckpointJob",
-                       "StopJob"):
-            setattr(self, method, getattr(self.operator, method))
+        for method in keel_pb2.DESCRIPTOR.services_by_name["Controller"].methods_by_name:
+            if method != "Connect":
+                setattr(self, method, getattr(self.operator, method))
 
     @property
     def address(self) -> str:

@@ -170,6 +170,7 @@ class Executor:
                                          f"{mesh} at world size {world_size}", node=out[0],
                              step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
+        job.remember_placement()
         job.rank_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
@@ -223,7 +224,7 @@ class Executor:
             health=job.health.spec, deadlines=job.deadlines,
             restore_fallbacks=job.restore_fallbacks,
             group_rank=job.placement.index(part), group_world_size=len(job.placement),
-            max_restarts=job.spec.max_restarts)
+            max_restarts=job.spec.max_restarts, working_dir=job.spec.working_dir)
         if job.health.spec.preflight_off:
             start.env[env.PREFLIGHT] = "0"
         for local_rank, rank in enumerate(part.ranks):

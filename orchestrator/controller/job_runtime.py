@@ -20,6 +20,8 @@ from protos import keel_pb2
 # Root causes of failed generations a job keeps, newest last (each up to ~12 KB of
 # traceback and stderr, in the job's state record: etcd takes 1.5 MiB a request).
 MAX_FAILURES = 20
+# Generations whose placement a leader remembers (in memory only), for rank logs.
+PLACEMENTS_KEPT = 64
 
 
 @dataclass(eq=False)
@@ -99,6 +101,9 @@ class JobRuntime:
     recovery: dict | None = None
     # Each rank's latest own step times (seconds), for the slowest ranks' series.
     rank_step_times: dict[int, collections.deque] = field(default_factory=dict)
+    # Which node ran each rank of the generations this leader placed (the newest
+    # PLACEMENTS_KEPT), so their output can be read after they ended.
+    placements: dict[int, dict[int, str]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.goodput is None:
@@ -117,6 +122,18 @@ class JobRuntime:
     def rank_nodes(self) -> dict[int, str]:
         """Each rank of the current placement, and its node."""
         return {rank: p.node for p in self.placement for rank in p.ranks}
+
+    def remember_placement(self) -> None:
+        """Keep the current generation's rank-to-node map among the recent ones."""
+        self.placements[self.generation] = self.rank_nodes
+        while len(self.placements) > PLACEMENTS_KEPT:
+            del self.placements[min(self.placements)]
+
+    def node_of(self, generation: int, rank: int) -> str | None:
+        """The node that ran (or runs) ``rank`` in ``generation``, if known here."""
+        ranks = self.rank_nodes if generation == self.generation else \
+            self.placements.get(generation, {})
+        return ranks.get(rank)
 
     def tokens_per_s(self) -> float:
         """Tokens per second over the latest reports of the current generation (the

@@ -38,12 +38,13 @@ def newly_lost(state: ControllerState, job: JobRuntime, now: float) -> list[str]
 def free_slots(state: ControllerState, job: JobRuntime,
                exclude: frozenset[str] = frozenset()) -> dict[str, int]:
     """Slots of connected, registered, uncordoned nodes that no other job holds, bar
-    ``exclude``."""
+    ``exclude``; at most the job's ranks per node (torchrun's --nproc-per-node) each."""
     busy = set(state.cordons) | exclude
     for other in state.jobs.values():
         if other is not job and other.state.holds_nodes:
             busy |= other.nodes
-    return {name: s.slots for name, s in state.sessions.items()
+    cap = job.spec.ranks_per_node
+    return {name: min(s.slots, cap) if cap else s.slots for name, s in state.sessions.items()
             if s.connected and name in state.registered and name not in busy}
 
 

@@ -32,6 +32,8 @@ from protos import keel_pb2
 log = structlog.get_logger()
 
 MAX_REASON_CHARS = 1024
+# How long a ReadLog waits for the node's agent to answer.
+LOG_READ_TIMEOUT_S = 5.0
 
 
 class OperatorService:
@@ -345,3 +347,55 @@ class OperatorService:
             else:
                 message = f"job {job.name} is stopping"
             return keel_pb2.StopJobReply(job=job.name, state=job.state.value, message=message)
+
+    def ReadLog(self, request, context):
+        """A rank's output from the node that ran it, relayed through that node's agent
+        stream (no port of the agent's is reached from outside)."""
+        self._require_leader(context)
+        with self.lock:
+            job = self._job_named(request.job, context)
+            generation = request.generation or job.generation
+            if generation == 0:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"job {job.name} has not started a generation yet "
+                              f"({job.state.value}: {job.reason}); no rank has output")
+            node = job.node_of(generation, request.rank)
+            if node is None:
+                where = f"under {job.name}/gen{generation}/ in the run directory of its agent"
+                if generation > job.generation:
+                    problem = (f"generation {generation} of job {job.name} has not started "
+                               f"(it is at generation {job.generation})")
+                elif generation == job.generation or generation in job.placements:
+                    ranks = job.world_size if generation == job.generation else \
+                        len(job.placements[generation])
+                    problem = (f"generation {generation} of job {job.name} has no rank "
+                               f"{request.rank} (ranks 0-{ranks - 1})")
+                else:
+                    problem = (f"generation {generation} of job {job.name} was placed before "
+                               f"this controller led, so which node ran rank "
+                               f"{request.rank} is not known here; its output is {where}")
+                context.abort(grpc.StatusCode.NOT_FOUND, problem)
+            request_id, answer = self.state.replies.expect()
+            sent = self.state.send(node, keel_pb2.ControllerMessage(read_log=keel_pb2.ReadLog(
+                request_id=request_id, job=job.name, generation=generation,
+                rank=request.rank, out_offset=request.out_offset,
+                err_offset=request.err_offset, max_bytes=request.max_bytes)))
+        if not sent:
+            self.state.replies.forget(request_id)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {node}, which ran rank {request.rank} of generation "
+                          f"{generation}, is not connected; its output stays on that node "
+                          f"under {job.name}/gen{generation}/ in its agent's run directory")
+        try:
+            _, chunk = answer.result(timeout=LOG_READ_TIMEOUT_S)
+        except TimeoutError:
+            self.state.replies.forget(request_id)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"node {node} did not send rank {request.rank}'s output within "
+                          f"{LOG_READ_TIMEOUT_S:.0f} s; try again")
+        if chunk.error:
+            context.abort(grpc.StatusCode.NOT_FOUND, chunk.error)
+        return keel_pb2.ReadLogReply(
+            job=job.name, generation=generation, rank=request.rank, node=node,
+            out=chunk.out, err=chunk.err, out_offset=chunk.out_offset,
+            err_offset=chunk.err_offset, running=chunk.running, path=chunk.path)

@@ -29,11 +29,11 @@ from orchestrator.policy.authority import (NodeAuthority, checkpoint_refusal,
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
+from orchestrator.spec.jobspec import MAX_SLOTS
 from protos import keel_pb2
 
 log = structlog.get_logger()
 
-MAX_SLOTS = 1024
 # Each agent's Connect stream holds one server thread for as long as it lives; the
 # pool (its threads are made as needed) has room for this many agents plus the
 # operators' calls.
@@ -245,6 +245,8 @@ class AgentService:
             # An intent, like an operator's drain: the reconcile loop records it.
             session.leaving = body.reason or "its agent is shutting down"
             wake.set()
+        elif kind == "log_chunk":
+            self.state.replies.deliver(body.request_id, (session.node, body))
         elif kind == "hello":
             log.warning("ignoring a second Hello on one stream", node=session.node)
 

@@ -5,9 +5,11 @@ thread observes, decides and applies under it."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from orchestrator.controller.config import ControllerConfig
@@ -43,6 +45,38 @@ class AgentSession:
         self.outbox.put(None)
 
 
+class AgentReplies:
+    """Answers awaited from agents (a rank's log chunk), by request id: the caller
+    ``expect``s one, sends its request, and waits on the future; the agent's reader
+    thread ``deliver``s it."""
+
+    def __init__(self):
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def expect(self) -> tuple[int, Future]:
+        future = Future()
+        with self._lock:
+            request_id = next(self._ids)
+            self._waiting[request_id] = future
+        return request_id, future
+
+    def deliver(self, request_id: int, answer) -> bool:
+        """Whether someone was waiting for ``request_id`` (an answer after the wait
+        gave up is dropped)."""
+        with self._lock:
+            future = self._waiting.pop(request_id, None)
+        if future is None:
+            return False
+        future.set_result(answer)
+        return True
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._waiting.pop(request_id, None)
+
+
 class ControllerState:
     def __init__(self, config: ControllerConfig, store: Store):
         self.config = config
@@ -58,6 +92,7 @@ class ControllerState:
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
+        self.replies = AgentReplies()
 
     @property
     def term(self) -> int | None:

@@ -29,7 +29,7 @@ from protos import keel_pb2
 POLL_S = 0.5
 
 
-def _wait_for_agents(client: ControllerClient, count: int, workdir: Path,
+def wait_for_agents(client: ControllerClient, count: int, workdir: Path,
                      timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -64,7 +64,7 @@ def up(options: UpOptions) -> int:
         try:
             # Every agent joins before the job is submitted, so the placement is by node
             # name and the spares are the last nodes, whatever order they started in.
-            _wait_for_agents(client, options.nodes + options.spares, workdir)
+            wait_for_agents(client, options.nodes + options.spares, workdir)
             scrape = cluster.write_prometheus()
             client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
             credentials = " ".join([*(["--tls-dir", str(workdir / "tls")] if options.tls

@@ -35,6 +35,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "GetJob": frozenset({Role.READER, Role.OPERATOR}),
     SERVICE + "ListJobs": frozenset({Role.READER, Role.OPERATOR}),
     SERVICE + "ListNodes": frozenset({Role.READER, Role.OPERATOR}),
+    SERVICE + "ReadLog": frozenset({Role.READER, Role.OPERATOR}),
     SERVICE + "CordonNode": frozenset({Role.OPERATOR}),
     SERVICE + "UncordonNode": frozenset({Role.OPERATOR}),
     SERVICE + "DrainNode": frozenset({Role.OPERATOR}),

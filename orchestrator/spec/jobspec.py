@@ -6,14 +6,15 @@ import os
 import re
 
 from common import env
+from common.keys import JOB_NAME, JOB_NAME_RULE
 from orchestrator import planner
 from orchestrator.planner.sizing import cluster_for, model_shape, training_shape
 from orchestrator.spec import health
 from protos import keel_pb2
 
-NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RESTARTS_LIMIT = 1000
+MAX_SLOTS = 1024             # the most rank slots an agent may offer
 
 
 class InvalidSpec(ValueError):
@@ -27,9 +28,8 @@ class InvalidSpec(ValueError):
 
 def validate(spec: keel_pb2.JobSpec) -> None:
     problems = []
-    if not NAME.match(spec.name):
-        problems.append(f"name {spec.name!r}: use 1-63 lowercase letters, digits and '-', "
-                        f"starting and ending with a letter or digit")
+    if not JOB_NAME.match(spec.name):
+        problems.append(f"name {spec.name!r}: {JOB_NAME_RULE}")
     if spec.world_size < 1:
         problems.append("world_size: must be at least 1")
     if not spec.command or not spec.command[0]:
@@ -40,6 +40,12 @@ def validate(spec: keel_pb2.JobSpec) -> None:
                         f"{MAX_RESTARTS_LIMIT}; a job failing that often needs a person")
     if spec.checkpoint_dir and not os.path.isabs(spec.checkpoint_dir):
         problems.append(f"checkpoint_dir {spec.checkpoint_dir!r}: must be an absolute path")
+    if spec.working_dir and not os.path.isabs(spec.working_dir):
+        problems.append(f"working_dir {spec.working_dir!r}: must be an absolute path (the "
+                        f"same directory on every node)")
+    if spec.ranks_per_node > MAX_SLOTS:
+        problems.append(f"ranks_per_node: {spec.ranks_per_node} is more than any node's "
+                        f"{MAX_SLOTS} slots")
     for key in spec.env:
         if not ENV_NAME.match(key):
             problems.append(f"env {key!r}: not a valid environment variable name")

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import REPO, keel
 
-VERBS = ("up", "plan", "controller", "agent", "status", "nodes", "jobs", "events", "cordon",
+VERBS = ("up", "run", "logs", "plan", "controller", "agent", "status", "nodes", "jobs", "events", "cordon",
          "uncordon", "drain", "replace", "checkpoint", "submit", "stop", "delete", "certs")
 
 
@@ -27,6 +27,9 @@ def test_keel_lists_every_verb():
     ("controller", ("--node-lost-grace-s", "--finished-job-ttl-s", "--tls-dir", "--etcd-ca")),
     ("agent", ("--lease-ttl-s", "--stop-grace-s", "--tls-dir", "--etcd-password")),
     ("drain", ("--wait", "--controller", "--etcd-endpoints")),
+    ("run", ("--nnodes", "--nproc-per-node", "--nproc_per_node", "--max-restarts", "--module",
+             "--no-python", "--etcd-endpoints", "--env")),
+    ("logs", ("--rank", "--generation", "--follow")),
 ])
 def test_each_verb_documents_its_flags(verb, flags):
     result = keel(verb, "--help", timeout_s=60)

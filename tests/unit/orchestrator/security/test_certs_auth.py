@@ -19,7 +19,7 @@ from orchestrator.security.auth import (METHOD_ROLES, SERVICE, Role, Tokens, aut
 from protos import keel_pb2
 
 TOKENS = Tokens(join="j-token", operator="o-token", reader="r-token")
-READ_ONLY = ("GetJob", "ListJobs", "ListNodes")
+READ_ONLY = ("GetJob", "ListJobs", "ListNodes", "ReadLog")
 
 
 def bearer(token: str) -> str:
