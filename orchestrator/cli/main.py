@@ -31,8 +31,10 @@ def main():
 @click.option("--checkpoint-every", type=int, default=10, show_default=True,
               help="Reference trainer: commit a checkpoint every this many steps.")
 @click.option("--script", type=click.Path(exists=True, dir_okay=False),
-              help="Run this torchrun-style script instead of the reference trainer; "
-                   "its arguments follow `--`.")
+              help="Run this torchrun-style script instead of the reference trainer "
+                   "(or use `keel run`). Arguments after `--` go to the script, or without "
+                   "--script to the reference trainer (e.g. -- --dim 128 --lr 1e-3; see "
+                   "python -m trainer.train --help).")
 @click.option("--inject", multiple=True, metavar="FAULT",
               help="Deterministic fault, repeatable: crash:rank=R,step=N | "
                    "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
@@ -115,8 +117,6 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
     from orchestrator.local.options import UpOptions
     from orchestrator.local.up import up as run_up
 
-    if script_args and not script:
-        raise click.UsageError("arguments after -- are passed to --script; give --script")
     try:
         # Their logs go to files, never a terminal: json unless asked otherwise.
         log_format, log_level = logs.settings(log_format, log_level, tty=False)

@@ -108,19 +108,21 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
                              *options.script_args])
     else:
         reference = REFERENCE | {"global_batch": reference_global_batch(options.world_size)}
-        spec.command.extend([sys.executable, "-u", "-m", "trainer.train",
-                             "--steps", str(options.steps),
-                             "--checkpoint-every", str(options.checkpoint_every),
-                             *(f"--{k.replace('_', '-')}={v}" for k, v in reference.items())])
+        argv = ["--steps", str(options.steps), "--checkpoint-every", str(options.checkpoint_every),
+                *(f"--{k.replace('_', '-')}={v}" for k, v in reference.items())]
+        if options.script_args:
+            reference = _with_trainer_args(reference, argv, options.script_args)
+        spec.command.extend([sys.executable, "-u", "-m", "trainer.train", *argv,
+                             *options.script_args])
         spec.steps = options.steps
-        shape = planner.ModelShape.from_dims(layers=REFERENCE["layers"],
-                                             hidden=REFERENCE["dim"],
-                                             heads=REFERENCE["heads"], vocab=REFERENCE["vocab"])
+        shape = planner.ModelShape.from_dims(layers=reference["layers"],
+                                             hidden=reference["dim"],
+                                             heads=reference["heads"], vocab=reference["vocab"])
         spec.model.CopyFrom(keel_pb2.ModelShape(
             params=shape.params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
             vocab=shape.vocab))
         spec.training.CopyFrom(keel_pb2.TrainingShape(
-            seq_len=REFERENCE["seq_len"], micro_batch=1,
+            seq_len=reference["seq_len"], micro_batch=1,
             global_batch=reference["global_batch"], precision="fp32",
             gpu_memory_gb=_slot_memory_gb(options.world_size)))
     spec.health.CopyFrom(keel_pb2.HealthSpec(
@@ -138,6 +140,38 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
     validate(spec)
     return spec
 
+
+
+# The reference trainer's flags keel up sets from its own options (or the job's
+# environment): passed after `--` they would contradict what the controller plans.
+OWNED_TRAINER_FLAGS = {"--steps": "--steps", "--checkpoint-every": "--checkpoint-every",
+                       "--checkpoint-dir": "--workdir", "--layout": "--layout",
+                       "--collective-timeout-s": "--collective-timeout-s",
+                       "--preflight": "--no-preflight",
+                       "--no-preflight": "--no-preflight"}
+
+
+def _with_trainer_args(reference: dict, argv: list[str], extra: tuple[str, ...]) -> dict:
+    """The reference trainer's model and batch once ``extra`` (its own flags, after
+    `--`) are applied, checked by its own parser; raises ValueError naming the fix."""
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_TRAINER_FLAGS:
+            raise ValueError(f"{flag} after --: keel up sets it; give keel up "
+                             f"{OWNED_TRAINER_FLAGS[flag]} instead")
+    import contextlib
+    import io
+
+    from trainer.options import parse_args   # imports torch: only when asked to
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parsed = parse_args([*argv, *extra])
+    except SystemExit:
+        problem = errors.getvalue().strip().splitlines()[-1:] or ["invalid arguments"]
+        raise ValueError(f"the reference trainer's arguments after --: "
+                         f"{problem[0].partition('error: ')[2] or problem[0]}") from None
+    return {key: getattr(parsed, key) for key in reference}
 
 
 def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions) -> None:
