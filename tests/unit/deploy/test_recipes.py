@@ -125,8 +125,11 @@ def comment_invocations(text: str, where: str) -> list[Invocation]:
     return found
 
 
-def markdown_blocks(text: str) -> list[str]:
-    return re.findall(r"^```(?:bash|sh)?\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+def markdown_blocks(text: str, languages=("", "bash", "sh")) -> list[str]:
+    """The blocks fenced as one of ``languages`` ("": unmarked); fences of other
+    languages are paired too, so that their closing fence never opens a block."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    return [body for language, body in blocks if language in languages]
 
 
 def unit(path: Path) -> configparser.ConfigParser:
@@ -201,10 +204,12 @@ def resolve(words: tuple[str, ...]) -> tuple[click.Command, list[str], tuple[str
     return command, rest, tuple(name)
 
 
-def check_options(invocation: Invocation) -> list[str]:
+def check_options(invocation: Invocation, complete: bool = True) -> list[str]:
     """What is wrong with one command line: a command or option that does not exist,
-    an option without its value, a required option that is neither given nor read from
-    the environment."""
+    and when it is meant to be ``complete`` (not a mention in prose), an option without
+    its value or a required option that is neither given nor read from the
+    environment. Words after `--`, or after the first argument of a command that takes
+    its options before its arguments only (`keel run SCRIPT ARGS`), are not its own."""
     try:
         command, rest, name = resolve(invocation.words)
     except LookupError as exc:
@@ -213,9 +218,14 @@ def check_options(invocation: Invocation) -> list[str]:
                for opt in (*param.opts, *param.secondary_opts)}
     options.update({opt: None for opt in command.get_help_option_names(click.Context(command))})
     problems, given = [], set()
+    interspersed = command.context_settings.get("allow_interspersed_args", True)
     words = iter(rest)
     for word in words:
+        if word == "--":
+            break
         if not word.startswith("-") or word == "-":
+            if not interspersed:
+                break
             continue
         flag, has_value, _ = word.partition("=")
         if flag not in options:
@@ -224,9 +234,9 @@ def check_options(invocation: Invocation) -> list[str]:
         param = options[flag]
         given.add(param.name if param else "help")
         if (param is not None and not param.is_flag and not has_value
-                and next(words, None) is None):
+                and next(words, None) is None and complete):
             problems.append(f"{invocation.where}: {flag} lacks its value")
-    if "help" not in given:
+    if "help" not in given and complete:
         for param in command.params:
             if (isinstance(param, click.Option) and param.required and not param.envvar
                     and param.name not in given):
