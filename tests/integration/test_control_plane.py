@@ -64,10 +64,10 @@ def cluster(etcd, no_leaks):
                      what="the controller to lead")
         return address
 
-    def agent(node, token_file="token", ttl="2", slots="2"):
+    def agent(node, token_file="token", ttl="2", slots="2", extra=()):
         proc = spawn(["-m", "agent", "--node", node, "--slots", slots, "--etcd-endpoints",
                       etcd.endpoint, "--token-file", str(tmp / token_file),
-                      "--run-dir", str(tmp / node), "--lease-ttl-s", ttl],
+                      "--run-dir", str(tmp / node), "--lease-ttl-s", ttl, *extra],
                      tmp / f"{node}.log")
         started.append(proc)
         return proc

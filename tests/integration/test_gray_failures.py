@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 
 from orchestrator.local.ledger_check import audit_checkpoint
 from trainer import fence, manifest
@@ -366,3 +368,36 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     expected = last * 4
     assert audit_checkpoint(checkpoints / f"step_{last:08d}") == {
         "expected": expected, "consumed": expected, "duplicates": 0, "missing": 0}
+
+
+def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(
+        cluster, etcd):  # noqa: F811
+    """SIGTERM to an agent whose controller is frozen (SIGSTOP): its Leaving goes
+    unanswered, so no checkpoint-and-move ever comes. The agent must not wait forever
+    (a scheduler would SIGKILL it mid-checkpoint): after --drain-timeout-s it stops its
+    ranks itself, with their grace, and exits cleanly."""
+    controller_address = cluster.controller()
+    agent = cluster.agent("node-a", slots="1", extra=("--drain-timeout-s", "2"))
+    wait_for(lambda: "node-a" in cluster.store.nodes(), 30, what="the agent to register")
+    ran = keel("run", "--etcd-endpoints", etcd.endpoint, "--token-file",
+               str(cluster.path / "token"), "--detach", "--rdzv-id", "sleeper",
+               "--no-python", "sleep", "300", timeout_s=60)
+    assert ran.returncode == 0, ran.stderr
+    log = cluster.path / "node-a.log"
+    started = wait_for(lambda: re.search(r'"pid": (\d+), "event": "rank started"',
+                                         log.read_text()), 60, what="the rank to start")
+    rank_pid = int(started[1])
+    controller = next(p for p in cluster.controllers if p.poll() is None)
+    assert cluster.store.controller_address() == controller_address
+    os.kill(controller.pid, signal.SIGSTOP)
+    try:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(60)
+        assert agent.returncode == 0
+        text = log.read_text()
+        assert "draining the node before stopping" in text
+        assert "drain timed out; stopping the ranks" in text
+        with pytest.raises(ProcessLookupError):
+            os.kill(rank_pid, 0)
+    finally:
+        os.kill(controller.pid, signal.SIGCONT)
