@@ -53,7 +53,13 @@ class Agent:
                                config.etcd_credentials)
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.supervisor = Supervisor(config.run_dir, node=config.node)
+        interface = net.interface_of(config.host)
+        if interface is None:
+            log.warning("no interface of this machine holds the advertised host; the "
+                        "ranks' gloo picks its own address (set GLOO_SOCKET_IFNAME)",
+                        host=config.host)
+        self.supervisor = Supervisor(config.run_dir, node=config.node,
+                                     interface=interface or "")
         self.generation = Generation()
         self.started: tuple[str, int] | None = None   # the newest StartGeneration's
         self.reports = Reports()

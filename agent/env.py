@@ -13,9 +13,11 @@ from protos import keel_pb2
 def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
              assignment: keel_pb2.RankAssignment, agent_socket: str,
              error_file: str, chain: Deadlines, rank_token: str = "",
-             node: str = "") -> dict[str, str]:
+             node: str = "", interface: str = "") -> dict[str, str]:
     """Environment for one rank: ``base`` (the agent's) but for its Keel variables,
     then the job's, then ours.
+
+    ``interface``: the network interface of the node's advertised address.
 
     Least privilege: a rank gets none of the agent's ``KEEL_*`` variables (its token,
     etcd's endpoints and password, the controller's address): only what the plan
@@ -28,6 +30,11 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
     # several ranks on a node do not oversubscribe its cores.
     if start.local_world_size > 1 and "OMP_NUM_THREADS" not in start.env:
         env["OMP_NUM_THREADS"] = "1"
+    # gloo binds the address the host name resolves to, often a loopback one
+    # (127.0.1.1 on Debian): on a cluster its peers could not connect. Tie it to the
+    # interface of the address this node advertises, unless told otherwise.
+    if interface and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = interface
     env.update({
         "RANK": str(assignment.rank),
         "LOCAL_RANK": str(assignment.local_rank),

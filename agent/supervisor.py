@@ -98,9 +98,13 @@ def rank_log(run_dir: Path, job: str, generation: int, rank: int, stream: str) -
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = ""):
+    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = "",
+                 interface: str = ""):
+        """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
+        the node's advertised address."""
         self.run_dir = run_dir
         self.node = node
+        self.interface = interface
         self.reap_timeout_s = reap_timeout_s
         self.ranks: list[RankProcess] = []
         # Each rank's credential on the agent's socket, while it runs.
@@ -123,7 +127,7 @@ class Supervisor:
             error_file.unlink(missing_ok=True)
             token = secrets.token_urlsafe(24)
             env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain,
-                           token, self.node)
+                           token, self.node, self.interface)
             with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
                     open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
                 popen = subprocess.Popen(

@@ -4,8 +4,13 @@ remote, and take ports a firewall was opened for."""
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
+import struct
+from pathlib import Path
+
+SIOCGIFADDR = 0x8915     # linux/sockios.h: an interface's IPv4 address
 
 
 class AddressError(ValueError):
@@ -23,6 +28,42 @@ def is_loopback(host: str) -> bool:
             return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
         except OSError:
             return False
+
+
+def interface_addresses() -> dict[str, set[str]]:
+    """This machine's interfaces (Linux) and the addresses each holds, IPv4 and IPv6."""
+    found: dict[str, set[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:      # no IPv4 address
+                continue
+            found.setdefault(name, set()).add(socket.inet_ntoa(packed[20:24]))
+    try:
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6:
+                found.setdefault(fields[5], set()).add(
+                    str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except OSError:              # no IPv6
+        pass
+    return found
+
+
+def interface_of(host: str) -> str | None:
+    """The interface that holds ``host`` (an address, or a name resolving to one of
+    this machine's), or None when none here does (a NAT's public address)."""
+    try:
+        wanted = {ipaddress.ip_address(info[4][0].split("%")[0]).compressed
+                  for info in socket.getaddrinfo(host.strip("[]"), None)}
+    except (OSError, ValueError):
+        return None
+    for name, addresses in sorted(interface_addresses().items()):
+        if wanted & {ipaddress.ip_address(a).compressed for a in addresses}:
+            return name
+    return None
 
 
 def route_address(peer: str, port: int) -> str:

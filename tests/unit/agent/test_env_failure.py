@@ -80,3 +80,14 @@ def test_stderr_traceback_takes_the_last_one(tmp_path):
     path = tmp_path / "err"
     path.write_text("x" * 10000 + "END")
     assert tail(path, 100).endswith("END") and len(tail(path, 100)) == 100
+
+
+def test_gloo_binds_the_interface_of_the_advertised_host_unless_told_otherwise():
+    one = keel_pb2.RankAssignment(rank=0, local_rank=0)
+    env = rank_env({}, start_message(), one, "s", "e", CHAIN, interface="ib0")
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert rank_env({}, start_message(GLOO_SOCKET_IFNAME="eth1"), one, "s", "e", CHAIN,
+                    interface="ib0")["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert rank_env({"GLOO_SOCKET_IFNAME": "eth2"}, start_message(), one, "s", "e", CHAIN,
+                    interface="ib0")["GLOO_SOCKET_IFNAME"] == "eth2"
+    assert "GLOO_SOCKET_IFNAME" not in rank_env({}, start_message(), one, "s", "e", CHAIN)

@@ -56,3 +56,10 @@ def test_a_malformed_listen_address_is_refused_with_the_form_to_use():
     for bad in ("9400x", "host", ":99999"):
         with pytest.raises(ValueError, match=r"write \[HOST\]:PORT"):
             net.listen_address(bad, "10.0.0.2")
+
+
+def test_the_interface_of_an_address_is_found_and_a_foreign_one_has_none():
+    assert net.interface_of("127.0.0.1") == "lo" and net.interface_of("localhost") == "lo"
+    assert "127.0.0.1" in net.interface_addresses()["lo"]
+    assert net.interface_of("198.51.100.77") is None
+    assert net.interface_of("no-such-host.invalid") is None
