@@ -5,6 +5,7 @@ are the pure functions of ``orchestrator.policy``."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -197,17 +198,22 @@ class JobHealth:
             self.preflight_flags.append(SlowFlag(name, step, 0, PREFLIGHT_SLOW_REASON))
 
     def slow_preflight_nodes(self) -> set[str]:
+        """Nodes below PREFLIGHT_SLOW_SHARE of the median on most of the collectives
+        and sizes they were compared on: one noisy figure (a busy host, a small
+        buffer timed once) does not make a node slow, a slow link does on all."""
         if len(self.preflight) < 2:
             return set()
-        slow = set()
+        compared: collections.Counter = collections.Counter()
+        below: collections.Counter = collections.Counter()
         keys = {k for results in self.preflight.values() for k in results}
         for key in keys:
             figures = {n: r[key].busbw_gbps for n, r in self.preflight.items() if key in r}
             if len(figures) < 2:
                 continue
             median = statistics.median(figures.values())
-            slow |= {n for n, bw in figures.items() if bw < PREFLIGHT_SLOW_SHARE * median}
-        return slow
+            compared.update(figures.keys())
+            below.update(n for n, bw in figures.items() if bw < PREFLIGHT_SLOW_SHARE * median)
+        return {n for n, count in below.items() if count > compared[n] / 2}
 
     def preflight_status(self) -> list[keel_pb2.NodePreflight]:
         slow = self.slow_preflight_nodes()

@@ -71,3 +71,23 @@ def test_preflight_flags_a_node_far_below_its_peers_once():
     status = {p.node: p for p in health.preflight_status()}
     assert status["node-2"].slow and not status["node-0"].slow
     assert status["node-2"].results[0].busbw_gbps == 2.0
+
+
+def test_one_noisy_preflight_figure_does_not_make_a_node_slow():
+    """Two nodes, four collectives and sizes: node-1 is far below on one of them (a
+    busy host timing a small buffer), which is noise; far below on three, it is slow."""
+    from orchestrator.spec.health import DEFAULTS
+    from orchestrator.controller.job_health import JobHealth
+    from protos import keel_pb2
+
+    def report(*busbws):
+        return keel_pb2.PreflightReport(results=[keel_pb2.CollectiveResult(
+            collective="all_reduce", size_bytes=1 << (20 + i), busbw_gbps=bw)
+            for i, bw in enumerate(busbws)])
+
+    health = JobHealth("j", DEFAULTS)
+    health.add_preflight("node-0", report(10, 10, 10, 10), step=0)
+    health.add_preflight("node-1", report(1, 9, 10, 11), step=0)
+    assert health.slow_flags() == [] and health.slow_preflight_nodes() == set()
+    health.add_preflight("node-1", report(1, 1, 1, 11), step=0)   # its slowest rank
+    assert [f.node for f in health.slow_flags()] == ["node-1"]
