@@ -81,3 +81,21 @@ def metrics_options(bound_to: str, exported: str = ""):
                          help="Write the metrics host:port here once serving."),
         ])
     return apply
+
+
+def hang_options(command):
+    """``--hang-floor-s`` and ``--first-step-timeout-s``: how long a rank that reports
+    steps may go without one (``keel up``, ``keel run``)."""
+    return _apply(command, [
+        click.option("--hang-floor-s", type=float, default=30.0, show_default=True,
+                     help="Floor of the hang timeout; a rank is hung after max(this, 10 x "
+                          "its median step time) without progress. The trainer's "
+                          "collective timeout is raised to fit it (at least 1.2 x (floor + "
+                          "the 5 s stop grace))."),
+        click.option("--first-step-timeout-s", type=float, default=0.0,
+                     help="A rank that reports steps (the reference trainer, any script "
+                          "using trainer.runtime) and has not reported its first step this "
+                          "long after starting is hung (default: 120 s, or --hang-floor-s "
+                          "if longer). A script that never reports is judged by its exits "
+                          "only."),
+    ])

@@ -67,15 +67,7 @@ def main():
               default="replace", show_default=True,
               help="What to do with a persistently slow node: checkpoint and swap in a "
                    "spare, checkpoint and re-plan without it, or only report it.")
-@click.option("--hang-floor-s", type=float, default=30.0, show_default=True,
-              help="Floor of the hang timeout; a rank is hung after max(this, 10 x its "
-                   "median step time) without progress. The trainer's collective timeout "
-                   "is raised to fit it (at least 1.2 x (floor + the 5 s stop grace)).")
-@click.option("--first-step-timeout-s", type=float, default=0.0,
-              help="A rank that reports steps (the reference trainer, any script using "
-                   "trainer.runtime) and has not reported its first step this long after "
-                   "starting is hung (default: 120 s, or --hang-floor-s if longer). A "
-                   "script that never reports is judged by its exits only.")
+@flags.hang_options
 @click.option("--collective-timeout-s", type=float, default=0.0,
               help="The ranks' collective timeout, also how long a rank runs on when its "
                    "agent stops answering before it stops itself (default: 60 s, or more "

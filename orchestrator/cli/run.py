@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 import grpc
 
-from common import logs as log_settings
+from common import flags, logs as log_settings
 from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.cli.logs import RankOutput
 from orchestrator.cli.operator import Client, connection_options
@@ -329,13 +329,7 @@ def _torchrun_names(*names: str) -> list[str]:
 @click.option("--checkpoint-dir", default="",
               help="KEEL_CHECKPOINT_DIR of the ranks (default: WORKDIR/checkpoints locally, "
                    "none on a cluster).")
-@click.option("--hang-floor-s", type=float, default=30.0, show_default=True,
-              help="A rank that reports steps (trainer.runtime) is hung after max(this, 10 "
-                   "x its median step) without one. A script that reports none is judged "
-                   "by its exits only.")
-@click.option("--first-step-timeout-s", type=float, default=0.0,
-              help="A rank that reports steps and has none this long after starting is "
-                   "hung (default: 120 s, or --hang-floor-s if longer).")
+@flags.hang_options
 @click.option("--quiet", is_flag=True, help="Do not copy the ranks' output here.")
 @click.option("--detach", is_flag=True,
               help="With --etcd-endpoints: submit, print the job's name and exit.")
