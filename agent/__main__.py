@@ -48,6 +48,10 @@ from common.logs import configure
 @click.option("--accelerator", default="",
               help="What this node's slots are, for the job's MFU (e.g. 'NVIDIA H100 80GB "
                    "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.")
+@click.option("--warm-processes/--no-warm-processes", default=True, show_default=True,
+              help="Keep one process per slot that has started Python and imported torch "
+                   "(and created its GPU's CUDA context), for ranks to start from; a job "
+                   "can still ask for cold starts (JobSpec cold_start).")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
@@ -55,7 +59,7 @@ from common.logs import configure
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
          lease_ttl_s,
          drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
-         log_format, log_level, **security):
+         warm_processes, log_format, log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -70,7 +74,7 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_port
             lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, drain_timeout_s=drain_timeout_s,
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
-            accelerator=accelerator)
+            accelerator=accelerator, warm_processes=warm_processes)
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

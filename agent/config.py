@@ -32,6 +32,7 @@ class AgentConfig:
     metrics_listen: str | None = None     # [host]:port of /metrics; a bare :port binds `host`
     metrics_address_file: Path | None = None   # write the metrics host:port here once serving
     accelerator: str = ""                 # what its slots are; "" = detect (agent.accelerator)
+    warm_processes: bool = True           # keep a warm process per slot (agent.pool)
     tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 

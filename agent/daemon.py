@@ -28,6 +28,7 @@ from agent.config import AgentConfig
 from agent.generation import Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink
+from agent.pool import WarmPool, pool_env
 from agent.local_server import AgentLocalService, serve
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
@@ -58,8 +59,13 @@ class Agent:
             log.warning("no interface of this machine holds the advertised host; the "
                         "ranks' gloo picks its own address (set GLOO_SOCKET_IFNAME)",
                         host=config.host)
+        self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
+        self.socket_path = f"{self.socket_dir}/agent.sock"
+        self.pool = WarmPool(config.slots, config.run_dir / "pool",
+                             pool_env(dict(os.environ), self.socket_path)) \
+            if config.warm_processes else None
         self.supervisor = Supervisor(config.run_dir, node=config.node,
-                                     interface=interface or "")
+                                     interface=interface or "", pool=self.pool)
         self.generation = Generation()
         self.started: tuple[str, int] | None = None   # the newest StartGeneration's
         self.reports = Reports()
@@ -71,8 +77,6 @@ class Agent:
         self.rank_series = metrics.RankSeries(config.node)
         self.accelerator = config.accelerator or detect_accelerator()
         self.held = False        # the controller said etcd is out of its reach too
-        self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
-        self.socket_path = f"{self.socket_dir}/agent.sock"
         self.local_server: grpc.Server | None = None
         self.leaders = LeaderWatch(self.etcd)
         self.link = ControllerLink(self.leaders, config.token, config.tls, config.controller,
@@ -137,6 +141,8 @@ class Agent:
         return not self._live_ranks_any() and self.generation.phase is Phase.IDLE
 
     def _shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         self.supervisor.stop_all(self.config.stop_grace_s + 2)
         # Whatever the ranks started outside their process groups goes too.
         leftovers.kill_marked(self.socket_path)
@@ -290,6 +296,8 @@ class Agent:
             except queue.Empty:
                 pass
             now = time.monotonic()
+            if self.pool is not None:
+                self.pool.refill(now)
             for proc in self.supervisor.poll(now):
                 report = proc.exit_report
                 log.info("rank exited", job=proc.job, generation=proc.generation,

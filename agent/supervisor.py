@@ -21,6 +21,7 @@ import structlog
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
 from agent.local_server import RankIdentity
+from agent.pool import WarmPool
 from common.deadlines import Deadlines
 from common.procs import group_alive, signal_group, tied_to_this_process
 from protos import keel_pb2
@@ -68,6 +69,7 @@ class RankProcess:
     exit_report: keel_pb2.RankExited | None = field(default=None)
     token: str = field(default="", repr=False)   # its credential on the agent's socket
     attached: bool = False         # it said it reports steps (AgentLocal.Attach)
+    warm: bool = False             # started from a warm process (agent.pool)
 
     @property
     def pid(self) -> int:
@@ -99,12 +101,13 @@ def rank_log(run_dir: Path, job: str, generation: int, rank: int, stream: str) -
 
 class Supervisor:
     def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = "",
-                 interface: str = ""):
+                 interface: str = "", pool: WarmPool | None = None):
         """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
-        the node's advertised address."""
+        the node's advertised address. ``pool``: warm processes to start ranks from."""
         self.run_dir = run_dir
         self.node = node
         self.interface = interface
+        self.pool = pool
         self.reap_timeout_s = reap_timeout_s
         self.ranks: list[RankProcess] = []
         # Each rank's credential on the agent's socket, while it runs.
@@ -128,15 +131,20 @@ class Supervisor:
             token = secrets.token_urlsafe(24)
             env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain,
                            token, self.node, self.interface)
-            with open(log_dir / f"rank{assignment.rank}.out", "ab") as out, \
-                    open(log_dir / f"rank{assignment.rank}.err", "ab") as err:
-                popen = subprocess.Popen(
-                    [*tied_to_this_process(), *start.command],
-                    env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    cwd=start.working_dir or None, start_new_session=True)
+            out = rank_log(self.run_dir, start.job, start.generation, assignment.rank, "out")
+            err = out.with_suffix(".err")
+            popen = self._warm(start, assignment, env, out, err)
+            warm = popen is not None
+            if not warm:
+                with open(out, "ab") as out_file, open(err, "ab") as err_file:
+                    popen = subprocess.Popen(
+                        [*tied_to_this_process(), *start.command],
+                        env=env, stdout=out_file, stderr=err_file, stdin=subprocess.DEVNULL,
+                        cwd=start.working_dir or None, start_new_session=True)
             proc = RankProcess(job=start.job, generation=start.generation,
                                rank=assignment.rank, local_rank=assignment.local_rank,
-                               popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s)
+                               popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s,
+                               warm=warm)
             self.ranks.append(proc)
             self.identities[token] = RankIdentity(
                 job=start.job, generation=start.generation,
@@ -144,8 +152,26 @@ class Supervisor:
             proc.token = token
             started.append(proc)
             log.info("rank started", job=start.job, generation=start.generation,
-                     rank=assignment.rank, pid=popen.pid)
+                     rank=assignment.rank, warm=proc.warm, pid=popen.pid)
         return started
+
+    def _warm(self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment,
+              env: dict[str, str], out: Path, err: Path) -> subprocess.Popen | None:
+        """A warm process become the rank, or None to start it cold."""
+        if self.pool is None or start.cold_start:
+            return None
+        popen = self.pool.take(assignment.local_rank, list(start.command), dict(start.env),
+                               time.monotonic())
+        if popen is None:
+            return None
+        try:
+            self.pool.hand(popen, list(start.command), env, start.working_dir, out, err)
+        except OSError as exc:   # it died since it was checked
+            log.warning("a warm process could not take its rank; starting it cold",
+                        pid=popen.pid, error=str(exc))
+            signal_group(popen.pid, signal.SIGKILL)
+            return None
+        return popen
 
     def of_generation(self, job: str, generation: int) -> list[RankProcess]:
         return [r for r in self.ranks if r.job == job and r.generation == generation]

@@ -288,7 +288,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir", "cold_start")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,7 @@ class StartGeneration(_message.Message):
     GROUP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    COLD_START_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -336,7 +337,8 @@ class StartGeneration(_message.Message):
     group_world_size: int
     max_restarts: int
     working_dir: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ...) -> None: ...
+    cold_start: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
@@ -471,7 +473,7 @@ class GenerationStopped(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health", "ranks_per_node", "working_dir")
+    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health", "ranks_per_node", "working_dir", "cold_start")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +495,7 @@ class JobSpec(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     RANKS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    COLD_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     world_size: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -507,7 +510,8 @@ class JobSpec(_message.Message):
     health: HealthSpec
     ranks_per_node: int
     working_dir: str
-    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., ranks_per_node: _Optional[int] = ..., working_dir: _Optional[str] = ...) -> None: ...
+    cold_start: bool
+    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., ranks_per_node: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ...) -> None: ...
 
 class HealthSpec(_message.Message):
     __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour", "stop_grace_s", "collective_timeout_s", "startup_timeout_s")

@@ -77,6 +77,7 @@ class RunOptions:
     checkpoint_dir: str = ""
     hang_floor_s: float = 30.0
     first_step_timeout_s: float = 0.0
+    cold_start: bool = False             # never from the agents' warm processes
 
     def __post_init__(self):
         if self.nproc_per_node < 1:
@@ -102,7 +103,8 @@ class RunOptions:
             min_nodes=self.min_nodes if 0 < self.min_nodes < self.max_nodes else 0,
             mesh=f"dp_shard={self.world_size}",
             working_dir=os.path.abspath(self.working_dir or os.getcwd()),
-            checkpoint_dir=os.path.abspath(self.checkpoint_dir) if self.checkpoint_dir else "")
+            checkpoint_dir=os.path.abspath(self.checkpoint_dir) if self.checkpoint_dir else "",
+            cold_start=self.cold_start)
         spec.health.CopyFrom(keel_pb2.HealthSpec(
             hang_floor_s=self.hang_floor_s,
             first_step_timeout_s=self.first_step_timeout_s or max(self.hang_floor_s, 120.0)))
@@ -330,6 +332,9 @@ def _torchrun_names(*names: str) -> list[str]:
               help="KEEL_CHECKPOINT_DIR of the ranks (default: WORKDIR/checkpoints locally, "
                    "none on a cluster).")
 @flags.hang_options
+@click.option("--cold-start", is_flag=True,
+              help="Start every rank as a fresh process, not from the agents' warm ones "
+                   "(torch imported ahead of time).")
 @click.option("--quiet", is_flag=True, help="Do not copy the ranks' output here.")
 @click.option("--detach", is_flag=True,
               help="With --etcd-endpoints: submit, print the job's name and exit.")
@@ -347,7 +352,7 @@ def _torchrun_names(*names: str) -> list[str]:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(nnodes, nproc_per_node, max_restarts, module, no_python, standalone, job_name,
         rendezvous_flag, env_pairs, python, checkpoint_dir, hang_floor_s,
-        first_step_timeout_s, quiet, detach, workdir, timeout_s, controller, etcd_endpoints,
+        first_step_timeout_s, cold_start, quiet, detach, workdir, timeout_s, controller, etcd_endpoints,
         token_file, log_format, log_level, target, args, **security):
     """Run TARGET (a script, a module with -m, a program with --no-python) as torchrun
     would, under Keel: on a local cluster started for it, or on the cluster of
@@ -377,7 +382,8 @@ def run(nnodes, nproc_per_node, max_restarts, module, no_python, standalone, job
             min_nodes=low, max_nodes=high, nproc_per_node=nproc_per_node,
             max_restarts=max_restarts, job=job_name or default_job_name(target),
             env=_env_pairs(env_pairs), python=python, checkpoint_dir=checkpoint_dir,
-            hang_floor_s=hang_floor_s, first_step_timeout_s=first_step_timeout_s)
+            hang_floor_s=hang_floor_s, first_step_timeout_s=first_step_timeout_s,
+            cold_start=cold_start)
         spec = options.spec()
         log_format, log_level = log_settings.settings(log_format, log_level, tty=False)
     except (ValueError, InvalidSpec) as exc:

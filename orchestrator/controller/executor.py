@@ -25,6 +25,7 @@ from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.convergence import Fix, Fixing
+from orchestrator.policy.guardrails import repeated_failures
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
 from orchestrator.policy.operations import Change, Operation, OperationDecision
@@ -171,6 +172,7 @@ class Executor:
                              step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
+        job.placed_at = now
         job.rank_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
@@ -224,7 +226,8 @@ class Executor:
             health=job.health.spec, deadlines=job.deadlines,
             restore_fallbacks=job.restore_fallbacks,
             group_rank=job.placement.index(part), group_world_size=len(job.placement),
-            max_restarts=job.spec.max_restarts, working_dir=job.spec.working_dir)
+            max_restarts=job.spec.max_restarts, working_dir=job.spec.working_dir,
+            cold_start=job.spec.cold_start)
         if job.health.spec.preflight_off:
             start.env[env.PREFLIGHT] = "0"
         for local_rank, rank in enumerate(part.ranks):
@@ -294,6 +297,10 @@ class Executor:
             # next generation starts without a failure's back-off.
             self.transition(job, JobState.PENDING, decision.reason, now)
             return
+        # A failure after a healthy stretch (or the job's first) restarts at once; each
+        # one after it in a row waits longer (the back-off observe.observed gives).
+        job.repeated_failures = repeated_failures(
+            job.repeated_failures if job.placed_at else 0, now - job.placed_at)
         self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:

@@ -104,6 +104,10 @@ class JobRuntime:
     # Which node ran each rank of the generations this leader placed (the newest
     # PLACEMENTS_KEPT), so their output can be read after they ended.
     placements: dict[int, dict[int, str]] = field(default_factory=dict)
+    # When the current generation was placed (monotonic), and how many generations in a
+    # row failed without a healthy stretch (policy.guardrails): the restart back-off.
+    placed_at: float = 0.0
+    repeated_failures: int = 0
 
     def __post_init__(self):
         if self.goodput is None:

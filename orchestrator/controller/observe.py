@@ -84,7 +84,7 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
                                     if n in state.sessions and not state.sessions[n].connected),
         stopped_nodes=frozenset(job.stopped_nodes), hang=hang_reason, replace=ready,
         replace_origin=job.operation.origin if job.operation else "operator",
-        backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.restarts),
+        backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.repeated_failures),
         stop_requested=job.stop_requested, planned_stop=job.planned_stop)
 
 

@@ -109,8 +109,13 @@ class Reconciler:
             wall = time.time()
             for job in list(state.jobs.values()):
                 if not job.state.terminal and now >= job.retry_at:
+                    before = job.state
                     self._attempt(job, now)
                     job = state.jobs[job.name]   # rebuilt from etcd, perhaps
+                    if job.state is not before:
+                        # The next step may be due at once (a stop confirmed: restart;
+                        # restarted: place): no tick's wait between them.
+                        state.wake.set()
                 self.executor.save_events(job)
                 if not job.records_pruned:   # just read from etcd: it may hold too many
                     self._guarded(self.executor.records.prune, job)

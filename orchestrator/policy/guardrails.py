@@ -23,9 +23,22 @@ def replacement_allowed(replacement_times: Sequence[float], now: float,
     return sum(1 for t in replacement_times if now - t <= HOUR_S) < per_hour
 
 
-def restart_backoff_s(restarts: int) -> float:
-    """Seconds to wait before starting generation ``restarts + 1`` after a failure:
-    none for the first start, then 0.5 s doubling per restart, capped at 30 s."""
-    if restarts <= 0:
+def restart_backoff_s(repeated: int) -> float:
+    """Seconds to wait before restarting after ``repeated`` failures in a row
+    (``repeated_failures``): none after the first, then 0.5 s doubling, capped at
+    30 s."""
+    if repeated <= 1:
         return 0.0
-    return min(MAX_BACKOFF_S, 0.5 * 2 ** (restarts - 1))
+    return min(MAX_BACKOFF_S, 0.5 * 2 ** (repeated - 2))
+
+
+# A generation that lived this long before it failed was healthy: its failure starts
+# a new row, and the restart after it is not held back for the failures before.
+HEALTHY_STRETCH_S = 60.0
+
+
+def repeated_failures(previous: int, lived_s: float) -> int:
+    """Failures in a row, this one included, after a generation that failed
+    ``lived_s`` after it was placed: 1 when it had a healthy stretch, else one more
+    than ``previous``."""
+    return 1 if lived_s >= HEALTHY_STRETCH_S else previous + 1

@@ -5,6 +5,7 @@ and torch.distributed ranks."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -12,6 +13,13 @@ from tests.conftest import REPO, keel, torchrun, wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 
 SCRIPTS = REPO / "tests" / "integration" / "scripts"
+
+
+def rank_starts(logs: Path) -> list[dict]:
+    """Every "rank started" record of the agents logging in ``logs``."""
+    return [record for path in sorted(logs.glob("agent-*.log"))
+            for line in path.read_text().splitlines() if '"rank started"' in line
+            for record in [json.loads(line)]]
 
 
 def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
@@ -35,6 +43,8 @@ def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
         assert {k: v for k, v in ours.items() if k not in own} == \
             {k: v for k, v in theirs.items() if k not in own}
         assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    # Both ranks came from warm processes (agent.pool): that is what was compared.
+    assert [r["warm"] for r in rank_starts(no_leaks / "run" / "logs")] == [True, True]
 
 
 def test_a_script_whose_first_step_outlasts_every_timeout_runs_to_its_end(no_leaks):
@@ -78,6 +88,9 @@ def test_a_script_that_fails_once_resumes_from_its_own_snapshot(no_leaks):
     assert "[rank0]:resuming from snapshot at epoch 3" in ran.stdout
     assert "[rank1]:rank 1 failing on purpose at epoch 3" in ran.stderr
     assert "generation 1 failed: rank 1 on node-1 exited 7" in ran.stderr
+    # The restarted ranks, too, became ranks in processes that had torch imported.
+    second = [r for r in rank_starts(no_leaks / "run" / "logs") if r["generation"] == 2]
+    assert [r["warm"] for r in second] == [True, True], second
 
 
 def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd):  # noqa: F811
@@ -119,6 +132,12 @@ def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd
     ran = keel("run", *reach, "--rdzv-id", "fails", "--no-python", "false")
     assert ran.returncode == 1, ran.stderr
     assert "job fails failed: FAILED" in ran.stderr and "exited 1" in ran.stderr
+    # A program, not a Python script: no warm process can become it; it started cold.
+    starts = [json.loads(line) for node in ("node-a", "node-b")
+              for line in (cluster.path / f"{node}.log").read_text().splitlines()
+              if '"rank started"' in line]
+    assert [s["warm"] for s in starts if s["job"] == "fails"] == [False]
+    assert all(s["warm"] for s in starts if s["job"] == "plain"), starts
     deleted = keel("delete", "fails", *reach)
     assert deleted.returncode == 0 and "job fails deleted" in deleted.stdout, deleted.stderr
     assert "fails" not in keel("jobs", "--json", *reach).stdout

@@ -48,6 +48,8 @@ def test_nnodes_and_nproc_per_node_make_the_world_size_and_the_ranks_per_node(tm
     assert spec.working_dir == str(tmp_path) and spec.mesh == "dp_shard=12"
     # MIN:MAX may shrink down to MIN nodes after losing some; N never does.
     assert RunOptions(target="t.py", job="j", min_nodes=2, max_nodes=4).spec().min_nodes == 2
+    assert not spec.cold_start
+    assert RunOptions(target="t.py", job="j", cold_start=True).spec().cold_start
 
 
 def test_run_options_refuse_what_cannot_run():

@@ -44,7 +44,7 @@ def test_replacements_are_capped_per_hour():
 
 
 def test_restart_backoff_doubles_and_is_capped():
-    assert [restart_backoff_s(r) for r in range(5)] == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert [restart_backoff_s(r) for r in range(6)] == [0.0, 0.0, 0.5, 1.0, 2.0, 4.0]
     assert restart_backoff_s(50) == 30.0
 
 
@@ -91,3 +91,15 @@ def test_one_noisy_preflight_figure_does_not_make_a_node_slow():
     assert health.slow_flags() == [] and health.slow_preflight_nodes() == set()
     health.add_preflight("node-1", report(1, 1, 1, 11), step=0)   # its slowest rank
     assert [f.node for f in health.slow_flags()] == ["node-1"]
+
+
+def test_only_failures_in_a_row_without_a_healthy_stretch_back_off():
+    from orchestrator.policy.guardrails import HEALTHY_STRETCH_S, repeated_failures
+
+    # The first failure restarts at once, however soon it came.
+    assert repeated_failures(0, 5.0) == 1 and restart_backoff_s(1) == 0.0
+    # A generation that died quickly, again and again, backs off more each time.
+    assert repeated_failures(1, 5.0) == 2 and restart_backoff_s(2) == 0.5
+    assert repeated_failures(2, 5.0) == 3 and restart_backoff_s(3) == 1.0
+    # One that lived a healthy stretch before it failed starts a new row.
+    assert repeated_failures(7, HEALTHY_STRETCH_S) == 1

@@ -1,0 +1,153 @@
+"""Warm processes: per slot, a process that has already started Python and imported
+torch (``agent.warm``) waits to become a rank, so a generation's ranks start without
+paying for either (seconds each; tens of seconds with CUDA contexts at scale).
+
+A rank whose command is this agent's interpreter running a script or ``-m`` module
+(``python -u X`` as ``keel run`` and ``keel up`` give it) takes one; any other command,
+a job that opted out (``JobSpec.cold_start``), or one that sets
+``CUDA_VISIBLE_DEVICES`` (the context is made already) starts cold. A pool process
+that died, or is older than ``max_age_s``, is replaced, never handed out. Taken ones
+are refilled once no rank has started for ``refill_delay_s``, so that refilling does
+not compete with the ranks it would speed up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from agent.warm import SLOT
+from common import env as keel_env
+from common.procs import signal_group, tied_to_this_process
+
+log = structlog.get_logger()
+
+MAX_AGE_S = 3600.0
+# Long enough for a starting generation's ranks to be past their own start, short
+# enough that a quick second failure finds the pool full again.
+REFILL_DELAY_S = 1.0
+
+
+@dataclass
+class _Warm:
+    popen: subprocess.Popen
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def warm_args(command: list[str]) -> list[str] | None:
+    """What follows the interpreter in ``command`` if a warm process can run it (this
+    interpreter, at most ``-u``, then a script or ``-m MODULE``), else None. A warm
+    rank runs unbuffered (``-u``) either way."""
+    # The same path, not the same binary: another virtual environment's python links
+    # to the same interpreter but imports other packages.
+    found = shutil.which(command[0]) if command else None
+    if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
+        return None
+    rest = command[1:]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    if rest[:1] == ["-m"]:
+        return rest if len(rest) > 1 and not rest[1].startswith("-") else None
+    return rest if rest and not rest[0].startswith("-") else None
+
+
+class WarmPool:
+    def __init__(self, slots: int, log_dir: Path, base_env: dict[str, str],
+                 max_age_s: float = MAX_AGE_S, refill_delay_s: float = REFILL_DELAY_S):
+        """``slots`` processes at most, one per local rank; each starts with
+        ``base_env`` (the agent's, no KEEL_* but the socket that marks what this agent
+        started) and logs to ``log_dir`` until it is given a rank."""
+        self.slots = slots
+        self.log_dir = log_dir
+        self.base_env = base_env
+        self.max_age_s = max_age_s
+        self.refill_delay_s = refill_delay_s
+        self.idle: dict[int, _Warm] = {}
+        self.last_taken = -float("inf")
+
+    def _spawn(self, slot: int) -> _Warm:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"slot{slot}.log", "ab") as out:
+            popen = subprocess.Popen(
+                [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm"],
+                env={**self.base_env, SLOT: str(slot)}, stdin=subprocess.PIPE,
+                stdout=out, stderr=out, start_new_session=True)
+        return _Warm(popen)
+
+    def _usable(self, warm: _Warm, now: float) -> bool:
+        return warm.popen.poll() is None and now - warm.started_at < self.max_age_s
+
+    def refill(self, now: float) -> None:
+        """Replace dead and stale processes, and once ranks have not been started for
+        a while, the taken ones."""
+        for slot, warm in list(self.idle.items()):
+            if not self._usable(warm, now):
+                log.info("replacing a warm process", slot=slot, pid=warm.popen.pid,
+                         exit_code=warm.popen.poll())
+                _discard(warm)
+                del self.idle[slot]
+        if now - self.last_taken < self.refill_delay_s:
+            return
+        for slot in range(self.slots):
+            if slot not in self.idle:
+                self.idle[slot] = self._spawn(slot)
+
+    def take(self, slot: int, command: list[str], job_env: dict[str, str],
+             now: float) -> subprocess.Popen | None:
+        """The warm process of ``slot`` if it can run ``command`` (and is alive and
+        fresh), removed from the pool; else None, and the rank starts cold."""
+        self.last_taken = now
+        if warm_args(command) is None or "CUDA_VISIBLE_DEVICES" in job_env:
+            return None
+        warm = self.idle.pop(slot, None)
+        if warm is None:
+            return None
+        if not self._usable(warm, now):
+            _discard(warm)
+            return None
+        return warm.popen
+
+    @staticmethod
+    def hand(popen: subprocess.Popen, command: list[str], env: dict[str, str],
+             cwd: str, stdout: Path, stderr: Path) -> None:
+        """Give ``popen`` (from ``take``) its rank; raises OSError if it died since."""
+        assignment = {"args": warm_args(command), "env": env, "cwd": cwd,
+                      "stdout": str(stdout), "stderr": str(stderr)}
+        popen.stdin.write(json.dumps(assignment).encode() + b"\n")
+        popen.stdin.close()
+
+    def close(self) -> None:
+        for warm in self.idle.values():
+            _discard(warm)
+        self.idle.clear()
+
+
+def _discard(warm: _Warm) -> None:
+    signal_group(warm.popen.pid, signal.SIGKILL)
+    try:
+        warm.popen.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    if warm.popen.stdin is not None:
+        try:
+            warm.popen.stdin.close()
+        except OSError:
+            pass
+
+
+def pool_env(base: dict[str, str], agent_socket: str) -> dict[str, str]:
+    """A warm process's environment before its rank's: the agent's without its Keel
+    settings and secrets, but with the socket that marks this agent's processes
+    (agent.leftovers)."""
+    env = {k: v for k, v in base.items() if not k.startswith("KEEL_")}
+    env[keel_env.AGENT_SOCKET] = agent_socket
+    return env

@@ -1,0 +1,98 @@
+"""A warm rank process (``agent.pool``): Python started and torch imported (and on a
+GPU node, its slot's CUDA context created) before any rank is asked of it. It then
+waits for its assignment, one JSON line on stdin, and becomes that rank as ``python
+-u SCRIPT ARGS`` or ``python -u -m MODULE ARGS`` would have been started: the same
+``sys.argv``, ``__main__``, ``sys.path[0]``, environment, working directory, standard
+streams (the rank's files), signals (Python's defaults) and exit status (an uncaught
+exception prints its traceback and exits 1; ``sys.exit`` passes its code).
+
+The assignment: ``{"args": [...after the interpreter...], "env": {...}, "cwd": "...",
+"stdout": PATH, "stderr": PATH}``. End of input before one: the pool is closing; exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+SLOT = "KEEL_WARM_SLOT"      # the local rank this process is warmed for (its GPU)
+
+
+def _warm_up() -> None:
+    import torch
+
+    slot = int(os.environ.get(SLOT, "0"))
+    if torch.cuda.is_available() and slot < torch.cuda.device_count():
+        torch.cuda.set_device(slot)
+        torch.zeros(1, device="cuda")          # the context, created now
+
+
+def _redirect(fd: int, path: str, flags: int) -> None:
+    target = os.open(path, flags, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def coerced_locale(env: dict[str, str]) -> str | None:
+    """The LC_CTYPE Python would set in ``env`` at start-up (PEP 538: a C or POSIX
+    locale is coerced to a UTF-8 one unless LC_ALL is set or PYTHONCOERCECLOCALE=0),
+    or None."""
+    if "LC_ALL" in env or env.get("PYTHONCOERCECLOCALE") == "0":
+        return None
+    if (env.get("LC_CTYPE") or env.get("LANG") or "C") not in ("C", "POSIX"):
+        return None
+    import locale
+    before = locale.setlocale(locale.LC_CTYPE)
+    try:
+        for target in ("C.UTF-8", "C.utf8", "UTF-8"):
+            try:
+                locale.setlocale(locale.LC_CTYPE, target)
+                return target
+            except locale.Error:
+                continue
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+    return None
+
+
+def become(assignment: dict) -> None:
+    """Turn this process into the rank; returns when the rank's code does."""
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    coerced = coerced_locale(assignment["env"])
+    if coerced:
+        os.environ["LC_CTYPE"] = coerced
+    if assignment.get("cwd"):
+        os.chdir(assignment["cwd"])
+    _redirect(0, os.devnull, os.O_RDONLY)
+    _redirect(1, assignment["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    _redirect(2, assignment["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+        torch.set_num_threads(int(threads))    # torch read the pool's own at import
+    args = assignment["args"]
+    if args[0] == "-m":
+        # As `python -m`: the working directory first on the path; run_module puts the
+        # module's file in argv[0] and the module in sys.modules["__main__"].
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main() -> None:
+    _warm_up()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    become(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()

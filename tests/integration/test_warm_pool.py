@@ -1,0 +1,105 @@
+"""Warm processes (agent/pool.py, agent/warm.py): a rank started from one sees what a
+fresh `python -u SCRIPT` or `python -u -m MODULE` would, exits as it would, and a pool
+process that died is never handed out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.pool import WarmPool, pool_env, warm_args
+from tests.conftest import REPO, wait_for
+
+INTROSPECT = REPO / "tests" / "integration" / "scripts" / "introspect.py"
+
+
+@pytest.fixture
+def pool(tmp_path):
+    made = WarmPool(2, tmp_path / "pool", pool_env(dict(os.environ), "/tmp/none.sock"),
+                    refill_delay_s=0.0)
+    made.refill(time.monotonic())
+    yield made
+    made.close()
+
+
+def cold(command, env, cwd, out, err):
+    with open(out, "ab") as o, open(err, "ab") as e:
+        return subprocess.run(command, env=env, cwd=cwd, stdout=o, stderr=e,
+                              stdin=subprocess.DEVNULL, timeout=120).returncode
+
+
+def warm(pool, slot, command, env, cwd, out, err):
+    popen = pool.take(slot, command, {}, time.monotonic())
+    assert popen is not None
+    pool.hand(popen, command, env, str(cwd), out, err)
+    return popen
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_a_warm_rank_sees_what_a_cold_one_sees(pool, tmp_path, how):
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    if how == "script":
+        command = [sys.executable, "-u", str(INTROSPECT), "3"]
+    else:
+        shutil.copy(INTROSPECT, cwd / "introspect_mod.py")
+        command = [sys.executable, "-u", "-m", "introspect_mod", "3"]
+    env = {"PATH": os.environ["PATH"], "PROBE": "yes", "PYTHONPATH": str(REPO)}
+    seen = {}
+    for kind in ("cold", "warm"):
+        out, err = tmp_path / f"{kind}.out", tmp_path / f"{kind}.err"
+        if kind == "cold":
+            code = cold(command, env, cwd, out, err)
+        else:
+            code = warm(pool, 0, command, env, cwd, out, err).wait(120)
+        seen[kind] = (code, json.loads(out.read_text()), err.read_text())
+    assert seen["warm"] == seen["cold"]
+    code, facts, stderr = seen["warm"]
+    assert code == 3 and facts["name"] == "__main__" and facts["probe"] == "yes"
+    assert facts["cwd"] == str(cwd) and facts["stdin_at_end"] and stderr == "to stderr\n"
+    assert "KEEL_AGENT_SOCKET" not in facts["env_keys"]   # only what the rank was given
+
+
+def test_a_warm_rank_fails_and_is_signalled_as_a_cold_one(pool, tmp_path):
+    env = {"PATH": os.environ["PATH"]}
+    out, err = tmp_path / "r.out", tmp_path / "r.err"
+    code = warm(pool, 0, [sys.executable, "-u", str(INTROSPECT), "raise"], env, tmp_path,
+                out, err).wait(120)
+    assert code == 1
+    assert "RuntimeError: raised on purpose" in err.read_text()
+    assert err.read_text().startswith("to stderr\nTraceback (most recent call last):")
+    waiting = warm(pool, 1, [sys.executable, "-u", str(INTROSPECT), "wait"], env, tmp_path,
+                   tmp_path / "w.out", tmp_path / "w.err")
+    out = tmp_path / "w.out"
+    wait_for(lambda: out.exists() and "waiting" in out.read_text(), 60, what="it to wait")
+    os.killpg(waiting.pid, signal.SIGTERM)           # the agent's stop: its process group
+    assert waiting.wait(30) == -signal.SIGTERM
+
+
+def test_a_dead_or_unsuitable_warm_process_is_never_handed_out(pool, tmp_path):
+    command = [sys.executable, "-u", str(INTROSPECT)]
+    victim = pool.idle[0].popen
+    victim.kill()
+    victim.wait()
+    assert pool.take(0, command, {}, time.monotonic()) is None   # the rank starts cold
+    pool.refill(time.monotonic())
+    assert pool.idle[0].popen.poll() is None and pool.idle[0].popen is not victim
+    for unsuitable in (["/bin/true"], [sys.executable, "-X", "dev", "x.py"],
+                       [sys.executable, "-c", "print(1)"], [sys.executable, "-m"]):
+        assert warm_args(unsuitable) is None
+        assert pool.take(1, unsuitable, {}, time.monotonic()) is None
+    assert pool.take(1, command, {"CUDA_VISIBLE_DEVICES": "3"}, time.monotonic()) is None
+    assert warm_args([sys.executable, "-u", "-m", "pkg.mod", "a"]) == ["-m", "pkg.mod", "a"]
+    # Another environment's python, though it links to the same interpreter binary.
+    other = tmp_path / "other-venv" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.symlink_to(os.path.realpath(sys.executable))
+    assert warm_args([str(other), "t.py"]) is None
+    assert warm_args([sys.executable, "t.py", "-u"]) == ["t.py", "-u"]
