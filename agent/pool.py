@@ -76,9 +76,12 @@ class WarmPool:
 
     def _spawn(self, slot: int) -> _Warm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Its argument names its pool in `ps` (and for whoever looks for what an agent
+        # left running): a rank it becomes keeps this command line.
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
-                [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm"],
+                [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm",
+                 str(self.log_dir / f"slot{slot}")],
                 env={**self.base_env, SLOT: str(slot)}, stdin=subprocess.PIPE,
                 stdout=out, stderr=out, start_new_session=True)
         return _Warm(popen)

@@ -8,6 +8,8 @@ exception prints its traceback and exits 1; ``sys.exit`` passes its code).
 
 The assignment: ``{"args": [...after the interpreter...], "env": {...}, "cwd": "...",
 "stdout": PATH, "stderr": PATH}``. End of input before one: the pool is closing; exit 0.
+Its own argument, the pool slot's path, only names it in ``ps``: the rank it becomes
+keeps this process's command line.
 """
 
 from __future__ import annotations

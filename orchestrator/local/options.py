@@ -5,8 +5,10 @@ starts."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,25 +155,23 @@ OWNED_TRAINER_FLAGS = {"--steps": "--steps", "--checkpoint-every": "--checkpoint
 
 def _with_trainer_args(reference: dict, argv: list[str], extra: tuple[str, ...]) -> dict:
     """The reference trainer's model and batch once ``extra`` (its own flags, after
-    `--`) are applied, checked by its own parser; raises ValueError naming the fix."""
+    `--`) are applied, checked by its own parser (``trainer.check_args``, in a process
+    of its own); raises ValueError naming the fix."""
     for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_TRAINER_FLAGS:
             raise ValueError(f"{flag} after --: keel up sets it; give keel up "
                              f"{OWNED_TRAINER_FLAGS[flag]} instead")
-    import contextlib
-    import io
-
-    from trainer.options import parse_args   # imports torch: only when asked to
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors):
-            parsed = parse_args([*argv, *extra])
-    except SystemExit:
-        problem = errors.getvalue().strip().splitlines()[-1:] or ["invalid arguments"]
+    checked = subprocess.run([sys.executable, "-m", "trainer.check_args", *argv, *extra],
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items()
+                                  if not k.startswith("KEEL_")})
+    if checked.returncode != 0:
+        problem = checked.stderr.strip().splitlines()[-1:] or ["invalid arguments"]
         raise ValueError(f"the reference trainer's arguments after --: "
-                         f"{problem[0].partition('error: ')[2] or problem[0]}") from None
-    return {key: getattr(parsed, key) for key in reference}
+                         f"{problem[0].partition('error: ')[2] or problem[0]}")
+    resolved = json.loads(checked.stdout)
+    return {key: resolved[key] for key in reference}
 
 
 def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions) -> None:
