@@ -50,8 +50,12 @@ from common.logs import configure
                    "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.")
 @click.option("--warm-processes/--no-warm-processes", default=True, show_default=True,
               help="Keep one process per slot that has started Python and imported torch "
-                   "(and created its GPU's CUDA context), for ranks to start from; a job "
-                   "can still ask for cold starts (JobSpec cold_start).")
+                   "(and created its GPU's CUDA context), for restarted ranks to start "
+                   "from; a job can still ask for cold starts (JobSpec cold_start).")
+@click.option("--warm-refill-delay-s", type=float, default=10.0, show_default=True,
+              help="Fill the warm processes this long after ranks last started here (a "
+                   "refill costs what a cold start does; a generation that ends sooner "
+                   "is not charged for one).")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
@@ -59,7 +63,7 @@ from common.logs import configure
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
          lease_ttl_s,
          drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
-         warm_processes, log_format, log_level, **security):
+         warm_processes, warm_refill_delay_s, log_format, log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -74,7 +78,8 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_port
             lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, drain_timeout_s=drain_timeout_s,
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
-            accelerator=accelerator, warm_processes=warm_processes)
+            accelerator=accelerator, warm_processes=warm_processes,
+            warm_refill_delay_s=warm_refill_delay_s)
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

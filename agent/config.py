@@ -33,6 +33,7 @@ class AgentConfig:
     metrics_address_file: Path | None = None   # write the metrics host:port here once serving
     accelerator: str = ""                 # what its slots are; "" = detect (agent.accelerator)
     warm_processes: bool = True           # keep a warm process per slot (agent.pool)
+    warm_refill_delay_s: float = 10.0     # refill them this long after the last rank start
     tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 
@@ -59,6 +60,9 @@ class AgentConfig:
                              f"lease_ttl_s/2 ({self.lease_ttl_s / 2})")
         if self.metrics_listen is not None:
             listen_address(self.metrics_listen, self.host)   # raises with the fix
+        if not self.warm_refill_delay_s >= 0:
+            raise ValueError(f"warm_refill_delay_s={self.warm_refill_delay_s}: must be 0 "
+                             f"or more seconds")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
                              f"SIGTERM may spend moving the job off the node (e.g. 60)")

@@ -6,9 +6,11 @@ A rank whose command is this agent's interpreter running a script or ``-m`` modu
 (``python -u X`` as ``keel run`` and ``keel up`` give it) takes one; any other command,
 a job that opted out (``JobSpec.cold_start``), or one that sets
 ``CUDA_VISIBLE_DEVICES`` (the context is made already) starts cold. A pool process
-that died, or is older than ``max_age_s``, is replaced, never handed out. Taken ones
-are refilled once no rank has started for ``refill_delay_s``, so that refilling does
-not compete with the ranks it would speed up.
+that died, or is older than ``max_age_s``, is replaced, never handed out. The pool is
+filled once ranks have started here and then run for ``refill_delay_s`` (a refill
+costs what a cold start does; a node that runs nothing, or a generation that ends
+sooner, is not charged for one): a job's first generation starts cold, and the
+restarts after it warm.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from common.procs import signal_group, tied_to_this_process
 log = structlog.get_logger()
 
 MAX_AGE_S = 3600.0
-# Long enough for a starting generation's ranks to be past their own start, short
-# enough that a quick second failure finds the pool full again.
-REFILL_DELAY_S = 1.0
+# Taken processes are replaced once the generation that took them has run this long:
+# refilling costs what a cold start would (Python and torch again), so a generation
+# that ends sooner (a job done, a failure right after a start) is not charged for it.
+# A failure within it restarts cold.
+REFILL_DELAY_S = 10.0
 
 
 @dataclass
@@ -72,7 +76,8 @@ class WarmPool:
         self.max_age_s = max_age_s
         self.refill_delay_s = refill_delay_s
         self.idle: dict[int, _Warm] = {}
-        self.last_taken = -float("inf")
+        # None until a rank starts here: a node that runs nothing costs nothing.
+        self.last_taken: float | None = None
 
     def _spawn(self, slot: int) -> _Warm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +103,7 @@ class WarmPool:
                          exit_code=warm.popen.poll())
                 _discard(warm)
                 del self.idle[slot]
-        if now - self.last_taken < self.refill_delay_s:
+        if self.last_taken is None or now - self.last_taken < self.refill_delay_s:
             return
         for slot in range(self.slots):
             if slot not in self.idle:

@@ -25,6 +25,10 @@ def pool(tmp_path):
     made = WarmPool(2, tmp_path / "pool", pool_env(dict(os.environ), "/tmp/none.sock"),
                     refill_delay_s=0.0)
     made.refill(time.monotonic())
+    assert made.idle == {}, "an agent that has started no rank keeps no warm process"
+    assert made.take(0, [sys.executable, "-u", "x.py"], {}, time.monotonic()) is None
+    made.refill(time.monotonic())       # a rank started (cold): now the pool fills
+    assert sorted(made.idle) == [0, 1]
     yield made
     made.close()
 
