@@ -10,6 +10,7 @@ import click
 from agent.config import AgentConfig, security_settings
 from agent.daemon import run
 from agent.leftovers import RunDirInUse
+from agent.warm import DEFAULT_IMPORTS
 from common import env, flags, net
 from common.logs import configure
 
@@ -52,6 +53,10 @@ from common.logs import configure
               help="Keep one process per slot that has started Python and imported torch "
                    "(and created its GPU's CUDA context), for restarted ranks to start "
                    "from; a job can still ask for cold starts (JobSpec cold_start).")
+@click.option("--warm-imports", default=",".join(DEFAULT_IMPORTS), show_default=True,
+              metavar="MODULE,...",
+              help="What the warm processes import ahead of their ranks (add e.g. "
+                   "torch.distributed.pipelining for pipeline-parallel jobs).")
 @click.option("--warm-refill-delay-s", type=float, default=10.0, show_default=True,
               help="Fill the warm processes this long after ranks last started here (a "
                    "refill costs what a cold start does; a generation that ends sooner "
@@ -63,7 +68,8 @@ from common.logs import configure
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
          lease_ttl_s,
          drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
-         warm_processes, warm_refill_delay_s, log_format, log_level, **security):
+         warm_processes, warm_imports, warm_refill_delay_s, log_format, log_level,
+         **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -79,7 +85,8 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_port
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
             accelerator=accelerator, warm_processes=warm_processes,
-            warm_refill_delay_s=warm_refill_delay_s)
+            warm_refill_delay_s=warm_refill_delay_s,
+            warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()))
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

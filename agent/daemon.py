@@ -63,7 +63,8 @@ class Agent:
         self.socket_path = f"{self.socket_dir}/agent.sock"
         self.pool = WarmPool(config.slots, config.run_dir / "pool",
                              pool_env(dict(os.environ), self.socket_path),
-                             refill_delay_s=config.warm_refill_delay_s) \
+                             refill_delay_s=config.warm_refill_delay_s,
+                             **({"imports": config.warm_imports} if config.warm_imports else {})) \
             if config.warm_processes else None
         self.supervisor = Supervisor(config.run_dir, node=config.node,
                                      interface=interface or "", pool=self.pool)

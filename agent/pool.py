@@ -27,7 +27,7 @@ from pathlib import Path
 
 import structlog
 
-from agent.warm import SLOT
+from agent.warm import DEFAULT_IMPORTS, SLOT
 from common import env as keel_env
 from common.procs import signal_group, tied_to_this_process
 
@@ -66,7 +66,8 @@ def warm_args(command: list[str]) -> list[str] | None:
 
 class WarmPool:
     def __init__(self, slots: int, log_dir: Path, base_env: dict[str, str],
-                 max_age_s: float = MAX_AGE_S, refill_delay_s: float = REFILL_DELAY_S):
+                 max_age_s: float = MAX_AGE_S, refill_delay_s: float = REFILL_DELAY_S,
+                 imports: tuple[str, ...] = DEFAULT_IMPORTS):
         """``slots`` processes at most, one per local rank; each starts with
         ``base_env`` (the agent's, no KEEL_* but the socket that marks what this agent
         started) and logs to ``log_dir`` until it is given a rank."""
@@ -75,6 +76,7 @@ class WarmPool:
         self.base_env = base_env
         self.max_age_s = max_age_s
         self.refill_delay_s = refill_delay_s
+        self.imports = imports
         self.idle: dict[int, _Warm] = {}
         # None until a rank starts here: a node that runs nothing costs nothing.
         self.last_taken: float | None = None
@@ -86,7 +88,7 @@ class WarmPool:
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
                 [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm",
-                 str(self.log_dir / f"slot{slot}")],
+                 str(self.log_dir / f"slot{slot}"), ",".join(self.imports)],
                 env={**self.base_env, SLOT: str(slot)}, stdin=subprocess.PIPE,
                 stdout=out, stderr=out, start_new_session=True)
         return _Warm(popen)

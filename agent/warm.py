@@ -1,5 +1,6 @@
-"""A warm rank process (``agent.pool``): Python started and torch imported (and on a
-GPU node, its slot's CUDA context created) before any rank is asked of it. It then
+"""A warm rank process (``agent.pool``): Python started, torch and the distributed
+stack imported (and on a GPU node, its slot's CUDA context created) before any rank
+is asked of it. It then
 waits for its assignment, one JSON line on stdin, and becomes that rank as ``python
 -u SCRIPT ARGS`` or ``python -u -m MODULE ARGS`` would have been started: the same
 ``sys.argv``, ``__main__``, ``sys.path[0]``, environment, working directory, standard
@@ -8,8 +9,8 @@ exception prints its traceback and exits 1; ``sys.exit`` passes its code).
 
 The assignment: ``{"args": [...after the interpreter...], "env": {...}, "cwd": "...",
 "stdout": PATH, "stderr": PATH}``. End of input before one: the pool is closing; exit 0.
-Its own argument, the pool slot's path, only names it in ``ps``: the rank it becomes
-keeps this process's command line.
+Its arguments: the pool slot's path, which only names it in ``ps`` (the rank it
+becomes keeps this process's command line), and the modules to import ahead.
 """
 
 from __future__ import annotations
@@ -22,9 +23,23 @@ import sys
 SLOT = "KEEL_WARM_SLOT"      # the local rank this process is warmed for (its GPU)
 
 
-def _warm_up() -> None:
+# What a warm process imports ahead of its rank (``keel agent --warm-imports``): torch
+# and the distributed stack a composite-parallel trainer loads (checkpoints, FSDP,
+# DTensor), several seconds of every cold start.
+DEFAULT_IMPORTS = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+                   "torch.distributed.tensor")
+
+
+def _warm_up(modules: list[str]) -> None:
+    import importlib
+
     import torch
 
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:   # a module this installation lacks: the rank may too
+            print(f"warm process: not importing {name}: {exc}", file=sys.stderr)
     slot = int(os.environ.get(SLOT, "0"))
     if torch.cuda.is_available() and slot < torch.cuda.device_count():
         torch.cuda.set_device(slot)
@@ -89,7 +104,8 @@ def become(assignment: dict) -> None:
 
 
 def main() -> None:
-    _warm_up()
+    # argv: the pool slot's path (a name only), then the modules to import, comma-separated.
+    _warm_up([m for m in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if m])
     line = sys.stdin.readline()
     if not line.strip():
         return

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainer.model import Transformer
 
@@ -100,6 +99,11 @@ def build_schedule(
     of ``stages.indices``). Gradients are not rescaled by the schedule: ``loss_fn``
     returns each micro-batch's share of the step's loss, so gradients add up to those
     of the mean."""
+    # Imported here, not with the module: torch.distributed.pipelining brings in
+    # torch._dynamo, most of a second of every rank's start, and only pp > 1 needs it.
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
     pipeline_stages = [
         PipelineStage(part, index, stages.num_stages, device, group=stages.group)
         for part, index in zip(parts, stages.indices)

@@ -107,3 +107,16 @@ def test_a_dead_or_unsuitable_warm_process_is_never_handed_out(pool, tmp_path):
     other.symlink_to(os.path.realpath(sys.executable))
     assert warm_args([str(other), "t.py"]) is None
     assert warm_args([sys.executable, "t.py", "-u"]) == ["t.py", "-u"]
+
+
+def test_a_warm_process_has_the_distributed_stack_imported_before_its_rank(pool, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nprint(sorted(m for m in ('torch', 'torch.distributed.fsdp', "
+                     "'torch.distributed.checkpoint', 'torch.distributed.pipelining') "
+                     "if m in sys.modules))\n")
+    out = tmp_path / "p.out"
+    assert warm(pool, 0, [sys.executable, "-u", str(probe)], {"PATH": os.environ["PATH"]},
+                tmp_path, out, tmp_path / "p.err").wait(120) == 0
+    # Imported ahead (agent.warm.DEFAULT_IMPORTS); pipelining only when asked for.
+    assert out.read_text().strip() == \
+        "['torch', 'torch.distributed.checkpoint', 'torch.distributed.fsdp']"
