@@ -23,11 +23,12 @@ import sys
 SLOT = "KEEL_WARM_SLOT"      # the local rank this process is warmed for (its GPU)
 
 
-# What a warm process imports ahead of its rank (``keel agent --warm-imports``): torch
-# and the distributed stack a composite-parallel trainer loads (checkpoints, FSDP,
-# DTensor), several seconds of every cold start.
+# What a warm process imports ahead of its rank (``keel agent --warm-imports``): torch,
+# the distributed stack a composite-parallel trainer loads (checkpoints, FSDP,
+# DTensor), and torch._dynamo, which the first optimizer of any script imports
+# (torch._compile): several seconds of every cold start.
 DEFAULT_IMPORTS = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-                   "torch.distributed.tensor")
+                   "torch.distributed.tensor", "torch._dynamo")
 
 
 def _warm_up(modules: list[str]) -> None:

@@ -15,7 +15,7 @@ machine the noise between blocks can exceed the effect, so a second line gives t
 spread of the per-round differences (each round's block medians, paired) and the
 time the ``report_step`` call itself takes in the loop::
 
-    python benchmarks/report_overhead.py [--rounds 30] [--steps 20]
+    python -m benchmarks.overhead [--rounds 30] [--steps 20]
 """
 
 from __future__ import annotations
@@ -23,29 +23,29 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import secrets
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from agent.local_server import AgentLocalService, serve  # noqa: E402
-from trainer import runtime, train  # noqa: E402
-from trainer.data import SyntheticTokens, rank_samples  # noqa: E402
-from trainer.mesh import Layout  # noqa: E402
-from trainer.phases import PhaseTimer  # noqa: E402
+from agent.local_server import AgentLocalService, RankIdentity, serve
+from trainer import runtime, train
+from trainer.data import SyntheticTokens, rank_samples
+from trainer.mesh import Layout
+from trainer.phases import PhaseTimer
 
 WARMUP_STEPS = 20
 
 
-def agent(socket_path: str, ready, reports, calls) -> None:
-    """The agent's side: its AgentLocal service, counting what it is sent."""
+def agent(socket_path: str, token: str, ready, reports, calls) -> None:
+    """The agent's side: its AgentLocal service, counting what it is sent; ``token`` is
+    the rank token it gave rank 0 of generation 1 of job ``bench``."""
+    rank = RankIdentity(job="bench", generation=1, ranks=frozenset({0}), checkpoint_dir="")
 
     def on_steps(generation: int, batch: list) -> bool:
         with reports.get_lock():
@@ -53,7 +53,8 @@ def agent(socket_path: str, ready, reports, calls) -> None:
             calls.value += 1
         return False
 
-    server = serve(socket_path, AgentLocalService(on_steps, lambda _: None))
+    server = serve(socket_path, AgentLocalService(lambda given: rank if given == token else None,
+                                                  on_steps, lambda _: None))
     ready.set()
     server.wait_for_termination()
 
@@ -69,14 +70,15 @@ def main() -> int:
     socket_path = os.path.join(workdir, "agent.sock")
     spawn = multiprocessing.get_context("spawn")
     ready, reports, calls = spawn.Event(), spawn.Value("q", 0), spawn.Value("q", 0)
-    server = spawn.Process(target=agent, args=(socket_path, ready, reports, calls), daemon=True)
+    token = secrets.token_urlsafe(24)
+    server = spawn.Process(target=agent, args=(socket_path, token, ready, reports, calls), daemon=True)
     server.start()
     if not ready.wait(60):
         raise TimeoutError("the agent-local server did not start within 60 s")
 
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1", "KEEL_JOB": "bench", "KEEL_GENERATION": "1",
-                       "KEEL_AGENT_SOCKET": socket_path})
+                       "KEEL_AGENT_SOCKET": socket_path, "KEEL_RANK_TOKEN": token})
     total_steps = WARMUP_STEPS + 2 * options.rounds * options.steps
     args = train.parse_args(["--steps", str(total_steps), "--no-preflight"])
     device = torch.device("cpu")
