@@ -9,7 +9,7 @@ there). Arms, interleaved round by round:
 
 * ``keel``: ``keel run --nproc-per-node 2 --max-restarts 1`` on a local cluster, whose
   agents keep warm processes (Python started, torch imported) by default;
-* ``keel --cold-start``: the same without warm processes;
+* ``keel run --cold-start``: the same without warm processes;
 * ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2
   --max-restarts 1``; a run that has not ended ``RECOVERY_TIMEOUT_S`` after the kill
   did not recover, nor did one that failed its restart;
