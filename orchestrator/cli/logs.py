@@ -96,6 +96,16 @@ def _prefixed(rank: int, line: bytes) -> bytes:
     return (line if line.startswith(prefix) else prefix + line) + b"\n"
 
 
+def _last_words(output: RankOutput, generation: int, rank: int) -> None:
+    """What the rank wrote since the last read, if its node still answers (a node lost
+    with its generation keeps its output to itself; following goes on without it)."""
+    try:
+        output.pull(generation, rank)
+    except grpc.RpcError as err:
+        click.echo(f"keel logs: the end of generation {generation}'s output: "
+                   f"{_rpc_problem(err)}", err=True)
+
+
 def _rpc_problem(err: grpc.RpcError) -> str:
     return f"{err.code().name}: {err.details()}"
 
@@ -138,11 +148,11 @@ def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file,
         status = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
         if not generation and status.generation > current:
             if cursor is not None:
-                output.pull(current, rank)      # its last words, then the next one's
+                _last_words(output, current, rank)   # then the next generation's
             current = status.generation
             click.echo(f"--- {job} generation {current} ---", err=True)
             continue
         if JobState(status.state).terminal and cursor is not None and not cursor.running:
-            output.pull(current, rank)
+            _last_words(output, current, rank)
             return
         time.sleep(FOLLOW_POLL_S)
