@@ -147,8 +147,8 @@ class Follow:
             try:
                 self.output.pull(*key)
             except grpc.RpcError as err:
-                if err.code() is grpc.StatusCode.NOT_FOUND and "no output" in err.details():
-                    continue       # not started yet
+                if err.code() is grpc.StatusCode.NOT_FOUND:
+                    continue       # its rank has not started (written nothing) yet
                 self.unreadable.add(key)
                 self.progress.note(f"rank {rank}'s output: {err.details()}")
 
