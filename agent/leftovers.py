@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from common import env
+from common.procs import process_state
 
 log = structlog.get_logger()
 
@@ -39,12 +40,9 @@ def carrying(*markers: str) -> list[int]:
             continue
         try:
             environ = b"\0" + (entry / "environ").read_bytes()
-            if not all(n in environ for n in needles):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
-        if state != "Z":
+        if all(n in environ for n in needles) and process_state(int(entry.name)) not in ("Z", None):
             found.append(int(entry.name))
     return found
 

@@ -11,6 +11,12 @@ filled once ranks have started here and then run for ``refill_delay_s`` (a refil
 costs what a cold start does; a node that runs nothing, or a generation that ends
 sooner, is not charged for one): a job's first generation starts cold, and the
 restarts after it warm.
+
+A warm process says on a pipe when its imports are done; the agent logs it (``warm
+process ready``). One still importing is handed out all the same (it is ahead of a
+cold start), and the agent's ``rank started`` line says ``warm_ready=false``. A pool
+process that is stopped (SIGSTOP: a stalled process would stall its rank) counts as
+dead.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import structlog
 
 from agent.warm import DEFAULT_IMPORTS, SLOT
 from common import env as keel_env
-from common.procs import signal_group, tied_to_this_process
+from common.procs import process_state, signal_group, tied_to_this_process
 
 log = structlog.get_logger()
 
@@ -44,7 +50,22 @@ REFILL_DELAY_S = 10.0
 @dataclass
 class _Warm:
     popen: subprocess.Popen
+    slot: int
     started_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None     # when it said its imports were done
+
+    def check_ready(self, now: float) -> bool:
+        """Whether it has said (on its stdout pipe) that its imports are done."""
+        if self.ready_at is None:
+            try:
+                said = os.read(self.popen.stdout.fileno(), 64)
+            except (BlockingIOError, OSError, ValueError):
+                said = b""
+            if b"ready" in said:
+                self.ready_at = now
+                log.info("warm process ready", slot=self.slot, pid=self.popen.pid,
+                         after_s=round(now - self.started_at, 2))
+        return self.ready_at is not None
 
 
 def warm_args(command: list[str]) -> list[str] | None:
@@ -80,21 +101,27 @@ class WarmPool:
         self.idle: dict[int, _Warm] = {}
         # None until a rank starts here: a node that runs nothing costs nothing.
         self.last_taken: float | None = None
+        # Whether the process ``take`` last returned had finished its imports.
+        self.taken_ready = False
 
     def _spawn(self, slot: int) -> _Warm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Its argument names its pool in `ps` (and for whoever looks for what an agent
         # left running): a rank it becomes keeps this command line.
+        # Its stdout is a pipe until it becomes a rank: "ready" once imported.
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
                 [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm",
                  str(self.log_dir / f"slot{slot}"), ",".join(self.imports)],
                 env={**self.base_env, SLOT: str(slot)}, stdin=subprocess.PIPE,
-                stdout=out, stderr=out, start_new_session=True)
-        return _Warm(popen)
+                stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+        os.set_blocking(popen.stdout.fileno(), False)
+        return _Warm(popen, slot)
 
     def _usable(self, warm: _Warm, now: float) -> bool:
-        return warm.popen.poll() is None and now - warm.started_at < self.max_age_s
+        # Stopped (T) or traced (t): it would stall the rank it became.
+        return (warm.popen.poll() is None and now - warm.started_at < self.max_age_s
+                and process_state(warm.popen.pid) not in ("T", "t", None))
 
     def refill(self, now: float) -> None:
         """Replace dead and stale processes, and once ranks have not been started for
@@ -102,9 +129,11 @@ class WarmPool:
         for slot, warm in list(self.idle.items()):
             if not self._usable(warm, now):
                 log.info("replacing a warm process", slot=slot, pid=warm.popen.pid,
-                         exit_code=warm.popen.poll())
+                         exit_code=warm.popen.poll(), state=process_state(warm.popen.pid))
                 _discard(warm)
                 del self.idle[slot]
+            else:
+                warm.check_ready(now)
         if self.last_taken is None or now - self.last_taken < self.refill_delay_s:
             return
         for slot in range(self.slots):
@@ -122,8 +151,11 @@ class WarmPool:
         if warm is None:
             return None
         if not self._usable(warm, now):
+            log.info("not handing out a warm process", slot=slot, pid=warm.popen.pid,
+                     exit_code=warm.popen.poll(), state=process_state(warm.popen.pid))
             _discard(warm)
             return None
+        self.taken_ready = warm.check_ready(now)
         return warm.popen
 
     @staticmethod
@@ -134,6 +166,7 @@ class WarmPool:
                       "stdout": str(stdout), "stderr": str(stderr)}
         popen.stdin.write(json.dumps(assignment).encode() + b"\n")
         popen.stdin.close()
+        popen.stdout.close()     # it writes the rank's file from now on
 
     def close(self) -> None:
         for warm in self.idle.values():
@@ -147,11 +180,12 @@ def _discard(warm: _Warm) -> None:
         warm.popen.wait(5)
     except subprocess.TimeoutExpired:
         pass
-    if warm.popen.stdin is not None:
-        try:
-            warm.popen.stdin.close()
-        except OSError:
-            pass
+    for pipe in (warm.popen.stdin, warm.popen.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 def pool_env(base: dict[str, str], agent_socket: str) -> dict[str, str]:

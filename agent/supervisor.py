@@ -152,7 +152,8 @@ class Supervisor:
             proc.token = token
             started.append(proc)
             log.info("rank started", job=start.job, generation=start.generation,
-                     rank=assignment.rank, warm=proc.warm, pid=popen.pid)
+                     rank=assignment.rank, warm=proc.warm, pid=popen.pid,
+                     **({"warm_ready": self.pool.taken_ready} if warm else {}))
         return started
 
     def _warm(self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment,

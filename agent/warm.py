@@ -9,6 +9,7 @@ exception prints its traceback and exits 1; ``sys.exit`` passes its code).
 
 The assignment: ``{"args": [...after the interpreter...], "env": {...}, "cwd": "...",
 "stdout": PATH, "stderr": PATH}``. End of input before one: the pool is closing; exit 0.
+Once its imports are done it writes ``ready`` on its stdout, a pipe to the pool.
 Its arguments: the pool slot's path, which only names it in ``ps`` (the rank it
 becomes keeps this process's command line), and the modules to import ahead.
 """
@@ -107,6 +108,12 @@ def become(assignment: dict) -> None:
 def main() -> None:
     # argv: the pool slot's path (a name only), then the modules to import, comma-separated.
     _warm_up([m for m in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if m])
+    try:
+        # To the pool's pipe (agent.pool), unbuffered: nothing of it may reach the rank's
+        # stdout. Closed already if the process was handed out before it was ready.
+        os.write(1, b"ready\n")
+    except OSError:
+        pass
     line = sys.stdin.readline()
     if not line.strip():
         return

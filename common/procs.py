@@ -35,6 +35,16 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in ``/proc/PID/stat`` (R, S, D, T for stopped, Z ...),
+    or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+        return None
+
+
 def signal_group(pgid: int, sig: int) -> None:
     """Send ``sig`` to process group ``pgid``; a group that is gone is no error."""
     try:

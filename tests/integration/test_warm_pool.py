@@ -15,6 +15,7 @@ import time
 import pytest
 
 from agent.pool import WarmPool, pool_env, warm_args
+from common.procs import process_state
 from tests.conftest import REPO, wait_for
 
 INTROSPECT = REPO / "tests" / "integration" / "scripts" / "introspect.py"
@@ -107,6 +108,27 @@ def test_a_dead_or_unsuitable_warm_process_is_never_handed_out(pool, tmp_path):
     other.symlink_to(os.path.realpath(sys.executable))
     assert warm_args([str(other), "t.py"]) is None
     assert warm_args([sys.executable, "t.py", "-u"]) == ["t.py", "-u"]
+
+
+def test_a_stalled_warm_process_is_never_handed_out_and_readiness_is_seen(pool, tmp_path):
+    """A pool process stopped by SIGSTOP (a gray failure: alive, its pipe open) would
+    stall the rank it became: it is replaced, not handed out. One that finished its
+    imports says so on its pipe."""
+    wait_for(lambda: (pool.refill(time.monotonic()), pool.idle[1].ready_at is not None)[1],
+             timeout_s=120, what="the warm process of slot 1 to finish its imports")
+    stalled = pool.idle[1].popen
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(stalled.pid) == "T",
+                 timeout_s=10, what="the stop to take effect")
+        assert pool.take(1, [sys.executable, "-u", str(INTROSPECT)], {}, time.monotonic()) is None
+        assert stalled.wait(10) == -signal.SIGKILL      # discarded, not left stopped
+        pool.refill(time.monotonic())
+        assert pool.idle[1].popen.pid != stalled.pid and pool.idle[1].popen.poll() is None
+        assert pool.idle[1].ready_at is None            # the new one is still importing
+    finally:
+        if stalled.poll() is None:
+            os.kill(stalled.pid, signal.SIGKILL)
 
 
 def test_a_warm_process_has_the_distributed_stack_imported_before_its_rank(pool, tmp_path):
