@@ -61,6 +61,11 @@ from common.logs import configure
               help="Fill the warm processes this long after ranks last started here (a "
                    "refill costs what a cold start does; a generation that ends sooner "
                    "is not charged for one).")
+@click.option("--restart-in-place/--no-restart-in-place", default=True, show_default=True,
+              help="Let ranks that can (trainer.runtime, e.g. the reference trainer) leave a "
+                   "failed or stopped generation alive and become ranks of the next one on "
+                   "the same slot, instead of starting new processes; a job can still ask "
+                   "for fresh processes (JobSpec cold_start).")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
@@ -68,8 +73,8 @@ from common.logs import configure
 def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
          lease_ttl_s,
          drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
-         warm_processes, warm_imports, warm_refill_delay_s, log_format, log_level,
-         **security):
+         warm_processes, warm_imports, warm_refill_delay_s, restart_in_place, log_format,
+         log_level, **security):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
@@ -85,7 +90,7 @@ def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_port
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
             accelerator=accelerator, warm_processes=warm_processes,
-            warm_refill_delay_s=warm_refill_delay_s,
+            warm_refill_delay_s=warm_refill_delay_s, restart_in_place=restart_in_place,
             warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()))
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:

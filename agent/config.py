@@ -35,6 +35,7 @@ class AgentConfig:
     warm_processes: bool = True           # keep a warm process per slot (agent.pool)
     warm_refill_delay_s: float = 10.0     # refill them this long after the last rank start
     warm_imports: tuple[str, ...] = ()    # modules they import ahead; () = agent.warm's default
+    restart_in_place: bool = True         # keep ranks that can restart in place (agent.parking)
     tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 

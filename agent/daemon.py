@@ -45,6 +45,8 @@ log = structlog.get_logger()
 # The agent tells the controller what it runs this often (AgentStatus); the controller
 # resends or stops until that agrees with the plan.
 STATUS_PERIOD_S = 1.0
+# A rank that parks waits this long at most for the main loop to say whether it is kept.
+PARK_DECISION_S = 5.0
 
 
 class Agent:
@@ -67,7 +69,8 @@ class Agent:
                              **({"imports": config.warm_imports} if config.warm_imports else {})) \
             if config.warm_processes else None
         self.supervisor = Supervisor(config.run_dir, node=config.node,
-                                     interface=interface or "", pool=self.pool)
+                                     interface=interface or "", pool=self.pool,
+                                     in_place=config.restart_in_place)
         self.generation = Generation()
         self.started: tuple[str, int] | None = None   # the newest StartGeneration's
         self.reports = Reports()
@@ -97,7 +100,9 @@ class Agent:
                 self.supervisor.identify, self._on_steps, self._on_checkpoint,
                 lambda report: self.events.put(("preflight", report)),
                 lambda problem: self.events.put(("problem", problem)),
-                self.reports.recorded_step, self._on_attach))
+                self.reports.recorded_step, self._on_attach, self.supervisor.leaving,
+                self._on_park, self.supervisor.parking.answer),
+                workers=2 * self.config.slots + 8)
             if self.config.metrics_listen is not None:
                 self.metrics_server = common_metrics.serve(
                     listen_address(self.config.metrics_listen, self.config.host),
@@ -130,7 +135,7 @@ class Agent:
         self.events.put(("leave", None))
 
     def _live_ranks_any(self) -> bool:
-        return any(r.popen.returncode is None for r in self.supervisor.ranks)
+        return any(r.live for r in self.supervisor.ranks)
 
     def _leave_done(self, now: float) -> bool:
         """Leaving, and nothing is left to drain (or it took too long)."""
@@ -146,6 +151,7 @@ class Agent:
         if self.pool is not None:
             self.pool.close()
         self.supervisor.stop_all(self.config.stop_grace_s + 2)
+        self.supervisor.parking.kill_all()
         # Whatever the ranks started outside their process groups goes too.
         leftovers.kill_marked(self.socket_path)
         self.link.close()
@@ -219,7 +225,7 @@ class Agent:
     def _live_ranks(self, start: keel_pb2.StartGeneration) -> list[keel_pb2.RankAssignment]:
         return [keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
                 for r in self.supervisor.of_generation(start.job, start.generation)
-                if r.popen.returncode is None]
+                if r.live]
 
     def _status(self) -> keel_pb2.AgentStatus:
         """What this agent runs: the generation (running or being stopped), its live
@@ -248,11 +254,46 @@ class Agent:
             self.rank_series.steps(job, reports)
         return self.reports.add_steps(generation, reports)
 
-    def _on_attach(self, who, rank: int) -> None:
-        """Rank ``rank`` reports its steps: it may be judged hung before its first."""
+    def _on_attach(self, who, rank: int, restart_in_place: bool) -> None:
+        """Rank ``rank`` reports its steps: it may be judged hung before its first; and
+        it may say it can restart in place."""
         for proc in self.supervisor.of_generation(who.job, who.generation):
             if proc.rank == rank:
                 proc.attached = True
+                proc.in_place = proc.in_place or restart_in_place
+
+    def _on_park(self, token: str, request: keel_pb2.RankPark) -> str | None:
+        """A rank leaves its generation alive (the local server's thread): the main
+        thread decides; None if it is kept, else why not."""
+        decided: queue.Queue = queue.Queue(maxsize=1)
+        self.events.put(("park", (token, request, decided)))
+        try:
+            return decided.get(timeout=PARK_DECISION_S)
+        except queue.Empty:
+            return f"the agent did not decide within {PARK_DECISION_S:g} s"
+
+    def _park(self, token: str, request: keel_pb2.RankPark, decided: queue.Queue) -> None:
+        if self.leaving_since is not None:
+            decided.put("the node is draining")
+            return
+        kept = self.supervisor.park(token, request, time.monotonic())
+        if kept is None:
+            decided.put(None)
+            return
+        if isinstance(kept, str):
+            log.info("not keeping a rank for restart in place", generation=request.generation,
+                     rank=request.rank, reason=kept)
+            decided.put(kept)
+            return
+        decided.put(None)
+        log.info("rank exited", job=kept.job, generation=kept.generation, rank=kept.rank,
+                 pid=kept.pid, exit_code=kept.exit_code, signal=0,
+                 stopped_by_agent=kept.stopped_by_agent, parked=True)
+        metrics.RANK_EXITS.labels(node=self.config.node,
+                                  outcome="stopped" if kept.stopped_by_agent else "parked").inc()
+        self._flush_steps()
+        self._send(rank_exited=kept)
+        self.reports.remember(keel_pb2.AgentMessage(rank_exited=kept))
 
     def _on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
         job = self._job_of(saved.generation)
@@ -287,9 +328,12 @@ class Agent:
                     self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=payload))
                 elif kind == "preflight":
                     self._send(preflight=payload)
+                elif kind == "park":
+                    self._park(*payload)
                 elif kind == "leave":
                     log.info("draining the node before stopping",
                              drain_timeout_s=self.config.drain_timeout_s)
+                    self.supervisor.parking.release_all("the node is draining", time.monotonic())
                     self._send(leaving=self._leaving())
                 elif kind == "problem":
                     log.warning("a rank would not use a checkpoint", kind=payload.kind,
@@ -316,7 +360,7 @@ class Agent:
             self._check_hang(now)
             node = self.config.node
             metrics.RANKS_RUNNING.labels(node).set(sum(1 for r in self.supervisor.ranks
-                                                       if r.popen.returncode is None))
+                                                       if r.live))
             metrics.CONTROLLER_CONNECTED.labels(node).set(1 if self.link.up else 0)
             metrics.LEASE_OK.labels(node).set(
                 1 if now - self.lease_ok_at < self.config.lease_ttl_s else 0)
@@ -361,7 +405,7 @@ class Agent:
                         "our lease cannot be renewed")
         elif kind == "read_log":
             request = message.read_log
-            running = any(r.rank == request.rank and r.popen.returncode is None
+            running = any(r.rank == request.rank and r.live
                           for r in self.supervisor.of_generation(request.job,
                                                                  request.generation))
             self._send(log_chunk=rank_logs.read(self.config.run_dir, self.config.node,
@@ -386,7 +430,8 @@ class Agent:
                         count=len(older))
             self.supervisor.stop_all(self.config.stop_grace_s + 2)
             for job, generation in {(r.job, r.generation) for r in older}:
-                leftovers.kill_marked(self.socket_path, job, generation)
+                leftovers.kill_marked(self.socket_path, job, generation,
+                                      spare=self.supervisor.parking.pids())
             self.supervisor.ranks.clear()
         if self.generation.phase is Phase.STOPPING:
             self._maybe_confirm_stop()   # nothing of it is left now
@@ -467,6 +512,8 @@ class Agent:
         log.warning("hang detected", job=current.job, generation=current.generation,
                     rank=hang.rank, reason=hang.reason)
         self._report_stacks(current.job, current.generation, ranks, hang)
+        # The hung rank is stopped; its peers, whose collectives then fail, may park.
+        self.supervisor.stop([r for r in ranks if r.rank == hang.rank], now, leave=False)
         self.supervisor.stop(ranks, now)
         state.stop(current.job, current.generation, hang.reason)
 
@@ -483,7 +530,9 @@ class Agent:
         job, generation = self.generation.stopping
         if not self.supervisor.generation_done(job, generation):
             return
-        escaped = leftovers.kill_marked(self.socket_path, job, generation)
+        # A parked process started for this generation still carries its marks.
+        escaped = leftovers.kill_marked(self.socket_path, job, generation,
+                                        spare=self.supervisor.parking.pids())
         if escaped:
             log.warning("killed processes the ranks had moved out of their process "
                         "groups", job=job, generation=generation, count=escaped)

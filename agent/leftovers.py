@@ -47,14 +47,16 @@ def carrying(*markers: str) -> list[int]:
     return found
 
 
-def kill_marked(socket_path: str, job: str = "", generation: int = 0) -> int:
+def kill_marked(socket_path: str, job: str = "", generation: int = 0,
+                spare: set[int] = frozenset()) -> int:
     """SIGKILL every process started for the agent whose socket is ``socket_path`` (only
-    those of ``job``'s ``generation`` if given) and wait until they are gone; return
-    how many there were."""
+    those of ``job``'s ``generation`` if given), but the pids in ``spare`` (parked rank
+    processes: their marks are from the environment they started with), and wait until
+    they are gone; return how many there were."""
     markers = [f"{env.AGENT_SOCKET}={socket_path}"]
     if job:
         markers += [f"{env.JOB}={job}", f"{env.GENERATION}={generation}"]
-    found = carrying(*markers)
+    found = [pid for pid in carrying(*markers) if pid not in spare]
     for pid in found:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -63,7 +65,7 @@ def kill_marked(socket_path: str, job: str = "", generation: int = 0) -> int:
     left, deadline = found, time.monotonic() + KILL_WAIT_S
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = carrying(*markers)
+        left = [pid for pid in carrying(*markers) if pid not in spare]
     if left:
         log.error("processes survived SIGKILL", pids=left)
     return len(found)

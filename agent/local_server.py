@@ -6,7 +6,8 @@ for itself, in its own generation: its steps, its preflight, and, rank 0 alone,
 commits inside the job's checkpoint directory and problems with checkpoints. A caller
 without a live rank's token is refused (UNAUTHENTICATED); a rank that reports for
 another, or a path outside the directory, is refused (PERMISSION_DENIED) and nothing
-is passed on.
+is passed on. ``NextGeneration`` is for parked processes (``agent.parking``): the token
+they parked with.
 """
 
 from __future__ import annotations
@@ -42,11 +43,19 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                  on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
                  on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
                  recorded_step: Callable[[], int] = lambda: 0,
-                 on_attach: Callable[[RankIdentity, int], None] = lambda who, rank: None):
+                 on_attach: Callable[[RankIdentity, int, bool], None] = lambda who, rank, keep: None,
+                 leaving: Callable[[str], bool] = lambda token: False,
+                 on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no",
+                 next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None]
+                 = lambda token: None):
         """``identify(token)``: the rank a token belongs to, None if none does;
         ``on_steps(generation, reports)`` returns whether the controller has asked
         this generation for a checkpoint (answered to the trainer in the ack);
-        ``recorded_step()``: the newest checkpoint the controller recorded, for the acks."""
+        ``recorded_step()``: the newest checkpoint the controller recorded, for the acks;
+        ``on_attach(who, rank, restart_in_place)``; ``leaving(token)``: whether that
+        rank is asked to leave its generation (in the acks); ``on_park(token, request)``
+        returns None if the rank is kept, else why not; ``next_generation(token)``: the
+        answer for a parked process, None if no parked process holds the token."""
         self._identify = identify
         self._on_steps = on_steps
         self._on_checkpoint = on_checkpoint
@@ -54,9 +63,20 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         self._on_problem = on_problem
         self._recorded_step = recorded_step
         self._on_attach = on_attach
+        self._leaving = leaving
+        self._on_park = on_park
+        self._next_generation = next_generation
+
+    @staticmethod
+    def _token(context) -> str:
+        return dict(context.invocation_metadata()).get(env.RANK_TOKEN_METADATA, "")
+
+    def _ack(self, context, **fields) -> keel_pb2.LocalAck:
+        return keel_pb2.LocalAck(recorded_step=self._recorded_step(),
+                                 leave_generation=self._leaving(self._token(context)), **fields)
 
     def _caller(self, context, generation: int) -> RankIdentity:
-        token = dict(context.invocation_metadata()).get(env.RANK_TOKEN_METADATA, "")
+        token = self._token(context)
         who = self._identify(token) if token else None
         if who is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -77,8 +97,8 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def Attach(self, request, context):
         who = self._caller(context, request.generation)
         self._only(context, who, request.rank, "an attach")
-        self._on_attach(who, request.rank)
-        return keel_pb2.LocalAck(recorded_step=self._recorded_step())
+        self._on_attach(who, request.rank, request.restart_in_place)
+        return self._ack(context)
 
     def ReportSteps(self, request, context):
         who = self._caller(context, request.generation)
@@ -88,7 +108,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         for report in request.reports:
             self._only(context, who, report.rank, "a step report")
         wanted = self._on_steps(request.generation, list(request.reports))
-        return keel_pb2.LocalAck(checkpoint_now=bool(wanted), recorded_step=self._recorded_step())
+        return self._ack(context, checkpoint_now=bool(wanted))
 
     def ReportPreflight(self, request, context):
         who = self._caller(context, request.generation)
@@ -107,7 +127,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                           f"path {request.path!r} is not inside the job's checkpoint directory "
                           f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}")
         self._on_checkpoint(request)
-        return keel_pb2.LocalAck(recorded_step=self._recorded_step())
+        return self._ack(context)
 
     def ReportCheckpointProblem(self, request, context):
         who = self._caller(context, request.generation)
@@ -118,9 +138,28 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         self._on_problem(request)
         return keel_pb2.LocalAck()
 
+    def Park(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, request.rank, "a park")
+        refused = self._on_park(self._token(context), request)
+        if refused:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"not kept for restart in place: {refused}")
+        return keel_pb2.LocalAck()
 
-def serve(socket_path: str, service: AgentLocalService) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    def NextGeneration(self, request, context):
+        answer = self._next_generation(self._token(context))
+        if answer is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "no parked rank's token (KEEL_RANK_TOKEN): only a rank that "
+                          "parked here asks for its next generation")
+        return answer
+
+
+def serve(socket_path: str, service: AgentLocalService, workers: int = 8) -> grpc.Server:
+    """``workers``: calls served at once; a parked process holds one for up to a second
+    at a time (``NextGeneration``), so give room for every slot's besides the reports."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     keel_pb2_grpc.add_AgentLocalServicer_to_server(service, server)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:
         raise OSError(f"cannot listen on unix socket {socket_path}")

@@ -15,7 +15,8 @@ from protos import keel_pb2
 RANKS_RUNNING = Gauge("keel_agent_ranks_running", "Rank processes alive on this node",
                       ["node"])
 RANK_EXITS = Counter("keel_agent_rank_exits", "Rank process exits: ok, failed (exit code), "
-                     "signal, stopped (by the agent)", ["node", "outcome"])
+                     "signal, stopped (by the agent), parked (left a failed generation alive "
+                     "to restart in place)", ["node", "outcome"])
 CONTROLLER_CONNECTED = Gauge("keel_agent_controller_connected",
                              "1 while the agent's stream to the leader is up", ["node"])
 LEASE_OK = Gauge("keel_agent_lease_ok", "1 while the agent's etcd lease is alive", ["node"])
@@ -36,7 +37,7 @@ CHECKPOINT_LOAD = Histogram("keel_checkpoint_load_seconds", "A rank's restore of
                             "checkpoint, seconds", ["job_name", "node"], buckets=SAVE_BUCKETS)
 CHECKPOINT_BYTES = Gauge("keel_checkpoint_bytes", "Size of the newest checkpoint this "
                          "node's rank 0 committed, bytes", ["job_name", "node"])
-EXIT_OUTCOMES = ("ok", "failed", "signal", "stopped")
+EXIT_OUTCOMES = ("ok", "failed", "signal", "stopped", "parked")
 PHASES = {"step": "step_time_s", "data": "data_s", "compute": "compute_s",
           "optimizer": "optimizer_s", "checkpoint": "checkpoint_s"}
 

@@ -3,6 +3,12 @@
 Stopping is a protocol: SIGTERM to the group, the generation's stop grace, SIGKILL to
 the group, then the group is confirmed empty. A rank is started through ``common.launch`` so it
 dies with the agent instead of outliving it.
+
+A rank that attached with restart in place (``trainer.runtime``) is first asked to
+leave its generation alive (LEAVING, for at most ``PARK_WINDOW_S``); one that parks in
+that time (``agent.parking``) is done for the generation and may become a rank of the
+next; one that does not is stopped as above. A new generation's rank is, in order of
+preference, a parked process of its slot, a warm one (``agent.pool``), or a new one.
 """
 
 from __future__ import annotations
@@ -21,17 +27,25 @@ import structlog
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
 from agent.local_server import RankIdentity
+from agent.parking import Parked, ParkingLot
 from agent.pool import WarmPool
 from common.deadlines import Deadlines
-from common.procs import group_alive, signal_group, tied_to_this_process
+from common.procs import group_alive, group_members, signal_group, tied_to_this_process
 from protos import keel_pb2
 
 log = structlog.get_logger()
 
+# How long a rank that can restart in place has, once its generation is stopped, to
+# leave it alive before it is stopped like any other. A rank whose peer died gets its
+# collective's error within a fraction of a second; one blocked on a stalled peer
+# never does, and is not kept waiting long.
+PARK_WINDOW_S = 2.0
 
 
 class RankPhase(str, enum.Enum):
     RUNNING = "RUNNING"
+    LEAVING = "LEAVING"     # asked to leave the generation alive (restart in place)
+    PARKED = "PARKED"       # it did: done for the generation, its process kept (agent.parking)
     STOPPING = "STOPPING"   # SIGTERM sent, waiting out the grace
     KILLED = "KILLED"       # SIGKILL sent to the group
     EXITED = "EXITED"       # the rank's process was reaped
@@ -40,7 +54,10 @@ class RankPhase(str, enum.Enum):
 
 # The only transitions a rank makes; ``RankProcess.move`` refuses any other.
 RANK_TRANSITIONS: dict[RankPhase, frozenset[RankPhase]] = {
-    RankPhase.RUNNING: frozenset({RankPhase.STOPPING, RankPhase.EXITED}),
+    RankPhase.RUNNING: frozenset({RankPhase.LEAVING, RankPhase.PARKED, RankPhase.STOPPING,
+                                  RankPhase.EXITED}),
+    RankPhase.LEAVING: frozenset({RankPhase.PARKED, RankPhase.STOPPING, RankPhase.EXITED}),
+    RankPhase.PARKED: frozenset(),
     RankPhase.STOPPING: frozenset({RankPhase.KILLED, RankPhase.EXITED}),
     RankPhase.KILLED: frozenset({RankPhase.EXITED}),
     RankPhase.EXITED: frozenset({RankPhase.REAPED}),
@@ -70,6 +87,16 @@ class RankProcess:
     token: str = field(default="", repr=False)   # its credential on the agent's socket
     attached: bool = False         # it said it reports steps (AgentLocal.Attach)
     warm: bool = False             # started from a warm process (agent.pool)
+    in_place: bool = False         # it said it can restart in place (Attach)
+    reused: bool = False           # a parked process of an earlier generation became it
+    tearing_down: bool = False     # it said it is on its way to park (RankPark.tearing_down)
+    start: keel_pb2.StartGeneration | None = field(default=None, repr=False)
+
+    @property
+    def live(self) -> bool:
+        """Its process runs this generation's rank (not exited, not parked)."""
+        return self.phase in (RankPhase.RUNNING, RankPhase.LEAVING, RankPhase.STOPPING,
+                              RankPhase.KILLED) and self.popen.returncode is None
 
     @property
     def pid(self) -> int:
@@ -101,9 +128,14 @@ def rank_log(run_dir: Path, job: str, generation: int, rank: int, stream: str) -
 
 class Supervisor:
     def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = "",
-                 interface: str = "", pool: WarmPool | None = None):
+                 interface: str = "", pool: WarmPool | None = None, in_place: bool = True):
         """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
-        the node's advertised address. ``pool``: warm processes to start ranks from."""
+        the node's advertised address. ``pool``: warm processes to start ranks from.
+        ``in_place``: keep ranks that can restart in place for the next generation."""
+        self.in_place = in_place
+        self.parking = ParkingLot()
+        # Tokens of ranks asked to leave their generation (told in their acks).
+        self.leaving_tokens: set[str] = set()
         self.run_dir = run_dir
         self.node = node
         self.interface = interface
@@ -112,6 +144,10 @@ class Supervisor:
         self.ranks: list[RankProcess] = []
         # Each rank's credential on the agent's socket, while it runs.
         self.identities: dict[str, RankIdentity] = {}
+
+    def leaving(self, token: str) -> bool:
+        """Whether the rank holding ``token`` is asked to leave its generation (any thread)."""
+        return token in self.leaving_tokens
 
     def identify(self, token: str) -> RankIdentity | None:
         """Who presents ``token`` on the agent's socket: a rank this agent started and
@@ -133,9 +169,14 @@ class Supervisor:
                            token, self.node, self.interface)
             out = rank_log(self.run_dir, start.job, start.generation, assignment.rank, "out")
             err = out.with_suffix(".err")
-            popen = self._warm(start, assignment, env, out, err)
-            warm = popen is not None
-            if not warm:
+            parked = self.parking.take(start, assignment) if self.in_place else None
+            if parked is not None:
+                parked.start(env, str(out), str(err))
+                popen = parked.popen
+            else:
+                popen = self._warm(start, assignment, env, out, err)
+            warm = popen is not None and parked is None
+            if popen is None:
                 with open(out, "ab") as out_file, open(err, "ab") as err_file:
                     popen = subprocess.Popen(
                         [*tied_to_this_process(), *start.command],
@@ -144,7 +185,9 @@ class Supervisor:
             proc = RankProcess(job=start.job, generation=start.generation,
                                rank=assignment.rank, local_rank=assignment.local_rank,
                                popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s,
-                               warm=warm)
+                               warm=warm, reused=parked is not None, start=start,
+                               # It parked through trainer.runtime: it attaches again.
+                               attached=parked is not None, in_place=parked is not None)
             self.ranks.append(proc)
             self.identities[token] = RankIdentity(
                 job=start.job, generation=start.generation,
@@ -152,9 +195,53 @@ class Supervisor:
             proc.token = token
             started.append(proc)
             log.info("rank started", job=start.job, generation=start.generation,
-                     rank=assignment.rank, warm=proc.warm, pid=popen.pid,
+                     rank=assignment.rank, warm=proc.warm, in_place=proc.reused, pid=popen.pid,
                      **({"warm_ready": self.pool.taken_ready} if warm else {}))
+        # Parked processes this generation has no place for go.
+        self.parking.release_all(f"generation {start.generation} of {start.job} starts here "
+                                 f"without them", time.monotonic())
         return started
+
+    def park(self, token: str, request: keel_pb2.RankPark,
+             now: float) -> keel_pb2.RankExited | str | None:
+        """The rank holding ``token`` left its generation alive: it is done for that
+        generation (the returned report says so) and waits in the parking lot. A string
+        says why it is not kept (the rank then exits as it would have); None answers a
+        rank that says it is tearing down (it has the stop grace to park)."""
+        proc = next((r for r in self.ranks if r.token == token
+                     and r.phase in (RankPhase.RUNNING, RankPhase.LEAVING)), None)
+        if proc is None:
+            return "it is not a running rank of this agent"
+        if not self.in_place:
+            return "this agent keeps no ranks for restart in place (--no-restart-in-place)"
+        if not proc.in_place or proc.start is None or proc.start.cold_start:
+            return ("its job asked for fresh processes (cold_start)" if proc.start is not None
+                    and proc.start.cold_start else "it did not attach with restart_in_place")
+        if request.tearing_down:
+            proc.tearing_down = True
+            log.info("rank is leaving its generation alive", job=proc.job,
+                     generation=proc.generation, rank=proc.rank, pid=proc.pid)
+            return None
+        asked = proc.phase is RankPhase.LEAVING
+        # Nothing of the generation it leaves may run on: what it started in its group goes.
+        for pid in group_members(proc.pid):
+            if pid != proc.pid:
+                _kill(pid)
+        proc.move(RankPhase.PARKED, "it left the generation alive: " +
+                  ("asked to" if asked else "the generation failed under it"))
+        proc.exited_at = now
+        self.identities.pop(token, None)
+        self.leaving_tokens.discard(token)
+        proc.exit_report = keel_pb2.RankExited(
+            job=proc.job, generation=proc.generation, rank=proc.rank, pid=proc.pid,
+            exit_code=1 if request.failed else 0, traceback=request.reason[-8000:],
+            stderr_tail=tail(proc.stderr_path)[-4000:], exited_at=time.time(),
+            stopped_by_agent=asked, last_step=proc.last_step, reaped_at=time.time(), parked=True)
+        self.parking.park(token, Parked(
+            popen=proc.popen, job=proc.job, generation=proc.generation, rank=proc.rank,
+            slot=proc.local_rank, command=tuple(proc.start.command),
+            working_dir=proc.start.working_dir, job_env=dict(proc.start.env)))
+        return proc.exit_report
 
     def _warm(self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment,
               env: dict[str, str], out: Path, err: Path) -> subprocess.Popen | None:
@@ -177,19 +264,36 @@ class Supervisor:
     def of_generation(self, job: str, generation: int) -> list[RankProcess]:
         return [r for r in self.ranks if r.job == job and r.generation == generation]
 
-    def stop(self, ranks: list[RankProcess], now: float) -> None:
-        """Begin the stop protocol for ``ranks`` (SIGTERM to each running group)."""
+    def stop(self, ranks: list[RankProcess], now: float, leave: bool = True) -> None:
+        """Begin the stop protocol for ``ranks``: a rank that can restart in place is
+        asked to leave its generation alive (unless ``leave`` is False: a hung rank, an
+        agent shutting down), every other running one gets SIGTERM to its group."""
         for proc in ranks:
-            if proc.phase is RankPhase.RUNNING:
-                proc.move(RankPhase.STOPPING, "SIGTERM to its process group")
+            if proc.phase is RankPhase.RUNNING and leave and self.in_place and proc.in_place:
+                proc.move(RankPhase.LEAVING, f"asked to leave the generation alive, SIGTERM "
+                                             f"in {self._park_window(proc):g} s if it has not")
                 proc.stop_requested_at = now
-                signal_group(proc.pid, signal.SIGTERM)
+                self.leaving_tokens.add(proc.token)
+            elif proc.phase in (RankPhase.RUNNING, RankPhase.LEAVING):
+                self._terminate(proc, now)
+
+    @staticmethod
+    def _park_window(proc: RankProcess) -> float:
+        return proc.stop_grace_s if proc.tearing_down else min(PARK_WINDOW_S, proc.stop_grace_s)
+
+    def _terminate(self, proc: RankProcess, now: float) -> None:
+        proc.move(RankPhase.STOPPING, "SIGTERM to its process group")
+        proc.stop_requested_at = now
+        self.leaving_tokens.discard(proc.token)
+        signal_group(proc.pid, signal.SIGTERM)
 
     def poll(self, now: float) -> list[RankProcess]:
         """Advance every rank's lifecycle; return ranks whose process just exited."""
         exited = []
+        self.parking.poll(now)
         for proc in self.ranks:
-            if proc.phase in (RankPhase.RUNNING, RankPhase.STOPPING, RankPhase.KILLED):
+            if proc.phase in (RankPhase.RUNNING, RankPhase.LEAVING, RankPhase.STOPPING,
+                              RankPhase.KILLED):
                 code = proc.popen.poll()
                 if code is not None:
                     stopped = proc.phase is not RankPhase.RUNNING
@@ -197,9 +301,15 @@ class Supervisor:
                     proc.exited_at = now
                     proc.exit_report = self._exit_report(proc, code, stopped)
                     self.identities.pop(proc.token, None)
+                    self.leaving_tokens.discard(proc.token)
                     # Whatever the rank left in its group (workers, helpers) goes with it.
                     signal_group(proc.pid, signal.SIGKILL)
                     exited.append(proc)
+                elif (proc.phase is RankPhase.LEAVING
+                      and now - proc.stop_requested_at >= self._park_window(proc)):
+                    log.info("rank did not leave its generation in time; stopping it",
+                             rank=proc.rank, pid=proc.pid, window_s=self._park_window(proc))
+                    self._terminate(proc, now)
                 elif (proc.phase is RankPhase.STOPPING
                       and now - proc.stop_requested_at >= proc.stop_grace_s):
                     log.warning("rank ignored SIGTERM; killing its process group",
@@ -233,21 +343,30 @@ class Supervisor:
             stopped_by_agent=stopped, last_step=proc.last_step, reaped_at=time.time())
 
     def generation_done(self, job: str, generation: int) -> bool:
-        """True when every rank of the generation is reaped, its group empty."""
-        return all(r.phase is RankPhase.REAPED for r in self.of_generation(job, generation))
+        """True when every rank of the generation is reaped, its group empty, or parked."""
+        return all(r.phase in (RankPhase.REAPED, RankPhase.PARKED)
+                   for r in self.of_generation(job, generation))
 
     def forget(self, job: str, generation: int) -> None:
         self.ranks = [r for r in self.ranks
                       if not (r.job == job and r.generation == generation)]
 
     def stop_all(self, timeout_s: float) -> None:
-        """Blocking stop of every rank, for agent shutdown."""
-        self.stop(self.ranks, time.monotonic())
+        """Blocking stop of every rank (parked processes stay in the lot)."""
+        self.stop(self.ranks, time.monotonic(), leave=False)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.poll(time.monotonic())
-            if all(r.phase is RankPhase.REAPED for r in self.ranks):
+            if all(r.phase in (RankPhase.REAPED, RankPhase.PARKED) for r in self.ranks):
                 return
             time.sleep(0.05)
         for proc in self.ranks:
-            signal_group(proc.pid, signal.SIGKILL)
+            if proc.phase is not RankPhase.PARKED:
+                signal_group(proc.pid, signal.SIGKILL)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -21,6 +21,8 @@ import os
 import runpy
 import sys
 
+from common.adopt import redirect, take_environment, take_output
+
 SLOT = "KEEL_WARM_SLOT"      # the local rank this process is warmed for (its GPU)
 
 
@@ -48,46 +50,13 @@ def _warm_up(modules: list[str]) -> None:
         torch.zeros(1, device="cuda")          # the context, created now
 
 
-def _redirect(fd: int, path: str, flags: int) -> None:
-    target = os.open(path, flags, 0o644)
-    os.dup2(target, fd)
-    os.close(target)
-
-
-def coerced_locale(env: dict[str, str]) -> str | None:
-    """The LC_CTYPE Python would set in ``env`` at start-up (PEP 538: a C or POSIX
-    locale is coerced to a UTF-8 one unless LC_ALL is set or PYTHONCOERCECLOCALE=0),
-    or None."""
-    if "LC_ALL" in env or env.get("PYTHONCOERCECLOCALE") == "0":
-        return None
-    if (env.get("LC_CTYPE") or env.get("LANG") or "C") not in ("C", "POSIX"):
-        return None
-    import locale
-    before = locale.setlocale(locale.LC_CTYPE)
-    try:
-        for target in ("C.UTF-8", "C.utf8", "UTF-8"):
-            try:
-                locale.setlocale(locale.LC_CTYPE, target)
-                return target
-            except locale.Error:
-                continue
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
-    return None
-
-
 def become(assignment: dict) -> None:
     """Turn this process into the rank; returns when the rank's code does."""
-    os.environ.clear()
-    os.environ.update(assignment["env"])
-    coerced = coerced_locale(assignment["env"])
-    if coerced:
-        os.environ["LC_CTYPE"] = coerced
+    take_environment(assignment["env"])
     if assignment.get("cwd"):
         os.chdir(assignment["cwd"])
-    _redirect(0, os.devnull, os.O_RDONLY)
-    _redirect(1, assignment["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    _redirect(2, assignment["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    redirect(0, os.devnull, os.O_RDONLY)
+    take_output(assignment["stdout"], assignment["stderr"])
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch

@@ -45,6 +45,22 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``, from ``/proc``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
 def signal_group(pgid: int, sig: int) -> None:
     """Send ``sig`` to process group ``pgid``; a group that is gone is no error."""
     try:

@@ -379,7 +379,7 @@ class StopGeneration(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., collect_stacks: _Optional[bool] = ...) -> None: ...
 
 class RankExited(_message.Message):
-    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step", "reaped_at")
+    __slots__ = ("job", "generation", "rank", "pid", "exit_code", "signal", "traceback", "stderr_tail", "exited_at", "stopped_by_agent", "last_step", "reaped_at", "parked")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +392,7 @@ class RankExited(_message.Message):
     STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     REAPED_AT_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -404,7 +405,8 @@ class RankExited(_message.Message):
     stopped_by_agent: bool
     last_step: int
     reaped_at: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ..., reaped_at: _Optional[float] = ...) -> None: ...
+    parked: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., last_step: _Optional[int] = ..., reaped_at: _Optional[float] = ..., parked: _Optional[bool] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("rank", "step", "loss", "tokens", "step_time_s", "at", "data_s", "compute_s", "optimizer_s", "checkpoint_s", "checkpointing", "restore_s")
@@ -896,12 +898,53 @@ class ListNodesReply(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class RankAttach(_message.Message):
-    __slots__ = ("generation", "rank")
+    __slots__ = ("generation", "rank", "restart_in_place")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTART_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     rank: int
-    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    restart_in_place: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., restart_in_place: _Optional[bool] = ...) -> None: ...
+
+class RankPark(_message.Message):
+    __slots__ = ("generation", "rank", "failed", "reason", "tearing_down")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TEARING_DOWN_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    failed: bool
+    reason: str
+    tearing_down: bool
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., tearing_down: _Optional[bool] = ...) -> None: ...
+
+class NextGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NextGenerationAnswer(_message.Message):
+    __slots__ = ("action", "env", "stdout", "stderr", "reason")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    env: _containers.ScalarMap[str, str]
+    stdout: str
+    stderr: str
+    reason: str
+    def __init__(self, action: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LocalStepReports(_message.Message):
     __slots__ = ("generation", "reports")
@@ -912,12 +955,14 @@ class LocalStepReports(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
 
 class LocalAck(_message.Message):
-    __slots__ = ("checkpoint_now", "recorded_step")
+    __slots__ = ("checkpoint_now", "recorded_step", "leave_generation")
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     RECORDED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_now: bool
     recorded_step: int
-    def __init__(self, checkpoint_now: _Optional[bool] = ..., recorded_step: _Optional[int] = ...) -> None: ...
+    leave_generation: bool
+    def __init__(self, checkpoint_now: _Optional[bool] = ..., recorded_step: _Optional[int] = ..., leave_generation: _Optional[bool] = ...) -> None: ...
 
 class Fault(_message.Message):
     __slots__ = ("kind", "rank", "node", "step", "factor", "down_s", "for_s")

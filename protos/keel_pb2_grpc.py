@@ -670,6 +670,16 @@ class AgentLocalStub:
                 request_serializer=protos_dot_keel__pb2.CheckpointProblem.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
                 _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/keel.v1.AgentLocal/Park',
+                request_serializer=protos_dot_keel__pb2.RankPark.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
+                _registered_method=True)
+        self.NextGeneration = channel.unary_unary(
+                '/keel.v1.AgentLocal/NextGeneration',
+                request_serializer=protos_dot_keel__pb2.NextGenerationRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.NextGenerationAnswer.FromString,
+                _registered_method=True)
 
 
 class AgentLocalServicer:
@@ -711,6 +721,23 @@ class AgentLocalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Park(self, request, context):
+        """Restart in place (a rank that attached with restart_in_place): the rank leaves its
+        generation alive, its process group torn down and nothing of it running, and is
+        counted as exited; then it asks for the next generation until it is given one (it
+        becomes that rank, in this process) or told to exit. FAILED_PRECONDITION: this
+        agent will not keep it (the rank then exits as it would have).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NextGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentLocalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -738,6 +765,16 @@ def add_AgentLocalServicer_to_server(servicer, server):
                     servicer.ReportCheckpointProblem,
                     request_deserializer=protos_dot_keel__pb2.CheckpointProblem.FromString,
                     response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=protos_dot_keel__pb2.RankPark.FromString,
+                    response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
+            'NextGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.NextGeneration,
+                    request_deserializer=protos_dot_keel__pb2.NextGenerationRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.NextGenerationAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -878,6 +915,60 @@ class AgentLocal:
             '/keel.v1.AgentLocal/ReportCheckpointProblem',
             protos_dot_keel__pb2.CheckpointProblem.SerializeToString,
             protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/Park',
+            protos_dot_keel__pb2.RankPark.SerializeToString,
+            protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NextGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/NextGeneration',
+            protos_dot_keel__pb2.NextGenerationRequest.SerializeToString,
+            protos_dot_keel__pb2.NextGenerationAnswer.FromString,
             options,
             channel_credentials,
             insecure,

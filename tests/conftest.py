@@ -202,6 +202,11 @@ class AgentRecorder:
         self._ask_from_step = ask_from_step
         self._ask = ask
         self.identities: dict[str, RankIdentity] = {}
+        # Restart in place: tokens asked to leave, why a park is refused (None: kept),
+        # and the NextGeneration answer by token.
+        self.leaving_tokens: set[str] = set()
+        self.refuse_park: str | None = None
+        self.answers: dict[str, keel_pb2.NextGenerationAnswer] = {}
 
     def token_for(self, generation: int, world_size: int, checkpoint_dir="", job="") -> str:
         """A rank token (KEEL_RANK_TOKEN) for every rank of one torchrun launch (its
@@ -234,9 +239,16 @@ class AgentRecorder:
         with self.lock:
             self.events.append(("preflight", report))
 
-    def on_attach(self, who: RankIdentity, rank: int) -> None:
+    def on_attach(self, who: RankIdentity, rank: int, restart_in_place: bool = False) -> None:
         with self.lock:
             self.events.append(("attach", (who.generation, rank)))
+            if restart_in_place:
+                self.events.append(("restart_in_place", (who.generation, rank)))
+
+    def on_park(self, token: str, request: keel_pb2.RankPark) -> str | None:
+        with self.lock:
+            self.events.append(("park", request))
+        return self.refuse_park
 
     def of(self, kind: str) -> list:
         """The payloads of ``kind`` ("step", "checkpoint", "preflight" or "attach": the
@@ -271,7 +283,9 @@ def local_agent(recorder):
     socket_path = os.path.join(directory, "agent.sock")
     server = serve(socket_path, AgentLocalService(
         recorder.identities.get, recorder.on_steps, recorder.on_checkpoint,
-        getattr(recorder, "on_preflight", lambda _report: None), on_attach=recorder.on_attach))
+        getattr(recorder, "on_preflight", lambda _report: None), on_attach=recorder.on_attach,
+        leaving=recorder.leaving_tokens.__contains__, on_park=recorder.on_park,
+        next_generation=recorder.answers.get))
     try:
         yield socket_path
     finally:

@@ -53,6 +53,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +195,9 @@ class Checkpointer:
         self.use_async = use_async
         self.keep = keep
         self.restored_from = os.path.abspath(restored_from) if restored_from else None
+        # Its own, fixed: a rank that restarts in place moves its Runtime to the next
+        # generation, and nothing of this one may act as that one.
+        self.generation = runtime.generation
         self._rank = dist.get_rank()
         self._pending: _Pending | None = None
         self._blocked_s = 0.0
@@ -217,7 +221,7 @@ class Checkpointer:
         committed. Collective."""
         started = time.perf_counter()
         self.wait()
-        staging = staging_path(self.checkpoint_dir, step, self.runtime.generation)
+        staging = staging_path(self.checkpoint_dir, step, self.generation)
         if self._rank == 0:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             # An earlier incarnation of this generation (torchrun restarts keep the
@@ -277,6 +281,30 @@ class Checkpointer:
         for deletion in deletions:
             deletion.result()
 
+    def settle(self, timeout_s: float) -> bool:
+        """After the run failed: waits up to ``timeout_s`` for the save in flight (its
+        write, its commit) and the deletions to end, however they end (their errors are
+        logged, not raised); whether all did. A rank whose threads did not end may not
+        restart in place: they would go on writing as this generation."""
+        deadline = time.monotonic() + timeout_s
+        pending = [f for f in (self._pending.future if self._pending else None,
+                               self._commit_future) if f is not None]
+        with self._deletions_lock:
+            pending += self._deletions
+        for future in pending:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                return False
+            except BaseException as error:   # CheckpointException is one
+                self.runtime.log(f"a checkpoint operation failed with the run: "
+                                 f"{type(error).__name__}: {str(error)[:200]}")
+        self._pending = self._commit_future = None
+        for pool in (self._committer, self._deleter):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        return True
+
     def _written(self) -> None:
         """Waits for this rank's write in flight; a failed one raises and fails the
         rank: an uncommitted checkpoint must not look like progress."""
@@ -298,9 +326,9 @@ class Checkpointer:
         # DCP raises CheckpointException, a BaseException, for a failed write.
         except (Exception, CheckpointException) as error:
             owner = fence.owner(self.checkpoint_dir)
-            if owner <= self.runtime.generation or self.runtime.generation == 0:
+            if owner <= self.generation or self.generation == 0:
                 raise
-            refused = fence.Superseded(self.checkpoint_dir, self.runtime.generation, owner)
+            refused = fence.Superseded(self.checkpoint_dir, self.generation, owner)
             self.runtime.log(f"refusing to change checkpoint step {step}: {refused} (its write "
                              f"failed: {type(error).__name__})")
             self.runtime.report_checkpoint_problem(step, staging, "stale_commit", str(refused))
@@ -310,7 +338,7 @@ class Checkpointer:
     def _fenced(self, step: int, path: str):
         """Hold the generation's fence around a destructive step; a superseded
         generation's step is refused: one log line, reported to the agent, raised."""
-        generation = self.runtime.generation
+        generation = self.generation
         try:
             with fence.held(self.checkpoint_dir, generation):
                 yield
@@ -369,7 +397,7 @@ class Checkpointer:
         the background: a crash mid-delete leaves no half checkpoint under a committed
         name, only a ``.tmp`` directory that ``discard_staging`` removes. Called with
         the fence held."""
-        doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.runtime.generation}.{why}.tmp")
+        doomed = os.path.join(self.checkpoint_dir, f".step_{step:08d}.g{self.generation}.{why}.tmp")
         shutil.rmtree(doomed, ignore_errors=True)
         os.rename(path, doomed)
         fsync_dir(self.checkpoint_dir)

@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parallel.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
                           help="recompute each block's activations in the backward pass instead of keeping them")
 
+    run.add_argument("--restart-in-place", action=argparse.BooleanOptionalAction, default=True,
+                     help="under a Keel agent, when a generation ends under this rank (a peer died, or "
+                          "the generation is being stopped) stay alive and become the next generation's "
+                          "rank in this process instead of exiting")
+
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument(
         "--checkpoint-dir",

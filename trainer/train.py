@@ -19,6 +19,14 @@ the collectives (``trainer.preflight``); collectives get ``--startup-timeout-s``
 the first step is done and ``--collective-timeout-s`` after it (``trainer.watchdog``).
 Each step is reported to the Keel agent with its phases; when the agent asks for a
 checkpoint, every rank saves after the same step.
+
+Under a Keel agent the trainer restarts in place (``--restart-in-place``, the default):
+when a generation ends under a rank (a peer died and a collective failed, or the agent
+asks every rank to leave after the same step), the rank waits for its async save to
+settle, destroys its process group and model, and becomes the next generation's rank
+in the same process (``trainer.runtime.Runtime.next_generation``): a new process group,
+the model built and sharded for the new layout, the committed checkpoint restored. Its
+own errors still end the process.
 """
 
 from __future__ import annotations
@@ -49,7 +57,11 @@ from trainer.options import parse_args
 from trainer.phases import PhaseTimer
 from trainer.step import TrainStep
 
-__all__ = ["Setup", "exchange", "exchange_step", "main", "parse_args", "setup", "train"]
+__all__ = ["Setup", "exchange", "exchange_step", "main", "parse_args", "run_generation", "setup", "train"]
+
+# How long a failed rank waits for its checkpoint saves to end before it may restart in
+# place; past it the rank exits instead.
+SETTLE_S = 10.0
 
 
 @dataclass
@@ -122,25 +134,29 @@ def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Set
 @dataclass(frozen=True)
 class Exchanged:
     """What every rank knows after a step's exchange: the ``mean_loss`` over the
-    global batch, the ``(first, count)`` samples each rank ``consumed``, and whether
-    any rank's agent asked for a checkpoint (``checkpoint_requested``)."""
+    global batch, the ``(first, count)`` samples each rank ``consumed``, whether any
+    rank's agent asked for a checkpoint (``checkpoint_requested``), and whether any
+    was asked to leave the generation (``leave_requested``)."""
 
     mean_loss: float
     consumed: list[tuple[int, int]]
     checkpoint_requested: bool
+    leave_requested: bool = False
 
 
 def exchange_step(loss: float | None, first: int, count: int, represents: bool, checkpoint_requested: bool,
-                  device: torch.device) -> Exchanged:
+                  device: torch.device, leave_requested: bool = False) -> Exchanged:
     """One all-gather per step for what every rank needs to know: the mean loss over
     the global batch (the mean over ranks that hold a loss — all of them, or the last
     pipeline stage's; each covers the same number of samples), the ``(first, count)``
     samples each data-parallel rank consumed (``represents``: this rank speaks for its
     data-parallel rank, which its tensor and pipeline peers share), and whether any
     rank was asked for a checkpoint (``checkpoint_requested`` on this rank), so that
-    all save after the same step."""
+    all save after the same step, or to leave the generation (``leave_requested``), so
+    that all leave after the same step."""
     mine = torch.tensor(
-        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0, float(checkpoint_requested)],
+        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0, float(checkpoint_requested),
+         float(leave_requested)],
         dtype=torch.float64, device=device,
     )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -148,8 +164,8 @@ def exchange_step(loss: float | None, first: int, count: int, represents: bool, 
     table = torch.stack(everyone).cpu()
     mean_loss = (table[:, 0].sum() / table[:, 1].sum()).item()
     # float64 holds sample indices exactly up to 2**53.
-    consumed = [(int(first), int(count)) for _, _, first, count, _ in table.tolist()]
-    return Exchanged(mean_loss, consumed, bool(table[:, 4].any()))
+    consumed = [(int(first), int(count)) for _, _, first, count, _, _ in table.tolist()]
+    return Exchanged(mean_loss, consumed, bool(table[:, 4].any()), bool(table[:, 5].any()))
 
 
 def exchange(loss: float | None, first: int, count: int, represents: bool, device: torch.device
@@ -177,17 +193,31 @@ def run_preflight(args: argparse.Namespace, rt: keel_runtime.Runtime, device: to
         rt.log(preflight.summary(sweep, dist.get_world_size(), args.preflight_budget_s))
 
 
-def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device) -> Setup:
+@dataclass
+class Background:
+    """What a generation of the trainer runs besides its loop: the checkpointer, whose
+    saves must end before the process may live on into another generation."""
+
+    checkpointer: Checkpointer | None = None
+
+    def settle(self, rt: keel_runtime.Runtime) -> bool:
+        if self.checkpointer is None or self.checkpointer.settle(SETTLE_S):
+            return True
+        rt.log(f"a checkpoint save of generation {rt.generation} did not end within {SETTLE_S:g} s")
+        return False
+
+
+def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device,
+          current: Background | None = None) -> Setup:
     """Trains until ``args.steps`` optimizer steps are done, starting fresh or from the
     checkpoint ``trainer.restore.choose`` names, and returns what it trained (with
-    the last checkpoint committed)."""
+    the last checkpoint committed). ``current`` is told of the checkpointer."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     run_preflight(args, rt, device)
     torch.manual_seed(args.seed)
     layout = resolve_layout(args, rt)
     run = setup(args, layout, device)
     data = SyntheticTokens(args.vocab, args.seq_len, args.seed)
-    dp_rank, represents = layout.dp_rank(rank), layout.speaks_for_its_data(rank)
 
     state = TrainerState(step=0, samples=0, scheduler=run.optimizers.scheduler_state(), rng_state=torch.get_rng_state())
     if rank == 0:
@@ -212,6 +242,22 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         checkpointer = Checkpointer(args.checkpoint_dir, rt, use_async=args.async_checkpoint,
                                     keep=args.keep_checkpoints, restored_from=restore)
 
+    if current is not None:
+        current.checkpointer = checkpointer
+    _loop(args, rt, device, run, data, state, checkpointer, restore_s)
+    if checkpointer:
+        checkpointer.wait()
+    return run
+
+
+def _loop(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device, run: Setup,
+          data: SyntheticTokens, state: TrainerState, checkpointer: Checkpointer | None,
+          restore_s: float) -> None:
+    """The steps from ``state`` to ``args.steps``, checkpointed as asked; raises
+    ``GenerationEnded`` after a step in which any rank was asked to leave."""
+    rank = dist.get_rank()
+    layout = run.layout
+    dp_rank, represents = layout.dp_rank(rank), layout.speaks_for_its_data(rank)
     timer = PhaseTimer(device)
     first_step = state.step + 1
     step, samples, ledger = state.step, state.samples, state.ledger
@@ -229,7 +275,8 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         # slowest, this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
         busy_s += rt.after_step(busy_s)
-        shared = exchange_step(loss, first, count, represents, rt.take_checkpoint_request(), device)
+        shared = exchange_step(loss, first, count, represents, rt.take_checkpoint_request(), device,
+                               rt.leave_requested())
         step, samples = step + 1, samples + args.global_batch
         ledger.record(step, shared.consumed)
         if step == first_step:
@@ -252,15 +299,27 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
             saved = TrainerState(step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger)
             checkpointer.save(step, samples, checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
                               ledger, args.global_batch)
-    if checkpointer:
-        checkpointer.wait()
-    return run
+        if shared.leave_requested:
+            raise keel_runtime.GenerationEnded(f"the agent asked to leave generation {rt.generation} "
+                                               f"after step {step}")
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rt = keel_runtime.init()
+    rt = keel_runtime.init(restart_in_place=args.restart_in_place)
+    try:
+        while not run_generation(args, rt):
+            pass
+    finally:
+        rt.close()
+    return 0
+
+
+def run_generation(args: argparse.Namespace, rt: keel_runtime.Runtime) -> bool:
+    """One generation of this rank: True when training is done, False when this
+    process has become the next generation's rank (restart in place). Raises what
+    ended it otherwise."""
     # The flag may name a directory Keel did not; one-shot fault markers live there too.
     rt.checkpoint_dir = args.checkpoint_dir
     startup_timeout = timedelta(seconds=args.startup_timeout_s)
@@ -272,19 +331,28 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=startup_timeout)
+    current = Background()
     try:
         # monitored_barrier is gloo's; a GPU job's default group is NCCL's.
         watchdog.start_barrier(args.startup_timeout_s, None if device.type == "cpu" else dist.new_group(backend="gloo"))
-        train(args, rt, device)
+        train(args, rt, device, current)
+        return True
     except BaseException as error:
         # The traceback keeps train()'s frames alive, and with them the model; drop
         # their locals (the traceback text survives) so shutdown can free it.
         traceback.clear_frames(error.__traceback__)
+
+        def teardown() -> bool:
+            settled = current.settle(rt)
+            current.checkpointer = None
+            shut_down_process_group()
+            return settled
+        if rt.next_generation(error, teardown):
+            return False
         raise
     finally:
-        rt.close()
-        shut_down_process_group()
-    return 0
+        if dist.is_initialized():
+            shut_down_process_group()
 
 
 def shut_down_process_group() -> None:

@@ -67,6 +67,29 @@ def steps_logged(workdir: Path, generation: int) -> dict[int, float]:
     return {step: event["loss"] for step, event in step_events(err.read_text()).items()}
 
 
+def rank_starts(workdir: Path) -> dict[tuple[int, int], dict]:
+    """(generation, rank) → the agent's ``rank started`` record (pid, warm, in_place)."""
+    starts = {}
+    for log in (workdir / "logs").glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("event") == "rank started":
+                starts[(record["generation"], record["rank"])] = record
+    return starts
+
+
+def assert_restarted_in_place(starts: dict, generation: int, kept: set[int], replaced: set[int]):
+    """Ranks ``kept`` of ``generation`` are the processes of the generation before it
+    (restart in place); ranks ``replaced`` are new processes."""
+    for rank in kept:
+        now, before = starts[(generation, rank)], starts[(generation - 1, rank)]
+        assert now["in_place"] and now["pid"] == before["pid"], (generation, rank, now, before)
+    for rank in replaced:
+        now = starts[(generation, rank)]
+        assert not now["in_place"] and now["pid"] not in {
+            r["pid"] for (g, _), r in starts.items() if g < generation}, (generation, rank, now)
+
+
 def test_keel_up_trains_the_reference_model_at_world_size_4(no_leaks):
     summary = run_up(no_leaks / "run", "--nodes", "2", "--slots-per-node", "2",
                      "--steps", "40")
@@ -121,6 +144,12 @@ def test_a_crash_and_a_kill_are_each_recovered_from_the_committed_checkpoint(no_
     assert abs(second[min(second)] - first[min(second)]) < 1e-4
     assert abs(third[min(third)] - second[min(third)]) < 1e-4
     assert third[40] < 0.5 * first[1]
+    # Restart in place: the survivors of each failure became the next generation's
+    # ranks in their own processes; the crashed rank (its own error) and the killed one
+    # were replaced. The exact losses above are what those processes computed.
+    starts = rank_starts(run)
+    assert_restarted_in_place(starts, 2, kept={0, 2, 3}, replaced={1})
+    assert_restarted_in_place(starts, 3, kept={0, 1, 3}, replaced={2})
 
 
 def test_killing_keel_up_itself_leaves_no_process_behind(no_leaks):
@@ -162,6 +191,11 @@ def test_restarts_across_two_layouts_consume_every_sample_exactly_once(no_leaks)
     assert summary["data"] == {"expected": 40 * 16, "consumed": 40 * 16, "duplicates": 0,
                                "missing": 0}
     assert summary["final_loss"] < 0.5 * summary["initial_loss"]
+    # The lost node's ranks died with its agent; node-0's two ranks restarted in place
+    # into the smaller layout and resharded the checkpoint there.
+    starts = rank_starts(no_leaks / "run")
+    assert_restarted_in_place(starts, 2, kept={0, 1, 2}, replaced={3})
+    assert_restarted_in_place(starts, 3, kept={0, 1}, replaced=set())
 
 
 def test_the_reference_trainer_stuck_before_its_first_step_is_found_hung(no_leaks):

@@ -15,6 +15,21 @@ fails a training step; an unreachable agent costs one line on stderr.
 Steps are numbered from 1: step N is the N-th optimizer step of the job, a fault at
 step N fires when step N starts, and a report for step N is sent after it finished.
 
+Restart in place (``init(restart_in_place=True)``): when a generation ends under the
+rank (``in_place.ended_under_the_rank``: a collective failed because a peer is gone,
+or the agent asked it to leave, ``leave_requested``), the script calls
+``next_generation(error, teardown)``. That shuts down every TCP connection the rank
+opened during the generation (gloo's to its peers among them, so that peers blocked
+on this rank fail at once instead of at their timeout), runs ``teardown`` (destroy the
+process group and what was built on it), parks the rank with its agent and waits. It
+returns True once this process has become the next generation's rank on the same slot
+(its environment, output files and this ``Runtime`` are that rank's: set up the
+process group again and restore), and False when the rank cannot be kept (re-raise the
+error: it exits as it would have). Told by the agent that no generation wants it, it
+exits 0. A process restarts in place at most ``MAX_IN_PLACE_RESTARTS`` times (gloo
+leaves a listening socket per generation behind). The reference trainer's ``main`` is
+the pattern.
+
 The layout grammar (``Layout``, ``parse_mesh``) and the environment's names (``env``)
 are the ones the whole of Keel uses; a trainer reaches them here.
 """
@@ -25,7 +40,8 @@ import faulthandler
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 
@@ -35,15 +51,20 @@ from common.paths import inside
 from protos import keel_pb2
 from trainer.runtime.faults import (FaultInjector, claim_fault, fault_marker_path,
                                     parse_fault_schedule, rank_faults)
+from common.adopt import take_environment, take_output
 from trainer.runtime.identity import (Identity, deadline_problems, job_deadlines, parse_mesh,
                                       read_identity)
+from trainer.runtime.in_place import (GenerationEnded, ended_under_the_rank, sever, tcp_connections,
+                                      torch_memory_released)
 from trainer.runtime.reporting import (CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S,
                                        AgentReporter)
 
 _log = structlog.get_logger()
 
-__all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "Identity", "Layout",
-           "LayoutError", "Runtime", "claim_fault", "deadline_problems", "env",
+MAX_IN_PLACE_RESTARTS = 32
+
+__all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "GenerationEnded",
+           "Identity", "Layout", "LayoutError", "Runtime", "ended_under_the_rank", "claim_fault", "deadline_problems", "env",
            "fault_marker_path", "init", "inside", "job_deadlines", "parse_fault_schedule", "parse_mesh",
            "rank_faults"]
 
@@ -54,7 +75,8 @@ class Runtime:
     Attributes: ``rank``, ``world_size``, ``local_rank`` (ints), ``generation`` (int, 0
     without Keel), ``job`` (str, "" without Keel), ``mesh`` (dimension → size),
     ``checkpoint_dir`` and ``restore_from`` (absolute paths or None), ``restart_count``
-    (int), ``slow_factor`` (float, step-time multiplier from a ``slow`` fault, 1.0 if none).
+    (int), ``slow_factor`` (float, step-time multiplier from a ``slow`` fault, 1.0 if none),
+    ``restart_in_place`` (bool: it may take the next generation in this process).
     """
 
     def __init__(
@@ -75,6 +97,7 @@ class Runtime:
         fence_after_s: float | None = None,
         agent_token: str = "",
         node: str = "",
+        restart_in_place: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -87,13 +110,17 @@ class Runtime:
         self.restore_fallbacks = restore_fallbacks
         self.restart_count = restart_count
         self.agent_socket = agent_socket
+        self.restart_in_place = restart_in_place
+        # Connections from before this generation are not its to sever.
+        self._connections_before = set(tcp_connections().values()) if restart_in_place else set()
+        self.restarted_in_place = getattr(self, "restarted_in_place", 0)
         under_keel = {"job": job, "generation": generation, "node": node}
         logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
         self._faults = FaultInjector(faults, rank, generation, self.log)
         self._agent = AgentReporter(agent_socket, rank=rank, world_size=world_size,
                                     generation=generation, job=job, log=self.log,
-                                    fence_after_s=fence_after_s,
-                                    token=agent_token) if agent_socket else None
+                                    fence_after_s=fence_after_s, token=agent_token,
+                                    restart_in_place=restart_in_place) if agent_socket else None
 
     @property
     def slow_factor(self) -> float:
@@ -134,6 +161,61 @@ class Runtime:
         call). Only this rank's own agent connection is seen, so fold the answer into a
         collective before acting on it. False without an agent."""
         return self._agent is not None and self._agent.take_checkpoint_request()
+
+    def leave_requested(self) -> bool:
+        """Whether the agent asked this rank to leave its generation (it is being
+        stopped, and the rank can restart in place): fold it into a collective, leave
+        after the same step as every rank (raise ``GenerationEnded``). False without an
+        agent or restart in place."""
+        return self.restart_in_place and self._agent is not None and self._agent.leave_requested()
+
+    def next_generation(self, error: BaseException, teardown: Callable[[], bool | None]) -> bool:
+        """After the generation ended under this rank with ``error``: tell the agent it
+        is leaving, sever its connections, ``teardown()`` (the script's: wait for what
+        it runs in the background, destroy the process group and what was built on it;
+        False if something of the generation could not be stopped), park with the agent
+        and wait to become the next generation's rank in this process. True when it has
+        (this object, the environment and fds 1 and 2 are the new rank's); False when
+        it cannot (``error`` is the rank's own, restart in place is off, the teardown
+        failed, or the agent will not keep it): re-raise ``error``. Exits the process
+        (status 0) when the agent says no generation takes it, or stops answering: it
+        was counted out already."""
+        agent = self._agent
+        if agent is None or not self.restart_in_place or not ended_under_the_rank(error):
+            return False
+        if self.restarted_in_place >= MAX_IN_PLACE_RESTARTS:
+            self.log(f"restarted in place {self.restarted_in_place} times already: exiting")
+            return False
+        asked = agent.leave_requested()
+        failed = not isinstance(error, GenerationEnded)
+        reason = "".join(traceback.format_exception(error)) if failed else "asked to leave"
+        refused = agent.park(failed and not asked, reason, tearing_down=True)
+        if refused:
+            self.log(f"not restarting in place ({refused}): exiting")
+            return False
+        sever(self._connections_before)
+        if teardown() is False:
+            self.log("the generation could not be torn down: not restarting in place")
+            return False
+        torch_memory_released()
+        refused = agent.park(failed and not asked, reason)
+        if refused:
+            self.log(f"not restarting in place ({refused}): exiting")
+            return False
+        self.log("left generation alive; waiting for the next", left=self.generation,
+                 cause=f"{type(error).__name__}: {str(error)[:200]}")
+        answer = agent.next_generation()
+        agent.close()
+        self._agent = None
+        if answer.action != "start":
+            self.log(f"not needed for a next generation ({answer.reason}): exiting")
+            sys.exit(0)
+        take_environment(answer.env)
+        take_output(answer.stdout, answer.stderr)
+        self.restarted_in_place += 1
+        self.__init__(**_settings(os.environ), restart_in_place=True)
+        self.log("restarted in place", rank=self.rank, world_size=self.world_size)
+        return True
 
     def report_preflight(self, results: Sequence, wall_s: float) -> bool:
         """Sends this rank's preflight sweep to the agent (``AgentReporter``); whether
@@ -180,15 +262,21 @@ class Runtime:
             self._agent = None
 
 
-def init(environ: Mapping[str, str] | None = None) -> Runtime:
+def _settings(environ: Mapping[str, str]) -> dict:
+    """``Runtime``'s arguments from ``environ``."""
+    # Under Keel, a rank whose agent answers nothing for the collective timeout stops.
+    return dict(**vars(read_identity(environ)), faults=parse_fault_schedule(environ.get(env.FAULTS)),
+                fence_after_s=job_deadlines(environ).get("collective_timeout_s"))
+
+
+def init(environ: Mapping[str, str] | None = None, *, restart_in_place: bool = False) -> Runtime:
     """Builds this rank's ``Runtime`` from ``environ`` (default ``os.environ``): the
     torchrun variables, ``KEEL_*`` when Keel started the rank. Installs a SIGUSR1
-    handler that dumps every thread's Python stack to stderr, for hang diagnosis."""
+    handler that dumps every thread's Python stack to stderr, for hang diagnosis.
+    ``restart_in_place``: the script calls ``next_generation`` when a generation ends
+    under it (see the module's docstring)."""
     environ = os.environ if environ is None else environ
-    identity = read_identity(environ)
-    # Under Keel, a rank whose agent answers nothing for the collective timeout stops.
-    runtime = Runtime(**vars(identity), faults=parse_fault_schedule(environ.get(env.FAULTS)),
-                      fence_after_s=job_deadlines(environ).get("collective_timeout_s"))
+    runtime = Runtime(**_settings(environ), restart_in_place=restart_in_place)
     # The process's own fd 2, which the agent captures, even when sys.stderr has been
     # swapped for something without a file descriptor.
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)

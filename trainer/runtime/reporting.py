@@ -1,7 +1,8 @@
 """Reports to the node agent: step reports batched from a background thread, and the
-agent's checkpoint requests in their acks; checkpoint and preflight reports sent
-directly. Reporting never blocks or fails a training step; an unreachable agent costs
-one line on stderr.
+agent's checkpoint requests (and requests to leave the generation) in their acks;
+checkpoint and preflight reports sent directly. Reporting never blocks or fails a
+training step; an unreachable agent costs one line on stderr. For restart in place,
+``park`` and ``next_generation`` (``agent.parking`` is the agent's side).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ FLUSH_WAIT_S = STEP_REPORT_DEADLINE_S + 0.5
 PING_S = 1.0
 # A rank that fenced itself with SIGTERM and still runs this long after is SIGKILLed.
 FENCE_KILL_AFTER_S = 5.0
+PARK_DEADLINE_S = 10.0
+# Each NextGeneration call; the agent holds it open for about a second.
+NEXT_GENERATION_DEADLINE_S = 5.0
+# A parked rank whose agent answers nothing this long (when there is no collective
+# timeout to go by) stops waiting and exits.
+PARKED_FENCE_S = 60.0
 
 # gRPC's default reconnect back-off grows to two minutes; an agent that restarts (or
 # starts listening after its ranks) should see reports again within seconds.
@@ -193,14 +200,18 @@ class AgentReporter:
 
     def __init__(self, agent_socket: str, *, rank: int, world_size: int, generation: int,
                  job: str, log: Callable[[str], None], fence_after_s: float | None = None,
-                 token: str = "") -> None:
-        """``token``: the rank's credential (``KEEL_RANK_TOKEN``), sent with every call."""
+                 token: str = "", restart_in_place: bool = False) -> None:
+        """``token``: the rank's credential (``KEEL_RANK_TOKEN``), sent with every call;
+        ``restart_in_place``: said when attaching (this rank can ``park``)."""
         self.rank = rank
         self.world_size = world_size
         self.generation = generation
         self.job = job
         self.log = log
+        self.restart_in_place = restart_in_place
+        self.fence_after_s = fence_after_s
         self._checkpoint_requested = threading.Event()
+        self._leave_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
         self._stub = keel_pb2_grpc.AgentLocalStub(
             grpc.intercept_channel(self._channel, _Credential(token)))
@@ -213,7 +224,8 @@ class AgentReporter:
         before its first one too (a rank that never says so is not)."""
         try:
             self._take_ack(self._stub.Attach(
-                keel_pb2.RankAttach(generation=self.generation, rank=self.rank),
+                keel_pb2.RankAttach(generation=self.generation, rank=self.rank,
+                                    restart_in_place=self.restart_in_place),
                 timeout=ATTACH_DEADLINE_S, wait_for_ready=True))
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.CANCELLED:   # closed: the rank is ending
@@ -223,6 +235,8 @@ class AgentReporter:
     def _take_ack(self, ack: keel_pb2.LocalAck) -> None:
         if ack.checkpoint_now:
             self._checkpoint_requested.set()
+        if ack.leave_generation:
+            self._leave_requested.set()
         self.recorded_step = max(self.recorded_step, ack.recorded_step)
 
     def report_step(
@@ -266,6 +280,50 @@ class AgentReporter:
             return False
         self._checkpoint_requested.clear()
         return True
+
+    def leave_requested(self) -> bool:
+        """Whether the agent asked this rank to leave its generation (it is being
+        stopped); stays set."""
+        return self._leave_requested.is_set()
+
+    def park(self, failed: bool, reason: str, tearing_down: bool = False) -> str | None:
+        """Tells the agent this rank left its generation alive (``failed``: on an error,
+        ``reason``, not because it was asked); with ``tearing_down``, that it is on its
+        way to (it parks with a second call). Parking sends pending step reports first
+        and stops the reporter. None if the agent keeps it, else why not."""
+        if not tearing_down:
+            self._reporter.close()
+        try:
+            self._stub.Park(keel_pb2.RankPark(generation=self.generation, rank=self.rank,
+                                              failed=failed, reason=reason[-8000:],
+                                              tearing_down=tearing_down),
+                            timeout=PARK_DEADLINE_S)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+        return None
+
+    def next_generation(self) -> keel_pb2.NextGenerationAnswer:
+        """Asks the agent, until it says, what this parked rank becomes: "start" (with
+        the new rank's environment and files) or "exit". An agent that answers nothing
+        for the collective timeout (else ``PARKED_FENCE_S``) counts as "exit"."""
+        fence_s = self.fence_after_s or PARKED_FENCE_S
+        answered_at = time.monotonic()
+        while True:
+            try:
+                answer = self._stub.NextGeneration(keel_pb2.NextGenerationRequest(),
+                                                   timeout=NEXT_GENERATION_DEADLINE_S)
+            except grpc.RpcError as error:
+                if error.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    return keel_pb2.NextGenerationAnswer(action="exit", reason=error.details())
+                if time.monotonic() - answered_at >= fence_s:
+                    return keel_pb2.NextGenerationAnswer(
+                        action="exit", reason=f"the agent has answered nothing for {fence_s:g} s "
+                                              f"({error.code().name}: {error.details()})")
+                time.sleep(0.2)
+                continue
+            answered_at = time.monotonic()
+            if answer.action != "wait":
+                return answer
 
     def report_preflight(self, results: Sequence, wall_s: float) -> bool:
         """Sends this rank's preflight sweep to the agent: ``results`` are objects with

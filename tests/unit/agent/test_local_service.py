@@ -88,3 +88,36 @@ def test_a_rank_attaches_as_itself(socket):
     assert call(stub.Attach, attach(generation=4, rank=1), "")[0] is \
         grpc.StatusCode.UNAUTHENTICATED
     assert recorder.of("attach") == [(4, 1)]
+
+
+def test_restart_in_place_over_the_socket_is_a_ranks_own_business(socket):
+    """A rank that can restart in place says so when it attaches, hears in its acks
+    that it is asked to leave, parks only as itself, and only a parked process's token
+    gets an answer to NextGeneration."""
+    stub, recorder, _, rank1, _ = socket
+    attach = keel_pb2.RankAttach(generation=4, rank=1, restart_in_place=True)
+    ack = stub.Attach(attach, metadata=((env.RANK_TOKEN_METADATA, rank1),), timeout=5)
+    assert not ack.leave_generation and ("restart_in_place", (4, 1)) in recorder.events
+    recorder.leaving_tokens.add(rank1)
+    ack = stub.ReportSteps(steps(4, 1), metadata=((env.RANK_TOKEN_METADATA, rank1),), timeout=5)
+    assert ack.leave_generation
+
+    park = keel_pb2.RankPark(generation=4, rank=1, failed=True, reason="peer gone")
+    assert call(stub.Park, park, "")[0] is grpc.StatusCode.UNAUTHENTICATED
+    assert call(stub.Park, keel_pb2.RankPark(generation=4, rank=0), rank1) == (
+        grpc.StatusCode.PERMISSION_DENIED, "a park of rank 0: this caller is rank(s) [1]")
+    recorder.refuse_park = "its job asked for fresh processes (cold_start)"
+    assert call(stub.Park, park, rank1) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not kept for restart in place: its job asked for fresh processes (cold_start)")
+    recorder.refuse_park = None
+    assert call(stub.Park, park, rank1) == (grpc.StatusCode.OK, "")
+    assert [p.reason for kind, p in recorder.events if kind == "park"] == ["peer gone"] * 2
+
+    ask = keel_pb2.NextGenerationRequest()
+    code, details = call(stub.NextGeneration, ask, rank1)
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "parked" in details
+    recorder.answers[rank1] = keel_pb2.NextGenerationAnswer(action="start", env={"RANK": "3"},
+                                                            stdout="/o", stderr="/e")
+    answer = stub.NextGeneration(ask, metadata=((env.RANK_TOKEN_METADATA, rank1),), timeout=5)
+    assert (answer.action, dict(answer.env), answer.stdout) == ("start", {"RANK": "3"}, "/o")
