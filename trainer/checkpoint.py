@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -213,6 +214,12 @@ class Checkpointer:
         # between threads would interleave them. Gloo, because async save coordinates
         # through CPU tensors even on GPU jobs.
         self._group = dist.new_group(backend="gloo")
+        # One stager for the run: it keeps the CPU copy it staged into and reuses it on
+        # the next save (pinned on a GPU, for fast copies), where a stager per save
+        # would allocate and fault in the whole state again each time.
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+            use_async_staging=False, use_non_blocking_copy=False)) if use_async else None
 
     def save(self, step: int, samples: int, state: dict, ledger: Ledger, global_batch: int) -> None:
         """Starts the checkpoint of step ``step`` (``samples``: global data position
@@ -233,7 +240,8 @@ class Checkpointer:
             ledger.write(staging, global_batch, step)
         dist.barrier()
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group)
+            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group,
+                                    async_stager=self._stager)
             pending = _Pending(step, samples, staging, future, started)
             if self._rank == 0:
                 # Committed as soon as it is written, by the committer thread: not when
@@ -303,6 +311,8 @@ class Checkpointer:
         for pool in (self._committer, self._deleter):
             if pool is not None:
                 pool.shutdown(wait=False)
+        if self._stager is not None:
+            self._stager.close()      # its copy of the state goes with the generation
         return True
 
     def _written(self) -> None:

@@ -40,6 +40,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
@@ -193,6 +194,7 @@ class Runtime:
         if refused:
             self.log(f"not restarting in place ({refused}): exiting")
             return False
+        began = time.monotonic()
         sever(self._connections_before)
         if teardown() is False:
             self.log("the generation could not be torn down: not restarting in place")
@@ -203,6 +205,7 @@ class Runtime:
             self.log(f"not restarting in place ({refused}): exiting")
             return False
         self.log("left generation alive; waiting for the next", left=self.generation,
+                 teardown_s=round(time.monotonic() - began, 3),
                  cause=f"{type(error).__name__}: {str(error)[:200]}")
         answer = agent.next_generation()
         agent.close()
