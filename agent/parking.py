@@ -5,8 +5,9 @@ A rank that uses ``trainer.runtime`` with restart in place, when its generation 
 under it (a collective failed because a peer died, or the agent asked it to leave),
 tears down its process group and everything built on it, then parks: from then on it
 counts as exited for that generation, and it asks the agent for the next one
-(``NextGeneration``, a long poll). When that generation places a rank on the same slot
-of this node, for the same job, command, working directory and job environment, the
+(``NextGeneration``, a long poll). When that generation places the same rank on the
+same slot of this node, for the same job, command, working directory and job
+environment (``Parked.fits`` says why the same rank), the
 parked process is given that rank's environment and output files and becomes it
 (``Parked.start``); otherwise it is told to exit (``Parked.release``). A parked process
 that is not adopted within ``PARK_TTL_S``, one whose node drains, and every one when
@@ -62,10 +63,19 @@ class Parked:
 
     def fits(self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment) -> bool:
         """Whether it can become ``assignment`` of ``start``: the same job, command,
-        working directory and job environment, on its own slot (its device), alive and
-        not stopped, not yet released, and the job did not ask for fresh processes."""
+        working directory and job environment, the same rank on its own slot (its
+        device), alive and not stopped, not yet released, and the job did not ask for
+        fresh processes.
+
+        The same rank: torch's DTensor keeps what it derived from a device mesh (its
+        sharding specs, each shard's offsets) for the life of the process, looked up by
+        mesh *equality*, which does not look at the process's rank. A process that
+        became another rank of an equal mesh (rank 1 of dp_shard=2, then rank 0 of it)
+        was handed its old shards' offsets: every checkpoint plan then covered half of
+        each tensor. A different world size or layout makes unequal meshes."""
         return (self.released_at is None and not self.adopted and not start.cold_start
                 and start.job == self.job and assignment.local_rank == self.slot
+                and assignment.rank == self.rank
                 and tuple(start.command) == self.command
                 and start.working_dir == self.working_dir and dict(start.env) == self.job_env
                 and self.popen.poll() is None

@@ -227,11 +227,15 @@ class AgentService:
                 wake.set()
         elif kind == "hang_detected":
             job = self._job_for(body.job, body.generation)
-            if (job is not None and job.state in (JobState.RUNNING, JobState.STOPPING)
-                    and not self._refused(session, kind, rank_refusal(
-                        authority(job, session.node), body.rank))):
-                _hang(job, session.node, body)
-                wake.set()
+            if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
+                # A hang this agent found names its rank; the stacks it collected for
+                # another node's hang (no phase) name none, only the ranks they are of.
+                mine = authority(job, session.node)
+                named = [body.rank] if body.phase else sorted(body.stacks)
+                refusal = next(filter(None, (rank_refusal(mine, rank) for rank in named)), "")
+                if not self._refused(session, kind, refusal):
+                    _hang(job, session.node, body)
+                    wake.set()
         elif kind == "preflight":
             job = self._job_for(body.job, body.generation)
             if job is not None and not self._refused(session, kind, rank_refusal(

@@ -56,6 +56,8 @@ def test_a_parked_process_becomes_only_a_rank_of_its_own_slot_job_and_command(sl
     slot = lambda n: keel_pb2.RankAssignment(rank=n, local_rank=n)   # noqa: E731
     for wrong in (start(job="other"), start(cold_start=True), start(env={"A": "2"})):
         assert lot.take(wrong, slot(0)) is None
+    # Another rank on its slot: torch's DTensor would hand it its old rank's shards.
+    assert lot.take(start(), keel_pb2.RankAssignment(rank=1, local_rank=0)) is None
     taken = lot.take(start(), slot(1))
     assert taken is lot.by_token["t1"]
     taken.start({"RANK": "1"}, "/out", "/err")
