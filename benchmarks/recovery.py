@@ -32,19 +32,23 @@ the survivor, its own rendezvous and the spawn) is one figure, kill to the resta
 script's first line.
 
 B. The reference trainer at world size 4 (``keel up --nodes 2 --slots-per-node 2
---steps 30 --checkpoint-every 5 --no-preflight --inject kill:rank=1,step=12``): the kill
-(the fault injection's log line) to generation 2's first completed step (rank 0's
-``step`` event), split by the controller's state changes, the agent's ``rank started``,
-the trainer's ``resumed from`` line and its restore time (``restore_s`` of the step
-report, read from the controller's ``keel_recovery_phase_seconds`` once recovered).
-Baseline: the checkpoint that generation 2 restored, copied, and the same 4 ranks
-(``keel up``'s exact trainer command and job environment) started directly, with no
-orchestrator: launch to the first completed step.
+--steps 400 --checkpoint-every 5 --no-preflight``): once every agent has said its warm
+processes are ready (the state a failure hours into a job finds), rank 1 is SIGKILLed
+by this script at a step ``KILL_AFTER_SAVE_STEPS`` past a checkpoint's start; recovery
+is the kill to the next generation's first completed step (rank 0's ``step`` event),
+split by the controller's state changes, the agent's ``rank started``, the trainer's
+``resumed from`` line and its restore time (``restore_s`` of the step report, read
+from the controller's ``keel_recovery_phase_seconds`` once recovered). Under Keel the
+survivors restart in place and rank 1's slot takes a warm process; each run's note
+says how every rank of the next generation started. Baseline: the checkpoint that
+generation restored, copied, and the same 4 ranks (``keel up``'s exact trainer command
+and job environment) started directly, with no orchestrator: launch to the first
+completed step.
 
 Prints a table per scenario (the median of each phase per arm, each run's total), and
 last the figures as ratios of medians::
 
-    python -m benchmarks.recovery [--runs 2] [--keep]
+    python -m benchmarks.recovery [--runs 2] [--keep] [--scenario both|plain|trainer]
 """
 
 from __future__ import annotations
@@ -83,8 +87,11 @@ FAIL_EPOCH = 85
 # run before it lasted.
 EARLY_FAIL_EPOCH = 4
 ITERS = 12
-TRAINER = UpOptions(nodes=2, slots_per_node=2, steps=30, checkpoint_every=5, preflight=False,
-                    inject=("kill:rank=1,step=12",))
+# Long enough that the kill, which waits for the warm processes, comes well before the end.
+TRAINER = UpOptions(nodes=2, slots_per_node=2, steps=400, checkpoint_every=5, preflight=False)
+# Rank 1 is killed at a step this far past a checkpoint's start, once every warm
+# process is ready: its save has had as long to commit as at step 12 of 5-step saves.
+KILL_AFTER_SAVE_STEPS = 2
 MARKER = "KEEL_BENCH_LAUNCH"       # in the environment of everything an arm starts
 RUN_TIMEOUT_S = 60.0               # the direct launches
 RECOVERY_TIMEOUT_S = 15.0          # torchrun, from the kill to its end
@@ -437,22 +444,54 @@ def recovery_metrics(address_file: Path) -> dict[str, float]:
     return found
 
 
+def warm_ready(work: Path) -> int:
+    """How many warm processes the agents of a keel up have said are ready."""
+    return sum(1 for log in (work / "logs").glob("agent-*.log") for r in json_lines(log)
+               if r.get("event") == "warm process ready")
+
+
+def rank_pid(agent_log: Path, generation: int, rank: int) -> int | None:
+    return next((r["pid"] for r in json_lines(agent_log) if r.get("event") == "rank started"
+                 and r.get("generation") == generation and r.get("rank") == rank), None)
+
+
 def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
-    """``keel up`` of the reference trainer with a kill: kill to generation 2's first
-    step; and the checkpoint generation 2 restored (for the baseline). Once generation 2
-    has stepped and the controller's recovery metrics are read, the job is stopped."""
+    """``keel up`` of the reference trainer, rank 1 SIGKILLed once every warm process
+    is ready: kill to generation 2's first step; and the checkpoint generation 2
+    restored (for the baseline). Once generation 2 has stepped and the controller's
+    recovery metrics are read, the job is stopped."""
     work = directory / "keel"
     launch = Launch(directory)
     node0 = work / "nodes" / "node-0" / "keel-up"
+    slots = TRAINER.nodes * TRAINER.slots_per_node
     try:
-        launch.start([sys.executable, "-m", "orchestrator.cli", "up", "--nodes", "2",
-                      "--slots-per-node", "2", "--steps", str(TRAINER.steps),
+        launch.start([sys.executable, "-m", "orchestrator.cli", "up", "--nodes", str(TRAINER.nodes),
+                      "--slots-per-node", str(TRAINER.slots_per_node), "--steps", str(TRAINER.steps),
                       "--checkpoint-every", str(TRAINER.checkpoint_every), "--no-preflight",
-                      "--inject", TRAINER.inject[0], "--json", "--workdir", str(work)],
+                      "--json", "--workdir", str(work)],
                      "keel-up", launch.env())
         proc = launch.procs[0]
-        wait_for(lambda: first_step(node0 / "gen2" / "rank0.err"), [proc], KEEL_TIMEOUT_S,
-                 "keel up's generation 2")
+        wait_for(lambda: warm_ready(work) >= slots, [proc], KEEL_TIMEOUT_S,
+                 "every agent's warm processes")
+
+        def kill_step():
+            """The generation running a step just after a checkpoint's start, if one is."""
+            newest = max((int(d.name[3:]) for d in node0.glob("gen*")), default=0)
+            steps = [r["step"] for r in trainer_records(node0 / f"gen{newest}" / "rank0.err")
+                     if r.get("event") == "step"]
+            return newest if steps and steps[-1] % TRAINER.checkpoint_every == KILL_AFTER_SAVE_STEPS \
+                else None
+        # Generation 1 may have failed by itself (a port taken between its choice and
+        # its use, on a busy machine): the kill is in whichever generation runs.
+        killed = wait_for(kill_step, [proc], KEEL_TIMEOUT_S, "a step just after a checkpoint")
+        victim = rank_pid(work / "logs" / "agent-node-0.log", killed, 1)
+        if victim is None:
+            raise Failed(f"the agent logged no start of generation {killed}'s rank 1")
+        kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        after = killed + 1
+        wait_for(lambda: first_step(node0 / f"gen{after}" / "rank0.err"), [proc], KEEL_TIMEOUT_S,
+                 f"keel up's generation {after}")
         # The step reaches the controller with the agent's next batch of reports.
         address = work / "prometheus" / "controller-0.address"
         scraped, deadline = {}, time.monotonic() + 5
@@ -464,26 +503,18 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
             proc.wait(KEEL_TIMEOUT_S / 2)
         except subprocess.TimeoutExpired:
             raise Failed("keel up did not stop on SIGINT") from None
-        lines = [line for line in (directory / "keel-up.out").read_text().splitlines()
-                 if line.startswith("{")]
-        summary = json.loads(lines[-1]) if lines else {}
-        if summary.get("restarts") != 1:
-            raise Failed(f"keel up reported {summary.get('restarts')} restart(s), not 1")
-        kills = [r for r in trainer_records(node0 / "gen1" / "rank1.err")
-                 if str(r.get("event", "")).startswith("injecting kill")]
-        if not kills:
-            raise Failed("rank 1 of generation 1 logged no injected kill")
-        kill = unix(kills[0])
         changes = transitions(work / "logs" / "controller.log")
         phases, running = controller_phases(changes, kill)
-        started = [r for r in json_lines(work / "logs" / "agent-node-0.log")
-                   if r.get("event") == "rank started" and r.get("rank") == 0]
-        back, step = resumed(node0 / "gen2" / "rank0.err"), first_step(node0 / "gen2" / "rank0.err")
-        gen2 = [r for r in started if r.get("generation") == 2]
-        if not gen2 or back is None or step is None:
-            raise Failed("generation 2's rank 0 logged no start, resume or step")
-        phases["start"] = unix(gen2[0]) - running
-        to_resumed = unix(back) - unix(gen2[0])
+        started = [r for log in sorted((work / "logs").glob("agent-*.log")) for r in json_lines(log)
+                   if r.get("event") == "rank started"]
+        err = node0 / f"gen{after}" / "rank0.err"
+        back, step = resumed(err), first_step(err)
+        gen2 = [r for r in started if r.get("generation") == after]
+        rank0 = [r for r in gen2 if r.get("rank") == 0]
+        if not rank0 or back is None or step is None:
+            raise Failed(f"generation {after}'s rank 0 logged no start, resume or step")
+        phases["start"] = unix(rank0[0]) - running
+        to_resumed = unix(back) - unix(rank0[0])
         if scraped.get("restore") is not None:
             phases["setup"] = to_resumed - scraped["restore"]
             phases["restore"] = scraped["restore"]
@@ -491,8 +522,13 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
             phases["setup + restore"] = to_resumed
         phases["first step"] = unix(step) - unix(back)
         restored = Path(back["event"].split()[2])
-        note = (f"the kill {kill - unix(started[0]):.1f} s after generation 1 started; generation 2 "
-                f"warm={gen2[0].get('warm')}, resumed at step {step['step']} from {restored.name}"
+        how = ", ".join(f"rank {r['rank']} " + ("in place" if r.get("in_place") else
+                                                 "warm" if r.get("warm") else "cold")
+                        for r in sorted(gen2, key=lambda r: r["rank"]))
+        first = unix(started[0]) if started else kill
+        note = (f"the kill {kill - first:.1f} s after generation 1 started, in generation {killed}; "
+                f"generation {after}: {how}; "
+                f"resumed at step {step['step']} from {restored.name}"
                 + (f"; Keel's own keel_recovery_seconds {scraped['total']:.2f} s" if scraped else
                    "; the controller's recovery metrics were not read in time"))
         return Run("keel", unix(step) - kill, phases, note=note), restored
@@ -587,6 +623,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="runs per arm")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    parser.add_argument("--scenario", choices=("both", "plain", "trainer"), default="both",
+                        help="A (the plain script), B (the reference trainer) or both")
     options = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="keel-bench-recovery-"))
     began = time.monotonic()
@@ -597,7 +635,7 @@ def main() -> int:
     plain: dict[str, list[Run]] = {name: [] for name in arms}
     trainer: dict[str, list[Run]] = {"keel": [], "cold start": []}
     try:
-        for round_index in range(options.runs):
+        for round_index in range(options.runs if options.scenario != "trainer" else 0):
             names = list(arms)
             names = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in names:
@@ -608,7 +646,7 @@ def main() -> int:
                 print(f"plain script, round {round_index + 1}, {name}: "
                       f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
                       flush=True)
-        for round_index in range(options.runs):
+        for round_index in range(options.runs if options.scenario != "plain" else 0):
             run, checkpoint = run_keel_up(root / f"trainer-{round_index}-keel")
             trainer["keel"].append(run)
             print(f"reference trainer, round {round_index + 1}, keel: "
@@ -626,39 +664,44 @@ def main() -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    table(f"A. plain torchrun script (benchmarks/recovery_script.py), world size 2 on one node, "
-          f"rank 1 SIGKILLed at epoch {FAIL_EPOCH} (keel --cold-start and the cold start's "
-          f"failing run: epoch {EARLY_FAIL_EPOCH}); medians in seconds",
-          [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
-           ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
-           ("start", "→ the script's first line"), ("imports", "→ torch imported"),
-           ("rendezvous", "init_process_group"), ("setup", "model and optimizer made"),
-           ("restore", "snapshot loaded"),
-           ("first step", "the first epoch")],
-          plain, [("torchrun's start is kill → the restarted script's first line (its detection, "
-                   "stopping the survivor, its rendezvous and the spawn); the cold start's is "
-                   "launch → first line")])
-    table(f"B. reference trainer, world size 4 (2 nodes × 2), rank 1 SIGKILLed at step 12, "
-          f"checkpoint every {TRAINER.checkpoint_every}; medians in seconds",
-          [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
-           ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
-           ("start", "→ the agent started rank 0"),
-           ("setup", "→ restore began: rendezvous, model"),
-           ("restore", "restore_s: verify and load"),
-           ("setup + restore", "when restore_s was not read"),
-           ("start + setup + restore", "launch → resumed"),
-           ("first step", "→ its first step's end")],
-          trainer, [])
+    if options.scenario != "trainer":
+        table(f"A. plain torchrun script (benchmarks/recovery_script.py), world size 2 on one node, "
+              f"rank 1 SIGKILLed at epoch {FAIL_EPOCH} (keel --cold-start and the cold start's "
+              f"failing run: epoch {EARLY_FAIL_EPOCH}); medians in seconds",
+              [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
+               ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
+               ("start", "→ the script's first line"), ("imports", "→ torch imported"),
+               ("rendezvous", "init_process_group"), ("setup", "model and optimizer made"),
+               ("restore", "snapshot loaded"),
+               ("first step", "the first epoch")],
+              plain, [("torchrun's start is kill → the restarted script's first line (its detection, "
+                       "stopping the survivor, its rendezvous and the spawn); the cold start's is "
+                       "launch → first line")])
+    if options.scenario != "plain":
+        table(f"B. reference trainer, world size 4 (2 nodes × 2), rank 1 SIGKILLed once the warm "
+              f"processes are ready, {KILL_AFTER_SAVE_STEPS} steps after a checkpoint's start "
+              f"(every {TRAINER.checkpoint_every}); medians in seconds",
+              [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
+               ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
+               ("start", "→ the agent started rank 0"),
+               ("setup", "→ restore began: rendezvous, model"),
+               ("restore", "restore_s: verify and load"),
+               ("setup + restore", "when restore_s was not read"),
+               ("start + setup + restore", "launch → resumed"),
+               ("first step", "→ its first step's end")],
+              trainer, [])
     print(f"\nbenchmark wall time {time.monotonic() - began:.0f} s")
-    keel, torchrun = median_total(plain["keel"]), median_total(plain["torchrun"])
-    cold = median_total(plain["cold start"])
-    recovered = sum(1 for r in plain["torchrun"] if r.total is not None)
-    print(f"plain script: keel {seconds(keel)} vs torchrun {seconds(torchrun)} "
-          f"(recovered {recovered}/{len(plain['torchrun'])}) -> {ratio(keel, torchrun)}")
-    print(f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} -> {ratio(keel, cold)}")
-    keel_up, trainer_cold = median_total(trainer["keel"]), median_total(trainer["cold start"])
-    print(f"reference trainer, world 4: keel {seconds(keel_up)} vs cold start with restore "
-          f"{seconds(trainer_cold)} -> {ratio(keel_up, trainer_cold)}")
+    if options.scenario != "trainer":
+        keel, torchrun = median_total(plain["keel"]), median_total(plain["torchrun"])
+        cold = median_total(plain["cold start"])
+        recovered = sum(1 for r in plain["torchrun"] if r.total is not None)
+        print(f"plain script: keel {seconds(keel)} vs torchrun {seconds(torchrun)} "
+              f"(recovered {recovered}/{len(plain['torchrun'])}) -> {ratio(keel, torchrun)}")
+        print(f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} -> {ratio(keel, cold)}")
+    if options.scenario != "plain":
+        keel_up, trainer_cold = median_total(trainer["keel"]), median_total(trainer["cold start"])
+        print(f"reference trainer, world 4: keel {seconds(keel_up)} vs cold start with restore "
+              f"{seconds(trainer_cold)} -> {ratio(keel_up, trainer_cold)}")
     return 0
 
 
