@@ -56,7 +56,6 @@ import json
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,7 +66,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from benchmarks.recovery import Failed, Launch, json_lines, metric, transitions, unix
+from benchmarks import recovery
+from benchmarks.recovery import (Failed, Launch, Run, json_lines, median, metric, seconds, table,
+                                 transitions, unix)
 from orchestrator.local.options import JOB_NAME, UpOptions, job_spec
 from orchestrator.spec.health import DEFAULTS
 
@@ -91,15 +92,6 @@ TORCHRUN_REACTIONS = ("closing signal SIGTERM", "failed (exitcode", "Worker grou
 
 
 # --- runs -----------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    arm: str
-    total: float | None = None
-    phases: dict[str, float] = field(default_factory=dict)
-    problem: str = ""
-    note: str = ""
-
 
 def wait_until(done: Callable[[], object], proc: subprocess.Popen, timeout_s: float,
                what: str, tick: Callable[[], None] | None = None):
@@ -473,48 +465,12 @@ def clean_run(directory: Path, steps: int) -> Clean:
 
 # --- report ---------------------------------------------------------------------------
 
-def median(runs: list[Run], phase: str | None = None) -> float | None:
-    values = [r.total if phase is None else r.phases.get(phase) for r in runs if r.total is not None]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]]) -> None:
-    """Phases (rows, with a description) by arm (columns), medians over the runs that
-    detected the fault; then every run's total and note."""
-    arms = list(results)
-    width = max(len(f"{name} ({what})") for name, what in rows) + 2
-    column = max(14, *(len(arm) + 2 for arm in arms))
-    print(f"\n{title}")
-    print(" " * width + "".join(f"{arm:>{column}}" for arm in arms))
-    for name, what in [*rows, ("total", "")]:
-        cells = []
-        for arm in arms:
-            value = median(results[arm], None if name == "total" else name)
-            cells.append(f"{value:>{column - 2}.2f} s" if value is not None else f"{'—':>{column}}")
-        label = f"{name} ({what})" if what else name
-        print(f"{label:<{width}}" + "".join(cells))
-    for arm in arms:
-        runs = results[arm]
-        totals = ", ".join(f"{r.total:.2f}" if r.total is not None else "failed" for r in runs)
-        ok = sum(1 for r in runs if r.total is not None)
-        print(f"  {arm}: detected {ok}/{len(runs)}; totals {totals} s")
-        for i, run in enumerate(runs, 1):
-            print(f"    run {i}: {'failed: ' + run.problem if run.problem else run.note}")
-
-
-def seconds(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f} s"
-
-
 def score(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
 def ratio(numerator: float | None, denominator: float | None) -> str:
-    if numerator is None or not denominator:
-        return "n/a (a side has no figure)"
-    return f"{numerator / denominator:.2f}"
+    return recovery.ratio(numerator, denominator, "n/a (a side has no figure)")
 
 
 def main() -> int:
@@ -566,12 +522,13 @@ def main() -> int:
     table(f"A. crash: rank 1 SIGKILLed at step {FAULT_STEP}, world size 2; medians in seconds",
           [("reaped", "kill → the agent's rank exited"), ("decided", "→ RUNNING→STOPPING"),
            ("reaction", "kill → torchrun's first line"),
-           ("restart decided", "→ Worker group FAILED")], results["crash"])
+           ("restart decided", "→ Worker group FAILED")], results["crash"], outcome="detected")
     table(f"B. hang: rank 1 stopped at step {FAULT_STEP}, hang floor {HANG_FLOOR_S:g} s, collective "
           f"timeout {COLLECTIVE_TIMEOUT_S:g} s in both arms; medians in seconds",
           [("verdict", "hang → the first agent's hang detected"),
            ("decided", "→ RUNNING→STOPPING"), ("reaction", "hang → torchrun's first line"),
-           ("timeout", "the one applied"), ("beyond timeout", "total − timeout")], results["hang"])
+           ("timeout", "the one applied"), ("beyond timeout", "total − timeout")], results["hang"],
+          outcome="detected")
     least = WINDOW * PATIENCE
     print(f"\nC. straggler: rank 1 slowed from step {SLOW_STEP} for {SLOW_STEPS} steps; detector "
           f"window {WINDOW} steps, patience {PATIENCE} windows, threshold "

@@ -572,34 +572,38 @@ def run_trainer_cold(directory: Path, checkpoint: Path | None) -> Run:
 
 # --- report ---------------------------------------------------------------------------
 
+def median(runs: list[Run], phase: str | None = None) -> float | None:
+    """The median total (or ``phase``) over the runs that have a total."""
+    values = [r.total if phase is None else r.phases.get(phase) for r in runs if r.total is not None]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def median_total(runs: list[Run]) -> float | None:
-    totals = [r.total for r in runs if r.total is not None]
-    return statistics.median(totals) if totals else None
+    return median(runs)
 
 
-def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]], notes: list[str]) -> None:
+def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]],
+          notes: list[str] = (), outcome: str = "recovered") -> None:
     """Phases (rows, with a description) by arm (columns): medians over the runs that
-    recovered; then every run's total."""
+    have a total (``outcome``: what such a run did); then every run's total and note."""
     arms = list(results)
     width = max(len(f"{name} ({what})") for name, what in rows) + 2
-    column = max(19, *(len(arm) + 2 for arm in arms))
+    column = max(14, *(len(arm) + 2 for arm in arms))
     print(f"\n{title}")
     print(" " * width + "".join(f"{arm:>{column}}" for arm in arms))
     for name, what in [*rows, ("total", "")]:
         cells = []
         for arm in arms:
-            values = [r.total if name == "total" else r.phases.get(name)
-                      for r in results[arm] if r.total is not None]
-            values = [v for v in values if v is not None]
-            cells.append(f"{statistics.median(values):>{column - 2}.2f} s" if values
-                         else f"{'—':>{column}}")
+            value = median(results[arm], None if name == "total" else name)
+            cells.append(f"{value:>{column - 2}.2f} s" if value is not None else f"{'—':>{column}}")
         label = f"{name} ({what})" if what else name
         print(f"{label:<{width}}" + "".join(cells))
     for arm in arms:
         runs = results[arm]
         totals = ", ".join(f"{r.total:.2f}" if r.total is not None else "failed" for r in runs)
         ok = sum(1 for r in runs if r.total is not None)
-        print(f"  {arm}: recovered {ok}/{len(runs)}; totals {totals} s")
+        print(f"  {arm}: {outcome} {ok}/{len(runs)}; totals {totals} s")
         for i, run in enumerate(runs, 1):
             if run.problem:
                 print(f"    run {i} failed: {run.problem}")
@@ -609,9 +613,10 @@ def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]]
         print(f"  {note}")
 
 
-def ratio(numerator: float | None, denominator: float | None) -> str:
-    if numerator is None or denominator is None:
-        return "n/a (no run recovered)"
+def ratio(numerator: float | None, denominator: float | None,
+          missing: str = "n/a (no run recovered)") -> str:
+    if numerator is None or not denominator:
+        return missing
     return f"{numerator / denominator:.2f}"
 
 
