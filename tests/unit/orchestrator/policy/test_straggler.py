@@ -202,3 +202,35 @@ def test_on_two_nodes_a_slow_node_is_measured_against_the_other_one():
              [StepSample(1, "node-1", step, 0.15) for step in range(1, 6)]
     node0, node1 = score_window(window)
     assert node1.ratio == pytest.approx(1.5) and node0.ratio == pytest.approx(1 / 1.5)
+
+
+def brute_force_scores(samples):
+    """The definition, quadratic: each node's slowest rank median against the median of
+    every other node's rank medians (all ranks when there is one node)."""
+    import statistics
+    times, node_of = {}, {}
+    for s in samples:
+        times.setdefault(s.rank, []).append(s.step_time_s)
+        node_of[s.rank] = s.node
+    medians = {r: statistics.median(v) for r, v in times.items()}
+    scores = []
+    for node in sorted(set(node_of.values())):
+        mine = [r for r in sorted(medians) if node_of[r] == node]
+        slowest = max(mine, key=lambda r: (medians[r], -r))
+        others = [m for r, m in medians.items() if node_of[r] != node] or list(medians.values())
+        scores.append((node, medians[slowest] / statistics.median(others), len(mine), slowest))
+    return scores
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fast_scoring_is_the_definition_exactly(seed):
+    rng = random.Random(seed)
+    nodes = rng.randint(1, 9)
+    samples = []
+    for rank in range(nodes * rng.randint(1, 4)):
+        for step in range(1, rng.randint(1, 5) + 1):
+            # Few distinct values, so that ties between ranks and nodes are common.
+            samples.append(StepSample(rank, f"n{rank % nodes}", step,
+                                      rng.choice([0.1, 0.2, 0.25, 0.3, 1.0])))
+    fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in score_window(samples)]
+    assert fast == brute_force_scores(samples)
