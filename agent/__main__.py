@@ -63,9 +63,9 @@ from common.logs import configure
                    "is not charged for one).")
 @click.option("--restart-in-place/--no-restart-in-place", default=True, show_default=True,
               help="Let ranks that can (trainer.runtime, e.g. the reference trainer) leave a "
-                   "failed or stopped generation alive and become ranks of the next one on "
-                   "the same slot, instead of starting new processes; a job can still ask "
-                   "for fresh processes (JobSpec cold_start).")
+                   "failed or stopped generation alive and become the same rank of the next "
+                   "one on the same slot, instead of starting new processes; a job can still "
+                   "ask for fresh processes (JobSpec cold_start).")
 @flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
                    ca_help="CA certificate of the controller")
 @flags.etcd_options
