@@ -12,10 +12,12 @@ loop of ours does); the call after etcd is back succeeds.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import etcd3
+import etcd3.watch
 import grpc
 from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
@@ -73,6 +75,16 @@ class _Endpoint(etcd3.Endpoint):
 
     def _mkchannel(self, opts):
         return grpc.intercept_channel(super()._mkchannel(opts), EtcdCallMetrics())
+
+
+
+# python3-etcd3 0.13's watcher still calls ``six.itervalues`` when a watch stream fails
+# (etcd restarted, or out of reach) but no longer imports six: its thread died of a
+# NameError before telling the callbacks, so a watch that etcd's restart ended was never
+# reported, and a LeaderWatch went on naming the old leader for good
+# (tests/integration/test_leader_watch.py).
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda mapping: iter(mapping.values()))
 
 
 class EtcdClient(etcd3.MultiEndpointEtcd3Client):

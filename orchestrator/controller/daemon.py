@@ -87,6 +87,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         # Last: whoever waits for the address finds the metrics address there too.
         if config.address_file:
             write_address(config.address_file, self.state.address)
+        self.leadership.start()
         threading.Thread(target=self.reconciler.loop, args=(time.monotonic,), name="reconcile",
                          daemon=True).start()
         log.info("controller serving", address=self.state.address, controller_id=self.state.id,

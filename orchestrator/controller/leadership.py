@@ -2,21 +2,29 @@
 
 The key is created in a transaction (``version == 0``) on the controller's own lease
 (``leader_ttl_s``); its create revision is the leader's *term*, which only grows. A
-standby keeps its lease alive and tries again every quarter TTL; a leader refreshes it
-every third of a TTL and steps down when it cannot for a whole TTL, or at once when a
-write finds the key no longer its own (``store.Deposed``: it stalled and another took
-over). A controller that stepped down keeps its lease: if etcd comes back with the
+standby keeps its lease alive and tries again every quarter TTL. The lease is refreshed
+every third of a TTL on a thread of its own (``start``), never by the work: a slow
+reconcile tick, or a new leader loading thousands of records under the state lock,
+cannot cost the lead. The leader steps down when the lease could not be refreshed for a
+whole TTL or has lapsed, or at once when a write finds the key no longer its own
+(``store.Deposed``: it stalled and another took over). Who leads is followed with a
+watch on the key (``common.leader.LeaderWatch``), so a standby refusing calls names
+the leader without reading etcd: a storm of agents reconnecting to it costs etcd
+nothing. A controller that stepped down keeps its lease: if etcd comes back with the
 lease alive and the key still its own, nobody led meanwhile and it leads again at
 once, with the same term.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import grpc
 import structlog
 
+from common.leader import LeaderWatch
 from orchestrator.controller import metrics
 from orchestrator.controller.state import ControllerState
 
@@ -30,7 +38,31 @@ class Leadership:
         self.state = state
         self.on_lead = on_lead
         self.lease = None
-        self.refreshed_at = 0.0
+        self.refreshed_at = 0.0     # monotonic: the lease was last refreshed
+        self.refreshes = 0          # how many times the keeper refreshed it
+        self._lapsed = None         # a lease etcd said had expired
+        self.leader = LeaderWatch(state.store.client)   # who leads, as etcd says
+
+    def start(self) -> None:
+        """Keep whatever lease this controller holds alive, every third of a TTL, on a
+        thread of its own, until the controller stops; and follow the leader key."""
+        self.leader.start()
+        threading.Thread(target=self._keep_alive, name="leader-lease", daemon=True).start()
+
+    def _keep_alive(self) -> None:
+        state = self.state
+        while not state.stopping.wait(state.config.leader_ttl_s / 3):
+            lease = self.lease
+            if lease is None:
+                continue
+            try:
+                ttl = lease.refresh()[0].TTL
+            except Exception:
+                continue   # etcd unreachable: ``keep`` decides once a whole TTL passed
+            if ttl > 0:
+                self.refreshed_at, self.refreshes = time.monotonic(), self.refreshes + 1
+            else:
+                self._lapsed = lease
 
     def campaign(self, now: float) -> bool:
         """One try at the leader key; True if this controller now leads."""
@@ -41,6 +73,8 @@ class Leadership:
                 alive = self.lease.refresh()[0].TTL > 0
             except Exception:
                 alive = False
+        if alive:
+            self.refreshed_at = time.monotonic()
         if not alive:
             self.lease = state.store.client.lease(int(state.config.leader_ttl_s))
         term = state.store.campaign(state.id, state.address, self.lease.id)
@@ -48,7 +82,7 @@ class Leadership:
             return False
         with state.lock:
             self.on_lead(now)
-            state.leader_since, self.refreshed_at = now, now
+            state.leader_since, self.refreshed_at = now, max(self.refreshed_at, now)
             state.is_leader = True
         metrics.LEADER.set(1)
         metrics.TERM.set(term)
@@ -58,17 +92,16 @@ class Leadership:
         return True
 
     def keep(self, now: float) -> bool:
-        """Refresh the leader lease; step down if it lapsed. True while leading."""
-        try:
-            response = self.lease.refresh()[0]
-            if response.TTL > 0:
-                self.refreshed_at = now
-                return True
+        """Whether the leader lease is alive, as the keeper thread last found it (no
+        etcd call here); steps down if it lapsed or could not be refreshed for a whole
+        TTL. True while leading."""
+        ttl_s = self.state.config.leader_ttl_s
+        if self._lapsed is not None and self._lapsed is self.lease:
             reason = "leader lease expired"
-        except Exception as exc:
-            if now - self.refreshed_at < self.state.config.leader_ttl_s:
-                return True  # etcd hiccup: the lease may still be alive
-            reason = f"cannot refresh the leader lease: {exc}"
+        elif now - self.refreshed_at < ttl_s:
+            return True  # a refresh within the TTL (or an etcd hiccup shorter than it)
+        else:
+            reason = f"could not refresh the leader lease for {now - self.refreshed_at:.1f} s"
         self.step_down(reason)
         return False
 
@@ -95,16 +128,13 @@ class Leadership:
         leads."""
         if self.state.is_leader:
             return
-        leader = None
-        try:
-            leader = self.state.store.controller_address()
-        except Exception:
-            pass
+        leader = self.leader.current     # from the watch: no etcd read per refusal
         context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"standby controller; the leader is at {leader or 'unknown'}")
+                      f"standby controller; the leader is at {leader.address if leader else 'unknown'}")
 
     def release(self) -> None:
         """Give the lead up for good (shutdown): revoke the lease, and the key with it."""
+        self.leader.stop()
         if self.lease is None:
             return
         try:

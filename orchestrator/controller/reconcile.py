@@ -42,6 +42,7 @@ class Reconciler:
         self.state = state
         self.leadership = leadership
         self.executor = executor
+        self.spent: dict[str, float] = {}   # this tick's seconds, by what took them
 
     def loop(self, clock) -> None:
         """Run until the state's ``stopping`` is set; ``clock()`` gives monotonic seconds."""
@@ -87,17 +88,33 @@ class Reconciler:
 
     def tick(self, now: float, registered: dict[str, dict]) -> None:
         """One pass over everything, given the node records just read from etcd; a
-        write that finds another controller leading ends it, and this leadership."""
+        write that finds another controller leading ends it, and this leadership. A
+        tick over its budget (a third of the leader TTL; the lease is kept alive apart
+        from it) is one warning naming what took the time."""
+        self.spent = {}
+        began = time.monotonic()
         try:
             with metrics.RECONCILE_TICK.time():
                 self._tick(now, registered)
         except Deposed as exc:
             self.leadership.step_down(f"deposed: {exc}")
+        took = time.monotonic() - began
+        budget = self.state.config.leader_ttl_s / 3
+        if took > budget:
+            slowest = sorted(self.spent.items(), key=lambda item: -item[1])[:3]
+            log.warning("reconcile tick over its budget", took_s=round(took, 3), budget_s=budget,
+                        slowest=", ".join(f"{what} {seconds:.3f} s" for what, seconds in slowest))
+
+    def _spend(self, what: str, since: float) -> None:
+        self.spent[what] = self.spent.get(what, 0.0) + time.monotonic() - since
 
     def _tick(self, now: float, registered: dict[str, dict]) -> None:
         state = self.state
+        began = time.monotonic()
         with state.lock:
+            self._spend("waiting for the state lock", began)
             state.registered = registered
+            began = time.monotonic()
             for session in list(state.sessions.values()):
                 if session.connected and not session.accounted:
                     jobs = [observe.job_on_node(job, session.node)
@@ -106,8 +123,10 @@ class Reconciler:
                         observe.agent_runs(session), jobs))
                 if session.connected:
                     self._guarded(self.executor.agent_cordon, session)
+            self._spend("agents' Hellos and cordons", began)
             wall = time.time()
             for job in list(state.jobs.values()):
+                began = time.monotonic()
                 if not job.state.terminal and now >= job.retry_at:
                     before = job.state
                     self._attempt(job, now)
@@ -123,6 +142,8 @@ class Reconciler:
                     job.goodput.commit_open(wall)
                 if past_retention(job.state, job.ended_at, wall, state.config.finished_job_ttl_s):
                     self._forget(job)
+                self._spend(f"job {job.name}", began)
+            began = time.monotonic()
             metrics.prune({job.name for job in metrics.exported(state, wall)})
             for session in list(state.sessions.values()):
                 runs = observe.node_runs(session) if session.connected else None
@@ -131,6 +152,7 @@ class Reconciler:
                                                   session.fixed_at)
                     if fixing is not None:
                         self.executor.fix(session, fixing, now)
+            self._spend("converging the nodes", began)
 
     def _forget(self, job: JobRuntime) -> None:
         self._guarded(self.executor.forget, job, f"ended {job.state.value} more than "

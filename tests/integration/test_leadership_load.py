@@ -1,0 +1,74 @@
+"""Leadership does not share a thread with the work (orchestrator/controller/leadership):
+a reconcile tick held up past the leader lease's TTL does not cost the lead, and a
+standby refuses agents without reading etcd."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from common.tls import call_metadata
+from orchestrator.controller.config import ControllerConfig
+from orchestrator.controller.daemon import Controller
+from protos import keel_pb2, keel_pb2_grpc
+from tests.conftest import wait_for
+
+
+def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
+    controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t",
+                                             leader_ttl_s=2.0))
+    address = controller.serve()
+    state, leadership = controller.state, controller.leadership
+    try:
+        wait_for(lambda: state.is_leader, 30, what="the controller to lead")
+        term = state.store.term
+        # The deterministic hold-up: the state lock, which every tick takes, held here
+        # (as a slow tick or a leader loading thousands of records would hold it) until
+        # the lease has been refreshed four times since: past its 2 s TTL.
+        with state.lock:
+            held, refreshes = time.monotonic(), leadership.refreshes
+            wait_for(lambda: leadership.refreshes >= refreshes + 4, 30,
+                     what="the lease to be refreshed while the work is stuck")
+            assert time.monotonic() - held > 2.0
+            assert state.store.controller_address() == address   # the key never lapsed
+        # The held-up tick runs, and the loop after it: still the leader, in the same term.
+        wait_for(lambda: leadership.refreshes >= refreshes + 6, 30, what="two more refreshes")
+        assert leadership.keep(time.monotonic())
+        assert state.is_leader and state.store.term == term
+        assert state.store.controller_address() == address
+    finally:
+        controller.shutdown()
+
+
+def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
+    """A standby names the leader from its watch of the leader key: agents reconnecting
+    to it all at once (after a failover, say) cost etcd no read."""
+    leader = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
+    leader_address = leader.serve()
+    wait_for(lambda: leader.state.is_leader, 30, what="the first controller to lead")
+    standby = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
+    standby_address = standby.serve()
+    try:
+        wait_for(lambda: standby.leadership.leader.current is not None, 30,
+                 what="the standby to see the leader")
+        client, reads = standby.state.store.client, []
+        for name in ("get", "get_response", "get_range_response", "get_prefix", "get_all"):
+            def counted(*args, _real=getattr(client, name), _name=name, **kwargs):
+                reads.append(_name)
+                return _real(*args, **kwargs)
+            setattr(client, name, counted)
+        hello = keel_pb2.AgentMessage(hello=keel_pb2.Hello(node="node-x", slots=1, lease_id=1))
+        with grpc.insecure_channel(standby_address) as channel:
+            stub = keel_pb2_grpc.ControllerStub(channel)
+            for _ in range(50):
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Connect(iter([hello]), metadata=call_metadata("t"), timeout=5))
+                assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert leader_address in err.value.details()
+        assert not standby.state.is_leader
+        assert reads == [], f"refused connects read etcd: {sorted(set(reads))}"
+    finally:
+        standby.shutdown()
+        leader.shutdown()
