@@ -14,6 +14,7 @@ connects to the new leader; keepalives end a stream to a controller that stalls.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,13 @@ log = structlog.get_logger()
 
 BACKOFF_FIRST_S = 0.1
 HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
+
+
+def jittered(backoff_s: float, rng: random.Random | None = None) -> float:
+    """How long to wait before the next attempt: between half and all of ``backoff_s``,
+    at random, so that the agents of a cluster that lost its leader at once do not come
+    back at once, and keep doing so in step, but no agent retries sooner than half."""
+    return (rng or random).uniform(backoff_s / 2, backoff_s)
 
 
 class ControllerLink:
@@ -119,7 +127,7 @@ class ControllerLink:
                               error=f"{type(exc).__name__}: {exc}")
                 if time.monotonic() - started > HEALTHY_STREAM_S:
                     backoff = BACKOFF_FIRST_S
-            if self.stopping.wait(backoff):
+            if self.stopping.wait(jittered(backoff)):
                 return
             backoff = min(backoff * 2, self.reconnect_max_s)
 
