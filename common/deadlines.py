@@ -91,10 +91,17 @@ def resolve(**given: float) -> Deadlines:
     return d
 
 
+# No deadline of a job is longer than this: one that is, e.g. 1e308 s, is a typo, and
+# the deadlines derived from it (1.2 x the sum of two) would overflow to infinity.
+MAX_DEADLINE_S = 30 * 24 * 3600.0
+
+
 def _not_seconds(values: dict[str, object]) -> list[str]:
-    return [f"{name}={value}: must be a finite number of seconds above 0"
+    return [f"{name}={value}: must be a finite number of seconds above 0 and at most "
+            f"{MAX_DEADLINE_S:.0f} (30 days)"
             for name, value in values.items()
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)]
+            if not (isinstance(value, (int, float)) and math.isfinite(value)
+                    and 0 < value <= MAX_DEADLINE_S)]
 
 
 def check(d: Deadlines) -> list[str]:

@@ -31,6 +31,11 @@ def test_defaults_fit_and_derived_timeouts_grow_with_the_floor():
     ({"lease_ttl_s": 1}, "lease_ttl_s=1: must be at least 2 s"),
     ({"stop_grace_s": float("nan")}, "stop_grace_s=nan: must be a finite number"),
     ({"hang_floor_s": -3}, "hang_floor_s=-3: must be a finite number of seconds above 0"),
+    # Found by the controller's fuzz test: a huge floor overflowed the derived timeouts
+    # to infinity, and SubmitJob answered UNKNOWN ("cannot convert float infinity").
+    ({"hang_floor_s": 1.4980776123852633e+308},
+     "hang_floor_s=1.4980776123852633e+308: must be a finite number of seconds above 0 and "
+     "at most 2592000 (30 days)"),
 ])
 def test_a_broken_relation_is_refused_with_the_fix(given, message):
     with pytest.raises(DeadlineError) as caught:
