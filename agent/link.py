@@ -1,7 +1,9 @@
 """The agent's link to the leading controller: follow the leader key, hold one
 ``Connect`` stream to the leader (a Hello first, then the replays, then whatever the
 agent sends), hand what it says to the agent's main loop, and reconnect with back-off
-when the stream ends.
+when the stream ends. The back-off is jittered, and cut short when the leader key
+names a leader: an agent that failed against a dead leader for seconds does not sleep
+through its successor's first seconds.
 
 Fencing: every controller message carries its sender's leader term, and the link
 drops any message of a lower term than the highest it has seen (from a Welcome, or
@@ -66,6 +68,7 @@ class ControllerLink:
         self._highest = 0            # the highest leader term seen
         self._refused_term = 0       # the last term refused (logged once)
         self.up = False              # a stream to a current controller is open
+        self._leader_named = threading.Event()   # the key named a leader: retry now
         leaders.on_change = self.leader_changed
 
     # ----------------------------------------------------------------- terms
@@ -93,6 +96,7 @@ class ControllerLink:
         if leader is None:
             return
         self._see_term(leader.term, leader.cluster_id)
+        self._leader_named.set()
         if self.controller is None and self._dialled not in (None, leader.address):
             log.info("the leader changed; reconnecting", leader=leader.address, term=leader.term)
             self.reconnect()
@@ -111,6 +115,20 @@ class ControllerLink:
 
     def close(self) -> None:
         self.outbox.put(None)
+        self._leader_named.set()
+
+    def _pause(self, seconds: float) -> str:
+        """Wait ``seconds``: "stop" if the agent is stopping, "leader" if the leader key
+        named a leader meanwhile (dial it now), else "waited"."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "waited"
+            if self._leader_named.wait(min(left, 0.2)):
+                self._leader_named.clear()
+                return "stop" if self.stopping.is_set() else "leader"
+        return "stop"
 
     def run(self) -> None:
         """Keep a stream to the leader until ``stopping`` is set."""
@@ -127,9 +145,17 @@ class ControllerLink:
                               error=f"{type(exc).__name__}: {exc}")
                 if time.monotonic() - started > HEALTHY_STREAM_S:
                     backoff = BACKOFF_FIRST_S
-            if self.stopping.wait(jittered(backoff)):
+            paused = self._pause(jittered(backoff))
+            if paused == "stop":
                 return
-            backoff = min(backoff * 2, self.reconnect_max_s)
+            if paused == "leader":
+                # The agents of a whole cluster hear of a new leader at once: a short
+                # jittered pause spreads them out, and the back-off begins anew.
+                backoff = BACKOFF_FIRST_S
+                if self._pause(jittered(BACKOFF_FIRST_S)) == "stop":
+                    return
+            else:
+                backoff = min(backoff * 2, self.reconnect_max_s)
 
     def _requests(self, closed: threading.Event):
         yield from self.opening()
