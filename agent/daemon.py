@@ -286,14 +286,21 @@ class Agent:
             decided.put(kept)
             return
         decided.put(None)
-        log.info("rank exited", job=kept.job, generation=kept.generation, rank=kept.rank,
-                 pid=kept.pid, exit_code=kept.exit_code, signal=0,
-                 stopped_by_agent=kept.stopped_by_agent, parked=True)
-        metrics.RANK_EXITS.labels(node=self.config.node,
-                                  outcome="stopped" if kept.stopped_by_agent else "parked").inc()
+        self._report_exit(kept)
+
+    def _report_exit(self, report: keel_pb2.RankExited) -> None:
+        """A rank is done with its generation (exited, or parked alive): logged, counted,
+        and told to the controller after the steps it reported before."""
+        log.info("rank exited", job=report.job, generation=report.generation, rank=report.rank,
+                 pid=report.pid, exit_code=report.exit_code, signal=report.signal,
+                 stopped_by_agent=report.stopped_by_agent, parked=report.parked)
+        metrics.RANK_EXITS.labels(node=self.config.node, outcome=(
+            "stopped" if report.stopped_by_agent else "parked" if report.parked
+            else "signal" if report.signal else "ok" if report.exit_code == 0
+            else "failed")).inc()
         self._flush_steps()
-        self._send(rank_exited=kept)
-        self.reports.remember(keel_pb2.AgentMessage(rank_exited=kept))
+        self._send(rank_exited=report)
+        self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
 
     def _on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
         job = self._job_of(saved.generation)
@@ -345,16 +352,7 @@ class Agent:
             if self.pool is not None:
                 self.pool.refill(now)
             for proc in self.supervisor.poll(now):
-                report = proc.exit_report
-                log.info("rank exited", job=proc.job, generation=proc.generation,
-                         rank=proc.rank, pid=proc.pid, exit_code=report.exit_code,
-                         signal=report.signal, stopped_by_agent=report.stopped_by_agent)
-                metrics.RANK_EXITS.labels(node=self.config.node, outcome=(
-                    "stopped" if report.stopped_by_agent else "signal" if report.signal
-                    else "ok" if report.exit_code == 0 else "failed")).inc()
-                self._flush_steps()
-                self._send(rank_exited=report)
-                self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
+                self._report_exit(proc.exit_report)
             self._maybe_confirm_stop()
             self._check_fence(now)
             self._check_hang(now)
