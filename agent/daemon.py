@@ -247,8 +247,9 @@ class Agent:
         start = self.generation.start
         return start.job if start is not None and start.generation == generation else ""
 
-    def _on_steps(self, generation: int, reports: list) -> bool:
-        """A rank's step reports (from the local server's threads)."""
+    def _on_steps(self, generation: int, reports: list) -> int | None:
+        """A rank's step reports (from the local server's threads); the checkpoint
+        request to pass on (``Reports.add_steps``)."""
         job = self._job_of(generation)
         if job:
             self.rank_series.steps(job, reports)
@@ -410,9 +411,9 @@ class Agent:
                                                 request, running))
         elif kind == "checkpoint_now":
             request = message.checkpoint_now
-            self.reports.want_checkpoint(request.generation)
+            self.reports.want_checkpoint(request.generation, request.after_step)
             log.info("checkpoint requested", job=request.job, generation=request.generation,
-                     reason=request.reason)
+                     after_step=request.after_step, reason=request.reason)
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
         if self.started == (start.job, start.generation):

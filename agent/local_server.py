@@ -38,7 +38,7 @@ class RankIdentity:
 
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def __init__(self, identify: Callable[[str], RankIdentity | None],
-                 on_steps: Callable[[int, list], bool],
+                 on_steps: Callable[[int, list], int | None],
                  on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
                  on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
                  on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
@@ -49,8 +49,9 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                  next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None]
                  = lambda token: None):
         """``identify(token)``: the rank a token belongs to, None if none does;
-        ``on_steps(generation, reports)`` returns whether the controller has asked
-        this generation for a checkpoint (answered to the trainer in the ack);
+        ``on_steps(generation, reports)`` returns the step after which the controller
+        asked this generation for a checkpoint, None if it did not (answered to the
+        trainer in the ack);
         ``recorded_step()``: the newest checkpoint the controller recorded, for the acks;
         ``on_attach(who, rank, restart_in_place)``; ``leaving(token)``: whether that
         rank is asked to leave its generation (in the acks); ``on_park(token, request)``
@@ -108,7 +109,9 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         for report in request.reports:
             self._only(context, who, report.rank, "a step report")
         wanted = self._on_steps(request.generation, list(request.reports))
-        return self._ack(context, checkpoint_now=bool(wanted))
+        if wanted is None:
+            return self._ack(context)
+        return self._ack(context, checkpoint_now=True, checkpoint_after_step=wanted)
 
     def ReportPreflight(self, request, context):
         who = self._caller(context, request.generation)

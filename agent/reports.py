@@ -25,7 +25,7 @@ class Reports:
         # rank -> (when it arrived, monotonic; its latest report), in step order
         self._latest: dict[int, tuple[float, keel_pb2.StepReport]] = {}
         self._step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
-        self._checkpoint_wanted = False
+        self._checkpoint_wanted: int | None = None   # a save after this step is wanted
         self._recorded_step = 0
         self._replay: list[keel_pb2.AgentMessage] = []
 
@@ -36,7 +36,7 @@ class Reports:
             self._pending.clear()
             self._latest.clear()
             self._step_times.clear()
-            self._checkpoint_wanted = False
+            self._checkpoint_wanted = None
             self._replay = []
 
     def recorded(self, generation: int, step: int) -> None:
@@ -56,29 +56,31 @@ class Reports:
             self._generation = None
 
     # ------------------------------------------------------------ from the ranks
-    def add_steps(self, generation: int, reports: list[keel_pb2.StepReport]) -> bool:
-        """Queue ranks' reports for the controller and note progress; return whether
-        the controller's checkpoint request is to be passed on (once: the trainers
-        agree among themselves on the step)."""
+    def add_steps(self, generation: int, reports: list[keel_pb2.StepReport]) -> int | None:
+        """Queue ranks' reports for the controller and note progress; return the
+        controller's checkpoint request to pass on, as the step a save must come after
+        (once: the trainers agree among themselves on the step), or None."""
         now = time.monotonic()
         with self._lock:
             if self._generation is None or generation != self._generation[1]:
-                return False  # a straggling report from a generation that is gone
+                return None  # a straggling report from a generation that is gone
             self._pending.extend(reports)
             for report in reports:
                 self._latest[report.rank] = (now, report)
                 if report.step_time_s > 0:
                     self._step_times.append(report.step_time_s)
-            wanted, self._checkpoint_wanted = self._checkpoint_wanted, False
+            wanted, self._checkpoint_wanted = self._checkpoint_wanted, None
             return wanted
 
-    def want_checkpoint(self, generation: int) -> bool:
-        """The controller asked generation ``generation`` for a checkpoint: the next
-        step-report ack passes it on. False if that generation does not run here."""
+    def want_checkpoint(self, generation: int, after_step: int) -> bool:
+        """The controller asked generation ``generation`` for a checkpoint of a step
+        after ``after_step``: the next step-report ack passes it on. False if that
+        generation does not run here."""
         with self._lock:
             if self._generation is None or self._generation[1] != generation:
                 return False
-            self._checkpoint_wanted = True
+            self._checkpoint_wanted = max(after_step, -1 if self._checkpoint_wanted is None
+                                          else self._checkpoint_wanted)
             return True
 
     # -------------------------------------------------------- to the controller

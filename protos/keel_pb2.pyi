@@ -117,14 +117,16 @@ class CheckpointRecorded(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointNow(_message.Message):
-    __slots__ = ("job", "generation", "reason")
+    __slots__ = ("job", "generation", "reason", "after_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    after_step: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class HangDetected(_message.Message):
     __slots__ = ("job", "generation", "rank", "pid", "last_step", "stalled_for_s", "timeout_s", "phase", "stacks", "detected_at")
@@ -955,14 +957,16 @@ class LocalStepReports(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ...) -> None: ...
 
 class LocalAck(_message.Message):
-    __slots__ = ("checkpoint_now", "recorded_step", "leave_generation")
+    __slots__ = ("checkpoint_now", "recorded_step", "leave_generation", "checkpoint_after_step")
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     RECORDED_STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     checkpoint_now: bool
     recorded_step: int
     leave_generation: bool
-    def __init__(self, checkpoint_now: _Optional[bool] = ..., recorded_step: _Optional[int] = ..., leave_generation: _Optional[bool] = ...) -> None: ...
+    checkpoint_after_step: int
+    def __init__(self, checkpoint_now: _Optional[bool] = ..., recorded_step: _Optional[int] = ..., leave_generation: _Optional[bool] = ..., checkpoint_after_step: _Optional[int] = ...) -> None: ...
 
 class Fault(_message.Message):
     __slots__ = ("kind", "rank", "node", "step", "factor", "down_s", "for_s")

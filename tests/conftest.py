@@ -217,19 +217,22 @@ class AgentRecorder:
                                               checkpoint_dir=str(checkpoint_dir))
         return token
 
-    def on_steps(self, generation: int, reports: list) -> bool:
+    def on_steps(self, generation: int, reports: list) -> int | None:
+        """The agent's answer: a checkpoint of a step after the newest reported, or
+        None."""
         if not reports:
-            return False   # a rank's ping: the agent answers, nothing to record
+            return None   # a rank's ping: the agent answers, nothing to record
         with self.lock:
             self.calls.append((generation, list(reports)))
             self.events.extend(("step", report) for report in reports)
+            newest = max(report.step for report in reports)
             if self._ask is not None and self._ask(len(self.calls), reports):
-                return True
+                return newest
             if (self._ask_from_step is not None and not self.asked
-                    and max(report.step for report in reports) >= self._ask_from_step):
+                    and newest >= self._ask_from_step):
                 self.asked = True
-                return True
-            return False
+                return newest
+            return None
 
     def on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
         with self.lock:

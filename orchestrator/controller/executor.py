@@ -398,14 +398,17 @@ class Executor:
             self.store.put_operation(job.name, operation.record())
         job.operation = operation.begin(job.step, now)
         if operation.checkpoint:
-            self.request_checkpoint(job, operation.reason)
+            self.request_checkpoint(job, operation.reason, job.operation.after_step)
         self.state.wake.set()
 
-    def request_checkpoint(self, job: JobRuntime, reason: str) -> None:
+    def request_checkpoint(self, job: JobRuntime, reason: str, after_step: int) -> None:
+        """Ask every node of ``job`` for a checkpoint of a step after ``after_step``. The
+        nodes hear it at different steps; a rank that hears it after a save of a later
+        step began (one its peers started on hearing it first) knows it is met."""
         for part in job.placement:
             self.state.send(part.node, keel_pb2.ControllerMessage(
                 checkpoint_now=keel_pb2.CheckpointNow(job=job.name, generation=job.generation,
-                                                      reason=reason)))
+                                                      reason=reason, after_step=after_step)))
 
     def pass_on_checkpoint_request(self, job: JobRuntime) -> None:
         """An operator's checkpoint request goes to the agents once per leadership, and
@@ -417,7 +420,7 @@ class Executor:
             self.store.delete_checkpoint_request(job.name)
             job.checkpoint_request, job.checkpoint_request_sent = None, False
         elif not job.checkpoint_request_sent:
-            self.request_checkpoint(job, request["reason"])
+            self.request_checkpoint(job, request["reason"], request["after_step"])
             job.checkpoint_request_sent = True
 
     def _drop_intents(self, job: JobRuntime) -> None:

@@ -210,7 +210,11 @@ class AgentReporter:
         self.log = log
         self.restart_in_place = restart_in_place
         self.fence_after_s = fence_after_s
-        self._checkpoint_requested = threading.Event()
+        # The pending checkpoint request: a save of a step after this one meets it
+        # (None: none pending); and the newest step this rank reported saving after.
+        self._checkpoint_lock = threading.Lock()
+        self._checkpoint_after: int | None = None
+        self._saving_step = -1
         self._leave_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
         self._stub = keel_pb2_grpc.AgentLocalStub(
@@ -234,7 +238,11 @@ class AgentReporter:
 
     def _take_ack(self, ack: keel_pb2.LocalAck) -> None:
         if ack.checkpoint_now:
-            self._checkpoint_requested.set()
+            with self._checkpoint_lock:
+                # A save after the later of two requests meets both.
+                self._checkpoint_after = max(ack.checkpoint_after_step,
+                                             -1 if self._checkpoint_after is None
+                                             else self._checkpoint_after)
         if ack.leave_generation:
             self._leave_requested.set()
         self.recorded_step = max(self.recorded_step, ack.recorded_step)
@@ -255,6 +263,9 @@ class AgentReporter:
     ) -> None:
         """Queues the report of finished step ``step`` and returns at once (the
         arguments are ``Runtime.report_step``'s)."""
+        if checkpointing:
+            with self._checkpoint_lock:
+                self._saving_step = max(self._saving_step, step)
         self._reporter.put(
             keel_pb2.StepReport(
                 rank=self.rank,
@@ -274,12 +285,16 @@ class AgentReporter:
 
     def take_checkpoint_request(self) -> bool:
         """Whether the agent asked for a checkpoint (``checkpoint_now`` in a step-report
-        ack) since the last call; the request is cleared. Only this rank's own agent
-        connection is seen, so fold the answer into a collective before acting on it."""
-        if not self._checkpoint_requested.is_set():
-            return False
-        self._checkpoint_requested.clear()
-        return True
+        ack) since the last call that no save this rank reported (``checkpointing``) has
+        met yet; the request is cleared. Only this rank's own agent connection is seen,
+        so fold the answer into a collective before acting on it.
+
+        The controller asks every node at once and each hears it at its own step: the
+        ranks of the node that heard it first have all ranks save (the answers are
+        folded), and a rank that hears it a step later must not have them save again."""
+        with self._checkpoint_lock:
+            after, self._checkpoint_after = self._checkpoint_after, None
+            return after is not None and self._saving_step <= after
 
     def leave_requested(self) -> bool:
         """Whether the agent asked this rank to leave its generation (it is being

@@ -10,9 +10,9 @@ def step(rank, number, seconds=0.1):
 
 def test_reports_of_the_running_generation_are_batched_and_others_dropped():
     reports = Reports()
-    assert reports.add_steps(1, [step(0, 1)]) is False and reports.take_batch() is None
+    assert reports.add_steps(1, [step(0, 1)]) is None and reports.take_batch() is None
     reports.begin("j", 2)
-    assert reports.add_steps(1, [step(0, 1)]) is False  # a straggler from generation 1
+    assert reports.add_steps(1, [step(0, 1)]) is None  # a straggler from generation 1
     reports.add_steps(2, [step(0, 1), step(1, 1)])
     reports.add_steps(2, [step(0, 2)])
     batch = reports.take_batch()
@@ -21,16 +21,17 @@ def test_reports_of_the_running_generation_are_batched_and_others_dropped():
     assert reports.take_batch() is None
     assert reports.last_steps() == {0: 2, 1: 1}
     reports.end()
-    assert reports.add_steps(2, [step(0, 3)]) is False and reports.take_batch() is None
+    assert reports.add_steps(2, [step(0, 3)]) is None and reports.take_batch() is None
 
 
 def test_a_checkpoint_request_is_passed_on_once_and_only_to_its_generation():
     reports = Reports()
     reports.begin("j", 2)
-    assert reports.want_checkpoint(1) is False
-    assert reports.want_checkpoint(2) is True
-    assert reports.add_steps(2, [step(0, 1)]) is True
-    assert reports.add_steps(2, [step(0, 2)]) is False
+    assert reports.want_checkpoint(1, 0) is False
+    assert reports.want_checkpoint(2, 7) is True
+    assert reports.want_checkpoint(2, 5) is True   # the later request is the one kept
+    assert reports.add_steps(2, [step(0, 1)]) == 7
+    assert reports.add_steps(2, [step(0, 2)]) is None
 
 
 def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_commit():

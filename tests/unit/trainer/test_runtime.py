@@ -172,7 +172,7 @@ class StuckAgent(AgentRecorder):
         self.release = threading.Event()
         self.entered = 0
 
-    def on_steps(self, generation: int, reports: list) -> bool:
+    def on_steps(self, generation: int, reports: list) -> int | None:
         with self.lock:
             self.entered += 1
         self.release.wait(60)
@@ -240,6 +240,41 @@ def test_checkpoint_now_in_an_ack_is_taken_once(agent):
     wait_for(rt.take_checkpoint_request, 5, what="the request in the second ack")
     assert not rt.take_checkpoint_request(), "a request is taken once"
     rt.close()
+
+
+class AsksAfter(AgentRecorder):
+    """An agent whose ack of each call reporting step ``at`` passes on the controller's
+    request for a checkpoint of a step after ``after``."""
+
+    def __init__(self, asks: dict[int, int]) -> None:
+        super().__init__()
+        self.asks = asks
+
+    def on_steps(self, generation: int, reports: list) -> int | None:
+        super().on_steps(generation, reports)
+        return next((self.asks[r.step] for r in reports if r.step in self.asks), None)
+
+
+def test_a_checkpoint_request_a_save_already_begun_meets_is_not_taken():
+    """The controller asked both nodes for a checkpoint after step 4. The other node's
+    rank heard it first and every rank saved step 5 (the answers are folded); this rank
+    hears it only in the ack of step 5: saving again at step 6 would be a second
+    checkpoint for one request (seen under load as two committed steps for one stop).
+    A request after step 5, heard then, is one the save of step 5 does not meet."""
+    recorder = AsksAfter({5: 4, 7: 7})
+    with local_agent(recorder) as socket_path:
+        rt = runtime.init(agent_env(socket_path, recorder))
+        try:
+            rt.report_step(5, loss=2.5, tokens=512, step_time_s=0.5, checkpointing=True)
+            wait_for(lambda: len(recorder.calls) == 1, 5, what="the ack of step 5")
+            assert not rt.take_checkpoint_request(), "the save of step 5 met it"
+            rt.report_step(6, loss=2.5, tokens=512, step_time_s=0.5)
+            rt.report_step(7, loss=2.5, tokens=512, step_time_s=0.5, checkpointing=True)
+            wait_for(lambda: len(recorder.calls) == 2, 5, what="the ack of step 7")
+            assert rt.take_checkpoint_request(), "a save of step 7 does not come after step 7"
+            assert not rt.take_checkpoint_request(), "a request is taken once"
+        finally:
+            rt.close()
 
 
 @dataclass
