@@ -272,6 +272,12 @@ class Executor:
         counts = dict(job.restarts_by_cause)
         if decision.cause:
             counts[decision.cause] = counts.get(decision.cause, 0) + 1
+        if decision.replacement and job.operation is not None:
+            # The operation says which node the next generation moves off (and that it
+            # is replaced): kept in etcd until then, for a leader that takes over
+            # between this stop and the placement. A drain's is otherwise derived from
+            # the cordons only while the job runs.
+            self.store.put_operation(job.name, job.operation.record())
         self.transition(job, JobState.STOPPING, decision.reason, now,
                         planned_stop=decision.replacement, restarts_by_cause=counts)
         job.recovery = None

@@ -292,6 +292,56 @@ def put_all(client, items: dict[str, str]) -> None:
                            failure=[])
 
 
+def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replaces_the_node(
+        cluster, etcd):  # noqa: F811
+    """A drain stopped the job's generation (a checkpoint, then the stop) and the job
+    waits PENDING for a free node when the leader dies. Before, the drain was known only
+    from the cordons while the job ran: the new leader placed the next generation with
+    no idea which node it moved off, so no "replaced" event said so (seen as a keel-up
+    handover inside a drain). Now the stop keeps the operation in etcd until the
+    placement."""
+    cluster.controller()
+    standby = cluster.controller(name="standby", lead=False)
+    for node in ("node-a", "node-b"):
+        cluster.agent(node, slots="1")
+    wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
+    common = ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
+    checkpoints = cluster.path / "checkpoints"
+    spec = cluster.path / "drained.toml"
+    spec.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', '"drained"').replace(
+        '"30", "--checkpoint-every",\n           "10"', '"40", "--checkpoint-every",\n'
+        '           "1000"').format(checkpoints=checkpoints, python=sys.executable))
+    assert '"1000"' in spec.read_text()
+    assert keel("submit", str(spec), *common).returncode == 0
+
+    def job():
+        return cluster.store.job_state("drained").value or {}
+
+    wait_for(lambda: job().get("state") == "RUNNING", 120, 0.2, what="the job running")
+    # No free node: the drain checkpoints, stops the generation, and the job waits.
+    drained = keel("drain", "node-a", *common)
+    assert drained.returncode == 0, drained.stderr
+    wait_for(lambda: job().get("state") == "PENDING", 120, 0.2,
+             what="the drained generation stopped, the job waiting for a node")
+    assert job()["planned_stop"] and job()["restarts"] == 0
+    cluster.controllers[0].kill()
+    cluster.controllers[0].wait()
+    wait_for(lambda: cluster.store.controller_address() == standby, 60,
+             what="the standby to lead")
+    cluster.agent("node-c", slots="1")
+    wait_for(lambda: job().get("state") == "SUCCEEDED", 180, 0.5, what="the job to end")
+    final = job()
+    assert (final["generation"], final["restarts"]) == (2, 0), final
+    events = keel("events", "drained", "--json", *common)
+    assert events.returncode == 0, events.stderr
+    replaced = [e for e in map(json.loads, events.stdout.splitlines()) if e["kind"] == "replaced"]
+    assert [(e["node"], e["reason"]) for e in replaced] == [
+        ("node-a", "node-a replaced by node-c")], replaced
+    last = committed_steps(checkpoints)[-1]
+    assert audit_checkpoint(checkpoints / f"step_{last:08d}") == {
+        "expected": last * 4, "consumed": last * 4, "duplicates": 0, "missing": 0}
+
+
 def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
         cluster, etcd):  # noqa: F811
     """An ended job carries 10,000 events of 1 KiB and 10,000 checkpoint records, 11 MB

@@ -217,8 +217,8 @@ def test_a_sigtermed_agent_drains_its_node_and_a_sigtermed_leader_hands_over(no_
     summary = run_up(no_leaks / "run", "--controllers", "2", "--nodes", "2", "--spares", "1",
                      "--slots-per-node", "1", "--steps", "45", "--checkpoint-every", "100",
                      # The handover comes after the drain, which under load has taken
-                     # until step 22 (a leader that hands over in the middle of a drain
-                     # loses its "replaced" event: not covered here).
+                     # until step 22 (a handover inside a drain: test_gray_failures'
+                     # test_a_leader_that_takes_over_between_a_drains_stop_...).
                      "--inject", "term_agent:node=1,step=10", "--inject", "term_leader:step=40")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["steps"], summary["restarts"], summary["generations"]) == (45, 0, 2)
