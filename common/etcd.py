@@ -135,3 +135,39 @@ def connect(endpoints: list[str], timeout_s: float,
     TLS and/or with a user and password if ``credentials`` say so, with ``timeout_s``
     the deadline of each call."""
     return EtcdClient(endpoints, timeout_s, credentials)
+
+
+PAGE = 500   # keys a paged read asks for at a time (fewer if a page's values are too large)
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    end[-1] += 1
+    return bytes(end)
+
+
+def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False
+                ) -> tuple[list, int, int]:
+    """Every key-value under ``prefix``, in key order, read page by page at the revision
+    of the first page (a page of values past the message limit is asked for again
+    smaller); returns (kvs, that revision, the cluster id)."""
+    found: list = []
+    start, end = prefix.encode(), prefix_end(prefix.encode())
+    revision, page = None, PAGE
+    while True:
+        try:
+            response = client.get_range_response(start, end, limit=page, revision=revision,
+                                                 keys_only=keys_only)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or page == 1:
+                raise
+            page = max(1, page // 4)
+            continue
+        revision = revision or response.header.revision
+        found.extend(response.kvs)
+        if not response.more or not response.kvs:
+            return found, revision, response.header.cluster_id
+        start = response.kvs[-1].key + b"\0"

@@ -1,8 +1,7 @@
 """Following the leader key: who leads now, learnt within a moment of a change.
 
-A ``LeaderWatch`` reads ``/keel/controller/leader`` and then watches it from the
-revision it read, so no change falls between the two; when the watch breaks (etcd
-restarts, fails over, or is out of reach) it reads and watches again. ``current`` is
+A ``LeaderWatch`` follows ``/keel/controller/leader`` (``common.watch``: read, then
+watched from the revision read, read again whenever the watch breaks). ``current`` is
 the leader as last seen, and ``on_change`` is called with every new value.
 
 A leader's ``term`` is its key's create revision: it only grows, within one etcd
@@ -12,8 +11,6 @@ cluster (``cluster_id``; a cluster rebuilt from nothing numbers its revisions an
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,11 +19,9 @@ from etcd3 import events
 
 from common import keys
 from common.etcd import EtcdClient
+from common.watch import Watch
 
 log = structlog.get_logger()
-
-RETRY_S = 0.5
-POLL_S = 0.2     # how often the watch thread looks whether it was asked to stop
 
 
 @dataclass(frozen=True)
@@ -48,20 +43,23 @@ def parse(raw: bytes, create_revision: int, cluster_id: int) -> Leader | None:
 
 
 class LeaderWatch:
+    """The leader key, followed (``common.watch.Watch``)."""
+
     def __init__(self, etcd: EtcdClient, on_change: Callable[[Leader | None], None] = lambda _: None):
         self.etcd = etcd
         self.on_change = on_change
         self.current: Leader | None = None
         self._known = False
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="leader-watch", daemon=True)
+        self._cluster = 0
+        self._watch = Watch(etcd, keys.LEADER, prefix=False, on_reset=self._reset,
+                            on_events=self._events, name="the leader key")
 
     def start(self) -> LeaderWatch:
-        self._thread.start()
+        self._watch.start()
         return self
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._watch.stop()
 
     def _set(self, leader: Leader | None) -> None:
         if self._known and leader == self.current:
@@ -69,41 +67,13 @@ class LeaderWatch:
         self.current, self._known = leader, True
         self.on_change(leader)
 
-    def _run(self) -> None:
-        failing = False
-        while not self._stopping.is_set():
-            watch_id = None
-            try:
-                response = self.etcd.get_response(keys.LEADER)
-                cluster = response.header.cluster_id
-                self._set(parse(response.kvs[0].value, response.kvs[0].create_revision, cluster)
-                          if response.kvs else None)
-                arrived: queue.Queue = queue.Queue()
-                watch_id = self.etcd.add_watch_callback(
-                    keys.LEADER, arrived.put, start_revision=response.header.revision + 1)
-                if failing:
-                    log.info("watching the leader key again")
-                    failing = False
-                while not self._stopping.is_set():
-                    try:
-                        item = arrived.get(timeout=POLL_S)
-                    except queue.Empty:
-                        continue
-                    if item is None or isinstance(item, Exception):
-                        raise ConnectionError(f"the watch ended: {item}")
-                    for event in item.events:
-                        if isinstance(event, events.DeleteEvent):
-                            self._set(None)
-                        else:
-                            self._set(parse(event.value, event.create_revision, cluster))
-            except Exception as exc:  # etcd out of reach, restarting, failing over
-                if not failing:
-                    log.warning("cannot watch the leader key; retrying", error=str(exc))
-                    failing = True
-                self._stopping.wait(RETRY_S)
-            finally:
-                if watch_id is not None:
-                    try:
-                        self.etcd.cancel_watch(watch_id)
-                    except Exception:
-                        pass  # the watch died with its stream
+    def _reset(self, kvs: list, cluster: int) -> None:
+        self._cluster = cluster
+        self._set(parse(kvs[0].value, kvs[0].create_revision, cluster) if kvs else None)
+
+    def _events(self, changes: list) -> None:
+        for event in changes:
+            if isinstance(event, events.DeleteEvent):
+                self._set(None)
+            else:
+                self._set(parse(event.value, event.create_revision, self._cluster))

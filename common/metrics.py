@@ -6,6 +6,7 @@ an RPC by its method and status code."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,58 @@ class RpcMetrics(grpc.ServerInterceptor):
         return handler
 
 
+class AioRpcMetrics(grpc.aio.ServerInterceptor):
+    """``RpcMetrics`` for a ``grpc.aio`` server, whose handlers are coroutines (a
+    stream on the event loop) or plain functions (run on its thread pool)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _method(handler_call_details.method)
+        if handler.unary_unary and not inspect.iscoroutinefunction(handler.unary_unary):
+            return grpc.unary_unary_rpc_method_handler(
+                _pooled_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream and inspect.iscoroutinefunction(handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(
+                _async_streaming(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
+class _KeepsCode:
+    """The context of a handler an aio server runs on its thread pool, which keeps no
+    status code: this one remembers the code the handler set or aborted with."""
+
+    def __init__(self, context):
+        self._context, self._code = context, None
+
+    def abort(self, code, details="", trailing_metadata=()):
+        self._code = code
+        self._context.abort(code, details, trailing_metadata)
+
+    def set_code(self, code):
+        self._code = code
+        self._context.set_code(code)
+
+    def code(self):
+        return self._code
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def _pooled_unary(behavior, method: str):
+    unary = _unary(behavior, method)
+
+    def handle(request, context):
+        return unary(request, _KeepsCode(context))
+    return handle
+
+
 def _record(method: str, context, start: float, error: BaseException | None) -> None:
     code = context.code()
     if code is None:
@@ -108,6 +161,19 @@ def _unary(behavior, method: str):
         try:
             return behavior(request, context)
         except BaseException as exc:  # context.abort raises; it is re-raised
+            error = exc
+            raise
+        finally:
+            _record(method, context, start, error)
+    return handle
+
+
+def _async_streaming(behavior, method: str):
+    async def handle(request_iterator, context):
+        start, error = time.monotonic(), None
+        try:
+            return await behavior(request_iterator, context)
+        except BaseException as exc:
             error = exc
             raise
         finally:

@@ -13,7 +13,7 @@ from concurrent import futures
 
 import grpc
 
-from common.metrics import RpcMetrics
+from common.metrics import AioRpcMetrics, RpcMetrics
 from common.tls import TlsFiles, server_credentials
 
 KEEPALIVE_TIME_S = 2.0       # ping a quiet connection this often
@@ -57,6 +57,15 @@ def server(max_workers: int, interceptors=()) -> grpc.Server:
     (``common.metrics``; outermost, so that calls ``interceptors`` refuse count too)."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        interceptors=[RpcMetrics(), *interceptors], options=SERVER_OPTIONS)
+
+
+def aio_server(max_workers: int, interceptors=()) -> grpc.aio.Server:
+    """``server`` on ``grpc.aio``, made on the event loop that will run it: coroutine
+    handlers run on the loop (a stream costs no thread), plain ones on a pool of
+    ``max_workers`` threads."""
+    return grpc.aio.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                           interceptors=[AioRpcMetrics(), *interceptors],
+                           options=SERVER_OPTIONS)
 
 
 def add_port(server_: grpc.Server, listen: str, files: TlsFiles | None) -> int:

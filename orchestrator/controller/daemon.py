@@ -1,6 +1,7 @@
-"""The controller daemon: one gRPC server whose calls go to the agent sessions
-(``Connect``) and the operator service, and one reconcile thread that leads (or
-campaigns) and observes, decides and applies.
+"""The controller daemon: one gRPC server (``grpc.aio``, on an event loop thread of its
+own) whose calls go to the agent sessions (``Connect``, streams on the loop) and the
+operator service (on the server's thread pool), one reconcile thread that leads (or
+campaigns) and observes, decides and applies, and a watch of the node records.
 
 Every controller serves; only the leader acts. A standby answers every call with
 UNAVAILABLE and the leader's address.
@@ -8,6 +9,7 @@ UNAVAILABLE and the leader's address.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -15,11 +17,13 @@ import time
 import grpc
 import structlog
 
+from common import keys
 from common import metrics as common_metrics
 from common import rpc
 from common.etcd import connect
 from common.net import listen_address
 from common.paths import write_atomically as write_address
+from common.watch import Watch
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
@@ -27,10 +31,10 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.operator_service import OperatorService
 from orchestrator.controller.rebuild import load_jobs
 from orchestrator.controller.reconcile import Reconciler
-from orchestrator.controller.sessions import MAX_AGENTS, OPERATOR_THREADS, AgentService
+from orchestrator.controller.sessions import OPERATOR_THREADS, AgentService
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Store
-from orchestrator.security.auth import TokenInterceptor
+from orchestrator.security.auth import AioTokenInterceptor
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
@@ -47,7 +51,13 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.operator = OperatorService(self.state, self.leadership, self.executor)
         self.reconciler = Reconciler(self.state, self.leadership, self.executor)
         self.collector = self.metrics_server = None
-        self.server: grpc.Server | None = None
+        self.server: grpc.aio.Server | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # The node records, kept in the state as etcd has them (a standby's too, so a
+        # new leader knows them at once): no tick reads them.
+        self.node_records = Watch(self.state.store.client, keys.NODES, prefix=True,
+                                  on_reset=self.state.nodes_read,
+                                  on_events=self.state.nodes_changed, name="the node records")
         # The gRPC methods of the Controller service: Connect is the agents', the rest
         # the operators'.
         self.Connect = self.agents.connect
@@ -69,13 +79,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         """Bind, start campaigning for leadership and, once leading, reconciling; return
         host:port."""
         config = self.config
-        self.server = rpc.server(MAX_AGENTS + OPERATOR_THREADS,
-                                 [TokenInterceptor(config.tokens or config.token)])
-        keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
-        port = rpc.add_port(self.server, config.listen, config.tls)
-        if port == 0:
-            raise OSError(f"cannot listen on {config.listen}")
-        self.server.start()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True).start()
+        port = asyncio.run_coroutine_threadsafe(self._start_server(), self.loop).result()
         self.state.address = f"{config.advertise_host}:{port}"
         if config.metrics_listen is not None:
             self.collector = metrics.register(self.state)
@@ -87,12 +93,27 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         # Last: whoever waits for the address finds the metrics address there too.
         if config.address_file:
             write_address(config.address_file, self.state.address)
+        self.node_records.start()
         self.leadership.start()
         threading.Thread(target=self.reconciler.loop, args=(time.monotonic,), name="reconcile",
+                         daemon=True).start()
+        threading.Thread(target=self.reconciler.score_loop, name="straggler-scoring",
                          daemon=True).start()
         log.info("controller serving", address=self.state.address, controller_id=self.state.id,
                  mutual_tls=config.tls is not None, role_tokens=config.tokens is not None)
         return self.state.address
+
+    async def _start_server(self) -> int:
+        """Make, bind and start the server on its loop; the port."""
+        config = self.config
+        self.server = rpc.aio_server(OPERATOR_THREADS,
+                                     [AioTokenInterceptor(config.tokens or config.token)])
+        keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
+        port = rpc.add_port(self.server, config.listen, config.tls)
+        if port == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+        await self.server.start()
+        return port
 
     def shutdown(self, grace_s: float = 2.0) -> None:
         """Hand the lead over at once (revoking the leader lease deletes the key: a
@@ -102,11 +123,14 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         state.stopping.set()
         state.wake.set()
         self.leadership.release()
+        self.node_records.stop()
         with state.lock:
             for session in state.sessions.values():
                 session.close()
         if self.server is not None:
-            self.server.stop(grace_s).wait()
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(
+                grace_s + 10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             metrics.unregister(self.collector)

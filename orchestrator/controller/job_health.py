@@ -54,7 +54,10 @@ class JobHealth:
     rank_nodes: dict[int, str] = field(default_factory=dict)
     generation: int = 0
     straggler_state: object = field(default_factory=initial_state)
-    samples: list[StepSample] = field(default_factory=list)
+    samples: list[StepSample] = field(default_factory=list)   # not yet scored
+    latest: dict[int, int] = field(default_factory=dict)      # rank -> newest step reported
+    found_flags: list[SlowFlag] = field(default_factory=list)  # scored, for the next tick
+    epoch: int = 0          # counts new generations: a score of an earlier one is dropped
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
     hang_event: keel_pb2.Event | None = None
@@ -117,7 +120,10 @@ class JobHealth:
         self.generation = generation
         self.rank_nodes = rank_nodes
         self.straggler_state = initial_state()
-        self.samples.clear()
+        self.samples = []
+        self.latest = {}
+        self.found_flags = []
+        self.epoch += 1
         self.hang_event = None
         self.hang_waiting.clear()
         self.hang_stack_chars = 0
@@ -153,6 +159,7 @@ class JobHealth:
 
     # -------------------------------------------------------------- stragglers
     def add_steps(self, reports) -> None:
+        latest = self.latest
         for report in reports:
             node = self.rank_nodes.get(report.rank)
             if node is None:
@@ -163,19 +170,48 @@ class JobHealth:
             if seconds > 0:
                 self.samples.append(StepSample(rank=report.rank, node=node, step=report.step,
                                                step_time_s=seconds))
+                if report.step > latest.get(report.rank, 0):
+                    latest[report.rank] = report.step
+
+    # Straggler scoring runs off the state lock, on the scorer's thread (``Reconciler.
+    # score_loop``): under the lock it takes the samples (``take_scoring``), scores them
+    # without it (``straggler.evaluate``, a pure function of the state it took), and
+    # under the lock again keeps the new state and the flags (``settle_scoring``), which
+    # the next tick acts on (``slow_flags``).
+    def scoring_due(self) -> bool:
+        """Whether a window may be complete: every rank seen has reported a step at or
+        past the end of the next window (a necessary condition, cheap to check, so that
+        the samples are scored once per window, not once per tick)."""
+        if not self.samples or not self.latest:
+            return False
+        return min(self.latest.values()) >= (self.straggler_state.last_step
+                                             + self.spec.straggler_window)
+
+    def take_scoring(self) -> tuple[int, object, list[StepSample], StragglerConfig]:
+        samples, self.samples = self.samples, []
+        return self.epoch, self.straggler_state, samples, self.straggler_config
+
+    def settle_scoring(self, epoch: int, state, found: list[Flag], cleared: list[str]) -> bool:
+        """Keep a score of this generation's samples; whether it flagged a node."""
+        if epoch != self.epoch:
+            return False   # a new generation began meanwhile
+        self.straggler_state = state
+        for node in cleared:
+            log.info("straggler cleared", job=self.job, node=node)
+        self.found_flags.extend(_flag(f) for f in found)
+        return bool(found)
+
+    def score_now(self) -> None:
+        """Score what is due on this thread (what the scorer does)."""
+        if self.scoring_due():
+            epoch, state, samples, config = self.take_scoring()
+            self.settle_scoring(epoch, *evaluate(state, samples, config))
 
     def slow_flags(self) -> list[SlowFlag]:
-        """The nodes found slow since the last call: stragglers in the windows completed
+        """The nodes found slow since the last call: stragglers in the windows scored
         meanwhile, then nodes far below their peers in the preflight sweep."""
-        flags = self.preflight_flags
-        self.preflight_flags = []
-        if self.samples:
-            samples, self.samples = self.samples, []
-            self.straggler_state, found, cleared = evaluate(self.straggler_state, samples,
-                                                            self.straggler_config)
-            for node in cleared:
-                log.info("straggler cleared", job=self.job, node=node)
-            flags = [_flag(f) for f in found] + flags
+        flags = self.found_flags + self.preflight_flags
+        self.found_flags, self.preflight_flags = [], []
         return flags
 
     def note_flag(self, node: str, now: float) -> list[float]:

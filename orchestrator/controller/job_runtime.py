@@ -24,6 +24,33 @@ MAX_FAILURES = 20
 PLACEMENTS_KEPT = 64
 
 
+TOKENS_WINDOW_S = 10.0   # the tokens/s figure is over the reports of this long
+
+
+class TokenRate:
+    """Tokens per second over the report batches of the last ``window_s`` seconds,
+    with a running total: adding a batch and reading the rate are O(1), however
+    many ranks report."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._batches: collections.deque = collections.deque()   # (at, tokens)
+        self._total = 0
+
+    def add(self, at: float, tokens: int) -> None:
+        batches = self._batches
+        batches.append((at, tokens))
+        self._total += tokens
+        while batches[-1][0] - batches[0][0] > self.window_s:
+            self._total -= batches.popleft()[1]
+
+    def per_s(self) -> float:
+        """The tokens after the oldest batch over the time since it; 0 without two."""
+        batches = self._batches
+        span = batches[-1][0] - batches[0][0] if len(batches) > 1 else 0.0
+        return (self._total - batches[0][1]) / span if span > 0 else 0.0
+
+
 @dataclass(eq=False)
 class JobRuntime:
     spec: keel_pb2.JobSpec
@@ -52,7 +79,7 @@ class JobRuntime:
     initial_loss: float = 0.0
     has_loss: bool = False
     tokens: int = 0
-    token_window: collections.deque = field(default_factory=collections.deque)
+    token_window: TokenRate = field(default_factory=lambda: TokenRate(TOKENS_WINDOW_S))
     step_times: collections.deque = field(  # the latest reported step times, seconds
         default_factory=lambda: collections.deque(maxlen=64))
     last_checkpoint: dict | None = None
@@ -104,6 +131,10 @@ class JobRuntime:
     # Which node ran each rank of the generations this leader placed (the newest
     # PLACEMENTS_KEPT), so their output can be read after they ended.
     placements: dict[int, dict[int, str]] = field(default_factory=dict)
+    # The index of ``placement`` (``_by_node``) and the placement it was made of.
+    _index: dict = field(default_factory=dict, repr=False, compare=False)
+    _nodes: frozenset = field(default=frozenset(), repr=False, compare=False)
+    _indexed: object = field(default=None, repr=False, compare=False)
     # When the current generation was placed (monotonic), and how many generations in a
     # row failed without a healthy stretch (policy.guardrails): the restart back-off.
     placed_at: float = 0.0
@@ -118,9 +149,24 @@ class JobRuntime:
     def name(self) -> str:
         return self.spec.name
 
+    def _by_node(self) -> dict[str, frozenset[int]]:
+        """The current placement's ranks by node, made once per placement (a new
+        placement is a new list): every agent message asks it."""
+        if self._indexed is not self.placement:
+            by_node: dict[str, frozenset[int]] = {}
+            for part in self.placement:
+                by_node[part.node] = by_node.get(part.node, frozenset()) | frozenset(part.ranks)
+            self._index, self._nodes, self._indexed = by_node, frozenset(by_node), self.placement
+        return self._index
+
     @property
     def nodes(self) -> frozenset[str]:
-        return frozenset(p.node for p in self.placement)
+        self._by_node()
+        return self._nodes
+
+    def ranks_on_node(self, node: str) -> frozenset[int]:
+        """The current placement's ranks on ``node``."""
+        return self._by_node().get(node, frozenset())
 
     @property
     def rank_nodes(self) -> dict[int, str]:
@@ -140,11 +186,8 @@ class JobRuntime:
         return ranks.get(rank)
 
     def tokens_per_s(self) -> float:
-        """Tokens per second over the latest reports of the current generation (the
-        window ``sessions.TOKENS_WINDOW_S`` keeps)."""
-        window = self.token_window
-        span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
-        return sum(t for _, t in list(window)[1:]) / span if span > 0 else 0.0
+        """Tokens per second over the latest reports of the current generation."""
+        return self.token_window.per_s()
 
     def ranks_on(self, node: str) -> int:
         """How many ranks of the current placement run on ``node``."""

@@ -111,10 +111,7 @@ class Leadership:
             was = state.store.term
             state.is_leader = False
             state.store.term = None
-            for session in state.sessions.values():
-                session.connected = False
-                session.close()
-            state.sessions.clear()
+            state.drop_sessions()
             state.jobs.clear()
         # The lease is kept: see the module docstring.
         metrics.LEADER.set(0)
@@ -123,14 +120,20 @@ class Leadership:
         metrics.prune(set())
         log.warning("stepped down", controller_id=state.id, term=was, reason=reason)
 
+    def refusal(self) -> str | None:
+        """Why a call must be refused UNAVAILABLE (this controller does not lead; the
+        message names the leader), or None."""
+        if self.state.is_leader:
+            return None
+        leader = self.leader.current     # from the watch: no etcd read per refusal
+        return f"standby controller; the leader is at {leader.address if leader else 'unknown'}"
+
     def require(self, context) -> None:
         """Abort the call with UNAVAILABLE, naming the leader, unless this controller
         leads."""
-        if self.state.is_leader:
-            return
-        leader = self.leader.current     # from the watch: no etcd read per refusal
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"standby controller; the leader is at {leader.address if leader else 'unknown'}")
+        refusal = self.refusal()
+        if refusal is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
 
     def release(self) -> None:
         """Give the lead up for good (shutdown): revoke the lease, and the key with it."""

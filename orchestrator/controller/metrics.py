@@ -35,6 +35,9 @@ LEADER_CHANGES = Counter("keel_controller_leader_changes",
                          "Times this controller took or lost the lead")
 RECONCILE_TICK = Histogram("keel_reconcile_tick_seconds", "One reconcile tick, seconds",
                            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+AGENTS_DEFERRED = Counter(
+    "keel_agent_connects_deferred", "Agent Connects refused RESOURCE_EXHAUSTED because the "
+    "admission queue was full (the agent backs off and connects again)")
 AGENT_MESSAGES_REFUSED = Counter(
     "keel_agent_messages_refused", "Agent messages refused because the plan does not let "
     "the node say them (see orchestrator.policy.authority)", ["kind"])

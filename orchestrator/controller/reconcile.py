@@ -1,8 +1,8 @@
 """The reconcile loop: leadership, then, for every job, observe → decide → apply.
 
-Each tick (every ``tick_s``, and at once when a handler records something) reads the
-node records from etcd and, under the state lock, squares each newly connected agent's
-Hello with the plan, then converges each job on its spec and its operator's intents:
+Each tick (every ``tick_s``, and at once when a handler records something) checks that
+etcd answers and, under the state lock, squares each newly connected agent's Hello with
+the plan, then converges each job on its spec and its operator's intents:
 
 1. record what the agents reported (checkpoint commits in etcd, the first loss);
 2. count the generation's nodes that are no longer usable as lost;
@@ -10,9 +10,13 @@ Hello with the plan, then converges each job on its spec and its operator's inte
    calls for (a drain, a stop) under way, passing on an operator's checkpoint request;
 4. decide the job's next lifecycle step and apply it.
 
-Every decision is a pure function of ``orchestrator.policy`` of a snapshot built by
-``observe``; the ``Executor`` applies it. Nothing here reacts to a single event: the
-next tick sees the whole state again.
+and last squares what each node runs with the plans. Every decision is a pure function
+of ``orchestrator.policy`` of a snapshot built by ``observe``; the ``Executor`` applies
+it. Nothing here reacts to a single event: the next tick sees the whole state again.
+What a tick costs grows with what changed, not with the cluster: the nodes it looks at
+are those whose agent said something new (a Hello, a new status, leaving), whose record
+came or went, or whose job's plan moved (``ControllerState.unsettled``), and all of them
+every ``SWEEP_S``; the node records come from a watch, not a read per tick.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import adoption, convergence, operations, remediation
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState, past_retention
+from orchestrator.policy.straggler import evaluate
 from protos import keel_pb2
 
 log = structlog.get_logger()
+
+SWEEP_S = 10.0   # every node is squared with the plan at least this often
 
 
 class Reconciler:
@@ -43,6 +50,9 @@ class Reconciler:
         self.leadership = leadership
         self.executor = executor
         self.spent: dict[str, float] = {}   # this tick's seconds, by what took them
+        # Per job, its plan's shape when last looked at, and its nodes then.
+        self.shapes: dict[str, tuple[tuple, frozenset[str]]] = {}
+        self.next_sweep = 0.0
 
     def loop(self, clock) -> None:
         """Run until the state's ``stopping`` is set; ``clock()`` gives monotonic seconds."""
@@ -65,7 +75,7 @@ class Reconciler:
                     next_refresh = now + state.config.leader_ttl_s / 3
                     if not self.leadership.keep(now):
                         continue
-                registered = state.store.nodes()
+                state.store.probe()
             except Exception as exc:
                 if not etcd_down_since:
                     etcd_down_since = now
@@ -75,7 +85,27 @@ class Reconciler:
             if etcd_down_since:
                 log.info("etcd reachable again", down_s=round(now - etcd_down_since, 2))
                 etcd_down_since = 0.0
-            self.tick(now, registered)
+            self.tick(now)
+
+    def score_loop(self) -> None:
+        """Straggler scoring, off the state lock (``JobHealth.take_scoring``): a window
+        of 32,000 ranks takes a moment to score, and agent messages, operator calls and
+        ticks do not wait for it. Runs until the state's ``stopping`` is set."""
+        state = self.state
+        while not state.stopping.wait(state.config.tick_s):
+            with state.lock:
+                work = [(job.name, job.health, job.health.take_scoring())
+                        for job in state.jobs.values()
+                        if job.state is JobState.RUNNING and job.health.scoring_due()]
+            for name, health, (epoch, scored, samples, config) in work:
+                try:
+                    result = evaluate(scored, samples, config)
+                except Exception:
+                    log.exception("straggler scoring failed; its samples are dropped", job=name)
+                    continue
+                with state.lock:
+                    if health.settle_scoring(epoch, *result):
+                        state.wake.set()
 
     def _hold_agents(self) -> None:
         """etcd is out of our reach too: an outage everyone sees, so agents that cannot
@@ -86,16 +116,16 @@ class Reconciler:
                     session.send(keel_pb2.ControllerMessage(
                         etcd_unreachable=keel_pb2.EtcdUnreachable()))
 
-    def tick(self, now: float, registered: dict[str, dict]) -> None:
-        """One pass over everything, given the node records just read from etcd; a
-        write that finds another controller leading ends it, and this leadership. A
+    def tick(self, now: float) -> None:
+        """One pass over everything; a write that finds another controller leading
+        ends it, and this leadership. A
         tick over its budget (a third of the leader TTL; the lease is kept alive apart
         from it) is one warning naming what took the time."""
         self.spent = {}
         began = time.monotonic()
         try:
             with metrics.RECONCILE_TICK.time():
-                self._tick(now, registered)
+                self._tick(now)
         except Deposed as exc:
             self.leadership.step_down(f"deposed: {exc}")
         took = time.monotonic() - began
@@ -108,21 +138,27 @@ class Reconciler:
     def _spend(self, what: str, since: float) -> None:
         self.spent[what] = self.spent.get(what, 0.0) + time.monotonic() - since
 
-    def _tick(self, now: float, registered: dict[str, dict]) -> None:
+    def _tick(self, now: float) -> None:
         state = self.state
         began = time.monotonic()
         with state.lock:
             self._spend("waiting for the state lock", began)
-            state.registered = registered
             began = time.monotonic()
-            for session in list(state.sessions.values()):
-                if session.connected and not session.accounted:
+            if now >= self.next_sweep:
+                # Every node now and then, in case a change was missed.
+                self.next_sweep = now + SWEEP_S
+                state.unsettled.update(state.sessions)
+            self._unsettle_moved_jobs()
+            for node in list(state.unsettled):
+                session = state.sessions.get(node)
+                if session is None or not session.connected:
+                    continue
+                if not session.accounted:
                     jobs = [observe.job_on_node(job, session.node)
                             for job in state.jobs.values()]
                     self.executor.account(session, adoption.account(
                         observe.agent_runs(session), jobs))
-                if session.connected:
-                    self._guarded(self.executor.agent_cordon, session)
+                self._guarded(self.executor.agent_cordon, session)
             self._spend("agents' Hellos and cordons", began)
             wall = time.time()
             for job in list(state.jobs.values()):
@@ -145,14 +181,39 @@ class Reconciler:
                 self._spend(f"job {job.name}", began)
             began = time.monotonic()
             metrics.prune({job.name for job in metrics.exported(state, wall)})
-            for session in list(state.sessions.values()):
-                runs = observe.node_runs(session) if session.connected else None
-                if runs is not None:
-                    fixing = convergence.converge(now, runs, observe.plans_on(state, session.node),
-                                                  session.fixed_at)
-                    if fixing is not None:
-                        self.executor.fix(session, fixing, now)
+            self._unsettle_moved_jobs()
+            unsettled, state.unsettled = state.unsettled, set()
+            for node in unsettled:
+                session = state.sessions.get(node)
+                runs = observe.node_runs(session) if session and session.connected else None
+                if runs is None:
+                    continue
+                fixing = convergence.converge(now, runs, observe.plans_on(state, node),
+                                              session.fixed_at)
+                if fixing is not None:
+                    self.executor.fix(session, fixing, now)
+                if (fixing is not None or now - session.fixed_at < convergence.RESEND_S
+                        or not session.accounted or operations.agent_cordon(
+                            session.leaving, session.pid, state.cordons.get(node))):
+                    state.unsettled.add(node)   # to be looked at again until it agrees
             self._spend("converging the nodes", began)
+
+    def _unsettle_moved_jobs(self) -> None:
+        """The nodes of a job whose plan moved (a new state, generation or placement,
+        a node counted lost or confirmed stopped) are looked at this tick: what they
+        should run changed. O(jobs): a job's shape is made of sizes and identities."""
+        state = self.state
+        for job in state.jobs.values():
+            shape = (job.state, job.generation, id(job.placement), id(job.placed_agents),
+                     len(job.lost_nodes), len(job.stopped_nodes), len(job.vanished))
+            known = self.shapes.get(job.name)
+            if known is None or known[0] != shape:
+                state.unsettled.update(job.nodes)
+                if known is not None:
+                    state.unsettled.update(known[1])
+                self.shapes[job.name] = (shape, job.nodes)
+        for name in [name for name in self.shapes if name not in state.jobs]:
+            state.unsettled.update(self.shapes.pop(name)[1])
 
     def _forget(self, job: JobRuntime) -> None:
         self._guarded(self.executor.forget, job, f"ended {job.state.value} more than "
@@ -215,6 +276,7 @@ class Reconciler:
             session = state.sessions.get(node)
             if session is not None and session.connected:
                 session.accounted = False
+                state.unsettled.add(node)
                 session.send(keel_pb2.ControllerMessage(resync=keel_pb2.Resync()))
         log.info("job rebuilt from etcd", job=fresh.name, state=fresh.state.value,
                  generation=fresh.generation)

@@ -1,17 +1,28 @@
 """Agent sessions: one ``Connect`` stream per agent, and what its messages say.
 
-A handler here only records facts (a rank exited, a step was reported, a checkpoint
+The streams live on the server's event loop (``grpc.aio``): a stream costs no thread,
+and taking a message off it is O(1), a put on the queue of the one thread that records
+agent messages (``_ingest``), which takes the state lock once per batch of them. A
+handler there only records facts (a rank exited, a step was reported, a checkpoint
 was committed, stacks of a hang arrived, a node is slow in preflight) and wakes the
-reconcile loop, which decides what they mean. Each stream holds one of the
-controller's server threads while it lasts (see ``MAX_AGENTS``), and a reader thread.
+reconcile loop, which decides what they mean.
+
+A Hello costs two etcd calls (the agent's lease alive? its node record put on it), made
+on a pool of ``ADMITTING`` threads. Past ``ADMISSION_QUEUE`` Hellos waiting for them, a
+Connect is refused at once with RESOURCE_EXHAUSTED: its agent backs off (jittered) and
+tries again, so a whole cluster reconnecting is let in at the rate etcd takes it,
+instead of timing out and reconnecting in waves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import math
+import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -22,7 +33,7 @@ from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
-from orchestrator.controller.state import AgentSession, ControllerState
+from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import (NodeAuthority, checkpoint_refusal,
                                            rank_refusal)
@@ -34,106 +45,153 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-# Each agent's Connect stream holds one server thread for as long as it lives; the
-# pool (its threads are made as needed) has room for this many agents plus the
-# operators' calls.
-MAX_AGENTS = 4096
-OPERATOR_THREADS = 64
-TOKENS_WINDOW_S = 10.0
+MAX_AGENTS = 16384        # agents one controller serves (see benchmarks.control_plane)
+OPERATOR_THREADS = 64     # threads for the operators' calls
+ADMITTING = 8             # Hellos checked against etcd at once
+ADMISSION_QUEUE = 256     # Hellos waiting for that, past which Connect is refused
+INGEST_BATCH = 1024       # agent messages recorded per hold of the state lock, at most
 
 
 class AgentService:
     def __init__(self, state: ControllerState, leadership: Leadership):
         self.state = state
         self.leadership = leadership
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (session, message | None)
+        self.admitting = ThreadPoolExecutor(ADMITTING, thread_name_prefix="admit")
+        self.waiting = 0      # Hellos being admitted or waiting to be (on the loop only)
+        self.refused = 0      # Connects refused for want of room in the admission queue
+        threading.Thread(target=self._ingest, name="agent-messages", daemon=True).start()
 
     # ================================================================== Connect
-    def connect(self, request_iterator, context):
-        state = self.state
-        self.leadership.require(context)
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "hello":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "the first message on an agent stream must be a Hello")
+    async def connect(self, request_iterator, context):
+        refusal = self.leadership.refusal()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first message on an agent stream must be a Hello")
         hello = first.hello
         problem = check_hello(hello)
         if problem:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        problem = deadline_misfit(hello, state.config)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = deadline_misfit(hello, self.state.config)
         if problem:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         problem = certificate_mismatch(context.auth_context(), hello.node)
         if problem:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        if self.waiting >= ADMISSION_QUEUE:
+            self.refused += 1
+            metrics.AGENTS_DEFERRED.inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.waiting} agents are being admitted; back off and "
+                                f"connect again")
+        loop = asyncio.get_running_loop()
+        self.waiting += 1
+        try:
+            session, refusal = await loop.run_in_executor(
+                self.admitting, self._admit, hello, LoopOutbox(loop))
+        finally:
+            self.waiting -= 1
+        if refusal is not None:
+            await context.abort(*refusal)
+        log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
+                 agents=self.state.connected())
+        reader = asyncio.ensure_future(self._read(session, context))
+        try:
+            while True:
+                message = await session.outbox.get()
+                if message is None:
+                    break
+                await context.write(message)
+        finally:
+            reader.cancel()
+            self.inbox.put((session, None))   # after every message it read
+
+    def _admit(self, hello: keel_pb2.Hello, outbox: LoopOutbox
+               ) -> tuple[AgentSession | None, tuple[grpc.StatusCode, str] | None]:
+        """Check the Hello's lease and put its node record (on an admission thread);
+        the new session, or why the Connect is refused."""
+        state = self.state
         with state.lock:
-            streams = sum(1 for s in state.sessions.values() if s.connected)
-            full = streams >= MAX_AGENTS and not (hello.node in state.sessions
-                                                  and state.sessions[hello.node].connected)
-        if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this controller serves at most {MAX_AGENTS} agents")
+            current = state.sessions.get(hello.node)
+            if state.streams >= MAX_AGENTS and not (current is not None and current.connected):
+                return None, (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"this controller serves at most {MAX_AGENTS} agents")
+        record = {"host": hello.host, "slots": hello.slots, "pid": hello.pid,
+                  "lease_id": hello.lease_id}
         try:
             lease_alive = state.store.lease_alive(hello.lease_id)
             if lease_alive:
-                state.store.put_node(hello.node, {"host": hello.host, "slots": hello.slots,
-                                                  "pid": hello.pid, "lease_id": hello.lease_id},
-                                     hello.lease_id)
+                state.store.put_node(hello.node, record, hello.lease_id)
         except Deposed as exc:
             self.leadership.step_down(str(exc))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; find "
-                                                       "the leader in etcd")
+            return None, (grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; "
+                                                       "find the leader in etcd")
         except Exception as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+            return None, (grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         if not lease_alive:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            return None, (grpc.StatusCode.FAILED_PRECONDITION,
                           f"etcd lease {hello.lease_id} of node {hello.node} is not alive; "
                           f"grant a new lease and reconnect")
-
-        session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
-                               lease_id=hello.lease_id, pid=hello.pid, hello=hello,
-                               term=state.term or 0)
         with state.lock:
-            stepped_down = not state.is_leader  # since the check on entry
-            if not stepped_down:
-                previous = state.sessions.get(hello.node)
-                if previous is not None:
-                    previous.connected = False
-                    previous.close()
-                state.sessions[hello.node] = session
-        if stepped_down:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          "this controller stopped leading; find the leader in etcd")
-        context.add_callback(session.close)
-        session.send(keel_pb2.ControllerMessage(
-            welcome=keel_pb2.Welcome(controller_id=state.id)))
-        log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
-                 agents=state.connected())
-        threading.Thread(target=self._read, args=(session, request_iterator),
-                         name=f"agent-{hello.node}", daemon=True).start()
+            if not state.is_leader:   # since the check on entry
+                return None, (grpc.StatusCode.UNAVAILABLE,
+                              "this controller stopped leading; find the leader in etcd")
+            session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
+                                   lease_id=hello.lease_id, pid=hello.pid, hello=hello,
+                                   term=state.term or 0, outbox=outbox)
+            state.attach(session)
+            # As put: the watch of the node records brings the same a moment later.
+            state.registered[hello.node] = record
+            session.send(keel_pb2.ControllerMessage(
+                welcome=keel_pb2.Welcome(controller_id=state.id)))
         state.wake.set()   # the reconcile loop squares its Hello with the plan
-        while True:
-            message = session.outbox.get()
-            if message is None:
-                break
-            yield message
+        return session, None
 
-    def _read(self, session: AgentSession, request_iterator) -> None:
-        state = self.state
+    async def _read(self, session: AgentSession, context) -> None:
         try:
-            for message in request_iterator:
-                with state.lock:
-                    self._record(session, message)
-        except grpc.RpcError:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    break
+                self.inbox.put((session, message))
+        except (grpc.RpcError, asyncio.CancelledError):
             pass  # the stream ended; the agent reconnects on its own
-        except Exception:
-            # A message we could not handle: end this stream (the agent reconnects and
-            # replays), never the controller.
-            log.exception("agent message failed; closing its stream", node=session.node)
         finally:
-            with state.lock:
-                session.connected = False
-                session.disconnected_at = time.monotonic()
             session.close()
+
+    def _ingest(self) -> None:
+        """Record agent messages in arrival order, a batch per hold of the state lock."""
+        state = self.state
+        while True:
+            batch = [self.inbox.get()]
+            while len(batch) < INGEST_BATCH:
+                try:
+                    batch.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            with state.lock:
+                for session, message in batch:
+                    if message is None:
+                        self._disconnected(session)
+                        continue
+                    try:
+                        self._record(session, message)
+                    except Exception:
+                        # A message we could not handle: end this stream (the agent
+                        # reconnects and replays), never the controller.
+                        log.exception("agent message failed; closing its stream",
+                                      node=session.node)
+                        session.close()
+
+    def _disconnected(self, session: AgentSession) -> None:
+        state = self.state
+        was = session.connected
+        state.detach(session, time.monotonic())
+        session.close()
+        if was:
             log.info("agent disconnected", node=session.node, agents=state.connected())
             state.wake.set()
 
@@ -244,10 +302,13 @@ class AgentService:
                 job.goodput.preflight(body.generation, body.wall_s)
                 wake.set()
         elif kind == "status":
+            if session.status != body:
+                self.state.unsettled.add(session.node)
             session.status = body
         elif kind == "leaving":
             # An intent, like an operator's drain: the reconcile loop records it.
             session.leaving = body.reason or "its agent is shutting down"
+            self.state.unsettled.add(session.node)
             wake.set()
         elif kind == "log_chunk":
             self.state.replies.deliver(body.request_id, (session.node, body))
@@ -286,7 +347,7 @@ def deadline_misfit(hello: keel_pb2.Hello, config: ControllerConfig) -> str:
 
 def authority(job: JobRuntime, node: str) -> NodeAuthority:
     """What the plan of ``job``'s current generation lets ``node`` report."""
-    ranks = frozenset(r for p in job.placement if p.node == node for r in p.ranks)
+    ranks = job.ranks_on_node(node)
     return NodeAuthority(node=node, generation=job.generation, ranks=ranks,
                          commits=0 in ranks, checkpoint_dir=job.spec.checkpoint_dir)
 
@@ -305,21 +366,22 @@ def _progress(job: JobRuntime, reports) -> None:
 
 
 def _steps(job: JobRuntime, generation: int, reports) -> None:
+    if not reports:
+        return
+    tokens = 0
     for report in reports:
-        job.tokens += report.tokens
+        tokens += report.tokens
         if report.step_time_s > 0:
             job.step_times.append(report.step_time_s)
             times = job.rank_step_times.get(report.rank)
             if times is None:
                 times = job.rank_step_times[report.rank] = collections.deque(maxlen=5)
             times.append(report.step_time_s)
-        job.token_window.append((report.at, report.tokens))
         if report.rank == 0 and not job.has_loss:
             job.initial_loss, job.has_loss = report.loss, True
+    job.tokens += tokens
+    job.token_window.add(max(report.at for report in reports), tokens)
     _progress(job, reports)
-    window = job.token_window
-    while window and window[-1][0] - window[0][0] > TOKENS_WINDOW_S:
-        window.popleft()
     job.health.add_steps(reports)
     job.goodput.steps(generation, reports, time.time())
     metrics.recovered(job)

@@ -1,21 +1,44 @@
-"""What the leading controller holds in memory: its agents' sessions, the jobs, and its
-last reads of the node records and cordons in etcd. One lock guards all of it: agent
-reader threads and operator calls record facts and intents under it, the reconcile
-thread observes, decides and applies under it."""
+"""What the leading controller holds in memory: its agents' sessions, the jobs, the
+node records (followed in etcd with a watch) and the cordons. One lock guards all of
+it: the thread that takes in agent messages and the operator calls record facts and
+intents under it, the reconcile thread observes, decides and applies under it."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import queue
 import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from etcd3 import events
+
+from common import keys
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.store import Store
 from protos import keel_pb2
+
+
+class LoopOutbox:
+    """The messages queued for one agent stream: put from any thread, taken by the
+    stream's writer on the server's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, message) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, message)
+        except RuntimeError:
+            pass   # the loop is closed: the controller is stopping
+
+    async def get(self):
+        return await self._queue.get()
 
 
 @dataclass(eq=False)
@@ -28,7 +51,7 @@ class AgentSession:
     pid: int
     hello: keel_pb2.Hello
     term: int                  # of the leadership the stream was accepted under
-    outbox: queue.Queue = field(default_factory=queue.Queue)
+    outbox: queue.Queue | LoopOutbox = field(default_factory=queue.Queue)
     connected: bool = True
     disconnected_at: float = 0.0
     # Its Hello has been squared with the plan (adoption); the reconcile loop does it.
@@ -88,7 +111,12 @@ class ControllerState:
         self.stopping = threading.Event()
         self.sessions: dict[str, AgentSession] = {}
         self.jobs: dict[str, JobRuntime] = {}
-        self.registered: dict[str, dict] = {}   # node records last read from etcd
+        self.registered: dict[str, dict] = {}   # node records, as etcd has them (a watch)
+        # Agents whose stream is up; and nodes whose agent said something the reconcile
+        # loop has to square with the plan (a new status, a Hello), or which it is
+        # still squaring: per tick, the loop looks only at these.
+        self.streams = 0
+        self.unsettled: set[str] = set()
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
@@ -117,8 +145,54 @@ class ControllerState:
 
     def connected(self) -> int:
         """Agents whose stream is up."""
+        return self.streams
+
+    def attach(self, session: AgentSession) -> None:
+        """``session`` is the stream of its node from now on (under the lock)."""
+        previous = self.sessions.get(session.node)
+        if previous is not None:
+            self.detach(previous)
+            previous.close()
+        self.sessions[session.node] = session
+        self.streams += 1
+        self.unsettled.add(session.node)
+
+    def detach(self, session: AgentSession, now: float | None = None) -> None:
+        """``session``'s stream is down (under the lock)."""
+        if session.connected:
+            session.connected = False
+            self.streams -= 1
+            if now is not None:
+                session.disconnected_at = now
+            self.unsettled.add(session.node)
+
+    def drop_sessions(self) -> None:
+        """Every stream closed (stepping down)."""
+        for session in self.sessions.values():
+            session.connected = False
+            session.close()
+        self.sessions.clear()
+        self.streams = 0
+        self.unsettled.clear()
+
+    # ---------------------------------------------------------- the node records
+    def nodes_read(self, kvs: list, _cluster: int) -> None:
+        """The node records, read whole (the watch started or started again)."""
+        found = {keys.last_part(kv.key.decode()): json.loads(kv.value) for kv in kvs}
         with self.lock:
-            return sum(1 for s in self.sessions.values() if s.connected)
+            self.unsettled.update(set(self.registered) ^ set(found))
+            self.registered = found
+
+    def nodes_changed(self, changes: list) -> None:
+        """Node records put or deleted since."""
+        with self.lock:
+            for event in changes:
+                node = keys.last_part(event.key.decode())
+                if isinstance(event, events.DeleteEvent):
+                    self.registered.pop(node, None)
+                else:
+                    self.registered[node] = json.loads(event.value)
+                self.unsettled.add(node)
 
     def send(self, node: str, message: keel_pb2.ControllerMessage) -> bool:
         """Queue ``message`` for ``node``'s agent if its stream is up; whether it was."""

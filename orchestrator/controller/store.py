@@ -10,8 +10,8 @@ controller that has been superseded (it stalled, and another took over) fails, a
 raises ``Deposed``; the controller then steps down at once. Writes that decide
 something compare the revision they read as well (``StaleRevision`` when it moved).
 
-Reads of a prefix are paginated (``PAGE`` keys a call, fewer if a page of large values
-would pass the message limit) at one revision, so however much a prefix holds, a new
+Reads of a prefix are paginated (``common.etcd.read_prefix``: ``PAGE`` keys a call, fewer
+if a page of large values would pass the message limit) at one revision, so however much a prefix holds, a new
 leader can read it.
 """
 
@@ -20,12 +20,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import grpc
 
 from common import keys
-from common.etcd import EtcdClient
+from common.etcd import EtcdClient, prefix_end, read_prefix
 
-PAGE = 500
 TXN_OPS = 100   # etcd refuses transactions of more than 128 operations by default
 
 
@@ -59,26 +57,8 @@ class Store:
     def _prefix(self, prefix: str, keys_only: bool = False) -> dict[str, dict | None]:
         """Every key under ``prefix`` with its decoded value (None with ``keys_only``),
         in key order, read page by page at the revision of the first page."""
-        found: dict[str, dict | None] = {}
-        start, end = prefix.encode(), _prefix_end(prefix.encode())
-        revision, page = None, PAGE
-        while True:
-            try:
-                response = self.client.get_range_response(start, end, limit=page,
-                                                          revision=revision,
-                                                          keys_only=keys_only)
-            except grpc.RpcError as exc:
-                # A page of large values past the message limit: smaller pages.
-                if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or page == 1:
-                    raise
-                page = max(1, page // 4)
-                continue
-            revision = revision or response.header.revision
-            for kv in response.kvs:
-                found[kv.key.decode()] = None if keys_only else json.loads(kv.value)
-            if not response.more or not response.kvs:
-                return found
-            start = response.kvs[-1].key + b"\0"
+        kvs, _, _ = read_prefix(self.client, prefix, keys_only)
+        return {kv.key.decode(): None if keys_only else json.loads(kv.value) for kv in kvs}
 
     def _write(self, success: list, compare: tuple = ()) -> tuple[bool, list]:
         """Apply ``success`` if this controller still leads (and ``compare`` holds);
@@ -102,6 +82,10 @@ class Store:
         """Write a node record on the agent's lease, so it vanishes with the agent."""
         self._write([self.client.transactions.put(keys.node(node), json.dumps(record),
                                                   lease=lease_id)])
+
+    def probe(self) -> None:
+        """One small read (the leader key), raising if etcd does not answer it."""
+        self.client.get(keys.LEADER)
 
     def nodes(self) -> dict[str, dict]:
         """Registered nodes by name (records whose lease is still alive)."""
@@ -192,7 +176,7 @@ class Store:
     def delete_job(self, name: str) -> None:
         """Every record of job ``name``."""
         tx = self.client.transactions
-        self._write([tx.delete(keys.job(name), range_end=_prefix_end(keys.job(name).encode()))])
+        self._write([tx.delete(keys.job(name), range_end=prefix_end(keys.job(name).encode()))])
 
     # ------------------------------------------------------------------- events
     def put_event(self, name: str, seq: int, event: dict) -> None:
@@ -251,12 +235,3 @@ class Store:
 
     def delete_checkpoint_request(self, name: str) -> None:
         self._write([self.client.transactions.delete(keys.checkpoint_request(name))])
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The end of the key range of every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    while end and end[-1] == 0xFF:
-        end.pop()
-    end[-1] += 1
-    return bytes(end)

@@ -114,31 +114,52 @@ def authorize(method: str, authorization: str, tokens: Tokens) -> Denial | None:
                   f"{_names(allowed)} token")
 
 
-def _deny(handler: grpc.RpcMethodHandler, denial: Denial) -> grpc.RpcMethodHandler:
+def _deny(handler: grpc.RpcMethodHandler, denial: Denial,
+          on_loop: bool = False) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that refuses the call; ``on_loop``: a coroutine,
+    for an aio server (which runs a plain function on its thread pool, where a refused
+    stream would hold a thread)."""
     def abort(_request, context):
         context.abort(denial.code, denial.message)
 
+    async def abort_on_loop(_request, context):
+        await context.abort(denial.code, denial.message)
+
+    refuse = abort_on_loop if on_loop else abort
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
+        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
+    on_loop = False
+
     def __init__(self, tokens: Tokens | str):
         """``tokens``: the per-role tokens, or one token for every role."""
         self.tokens = tokens if isinstance(tokens, Tokens) else Tokens.single(tokens)
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+        return self._checked(continuation(handler_call_details), handler_call_details)
+
+    def _checked(self, handler, handler_call_details):
+        """``handler``, or one that refuses the call if its token may not make it."""
         if handler is None:
             return None
         sent = dict(handler_call_details.invocation_metadata).get("authorization", "")
         denial = authorize(handler_call_details.method, sent, self.tokens)
-        return handler if denial is None else _deny(handler, denial)
+        return handler if denial is None else _deny(handler, denial, self.on_loop)
+
+
+class AioTokenInterceptor(TokenInterceptor, grpc.aio.ServerInterceptor):
+    """``TokenInterceptor`` for a ``grpc.aio`` server."""
+    on_loop = True
+
+    async def intercept_service(self, continuation, handler_call_details):
+        return self._checked(await continuation(handler_call_details), handler_call_details)
 
 
 # `keel certs init --agent NAME` names that agent's certificate "keel-agent-NAME".

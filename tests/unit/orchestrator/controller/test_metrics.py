@@ -65,7 +65,7 @@ def run_generation(j: JobRuntime, generation: int, first_step: int, steps: int,
         reports = [keel_pb2.StepReport(rank=r, step=step, loss=1.0, tokens=100, at=now,
                                        step_time_s=0.9 if r < 3 else 1.5) for r in range(4)]
         sessions._steps(j, generation, reports)
-        j.health.slow_flags()
+        j.health.score_now()
     return now
 
 
@@ -147,7 +147,8 @@ def test_mfu_is_exported_while_running_on_known_accelerators():
     j.placement = [NodeRanks("a", (0,))]
     state.sessions["a"] = AgentSession(node="a", host="h", slots=1, lease_id=1, pid=1,
                                        hello=keel_pb2.Hello(accelerator="TestChip"), term=1)
-    j.token_window.extend([(0.0, 0), (1.0, 1000)])
+    j.token_window.add(0.0, 0)
+    j.token_window.add(1.0, 1000)
     value = dict((s.name, s.value) for family in registry.collect()
                  for s in family.samples)["keel_job_mfu_ratio"]
     assert value == pytest.approx(6 * 1e6 * 1000 / 1e12)

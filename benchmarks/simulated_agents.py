@@ -1,0 +1,256 @@
+"""Simulated agents for ``benchmarks.control_plane``: many per process, on one asyncio
+loop, each speaking the real agent protocol to the controller over its own gRPC
+stream and TCP connection, each holding its own etcd lease.
+
+An agent here says Hello (with what it runs, after a reconnect), answers a rendezvous
+request, takes a generation's start and reports its ranks' steps once per
+``--step-s`` (one batch per node, a report per rank), sends its status every second as
+the real agent does, confirms a stop, and reconnects with jittered exponential
+back-off to whichever controller leads. It runs no rank process: what is measured is
+the control plane.
+
+The leases are kept alive on one LeaseKeepAlive stream per process (the real agent
+keeps its own on its own connection: the refreshes etcd sees are the same).
+
+Run by ``benchmarks.control_plane``; prints a JSON line to stdout every half second,
+``{"at": t, "by": {controller address: agents connected to it}}``, and a summary when
+its stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import sys
+import time
+
+import grpc
+from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
+
+from common.tls import call_metadata
+from protos import keel_pb2, keel_pb2_grpc
+
+STATUS_PERIOD_S = 1.0     # agent/daemon.STATUS_PERIOD_S
+LEASE_TTL_S = 5           # agent/config.lease_ttl_s
+RECONNECT_MAX_S = 5.0     # agent/config.reconnect_max_s
+
+
+class Leases:
+    """Every agent's etcd lease, granted one by one and refreshed on one stream."""
+
+    def __init__(self, endpoint: str):
+        self.channel = grpc.aio.insecure_channel(endpoint)
+        self.stub = rpc_pb2_grpc.LeaseStub(self.channel)
+        self.ids: list[int] = []
+
+    async def grant(self, ttl: int) -> int:
+        for attempt in range(20):
+            try:
+                reply = await self.stub.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout=10)
+                self.ids.append(reply.ID)
+                return reply.ID
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise RuntimeError("etcd granted no lease")
+
+    async def keep_alive(self, period_s: float) -> None:
+        while True:
+            call = self.stub.LeaseKeepAlive()
+
+            async def drain():
+                async for _ in call:
+                    pass
+            reader = asyncio.ensure_future(drain())
+            try:
+                while True:
+                    for lease_id in list(self.ids):
+                        await call.write(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
+                    await asyncio.sleep(period_s)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await asyncio.sleep(0.5)
+            finally:
+                reader.cancel()
+
+
+class Agent:
+    def __init__(self, node: str, pid: int, addresses: list[str], token: str, step_s: float,
+                 channel_options: list):
+        self.node, self.pid, self.addresses, self.token = node, pid, addresses, token
+        self.step_s = step_s
+        self.options = channel_options
+        self.lease_id = 0
+        self.start: keel_pb2.StartGeneration | None = None   # the generation it runs
+        self.started: tuple[str, int] = ("", 0)
+        self.stopped: tuple[str, int] | None = None
+        self.steps = 0
+        self.connects = 0
+        self.connected = ""        # the address of the controller it is connected to
+        self.refusals = 0
+        self.errors = 0
+
+    def hello(self) -> keel_pb2.AgentMessage:
+        hello = keel_pb2.Hello(node=self.node, host="127.0.0.1", slots=8, lease_id=self.lease_id,
+                               pid=self.pid, heartbeat_s=self.step_s,
+                               reconnect_max_s=RECONNECT_MAX_S, lease_ttl_s=LEASE_TTL_S,
+                               accelerator="simulated")
+        if self.start is not None:
+            hello.running_job, hello.running_generation = self.start.job, self.start.generation
+            hello.running.extend(self.start.ranks)
+        return keel_pb2.AgentMessage(hello=hello)
+
+    def status(self) -> keel_pb2.AgentMessage:
+        status = keel_pb2.AgentStatus(phase="RUNNING" if self.start else "IDLE",
+                                      started_job=self.started[0],
+                                      started_generation=self.started[1])
+        if self.start is not None:
+            status.job, status.generation = self.start.job, self.start.generation
+            status.running.extend(self.start.ranks)
+        return keel_pb2.AgentMessage(status=status)
+
+    def step_batch(self) -> keel_pb2.AgentMessage:
+        self.steps += 1
+        now = time.time()
+        batch = keel_pb2.StepReportBatch(job=self.start.job, generation=self.start.generation)
+        for assignment in self.start.ranks:
+            batch.reports.append(keel_pb2.StepReport(
+                rank=assignment.rank, step=self.steps, loss=10.0 / (1 + 0.01 * self.steps),
+                tokens=4096, step_time_s=self.step_s * random.uniform(0.98, 1.02), at=now,
+                compute_s=self.step_s * 0.8))
+        return keel_pb2.AgentMessage(steps=batch)
+
+    async def run(self, leases: Leases) -> None:
+        self.lease_id = await leases.grant(LEASE_TTL_S)
+        backoff, index = 0.5, random.randrange(len(self.addresses))
+        while True:
+            address = self.addresses[index % len(self.addresses)]
+            try:
+                await self._stream(address)
+                backoff = 0.5
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    self.refusals += 1
+                elif exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    # Its lease is gone: a new one, as the real agent takes.
+                    print(f"{self.node}: {exc.details()}", file=sys.stderr, flush=True)
+                    self.lease_id = await leases.grant(LEASE_TTL_S)
+            except Exception as exc:   # never lose an agent: say why, and reconnect
+                self.errors += 1
+                print(f"{self.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self.connected = ""
+            index += 1
+            # Jittered exponential back-off (between half and all of it), as agent/link.
+            await asyncio.sleep(random.uniform(backoff / 2, backoff))
+            backoff = min(RECONNECT_MAX_S, backoff * 2)
+
+    async def _stream(self, address: str) -> None:
+        async with grpc.aio.insecure_channel(address, options=self.options) as channel:
+            call = keel_pb2_grpc.ControllerStub(channel).Connect(
+                metadata=call_metadata(self.token))
+            await call.write(self.hello())
+            await call.write(self.status())
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                await call   # raises the refusal
+                return
+            self.connects += 1
+            self.connected = address
+            writer = asyncio.ensure_future(self._write(call))
+            try:
+                while True:
+                    message = await call.read()
+                    if message is grpc.aio.EOF:
+                        break
+                    await self._on(call, message)
+            finally:
+                writer.cancel()
+
+    async def _write(self, call) -> None:
+        # Spread the agents' sends over the period, as independent machines would be.
+        await asyncio.sleep(random.uniform(0, self.step_s))
+        next_status = time.monotonic()
+        while True:
+            if self.start is not None:
+                await call.write(self.step_batch())
+            if time.monotonic() >= next_status:
+                await call.write(self.status())
+                next_status += STATUS_PERIOD_S
+            await asyncio.sleep(self.step_s)
+
+    async def _on(self, call, message: keel_pb2.ControllerMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "prepare_rendezvous":
+            prep = message.prepare_rendezvous
+            await call.write(keel_pb2.AgentMessage(rendezvous_ready=keel_pb2.RendezvousReady(
+                job=prep.job, generation=prep.generation, host="127.0.0.1", port=29500)))
+        elif kind == "start_generation":
+            start = message.start_generation
+            if self.started != (start.job, start.generation):
+                self.start, self.started, self.steps = start, (start.job, start.generation), 0
+                await call.write(self.status())
+        elif kind == "stop_generation":
+            stop = message.stop_generation
+            if self.start is not None and (self.start.job, self.start.generation) == (
+                    stop.job, stop.generation):
+                self.start = None
+            await call.write(keel_pb2.AgentMessage(generation_stopped=keel_pb2.GenerationStopped(
+                job=stop.job, generation=stop.generation)))
+            await call.write(self.status())
+        elif kind == "resync":
+            await call.write(self.status())
+
+
+async def main(args) -> None:
+    leases = Leases(args.etcd)
+    options = [("grpc.use_local_subchannel_pool", 1),   # a TCP connection per agent
+               ("grpc.keepalive_time_ms", 10_000)]
+    agents = [Agent(f"{args.prefix}{i:05d}", os.getpid() * 100_000 + i, args.controllers,
+                    args.token, args.step_s, options) for i in range(args.agents)]
+    keeper = asyncio.ensure_future(leases.keep_alive(LEASE_TTL_S / 3))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
+
+    async def tell():
+        while True:
+            by: dict[str, int] = {}
+            for agent in agents:
+                if agent.connected:
+                    by[agent.connected] = by.get(agent.connected, 0) + 1
+            sys.stdout.write(json.dumps({"at": time.time(), "by": by}) + "\n")
+            sys.stdout.flush()
+            await asyncio.sleep(0.5)
+    teller = asyncio.ensure_future(tell())
+    tasks = []
+    for agent in agents:
+        tasks.append(asyncio.ensure_future(agent.run(leases)))
+        if args.ramp_s:
+            await asyncio.sleep(args.ramp_s / args.agents)
+    await stop.wait()
+    teller.cancel()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    sys.stdout.write(json.dumps({"summary": True, "agents": len(agents),
+                                 "connected": sum(bool(a.connected) for a in agents),
+                                 "connects": sum(a.connects for a in agents),
+                                 "refusals": sum(a.refusals for a in agents),
+                                 "errors": sum(a.errors for a in agents),
+                                 "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+    sys.stdout.flush()
+    keeper.cancel()
+    for task in tasks:
+        task.cancel()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--etcd", required=True)
+    parser.add_argument("--controllers", required=True, type=lambda s: s.split(","))
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--agents", type=int, required=True)
+    parser.add_argument("--prefix", default="sim-")
+    parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="start the agents evenly over this many seconds")
+    asyncio.run(main(parser.parse_args()))
