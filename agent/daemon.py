@@ -44,7 +44,8 @@ log = structlog.get_logger()
 
 # The agent tells the controller what it runs this often (AgentStatus); the controller
 # resends or stops until that agrees with the plan.
-STATUS_PERIOD_S = 1.0
+STATUS_PERIOD_S = 1.0     # the status is looked at this often, and sent when it changed
+STATUS_REFRESH_S = 10.0   # and sent unchanged at least this often
 # A rank that parks waits this long at most for the main loop to say whether it is kept.
 PARK_DECISION_S = 5.0
 
@@ -325,6 +326,7 @@ class Agent:
     def _main_loop(self) -> None:
         next_flush = time.monotonic() + self.config.report_flush_s
         next_status = time.monotonic() + STATUS_PERIOD_S
+        sent_status, status_sent_at = None, 0.0
         while not self.stopping.is_set():
             try:
                 kind, payload = self.events.get(timeout=self.config.tick_s)
@@ -367,7 +369,13 @@ class Agent:
                 self._flush_steps()
                 next_flush = now + self.config.report_flush_s
             if now >= next_status:
-                self._send(status=self._status())
+                # A status that did not change tells the controller nothing (it comes
+                # again after every Hello): sent on a change, else every 10 s, so a
+                # cluster of idle agents is not thousands of messages a second.
+                status = self._status()
+                if status != sent_status or now - status_sent_at >= STATUS_REFRESH_S:
+                    self._send(status=status)
+                    sent_status, status_sent_at = status, now
                 next_status = now + STATUS_PERIOD_S
             if self._leave_done(now):
                 self.stopping.set()

@@ -6,8 +6,8 @@ controller and a standby (``keel controller``, real processes), a job of 8 ranks
 node across every node (submitted first: it starts once all are connected), and the
 simulated agents (``benchmarks/simulated_agents.py``: real gRPC streams, each on its
 own TCP connection, each agent with its own etcd lease; many agents per process on one
-event loop; each reports its 8 ranks' steps once a second and its status every second,
-as the real agent does). Measured:
+event loop; each reports its 8 ranks' steps once a second, and its status when it
+changes and every 10 s, as the real agent does). Measured:
 
 * ``connect``: from the load generator's start to every agent connected to the leader
   (a connect storm: all start at once), and to the job RUNNING;

@@ -4,9 +4,9 @@ stream and TCP connection, each holding its own etcd lease.
 
 An agent here says Hello (with what it runs, after a reconnect), answers a rendezvous
 request, takes a generation's start and reports its ranks' steps once per
-``--step-s`` (one batch per node, a report per rank), sends its status every second as
-the real agent does, confirms a stop, and reconnects with jittered exponential
-back-off to whichever controller leads. It runs no rank process: what is measured is
+``--step-s`` (one batch per node, a report per rank), sends its status as the real
+agent does (when it changes, and every 10 s), confirms a stop, and reconnects with
+jittered exponential back-off to whichever controller leads. It runs no rank process: what is measured is
 the control plane.
 
 The leases are kept alive on one LeaseKeepAlive stream per process (the real agent
@@ -34,7 +34,7 @@ from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
-STATUS_PERIOD_S = 1.0     # agent/daemon.STATUS_PERIOD_S
+STATUS_REFRESH_S = 10.0   # agent/daemon.STATUS_REFRESH_S
 LEASE_TTL_S = 5           # agent/config.lease_ttl_s
 RECONNECT_MAX_S = 5.0     # agent/config.reconnect_max_s
 
@@ -171,13 +171,13 @@ class Agent:
     async def _write(self, call) -> None:
         # Spread the agents' sends over the period, as independent machines would be.
         await asyncio.sleep(random.uniform(0, self.step_s))
-        next_status = time.monotonic()
+        next_status = time.monotonic() + STATUS_REFRESH_S
         while True:
             if self.start is not None:
                 await call.write(self.step_batch())
-            if time.monotonic() >= next_status:
+            if time.monotonic() >= next_status:   # a change is sent when it happens
                 await call.write(self.status())
-                next_status += STATUS_PERIOD_S
+                next_status += STATUS_REFRESH_S
             await asyncio.sleep(self.step_s)
 
     async def _on(self, call, message: keel_pb2.ControllerMessage) -> None:

@@ -171,19 +171,28 @@ class Goodput:
         rank has reported are closed, in order."""
         if self.ended or generation != self.generation:
             return
-        for report in reports:
-            if report.step <= self.last_step:
+        pending, last, facts, at_step = self._pending, self.last_step, None, 0
+        for report in reports:   # per report: a rank's step (32,000 a second at scale)
+            step = report.step
+            if step <= last:
                 continue
-            facts = self._pending.setdefault(report.step, {
-                "end": 0.0, "own": [], "checkpoint": 0.0, "restore": 0.0, "ranks": set()})
-            if report.rank in facts["ranks"]:
+            if step != at_step:
+                facts, at_step = pending.get(step), step
+                if facts is None:
+                    facts = pending[step] = {"end": 0.0, "own": [], "checkpoint": 0.0,
+                                             "restore": 0.0, "ranks": set()}
+            ranks = facts["ranks"]
+            if report.rank in ranks:
                 continue
-            facts["ranks"].add(report.rank)
-            facts["end"] = max(facts["end"], report.at)
+            ranks.add(report.rank)
+            if report.at > facts["end"]:
+                facts["end"] = report.at
             if report.step_time_s > 0:
                 facts["own"].append(report.step_time_s)
-            facts["checkpoint"] = max(facts["checkpoint"], report.checkpoint_s)
-            facts["restore"] = max(facts["restore"], report.restore_s)
+            if report.checkpoint_s > facts["checkpoint"]:
+                facts["checkpoint"] = report.checkpoint_s
+            if report.restore_s > facts["restore"]:
+                facts["restore"] = report.restore_s
         while self._pending:
             step = min(self._pending)
             complete = (len(self._pending[step]["ranks"]) >= self.world_size

@@ -159,19 +159,22 @@ class JobHealth:
 
     # -------------------------------------------------------------- stragglers
     def add_steps(self, reports) -> None:
-        latest = self.latest
+        """Ranks' step reports, already checked (``sessions._usable``)."""
+        latest, nodes, append = self.latest, self.rank_nodes, self.samples.append
+        sample = StepSample.checked_already
         for report in reports:
-            node = self.rank_nodes.get(report.rank)
-            if node is None:
-                continue
             # The rank's own time for the step, measured before it waits on its peers:
             # a slow rank shows here, its healthy peers do not.
             seconds = report.step_time_s
             if seconds > 0:
-                self.samples.append(StepSample(rank=report.rank, node=node, step=report.step,
-                                               step_time_s=seconds))
-                if report.step > latest.get(report.rank, 0):
-                    latest[report.rank] = report.step
+                rank = report.rank
+                node = nodes.get(rank)
+                if node is None:
+                    continue
+                step = report.step
+                append(sample(rank, node, step, seconds))
+                if step > latest.get(rank, 0):
+                    latest[rank] = step
 
     # Straggler scoring runs off the state lock, on the scorer's thread (``Reconciler.
     # score_loop``): under the lock it takes the samples (``take_scoring``), scores them

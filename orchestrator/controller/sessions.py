@@ -217,7 +217,30 @@ class AgentService:
         kind = message.WhichOneof("kind")
         body = getattr(message, kind) if kind else None
         wake = self.state.wake
-        if kind == "rendezvous_ready":
+        # The two an agent sends most often, first.
+        if kind == "steps":
+            job = self._job_for(body.job, body.generation)
+            reports = [r for r in body.reports if _usable(r)]
+            if len(reports) < len(body.reports):
+                log.warning("ignoring step reports numbered below 1 or with a step time "
+                            "that is not a finite number of seconds", node=session.node,
+                            count=len(body.reports) - len(reports))
+            if job is not None:
+                mine = job.ranks_on_node(session.node)
+                theirs = [r for r in reports if r.rank not in mine]
+                if theirs:
+                    self._refused(session, kind, rank_refusal(authority(job, session.node),
+                                                              theirs[0].rank))
+                    reports = [r for r in reports if r.rank in mine]
+                if body.replayed:
+                    _progress(job, reports)
+                else:
+                    _steps(job, body.generation, reports)
+        elif kind == "status":
+            if session.status != body:
+                self.state.unsettled.add(session.node)
+            session.status = body
+        elif kind == "rendezvous_ready":
             job = self._job_for(body.job, body.generation)
             if (job and job.state is JobState.STARTING and job.placement
                     and job.placement[0].node == session.node and 0 < body.port < 65536):
@@ -238,23 +261,6 @@ class AgentService:
                      node=session.node, rank=body.rank, exit_code=body.exit_code,
                      signal=body.signal, stopped_by_agent=body.stopped_by_agent)
             wake.set()
-        elif kind == "steps":
-            job = self._job_for(body.job, body.generation)
-            reports = [r for r in body.reports if _usable(r)]
-            if len(reports) < len(body.reports):
-                log.warning("ignoring step reports numbered below 1 or with a step time "
-                            "that is not a finite number of seconds", node=session.node,
-                            count=len(body.reports) - len(reports))
-            if job is not None:
-                mine = authority(job, session.node)
-                theirs = [r for r in reports if r.rank not in mine.ranks]
-                if theirs:
-                    self._refused(session, kind, rank_refusal(mine, theirs[0].rank))
-                    reports = [r for r in reports if r.rank in mine.ranks]
-                if body.replayed:
-                    _progress(job, reports)
-                else:
-                    _steps(job, body.generation, reports)
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
             # A generation being stopped still commits what it saved before the stop.
@@ -301,10 +307,6 @@ class AgentService:
                 job.health.add_preflight(session.node, body, job.step)
                 job.goodput.preflight(body.generation, body.wall_s)
                 wake.set()
-        elif kind == "status":
-            if session.status != body:
-                self.state.unsettled.add(session.node)
-            session.status = body
         elif kind == "leaving":
             # An intent, like an operator's drain: the reconcile loop records it.
             session.leaving = body.reason or "its agent is shutting down"
@@ -353,9 +355,9 @@ def authority(job: JobRuntime, node: str) -> NodeAuthority:
 
 
 def _usable(report: keel_pb2.StepReport) -> bool:
-    """Steps are numbered from 1; a step time is finite seconds (0: not measured)."""
-    return report.step >= 1 and math.isfinite(report.step_time_s) and \
-        report.step_time_s >= 0
+    """Steps are numbered from 1; a step time is finite seconds (0: not measured; the
+    comparisons are false for NaN)."""
+    return report.step >= 1 and 0 <= report.step_time_s < math.inf
 
 
 def _progress(job: JobRuntime, reports) -> None:
@@ -368,15 +370,16 @@ def _progress(job: JobRuntime, reports) -> None:
 def _steps(job: JobRuntime, generation: int, reports) -> None:
     if not reports:
         return
-    tokens = 0
-    for report in reports:
+    tokens, step_times, rank_times = 0, job.step_times, job.rank_step_times
+    for report in reports:   # per report: a rank's step (32,000 a second at scale)
         tokens += report.tokens
-        if report.step_time_s > 0:
-            job.step_times.append(report.step_time_s)
-            times = job.rank_step_times.get(report.rank)
+        seconds = report.step_time_s
+        if seconds > 0:
+            step_times.append(seconds)
+            times = rank_times.get(report.rank)
             if times is None:
-                times = job.rank_step_times[report.rank] = collections.deque(maxlen=5)
-            times.append(report.step_time_s)
+                times = rank_times[report.rank] = collections.deque(maxlen=5)
+            times.append(seconds)
         if report.rank == 0 and not job.has_loss:
             job.initial_loss, job.has_loss = report.loss, True
     job.tokens += tokens

@@ -1,6 +1,6 @@
-"""Desired against actual: what a node runs (its agent's status, sent every second and
-after every Hello) against what the plan says it should, and what to send until they
-agree. A pure decision.
+"""Desired against actual: what a node runs (its agent's status, sent when it changes,
+at least every 10 s, and after every Hello) against what the plan says it should, and
+what to send until they agree. A pure decision.
 
 A message can be lost with a stream, and a controller can lose the reply to a write
 that went through: then a job may be RUNNING with nothing started on a node, or

@@ -16,6 +16,7 @@ so the controller starts from ``initial_state()`` when it starts a generation.
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Collection, Iterable
@@ -58,22 +59,25 @@ class StragglerConfig:
                              f"has nothing to be compared against")
 
 
-@dataclass(frozen=True)
-class StepSample:
+class StepSample(collections.namedtuple("StepSample", "rank node step step_time_s")):
     """Rank ``rank`` on node ``node`` computed step ``step`` (numbered from 1) in
-    ``step_time_s`` seconds, not counting the wait for its peers."""
-    rank: int
-    node: str
-    step: int
-    step_time_s: float
+    ``step_time_s`` seconds, not counting the wait for its peers. A tuple: the
+    controller makes one per rank per step."""
+    __slots__ = ()
 
-    def __post_init__(self):
-        if self.step < 1:
-            raise ValueError(f"step={self.step} of rank {self.rank}: steps are numbered "
-                             f"from 1")
-        if not (math.isfinite(self.step_time_s) and self.step_time_s > 0):
-            raise ValueError(f"step_time_s={self.step_time_s} of rank {self.rank} at step "
-                             f"{self.step}: report the positive seconds the step took")
+    def __new__(cls, rank: int, node: str, step: int, step_time_s: float):
+        if step < 1:
+            raise ValueError(f"step={step} of rank {rank}: steps are numbered from 1")
+        if not (math.isfinite(step_time_s) and step_time_s > 0):
+            raise ValueError(f"step_time_s={step_time_s} of rank {rank} at step {step}: "
+                             f"report the positive seconds the step took")
+        return super().__new__(cls, rank, node, step, step_time_s)
+
+    @classmethod
+    def checked_already(cls, rank: int, node: str, step: int, step_time_s: float) -> StepSample:
+        """One whose fields the caller has already checked (step from 1, a positive
+        finite time), made without checking them again."""
+        return tuple.__new__(cls, (rank, node, step, step_time_s))
 
 
 @dataclass(frozen=True)
