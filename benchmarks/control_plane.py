@@ -47,6 +47,7 @@ from pathlib import Path
 import grpc
 
 from common.etcd import connect
+from common.procs import poll as wait_for
 from common.tls import call_metadata
 from orchestrator.controller.store import Store
 from orchestrator.local.etcd_server import EmbeddedEtcd
@@ -153,16 +154,6 @@ class Generators:
                 proc.wait()
 
 
-def wait_for(condition, timeout_s: float, period_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(period_s)
-    return None
-
-
 def start_controller(name: str, etcd: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     address_file = workdir / f"{name}.address"
     proc = subprocess.Popen(
@@ -228,7 +219,7 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         else:
             result.note = f"the job did not run: {job()}"
             return result
-        wait_for(lambda: False, 5)   # let the start's messages settle
+        time.sleep(5)   # the start's messages settle
 
         # The steady window.
         calls = [("ListNodes", keel_pb2.ListNodesRequest()),

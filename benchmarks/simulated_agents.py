@@ -9,8 +9,11 @@ agent does (when it changes, and every 10 s), confirms a stop, and reconnects wi
 jittered exponential back-off to whichever controller leads. It runs no rank process: what is measured is
 the control plane.
 
-The leases are kept alive on one LeaseKeepAlive stream per process (the real agent
-keeps its own on its own connection: the refreshes etcd sees are the same).
+The leases are kept alive on one LeaseKeepAlive stream per process, and the leader key
+is watched once per process (the real agent keeps its own lease and watch on its own
+connection: what etcd sees per agent is the same). As the real agent does
+(``agent/link``), an agent backing off dials the leader as soon as the key names one,
+after a short jittered pause.
 
 Run by ``benchmarks.control_plane``; prints a JSON line to stdout every half second,
 ``{"at": t, "by": {controller address: agents connected to it}}``, and a summary when
@@ -31,6 +34,8 @@ import time
 import grpc
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
+from agent.link import BACKOFF_FIRST_S, jittered
+from common import keys
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -74,6 +79,42 @@ class Leases:
                 await asyncio.sleep(0.5)
             finally:
                 reader.cancel()
+
+
+class LeaderKey:
+    """Who leads, from a watch of the leader key; ``changed`` is set on every change."""
+
+    def __init__(self, endpoint: str):
+        self.channel = grpc.aio.insecure_channel(endpoint)
+        self.address = ""
+        self.changed = asyncio.Event()
+
+    def _set(self, raw: bytes) -> None:
+        try:
+            address = json.loads(raw)["address"] if raw else ""
+        except (ValueError, KeyError):
+            address = ""
+        if address != self.address:
+            self.address = address
+            if address:
+                self.changed.set()
+                self.changed = asyncio.Event()
+
+    async def follow(self) -> None:
+        key = keys.LEADER.encode()
+        while True:
+            try:
+                found = await rpc_pb2_grpc.KVStub(self.channel).Range(
+                    rpc_pb2.RangeRequest(key=key), timeout=10)
+                self._set(found.kvs[0].value if found.kvs else b"")
+                call = rpc_pb2_grpc.WatchStub(self.channel).Watch()
+                await call.write(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
+                    key=key, start_revision=found.header.revision + 1)))
+                async for response in call:
+                    for event in response.events:
+                        self._set(event.kv.value if event.type == event.PUT else b"")
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.5)
 
 
 class Agent:
@@ -122,14 +163,14 @@ class Agent:
                 compute_s=self.step_s * 0.8))
         return keel_pb2.AgentMessage(steps=batch)
 
-    async def run(self, leases: Leases) -> None:
+    async def run(self, leases: Leases, leader: LeaderKey) -> None:
         self.lease_id = await leases.grant(LEASE_TTL_S)
-        backoff, index = 0.5, random.randrange(len(self.addresses))
+        backoff, index = BACKOFF_FIRST_S, random.randrange(len(self.addresses))
         while True:
-            address = self.addresses[index % len(self.addresses)]
+            address = leader.address or self.addresses[index % len(self.addresses)]
+            started = time.monotonic()
             try:
                 await self._stream(address)
-                backoff = 0.5
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     self.refusals += 1
@@ -142,9 +183,17 @@ class Agent:
                 print(f"{self.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             self.connected = ""
             index += 1
-            # Jittered exponential back-off (between half and all of it), as agent/link.
-            await asyncio.sleep(random.uniform(backoff / 2, backoff))
-            backoff = min(RECONNECT_MAX_S, backoff * 2)
+            if time.monotonic() - started > 10.0:   # a healthy stream: start over
+                backoff = BACKOFF_FIRST_S
+            # Jittered exponential back-off, cut short when the leader key names a
+            # leader, as agent/link.
+            changed = leader.changed
+            try:
+                await asyncio.wait_for(changed.wait(), jittered(backoff))
+                backoff = BACKOFF_FIRST_S
+                await asyncio.sleep(jittered(BACKOFF_FIRST_S))
+            except asyncio.TimeoutError:
+                backoff = min(RECONNECT_MAX_S, backoff * 2)
 
     async def _stream(self, address: str) -> None:
         async with grpc.aio.insecure_channel(address, options=self.options) as channel:
@@ -210,6 +259,8 @@ async def main(args) -> None:
     agents = [Agent(f"{args.prefix}{i:05d}", os.getpid() * 100_000 + i, args.controllers,
                     args.token, args.step_s, options) for i in range(args.agents)]
     keeper = asyncio.ensure_future(leases.keep_alive(LEASE_TTL_S / 3))
+    leader = LeaderKey(args.etcd)
+    follower = asyncio.ensure_future(leader.follow())
     stop = asyncio.Event()
     asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
 
@@ -225,7 +276,7 @@ async def main(args) -> None:
     teller = asyncio.ensure_future(tell())
     tasks = []
     for agent in agents:
-        tasks.append(asyncio.ensure_future(agent.run(leases)))
+        tasks.append(asyncio.ensure_future(agent.run(leases, leader)))
         if args.ramp_s:
             await asyncio.sleep(args.ramp_s / args.agents)
     await stop.wait()
@@ -239,6 +290,7 @@ async def main(args) -> None:
                                  "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
     sys.stdout.flush()
     keeper.cancel()
+    follower.cancel()
     for task in tasks:
         task.cancel()
 

@@ -6,6 +6,7 @@ an RPC by its method and status code."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from typing import TYPE_CHECKING
@@ -155,40 +156,35 @@ def _record(method: str, context, start: float, error: BaseException | None) -> 
     RPC_SECONDS.labels(method=method).observe(time.monotonic() - start)
 
 
+@contextlib.contextmanager
+def _counted(method: str, context):
+    """Counts and times the RPC the block serves."""
+    start, error = time.monotonic(), None
+    try:
+        yield
+    except BaseException as exc:  # context.abort raises; it is re-raised
+        error = exc
+        raise
+    finally:
+        _record(method, context, start, error)
+
+
 def _unary(behavior, method: str):
     def handle(request, context):
-        start, error = time.monotonic(), None
-        try:
+        with _counted(method, context):
             return behavior(request, context)
-        except BaseException as exc:  # context.abort raises; it is re-raised
-            error = exc
-            raise
-        finally:
-            _record(method, context, start, error)
     return handle
 
 
 def _async_streaming(behavior, method: str):
     async def handle(request_iterator, context):
-        start, error = time.monotonic(), None
-        try:
+        with _counted(method, context):
             return await behavior(request_iterator, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _record(method, context, start, error)
     return handle
 
 
 def _streaming(behavior, method: str):
     def handle(request, context):
-        start, error = time.monotonic(), None
-        try:
+        with _counted(method, context):
             yield from behavior(request, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _record(method, context, start, error)
     return handle

@@ -111,3 +111,15 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def poll(condition, timeout_s: float, period_s: float = 0.05):
+    """Call ``condition()`` every ``period_s`` until it returns something truthy, and
+    return that; None once ``timeout_s`` passed without."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(period_s)
+    return None

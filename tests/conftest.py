@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent.local_server import AgentLocalService, RankIdentity, serve
+from common.procs import poll
 from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary
 from protos import keel_pb2
 
@@ -72,13 +72,10 @@ def enable_etcd_auth(ctl: list[str]) -> None:
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until truthy; return its value or fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    value = poll(predicate, timeout_s, interval_s)
+    if not value:
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    return value
 
 
 def processes_mentioning(text: str) -> list[int]:

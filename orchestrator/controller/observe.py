@@ -31,8 +31,13 @@ def down_for(state: ControllerState, node: str, now: float) -> float:
 
 
 def newly_lost(state: ControllerState, job: JobRuntime, now: float) -> list[str]:
-    """Nodes of the job's generation that are no longer usable and not counted lost yet."""
-    return sorted(n for n in job.nodes - job.lost_nodes if not node_usable(state, n, now))
+    """Nodes of the job's generation that are no longer usable and not counted lost yet.
+    Only those that may not be are judged (no record, no stream, or one that is down),
+    found with set operations: a tick does not walk every node of a large job."""
+    nodes = job.nodes - job.lost_nodes
+    maybe = ((nodes - state.registered.keys()) | (nodes & state.down)
+             | (nodes - state.sessions.keys()))
+    return sorted(n for n in maybe if not node_usable(state, n, now))
 
 
 def free_slots(state: ControllerState, job: JobRuntime,

@@ -117,6 +117,7 @@ class ControllerState:
         # still squaring: per tick, the loop looks only at these.
         self.streams = 0
         self.unsettled: set[str] = set()
+        self.down: set[str] = set()   # nodes whose agent's stream is down
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
@@ -156,6 +157,7 @@ class ControllerState:
         self.sessions[session.node] = session
         self.streams += 1
         self.unsettled.add(session.node)
+        self.down.discard(session.node)
 
     def detach(self, session: AgentSession, now: float | None = None) -> None:
         """``session``'s stream is down (under the lock)."""
@@ -165,6 +167,8 @@ class ControllerState:
             if now is not None:
                 session.disconnected_at = now
             self.unsettled.add(session.node)
+            if self.sessions.get(session.node) is session:
+                self.down.add(session.node)
 
     def drop_sessions(self) -> None:
         """Every stream closed (stepping down)."""
@@ -174,6 +178,7 @@ class ControllerState:
         self.sessions.clear()
         self.streams = 0
         self.unsettled.clear()
+        self.down.clear()
 
     # ---------------------------------------------------------- the node records
     def nodes_read(self, kvs: list, _cluster: int) -> None:

@@ -174,6 +174,29 @@ straggler_policy = "alert"
 """
 
 
+def a_leader_a_standby_and_two_nodes(cluster, etcd) -> tuple[str, list[str]]:  # noqa: F811
+    """Start them; the standby's address, and the CLI's flags to reach the cluster."""
+    cluster.controller()
+    standby = cluster.controller(name="standby", lead=False)
+    for node in ("node-a", "node-b"):
+        cluster.agent(node, slots="1")
+    wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
+    return standby, ["--etcd-endpoints", etcd.endpoint, "--token-file",
+                     str(cluster.path / "token")]
+
+
+def trainer_spec(directory: Path, name: str, steps: int, every: int, checkpoints: Path) -> Path:
+    """``LOST_REPLY_SPEC`` as job ``name``, ``steps`` steps with a checkpoint every
+    ``every``, written in ``directory``."""
+    spec = directory / f"{name}.toml"
+    spec.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', f'"{name}"').replace(
+        '"30", "--checkpoint-every",\n           "10"',
+        f'"{steps}", "--checkpoint-every",\n           "{every}"').format(
+        checkpoints=checkpoints, python=sys.executable))
+    assert f'"{every}"' in spec.read_text()
+    return spec
+
+
 def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, etcd):  # noqa: F811
     """The controller's writes of the job's moves to STARTING and to RUNNING each commit
     in etcd, but their replies are lost. Before, the job stayed STARTING on a placement
@@ -300,18 +323,9 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     no idea which node it moved off, so no "replaced" event said so (seen as a keel-up
     handover inside a drain). Now the stop keeps the operation in etcd until the
     placement."""
-    cluster.controller()
-    standby = cluster.controller(name="standby", lead=False)
-    for node in ("node-a", "node-b"):
-        cluster.agent(node, slots="1")
-    wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
-    common = ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
+    standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)
     checkpoints = cluster.path / "checkpoints"
-    spec = cluster.path / "drained.toml"
-    spec.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', '"drained"').replace(
-        '"30", "--checkpoint-every",\n           "10"', '"40", "--checkpoint-every",\n'
-        '           "1000"').format(checkpoints=checkpoints, python=sys.executable))
-    assert '"1000"' in spec.read_text()
+    spec = trainer_spec(cluster.path, "drained", 40, 1000, checkpoints)
     assert keel("submit", str(spec), *common).returncode == 0
 
     def job():
@@ -353,12 +367,7 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     from orchestrator.controller.records import RECORDS_KEPT
     from orchestrator.controller.job_health import MAX_EVENTS
 
-    cluster.controller()
-    standby = cluster.controller(name="standby", lead=False)
-    for node in ("node-a", "node-b"):
-        cluster.agent(node, slots="1")
-    wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
-    common = ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
+    standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)
 
     def state_of(job):
         value = cluster.store.job_state(job).value
@@ -378,11 +387,7 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
             "samples": step * 4, "recorded_at": 0.0})
            for step in range(1, 10_001)}})
 
-    running = cluster.path / "running.toml"
-    running.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', '"running"').replace(
-        '"30", "--checkpoint-every",\n           "10"', '"1000000", "--checkpoint-every",\n'
-        '           "1000000"').format(checkpoints=checkpoints, python=sys.executable))
-    assert '"1000000"' in running.read_text()
+    running = trainer_spec(cluster.path, "running", 1_000_000, 1_000_000, checkpoints)
     assert keel("submit", str(running), *common).returncode == 0
 
     def stepping():
