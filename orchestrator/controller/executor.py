@@ -483,11 +483,14 @@ class Executor:
             if health.dropped:
                 self.store.delete_events(job.name, health.dropped)
                 health.dropped = []
-            for seq, event in list(health.unsaved.items()):
+            unsaved = list(health.unsaved.items())
+            if unsaved:
                 # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
-                self.store.put_event(job.name, seq, json_format.MessageToDict(event))
-                if health.unsaved.get(seq) is event:
-                    del health.unsaved[seq]
+                self.store.put_events(job.name, [(seq, json_format.MessageToDict(event))
+                                                 for seq, event in unsaved])
+                for seq, event in unsaved:
+                    if health.unsaved.get(seq) is event:
+                        del health.unsaved[seq]
         except Deposed:
             raise
         except Exception as exc:

@@ -159,7 +159,7 @@ class JobHealth:
 
     # -------------------------------------------------------------- stragglers
     def add_steps(self, reports) -> None:
-        """Ranks' step reports, already checked (``sessions._usable``)."""
+        """Ranks' step reports, already checked (steps from 1, finite times: ``sessions``)."""
         latest, nodes, append = self.latest, self.rank_nodes, self.samples.append
         sample = StepSample.checked_already
         for report in reports:

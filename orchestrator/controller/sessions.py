@@ -8,7 +8,8 @@ was committed, stacks of a hang arrived, a node is slow in preflight) and wakes 
 reconcile loop, which decides what they mean.
 
 A Hello costs two etcd calls (the agent's lease alive? its node record put on it), made
-on a pool of ``ADMITTING`` threads. Past ``ADMISSION_QUEUE`` Hellos waiting for them, a
+on a pool of ``ADMITTING`` threads, unless the agent reconnects on the lease its record
+is already on (a failover: then none). Past ``ADMISSION_QUEUE`` Hellos waiting for them, a
 Connect is refused at once with RESOURCE_EXHAUSTED: its agent backs off (jittered) and
 tries again, so a whole cluster reconnecting is let in at the rate etcd takes it,
 instead of timing out and reconnecting in waves.
@@ -121,9 +122,14 @@ class AgentService:
                               f"this controller serves at most {MAX_AGENTS} agents")
         record = {"host": hello.host, "slots": hello.slots, "pid": hello.pid,
                   "lease_id": hello.lease_id}
+        with state.lock:
+            # An agent reconnecting on the lease its record is on (after a failover, say):
+            # the record is alive (it goes with its lease, and the watch says so), and
+            # it is what it would be put as. No etcd call.
+            known = state.registered.get(hello.node) == record
         try:
-            lease_alive = state.store.lease_alive(hello.lease_id)
-            if lease_alive:
+            lease_alive = known or state.store.lease_alive(hello.lease_id)
+            if lease_alive and not known:
                 state.store.put_node(hello.node, record, hello.lease_id)
         except Deposed as exc:
             self.leadership.step_down(str(exc))
@@ -220,17 +226,17 @@ class AgentService:
         # The two an agent sends most often, first.
         if kind == "steps":
             job = self._job_for(body.job, body.generation)
-            reports = [r for r in body.reports if _usable(r)]
-            if len(reports) < len(body.reports):
+            reports = [r for r in body.reports if r.step >= 1 and 0 <= r.step_time_s < math.inf]
+            if len(reports) < len(body.reports):   # (the comparisons are false for NaN)
                 log.warning("ignoring step reports numbered below 1 or with a step time "
                             "that is not a finite number of seconds", node=session.node,
                             count=len(body.reports) - len(reports))
             if job is not None:
                 mine = job.ranks_on_node(session.node)
-                theirs = [r for r in reports if r.rank not in mine]
-                if theirs:
+                if not mine.issuperset(r.rank for r in reports):
+                    theirs = next(r for r in reports if r.rank not in mine)
                     self._refused(session, kind, rank_refusal(authority(job, session.node),
-                                                              theirs[0].rank))
+                                                              theirs.rank))
                     reports = [r for r in reports if r.rank in mine]
                 if body.replayed:
                     _progress(job, reports)
@@ -352,12 +358,6 @@ def authority(job: JobRuntime, node: str) -> NodeAuthority:
     ranks = job.ranks_on_node(node)
     return NodeAuthority(node=node, generation=job.generation, ranks=ranks,
                          commits=0 in ranks, checkpoint_dir=job.spec.checkpoint_dir)
-
-
-def _usable(report: keel_pb2.StepReport) -> bool:
-    """Steps are numbered from 1; a step time is finite seconds (0: not measured; the
-    comparisons are false for NaN)."""
-    return report.step >= 1 and 0 <= report.step_time_s < math.inf
 
 
 def _progress(job: JobRuntime, reports) -> None:

@@ -25,6 +25,7 @@ from common import keys
 from common.etcd import EtcdClient, prefix_end, read_prefix
 
 TXN_OPS = 100   # etcd refuses transactions of more than 128 operations by default
+TXN_BYTES = 1 << 20   # and requests over 1.5 MiB
 
 
 class StaleRevision(Exception):
@@ -179,8 +180,20 @@ class Store:
         self._write([tx.delete(keys.job(name), range_end=prefix_end(keys.job(name).encode()))])
 
     # ------------------------------------------------------------------- events
-    def put_event(self, name: str, seq: int, event: dict) -> None:
-        self._write([self.client.transactions.put(keys.event(name, seq), json.dumps(event))])
+    def put_events(self, name: str, events: list[tuple[int, dict]]) -> None:
+        """Events of job ``name`` (seq, event): a transaction per ``TXN_OPS`` of them or
+        about ``TXN_BYTES`` (a thousand nodes lost at once are ten writes, not a
+        thousand)."""
+        tx, batch, size = self.client.transactions, [], 0
+        for seq, event in events:
+            value = json.dumps(event)
+            if batch and (len(batch) == TXN_OPS or size + len(value) > TXN_BYTES):
+                self._write(batch)
+                batch, size = [], 0
+            batch.append(tx.put(keys.event(name, seq), value))
+            size += len(value)
+        if batch:
+            self._write(batch)
 
     def delete_events(self, name: str, seqs: list[int]) -> None:
         self._delete_each([keys.event(name, seq) for seq in seqs])
