@@ -55,7 +55,7 @@ from protos import keel_pb2, keel_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
-AGENTS_PER_PROCESS = 1500
+AGENTS_PER_PROCESS = 500
 CONNECT_S = 180.0        # the most a connect storm is waited for
 RANKS_PER_NODE = 8
 CLK_TCK = os.sysconf("SC_CLK_TCK")

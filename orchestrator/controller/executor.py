@@ -246,8 +246,7 @@ class Executor:
         log.warning("converging", node=session.node, job=fixing.job,
                     generation=fixing.generation, fix=fixing.fix.value, reason=fixing.reason)
         if fixing.fix is Fix.START:
-            part = next(p for p in job.placement if p.node == session.node)
-            self._send_start(job, part, now)
+            self._send_start(job, job.part_on(session.node), now)
             return
         session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
             job=fixing.job, generation=fixing.generation, reason=fixing.reason)))

@@ -134,6 +134,7 @@ class JobRuntime:
     # The index of ``placement`` (``_by_node``) and the placement it was made of.
     _index: dict = field(default_factory=dict, repr=False, compare=False)
     _nodes: frozenset = field(default=frozenset(), repr=False, compare=False)
+    _parts: dict = field(default_factory=dict, repr=False, compare=False)
     _indexed: object = field(default=None, repr=False, compare=False)
     # When the current generation was placed (monotonic), and how many generations in a
     # row failed without a healthy stretch (policy.guardrails): the restart back-off.
@@ -156,8 +157,14 @@ class JobRuntime:
             by_node: dict[str, frozenset[int]] = {}
             for part in self.placement:
                 by_node[part.node] = by_node.get(part.node, frozenset()) | frozenset(part.ranks)
+            self._parts = {part.node: part for part in self.placement}
             self._index, self._nodes, self._indexed = by_node, frozenset(by_node), self.placement
         return self._index
+
+    def part_on(self, node: str) -> NodeRanks | None:
+        """The current placement's part on ``node``."""
+        self._by_node()
+        return self._parts.get(node)
 
     @property
     def nodes(self) -> frozenset[str]:
