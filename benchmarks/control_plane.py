@@ -48,6 +48,7 @@ import grpc
 
 from common.etcd import connect
 from common.procs import poll as wait_for
+from common.procs import tied_to_this_process
 from common.tls import call_metadata
 from orchestrator.controller.store import Store
 from orchestrator.local.etcd_server import EmbeddedEtcd
@@ -156,8 +157,9 @@ class Generators:
 
 def start_controller(name: str, etcd: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     address_file = workdir / f"{name}.address"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "controller", "--etcd-endpoints", etcd,
+    proc = subprocess.Popen(   # dies with this script, however it ends (same pid: exec)
+        [*tied_to_this_process(), sys.executable, "-m", "orchestrator.cli", "controller",
+         "--etcd-endpoints", etcd,
          "--token-file", str(workdir / "token"), "--address-file", str(address_file),
          "--advertise-host", "127.0.0.1", "--listen", "127.0.0.1:0"],
         cwd=REPO, stdin=subprocess.DEVNULL, stdout=open(workdir / f"{name}.log", "wb"),
@@ -180,7 +182,8 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
     result = Size(nodes)
     workdir.mkdir(parents=True)
     (workdir / "token").write_text(TOKEN)
-    etcd = EmbeddedEtcd(data_parent=workdir, log_path=workdir / "etcd.log").start()
+    etcd = EmbeddedEtcd(data_parent=workdir, log_path=workdir / "etcd.log",
+                        die_with_parent=True).start()
     procs: list[subprocess.Popen] = []
     generators = None
     try:

@@ -34,7 +34,6 @@ class Watch:
         self.key, self.prefix, self.name = key, prefix, name
         self.on_reset, self.on_events = on_reset, on_events
         self.failing = False          # the last read or watch failed (until one works)
-        self.resets = 0               # how many times it was read whole
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
 
@@ -57,7 +56,6 @@ class Watch:
             try:
                 kvs, revision, cluster = self._read()
                 self.on_reset(kvs, cluster)
-                self.resets += 1
                 arrived: queue.Queue = queue.Queue()
                 extra = {"range_end": prefix_end(self.key.encode())} if self.prefix else {}
                 watch_id = self.etcd.add_watch_callback(self.key, arrived.put,
