@@ -284,21 +284,28 @@ def test_a_frozen_node_that_wakes_cannot_commit_over_its_replacement(no_leaks):
 
 
 def test_a_stalled_agent_no_longer_leaves_its_ranks_unsupervised(no_leaks):
-    """The only node's agent alone is stopped for 18 s; its rank runs on, and at step
+    """The only node's agent alone is stopped for 24 s; its rank runs on, and at step
     17 stops making progress (a hang nobody can see: the agent that would is stopped).
     Before, such a rank stayed as it was, unsupervised, with its resources, for as long
     as its agent was gone; now it stops itself once its agent has answered nothing for
-    the collective timeout (10 s here), and the job restarts on the node when its agent
-    is back."""
+    the collective timeout (16 s here), and the job restarts on the node when its agent
+    is back.
+
+    The stall is fired by `keel up` once it sees step 15 (up to a second late: the
+    agent's flush, then its poll), and the rank hangs two steps later: the hang floor
+    (8 s) is what keeps the agent from seeing the hang before it is stopped. With a
+    3 s floor the test failed once in CI with three generations; stopping `keel up`
+    for 4 s at step 14 reproduces that (the agent judges the hang, then is stopped in
+    the next generation), and with the 8 s floor the same 4 s leaves two."""
     run = no_leaks / "run"
     summary = run_up(run, "--nodes", "1", "--slots-per-node", "1", "--steps", "40",
-                     "--checkpoint-every", "5", "--no-preflight", "--hang-floor-s", "3",
-                     "--collective-timeout-s", "10",
-                     "--inject", "stall_agent:node=0,step=15,for=18",
+                     "--checkpoint-every", "5", "--no-preflight", "--hang-floor-s", "8",
+                     "--collective-timeout-s", "16",
+                     "--inject", "stall_agent:node=0,step=15,for=24",
                      "--inject", "hang:rank=0,step=17")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert "injected: node-0's agent" in summary["_stderr"]
-    assert (summary["steps"], summary["generations"]) == (40, 2)
+    assert (summary["steps"], summary["generations"]) == (40, 2), summary["events"]
     assert summary["data"] == EXACT_40
     assert_nothing_superseded_ran_on(run)
     rank0 = (run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.err").read_text()
