@@ -17,9 +17,9 @@ so the controller starts from ``initial_state()`` when it starts a generation.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
-import statistics
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 
@@ -137,10 +137,13 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
     is read off that order by skipping the node's own positions (O(its ranks))."""
     times: dict[int, list[float]] = {}
     node_of: dict[int, str] = {}
-    for sample in samples:
-        times.setdefault(sample.rank, []).append(sample.step_time_s)
-        node_of[sample.rank] = sample.node
-    rank_median = {rank: statistics.median(values) for rank, values in times.items()}
+    for rank, node, _, seconds in samples:
+        values = times.get(rank)
+        if values is None:
+            times[rank], node_of[rank] = [seconds], node
+        else:
+            values.append(seconds)
+    rank_median = {rank: _median(values) for rank, values in times.items()}
     order = sorted(rank_median, key=lambda rank: (rank_median[rank], rank))
     position = {rank: index for index, rank in enumerate(order)}
     ordered = [rank_median[rank] for rank in order]
@@ -155,6 +158,16 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
         scores.append(NodeScore(node, rank_median[slowest] / reference,
                                 len(by_node[node]), slowest))
     return scores
+
+
+def _median(values: list[float]) -> float:
+    """``statistics.median`` (the same float: the mean of the two middle values of an
+    even count), without its generality: it is called once per rank per window."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _median_without(ordered: list[float], skipped: list[int]) -> float:
@@ -182,27 +195,46 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
     are ignored) and evaluates every window that is now complete. Returns the new
     state, the flags raised in this call (a flagged node is not flagged again until it
     is cleared) and the nodes cleared in this call, in the order they happened."""
-    pending = {(s.rank, s.step): s for s in state.pending}
-    for sample in samples:
-        if sample.step > state.last_step:
-            pending.setdefault((sample.rank, sample.step), sample)
-    ranks = state.ranks | {rank for rank, _ in pending}
+    size, last_step = config.window, state.last_step
+    # What is not yet evaluated, by window on the grid (window i holds steps
+    # i*size+1 .. (i+1)*size), one sample per (rank, step): the first to arrive.
+    windows: dict[int, dict[tuple[int, int], StepSample]] = {}
+    latest: dict[int, int] = {}   # rank -> its newest step not yet evaluated
+    for sample in itertools.chain(state.pending, samples):
+        rank, _, step, _ = sample
+        if step <= last_step:
+            continue
+        index = (step - 1) // size
+        window = windows.get(index)
+        if window is None:
+            window = windows[index] = {}
+        key = (rank, step)
+        if key not in window:
+            window[key] = sample
+            if step > latest.get(rank, 0):
+                latest[rank] = step
+    ranks = state.ranks | latest.keys()
     streaks = {s.node: s for s in state.streaks}
     flagged = set(state.flagged)
-    last_step = state.last_step
     scores = state.scores
     flags: list[Flag] = []
     cleared: list[str] = []
 
-    while pending:
-        first = (min(step for _, step in pending) - 1) // config.window * config.window + 1
-        last = first + config.window - 1
-        if not _complete(first, last, ranks, pending):
+    while windows:
+        index = min(windows)
+        first, last = index * size + 1, (index + 1) * size
+        counts: dict[int, int] = {}
+        for rank, _ in windows[index]:
+            counts[rank] = counts.get(rank, 0) + 1
+        # Complete when every rank seen so far is done with it: it reported all of its
+        # steps, or a later one (then a missing one was lost, and waiting is futile).
+        if not all(counts.get(rank, 0) == size or latest.get(rank, 0) > last
+                   for rank in ranks):
             break
-        # (Scoring does not depend on the samples' order: no sort of everything pending.)
-        window = [pending.pop(key) for key in [key for key in pending if key[1] <= last]]
+        # (Scoring does not depend on the samples' order: no sort of the window.)
+        window = windows.pop(index).values()
         last_step = last
-        if len({s.rank for s in window}) < config.min_ranks:
+        if len(counts) < config.min_ranks:
             continue
         scores = tuple(score_window(window))
         for score in scores:
@@ -226,26 +258,13 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
                 streak = NodeStreak(score.node)
             streaks[score.node] = streak
 
+    pending = {key: sample for window in windows.values() for key, sample in window.items()}
     new_state = StragglerState(
         last_step=last_step, ranks=frozenset(ranks),
         pending=tuple(pending[key] for key in sorted(pending)),
         streaks=tuple(streaks[node] for node in sorted(streaks)),
         flagged=frozenset(flagged), scores=scores)
     return new_state, flags, cleared
-
-
-def _complete(first: int, last: int, ranks: Collection[int],
-              pending: dict[tuple[int, int], StepSample]) -> bool:
-    """Whether every rank seen so far is done with steps ``first..last``: it reported
-    all of them, or a later step (then a missing one was lost, and waiting is futile)."""
-    latest: dict[int, int] = {}
-    count: dict[int, int] = {}
-    for rank, step in pending:
-        latest[rank] = max(latest.get(rank, 0), step)
-        if first <= step <= last:
-            count[rank] = count.get(rank, 0) + 1
-    return all(count.get(rank, 0) == last - first + 1 or latest.get(rank, 0) > last
-               for rank in ranks)
 
 
 def _flag(score: NodeScore, streak: NodeStreak, first: int, last: int,
