@@ -66,8 +66,10 @@ def suspects(job: JobRuntime) -> frozenset[str]:
 
 def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
     """The snapshot ``policy.job.decide`` judges the job's lifecycle on."""
-    avoid = suspects(job)
-    free = free_slots(state, job)
+    # Only a PENDING job is placed: the walk over every node for its free slots is
+    # not made for a running one (a tick costs what changed, not the cluster's size).
+    avoid = suspects(job) if job.state is JobState.PENDING else frozenset()
+    free = free_slots(state, job) if job.state is JobState.PENDING else {}
     hang = job.health.hang_event
     hang_reason = (hang.reason + (f"; {hang.root_cause}" if hang.root_cause else "")
                    if hang is not None and job.state is JobState.RUNNING else "")
@@ -85,8 +87,8 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         generation_nodes=job.nodes, rendezvous_ready=job.rendezvous is not None,
         exits=tuple(job.exits.values()), lost_nodes=frozenset(job.lost_nodes),
         vanished_nodes=frozenset(job.vanished),
-        unreachable_nodes=frozenset(n for n in job.nodes - job.lost_nodes
-                                    if n in state.sessions and not state.sessions[n].connected),
+        # state.down: the nodes whose agent's stream is down (a set kept as they go).
+        unreachable_nodes=frozenset((job.nodes - job.lost_nodes) & state.down),
         stopped_nodes=frozenset(job.stopped_nodes), hang=hang_reason, replace=ready,
         replace_origin=job.operation.origin if job.operation else "operator",
         backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.repeated_failures),

@@ -64,7 +64,9 @@ class Observed:
     restarts: int
     generation: int = 0                # generations started so far
     generation_world_size: int = 0     # ranks of the current generation (may be shrunk)
-    free_slots: dict[str, int] = field(default_factory=dict)  # usable nodes not busy elsewhere
+    # Usable nodes not busy elsewhere; the controller fills it (and suspect_slots) only
+    # for a PENDING job, the one state that places.
+    free_slots: dict[str, int] = field(default_factory=dict)
     # Free slots on nodes the last generation had trouble with (hung, slow, moved off
     # on purpose): used only when the job cannot start without them.
     suspect_slots: dict[str, int] = field(default_factory=dict)
