@@ -365,9 +365,10 @@ class Agent:
             metrics.CONTROLLER_CONNECTED.labels(node).set(1 if self.link.up else 0)
             metrics.LEASE_OK.labels(node).set(
                 1 if now - self.lease_ok_at < self.config.lease_ttl_s else 0)
-            if now >= next_flush:
+            if now >= next_flush or self.reports.full():
                 self._flush_steps()
-                next_flush = now + self.config.report_flush_s
+                # At our own pace, or the controller's of a large cluster if longer.
+                next_flush = now + max(self.config.report_flush_s, self.link.report_interval_s)
             if now >= next_status:
                 # A status that did not change tells the controller nothing (it comes
                 # again after every Hello): sent on a change, else every 10 s, so a

@@ -32,6 +32,7 @@ from protos import keel_pb2, keel_pb2_grpc
 log = structlog.get_logger()
 
 BACKOFF_FIRST_S = 0.1
+MAX_REPORT_INTERVAL_S = 60.0   # an ask to batch step reports longer is not followed
 HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
 
 
@@ -50,7 +51,7 @@ class ControllerLink:
                  stopping: threading.Event):
         """``opening()`` gives the messages that open each stream (the Hello, then the
         replays); ``deliver`` takes every controller message of a current term but the
-        Welcome; ``controller``: a fixed host:port to dial instead of the leader's
+        Welcome and ReportPace (kept in ``report_interval_s``); ``controller``: a fixed host:port to dial instead of the leader's
         address (the leader key still gives the terms)."""
         self.leaders = leaders
         self.token = token
@@ -68,6 +69,9 @@ class ControllerLink:
         self._highest = 0            # the highest leader term seen
         self._refused_term = 0       # the last term refused (logged once)
         self.up = False              # a stream to a current controller is open
+        # How long the controller asks step reports to be batched (0: our own pace): in
+        # its Welcome, then in a ReportPace when its cluster grows or shrinks.
+        self.report_interval_s = 0.0
         self._leader_named = threading.Event()   # the key named a leader: retry now
         leaders.on_change = self.leader_changed
 
@@ -130,6 +134,10 @@ class ControllerLink:
                 return "stop" if self.stopping.is_set() else "leader"
         return "stop"
 
+    def _pace(self, interval_s: float) -> None:
+        # A value that is not a sane number of seconds is not followed: our own pace.
+        self.report_interval_s = interval_s if 0 < interval_s <= MAX_REPORT_INTERVAL_S else 0.0
+
     def run(self) -> None:
         """Keep a stream to the leader until ``stopping`` is set."""
         backoff = BACKOFF_FIRST_S
@@ -182,10 +190,18 @@ class ControllerLink:
                             break   # a superseded controller: find the leader again
                         self._see_term(message.term)
                         self.up = True
+                        self._pace(message.welcome.report_interval_s)
                         log.info("connected to controller", address=address,
                                  controller_id=message.welcome.controller_id,
-                                 term=message.term)
-                    elif self.current_term(message.term):
+                                 term=message.term,
+                                 report_interval_s=self.report_interval_s)
+                    elif not self.current_term(message.term):
+                        pass
+                    elif message.WhichOneof("kind") == "report_pace":
+                        self._pace(message.report_pace.interval_s)
+                        log.info("batching step reports as the controller asks",
+                                 report_interval_s=self.report_interval_s)
+                    else:
                         self.deliver(message)
             except grpc.RpcError as exc:
                 if not self.stopping.is_set():

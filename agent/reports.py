@@ -15,6 +15,9 @@ import time
 from protos import keel_pb2
 
 STEP_TIMES_KEPT = 64   # recent step times the hang timeout scales with
+# Step reports sent in one message at most, however long the controller asks batches
+# to be (a fast job on a large cluster): a message of these is about 250 KB.
+FULL_BATCH = 4096
 
 
 class Reports:
@@ -54,6 +57,10 @@ class Reports:
         """The generation stopped here: reports still arriving for it are dropped."""
         with self._lock:
             self._generation = None
+
+    def full(self) -> bool:
+        """Whether a batch's worth of step reports is waiting: send it now."""
+        return len(self._pending) >= FULL_BATCH   # (a length read needs no lock)
 
     # ------------------------------------------------------------ from the ranks
     def add_steps(self, generation: int, reports: list[keel_pb2.StepReport]) -> int | None:

@@ -3,9 +3,10 @@ loop, each speaking the real agent protocol to the controller over its own gRPC
 stream and TCP connection, each holding its own etcd lease.
 
 An agent here says Hello (with what it runs, after a reconnect), answers a rendezvous
-request, takes a generation's start and reports its ranks' steps once per
-``--step-s`` (one batch per node, a report per rank), sends its status as the real
-agent does (when it changes, and every 10 s), confirms a stop, and reconnects with
+request, takes a generation's start and reports its ranks' steps (a report per rank
+per ``--step-s``), batched as the real agent batches them: a message a step, or one
+per interval the controller asks for (``Welcome``, ``ReportPace``) if longer; sends its
+status as the real agent does (when it changes, and every 10 s), confirms a stop, and reconnects with
 jittered exponential back-off to whichever controller leads. It runs no rank process: what is measured is
 the control plane.
 
@@ -16,7 +17,8 @@ connection: what etcd sees per agent is the same). As the real agent does
 after a short jittered pause.
 
 Run by ``benchmarks.control_plane``; prints a JSON line to stdout every half second,
-``{"at": t, "by": {controller address: agents connected to it}}``, and a summary when
+``{"at": t, "by": {controller address: agents connected to it}, "paced": {report
+interval asked, seconds: agents connected}}``, and a summary when
 its stdin closes.
 """
 
@@ -142,6 +144,8 @@ class Agent:
         self.started: tuple[str, int] = ("", 0)
         self.stopped: tuple[str, int] | None = None
         self.steps = 0
+        self.batch: keel_pb2.StepReportBatch | None = None   # reports not yet sent
+        self.report_interval_s = 0.0   # as the controller asks (0: a message a step)
         self.connects = 0
         self.connected = ""        # the address of the controller it is connected to
         self.refusals = 0
@@ -166,16 +170,23 @@ class Agent:
             status.running.extend(self.start.ranks)
         return keel_pb2.AgentMessage(status=status)
 
-    def step_batch(self) -> keel_pb2.AgentMessage:
+    def step(self) -> None:
+        """Its ranks did a step: their reports wait for the next send."""
         self.steps += 1
         now = time.time()
-        batch = keel_pb2.StepReportBatch(job=self.start.job, generation=self.start.generation)
-        for assignment in self.start.ranks:
-            batch.reports.append(keel_pb2.StepReport(
+        start = self.start
+        if self.batch is None or (self.batch.job, self.batch.generation) != (
+                start.job, start.generation):
+            self.batch = keel_pb2.StepReportBatch(job=start.job, generation=start.generation)
+        for assignment in start.ranks:
+            self.batch.reports.append(keel_pb2.StepReport(
                 rank=assignment.rank, step=self.steps, loss=10.0 / (1 + 0.01 * self.steps),
                 tokens=4096, step_time_s=self.step_s * random.uniform(0.98, 1.02), at=now,
                 compute_s=self.step_s * 0.8))
-        return keel_pb2.AgentMessage(steps=batch)
+
+    def take_batch(self) -> keel_pb2.AgentMessage | None:
+        batch, self.batch = self.batch, None
+        return keel_pb2.AgentMessage(steps=batch) if batch is not None else None
 
     async def run(self, leases: Leases, leader: LeaderKey) -> None:
         self.lease_id = await leases.grant(LEASE_TTL_S)
@@ -219,6 +230,7 @@ class Agent:
             if first is grpc.aio.EOF:
                 await call   # raises the refusal
                 return
+            self.report_interval_s = first.welcome.report_interval_s
             self.connects += 1
             self.connected = address
             # One writer per stream (gRPC allows no concurrent writes): what the
@@ -248,9 +260,18 @@ class Agent:
         # Spread the agents' sends over the period, as independent machines would be.
         await asyncio.sleep(random.uniform(0, self.step_s))
         next_status = time.monotonic() + STATUS_REFRESH_S
+        next_send = time.monotonic()
         while True:
             if self.start is not None:
-                outbox.put_nowait(self.step_batch())
+                self.step()
+            now = time.monotonic()
+            if now >= next_send:
+                batch = self.take_batch()
+                if batch is not None:
+                    outbox.put_nowait(batch)
+                # (From the last send, not from now: a step's sleep overruns a little.)
+                next_send = max(next_send + max(self.step_s, self.report_interval_s),
+                                now - self.step_s)
             if time.monotonic() >= next_status:   # a change is sent when it happens
                 outbox.put_nowait(self.status())
                 next_status += STATUS_REFRESH_S
@@ -258,7 +279,9 @@ class Agent:
 
     def _on(self, message: keel_pb2.ControllerMessage, say) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "prepare_rendezvous":
+        if kind == "report_pace":
+            self.report_interval_s = message.report_pace.interval_s
+        elif kind == "prepare_rendezvous":
             prep = message.prepare_rendezvous
             say(keel_pb2.AgentMessage(rendezvous_ready=keel_pb2.RendezvousReady(
                 job=prep.job, generation=prep.generation, host="127.0.0.1", port=29500)))
@@ -295,10 +318,13 @@ async def main(args) -> None:
     async def tell():
         while True:
             by: dict[str, int] = {}
+            paced: dict[str, int] = {}   # report interval asked -> agents connected
             for agent in agents:
                 if agent.connected:
                     by[agent.connected] = by.get(agent.connected, 0) + 1
-            sys.stdout.write(json.dumps({"at": time.time(), "by": by}) + "\n")
+                    interval = f"{agent.report_interval_s:g}"
+                    paced[interval] = paced.get(interval, 0) + 1
+            sys.stdout.write(json.dumps({"at": time.time(), "by": by, "paced": paced}) + "\n")
             sys.stdout.flush()
             await asyncio.sleep(0.5)
     teller = asyncio.ensure_future(tell())

@@ -73,7 +73,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "term")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class ControllerMessage(_message.Message):
     ETCD_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
+    REPORT_PACE_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
@@ -93,8 +94,9 @@ class ControllerMessage(_message.Message):
     etcd_unreachable: EtcdUnreachable
     resync: Resync
     read_log: ReadLog
+    report_pace: ReportPace
     term: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
@@ -256,10 +258,18 @@ class LogChunk(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., out: _Optional[bytes] = ..., err: _Optional[bytes] = ..., out_offset: _Optional[int] = ..., err_offset: _Optional[int] = ..., running: _Optional[bool] = ..., path: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("controller_id",)
+    __slots__ = ("controller_id", "report_interval_s")
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     controller_id: str
-    def __init__(self, controller_id: _Optional[str] = ...) -> None: ...
+    report_interval_s: float
+    def __init__(self, controller_id: _Optional[str] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
+
+class ReportPace(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class PrepareRendezvous(_message.Message):
     __slots__ = ("job", "generation")

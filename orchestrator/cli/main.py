@@ -234,6 +234,10 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
               help="A node whose agent stream is down this long is lost.")
 @click.option("--rendezvous-timeout-s", type=float, default=30.0, show_default=True,
               help="Rank 0's agent must publish a rendezvous port within this.")
+@click.option("--report-messages-per-s", type=float, default=1000.0, show_default=True,
+              help="Step-report messages a second the agents send together, about: in a "
+                   "cluster past half as many agents, each is asked to batch its step "
+                   "reports for longer (1, 2, 4, up to 8 s).")
 @click.option("--finished-job-ttl-s", type=float, default=7 * 24 * 3600.0, show_default=True,
               help="Delete an ended job's records from etcd this long after it ended (0: "
                    "keep them until `keel delete JOB`). Its checkpoints stay on disk.")
@@ -244,8 +248,8 @@ def plan(params, layers, hidden, heads, vocab, gpus, gpus_per_node, gpu_memory_g
 @flags.log_options
 def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
                metrics_listen, metrics_address_file, finished_job_metrics_s, peak_flops,
-               node_lost_grace_s, rendezvous_timeout_s, finished_job_ttl_s,
-               log_format, log_level, **security):
+               node_lost_grace_s, rendezvous_timeout_s, report_messages_per_s,
+               finished_job_ttl_s, log_format, log_level, **security):
     """Run the controller daemon in the foreground.
 
     Serves mutual TLS when given certificates (--tls-dir, or --ca/--cert/--key), else
@@ -271,7 +275,8 @@ def controller(etcd_endpoints, token_file, listen, advertise_host, address_file,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
             finished_job_metrics_s=finished_job_metrics_s,
             peak_flops=_peak_flops(peak_flops), node_lost_grace_s=node_lost_grace_s,
-            rendezvous_timeout_s=rendezvous_timeout_s, finished_job_ttl_s=finished_job_ttl_s)
+            rendezvous_timeout_s=rendezvous_timeout_s, finished_job_ttl_s=finished_job_ttl_s,
+            report_messages_per_s=report_messages_per_s)
         configure("controller", fmt=log_format, level=log_level)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

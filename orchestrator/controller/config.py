@@ -26,6 +26,9 @@ class ControllerConfig:
     metrics_listen: str | None = None    # host:port of /metrics (see common.metrics); None = not served
     metrics_address_file: Path | None = None   # write the metrics host:port here once serving
     finished_job_metrics_s: float = 300.0      # an ended job's series are exported this long
+    # Step messages a second the agents send together, about: past it they are asked to
+    # batch their step reports for longer (orchestrator.policy.pacing).
+    report_messages_per_s: float = 1000.0
     # Peak FLOP/s per accelerator name (substring), over metrics.PEAK_FLOPS, for MFU.
     peak_flops: dict[str, float] = field(default_factory=dict)
     address_file: Path | None = None     # write "host:port" here once serving
@@ -64,5 +67,8 @@ class ControllerConfig:
             if not name or not flops > 0:
                 raise ValueError(f"peak FLOP/s {name}={flops}: give NAME=FLOPS with a "
                                  f"positive number, e.g. H100=989e12")
+        if not self.report_messages_per_s > 0:
+            raise ValueError(f"report_messages_per_s={self.report_messages_per_s}: give the "
+                             f"step messages a second the agents may send together, e.g. 1000")
         if self.rendezvous_timeout_s <= self.tick_s:
             raise ValueError("rendezvous_timeout_s must be longer than tick_s")

@@ -186,7 +186,10 @@ class JobCollector(Collector):
                 self._job(families, job, wall)
             if state.is_leader:
                 families.gauge("keel_agents_connected", "Agents whose stream is up").add_metric(
-                    [], sum(1 for s in state.sessions.values() if s.connected))
+                    [], state.connected())
+                families.gauge("keel_agent_report_interval_seconds",
+                               "How long agents are asked to batch their step reports "
+                               "(0: at their own pace)").add_metric([], state.report_interval_s)
                 nodes = families.gauge("keel_nodes", "Nodes by state", ["state"])
                 counts = dict.fromkeys(NODE_STATES, 0)
                 for name in set(state.registered) | set(state.sessions):

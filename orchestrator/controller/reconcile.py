@@ -33,7 +33,7 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.rebuild import carry_over, load_job
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
-from orchestrator.policy import adoption, convergence, operations, remediation
+from orchestrator.policy import adoption, convergence, operations, pacing, remediation
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState, past_retention
 from orchestrator.policy.straggler import evaluate
@@ -159,6 +159,7 @@ class Reconciler:
                     self.executor.account(session, adoption.account(
                         observe.agent_runs(session), jobs))
                 self._guarded(self.executor.agent_cordon, session)
+            self._pace()
             self._spend("agents' Hellos and cordons", began)
             wall = time.time()
             for job in list(state.jobs.values()):
@@ -197,6 +198,23 @@ class Reconciler:
                             session.leaving, session.pid, state.cordons.get(node))):
                     state.unsettled.add(node)   # to be looked at again until it agrees
             self._spend("converging the nodes", began)
+
+    def _pace(self) -> None:
+        """Ask every agent to batch its step reports for longer (or less long) when the
+        number of agents calls for it (``policy.pacing``; a new Hello is told in its
+        Welcome). O(1) a tick, O(agents) on the few ticks it changes."""
+        state = self.state
+        interval = pacing.report_interval_s(state.streams, state.config.report_messages_per_s,
+                                            state.report_interval_s)
+        if interval == state.report_interval_s:
+            return
+        log.info("asking the agents to batch their step reports", interval_s=interval,
+                 was_s=state.report_interval_s, agents=state.streams)
+        state.report_interval_s = interval
+        for session in state.sessions.values():
+            if session.connected:
+                session.send(keel_pb2.ControllerMessage(
+                    report_pace=keel_pb2.ReportPace(interval_s=interval)))
 
     def _unsettle_moved_jobs(self) -> None:
         """The nodes of a job whose plan moved (a new state, generation or placement,

@@ -152,7 +152,8 @@ class AgentService:
             # As put: the watch of the node records brings the same a moment later.
             state.registered[hello.node] = record
             session.send(keel_pb2.ControllerMessage(
-                welcome=keel_pb2.Welcome(controller_id=state.id)))
+                welcome=keel_pb2.Welcome(controller_id=state.id,
+                                         report_interval_s=state.report_interval_s)))
         state.wake.set()   # the reconcile loop squares its Hello with the plan
         return session, None
 

@@ -118,6 +118,7 @@ class ControllerState:
         self.streams = 0
         self.unsettled: set[str] = set()
         self.down: set[str] = set()   # nodes whose agent's stream is down
+        self.report_interval_s = 0.0  # asked of the agents (orchestrator.policy.pacing)
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
@@ -179,6 +180,7 @@ class ControllerState:
         self.streams = 0
         self.unsettled.clear()
         self.down.clear()
+        self.report_interval_s = 0.0
 
     # ---------------------------------------------------------- the node records
     def nodes_read(self, kvs: list, _cluster: int) -> None:

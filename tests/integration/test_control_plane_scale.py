@@ -8,6 +8,7 @@ each with its own etcd lease, many in one process."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +24,8 @@ from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.daemon import Controller
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import REPO, wait_for
+from tests.integration.test_control_plane import spawn
+from tests.integration.test_gray_failures import log_lines
 
 TOKEN = "t"
 AGENTS = 150
@@ -34,6 +37,7 @@ class SimulatedAgents:
 
     def __init__(self, etcd: str, controller: str, count: int):
         self.count = 0
+        self.paced: dict[str, int] = {}   # report interval asked -> agents connected
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.simulated_agents", "--etcd", etcd,
              "--controllers", controller, "--token", TOKEN, "--agents", str(count)],
@@ -44,6 +48,7 @@ class SimulatedAgents:
         for line in self.proc.stdout:
             message = json.loads(line)
             self.count = sum(message.get("by", {}).values())
+            self.paced = message.get("paced", {})
 
     def stop(self) -> None:
         self.proc.stdin.close()
@@ -176,4 +181,48 @@ def test_a_connect_storm_past_the_admission_queue_is_deferred_and_then_admitted(
             call.cancel()
         for channel in channels:
             channel.close()
+        controller.shutdown()
+
+
+def test_a_large_cluster_is_asked_to_batch_its_step_reports_for_longer(etcd, tmp_path):
+    """Each step message costs the controller the same whatever it carries: past
+    ``report_messages_per_s / 2`` agents, each is asked to batch for longer. At 50 a
+    second, 150 agents are asked for 4 s: as they connect, the interval grows 0, 1, 2,
+    4 s, told to those already connected (ReportPace) and to each new one (its
+    Welcome). A real agent that joins then is told 4 s in its Welcome, and its own pace
+    again (0) once the others have left."""
+    controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token=TOKEN,
+                                             report_messages_per_s=50.0))
+    address = controller.serve()
+    state = controller.state
+    agents = agent = None
+    (tmp_path / "token").write_text(TOKEN)
+    log = tmp_path / "agent.log"
+
+    def said(event: str) -> list[dict]:
+        return [e for e in log_lines(log) if e["event"] == event] if log.exists() else []
+    try:
+        wait_for(lambda: state.is_leader, 30, what="the controller to lead")
+        agents = SimulatedAgents(etcd.endpoint, address, AGENTS)
+        wait_for(lambda: agents.paced == {"4": AGENTS}, 120,
+                 what=f"{AGENTS} agents connected, each asked for 4 s batches")
+        assert state.report_interval_s == 4.0
+        agent = spawn(["-m", "agent", "--node", "real", "--slots", "1", "--etcd-endpoints",
+                       etcd.endpoint, "--token-file", str(tmp_path / "token"),
+                       "--run-dir", str(tmp_path / "real"), "--log-format", "json"], log)
+        wait_for(lambda: said("connected to controller"), 60, what="the real agent connected")
+        assert said("connected to controller")[-1]["report_interval_s"] == 4.0
+        agents.stop()
+        agents = None
+        wait_for(lambda: said("batching step reports as the controller asks"), 60,
+                 what="the real agent told its own pace again")
+        assert said("batching step reports as the controller asks")[-1][
+            "report_interval_s"] == 0.0
+        assert state.report_interval_s == 0.0
+    finally:
+        if agent is not None:
+            agent.send_signal(signal.SIGINT)
+            agent.wait(30)
+        if agents is not None:
+            agents.stop()
         controller.shutdown()

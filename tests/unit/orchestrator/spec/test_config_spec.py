@@ -44,6 +44,9 @@ def test_controller_config_checks_its_deadline_hierarchy():
         ControllerConfig(etcd_endpoints=("h:1",), token="t", etcd_timeout_s=20)
     with pytest.raises(ValueError, match="needs one"):
         ControllerConfig(etcd_endpoints=("h:1",), token="")
+    for budget in (0.0, -5.0, float("nan")):
+        with pytest.raises(ValueError, match="the step messages a second the agents may send"):
+            ControllerConfig(etcd_endpoints=("h:1",), token="t", report_messages_per_s=budget)
 
 
 def test_agent_config_checks_its_deadline_hierarchy():
