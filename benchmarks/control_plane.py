@@ -104,6 +104,7 @@ class Size:
     failover_s: float | None = None
     restarted: str = ""
     refusals: int = 0
+    lease_renewals: int = 0           # simulated agents whose lease expired under load
     note: str = ""
 
 
@@ -277,6 +278,7 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         if generators is not None:
             generators.stop()
             result.refusals = sum(s.get("refusals", 0) for s in generators.summaries)
+            result.lease_renewals = sum(s.get("lease_renewals", 0) for s in generators.summaries)
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()

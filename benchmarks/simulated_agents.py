@@ -48,6 +48,7 @@ STATUS_REFRESH_S = 10.0   # agent/daemon.STATUS_REFRESH_S
 # 2,000 agents did not refresh their leases within 5 s (most expired, and the job was
 # restarted for nodes "lost" that were alive); refreshes cost etcd, not the controller.
 LEASE_TTL_S = 15
+GRANTS_IN_FLIGHT = 16      # lease grants a process has in flight at once (see Leases)
 RECONNECT_MAX_S = 5.0     # agent/config.reconnect_max_s
 
 
@@ -62,13 +63,24 @@ class Leases:
         self.endpoint = endpoint
         self.channel = grpc.aio.insecure_channel(endpoint)
         self.stub = rpc_pb2_grpc.LeaseStub(self.channel)
-        self.ids: list[int] = []   # appended on the agents' loop, read by the keeper
+        self.ids: set[int] = set()   # added to on the agents' loop, read by the keeper
+        # Leases etcd says are gone (a refresh answered TTL 0: it expired while the
+        # generator, or etcd, was starved): their agents take new ones and say Hello
+        # again, as the real agent does (agent/daemon._register_again).
+        self.expired: set[int] = set()
+        # Grants in flight at once: each real agent asks for its lease once, when it
+        # starts, so etcd sees as many grants as agents, but not thousands in the same
+        # millisecond from one process sharing its cores (that starved etcd, and the
+        # controller stepped down for it).
+        self.granting = asyncio.Semaphore(GRANTS_IN_FLIGHT)
 
     async def grant(self, ttl: int) -> int:
         for attempt in range(20):
             try:
-                reply = await self.stub.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout=10)
-                self.ids.append(reply.ID)
+                async with self.granting:
+                    reply = await self.stub.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl),
+                                                       timeout=10)
+                self.ids.add(reply.ID)
                 return reply.ID
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.2 * (attempt + 1))
@@ -91,8 +103,10 @@ class Leases:
                 time.sleep(max(0.0, period_s - (time.monotonic() - began)))
         while True:
             try:
-                for _ in stub.LeaseKeepAlive(requests()):
-                    pass
+                for reply in stub.LeaseKeepAlive(requests()):
+                    if reply.TTL <= 0:
+                        self.ids.discard(reply.ID)
+                        self.expired.add(reply.ID)
             except grpc.RpcError:
                 time.sleep(0.5)
 
@@ -150,6 +164,8 @@ class Agent:
         self.connected = ""        # the address of the controller it is connected to
         self.refusals = 0
         self.errors = 0
+        self.renewals = 0          # leases found expired and taken again
+        self.leases: Leases | None = None
 
     def hello(self) -> keel_pb2.AgentMessage:
         hello = keel_pb2.Hello(node=self.node, host="127.0.0.1", slots=8, lease_id=self.lease_id,
@@ -189,6 +205,7 @@ class Agent:
         return keel_pb2.AgentMessage(steps=batch) if batch is not None else None
 
     async def run(self, leases: Leases, leader: LeaderKey) -> None:
+        self.leases = leases
         self.lease_id = await leases.grant(LEASE_TTL_S)
         backoff, index = BACKOFF_FIRST_S, random.randrange(len(self.addresses))
         while True:
@@ -252,7 +269,11 @@ class Agent:
     async def _pump(call, outbox: asyncio.Queue) -> None:
         try:
             while True:
-                await call.write(await outbox.get())
+                message = await outbox.get()
+                if message is None:   # hang up: the controller ends the stream
+                    await call.done_writing()
+                    return
+                await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             call.cancel()
 
@@ -262,6 +283,13 @@ class Agent:
         next_status = time.monotonic() + STATUS_REFRESH_S
         next_send = time.monotonic()
         while True:
+            if self.lease_id in self.leases.expired:
+                # The record went with the lease: a new lease, and a Hello on it.
+                self.leases.expired.discard(self.lease_id)
+                self.lease_id = await self.leases.grant(LEASE_TTL_S)
+                self.renewals += 1
+                outbox.put_nowait(None)
+                return
             if self.start is not None:
                 self.step()
             now = time.monotonic()
@@ -341,6 +369,7 @@ async def main(args) -> None:
                                  "connects": sum(a.connects for a in agents),
                                  "refusals": sum(a.refusals for a in agents),
                                  "errors": sum(a.errors for a in agents),
+                                 "lease_renewals": sum(a.renewals for a in agents),
                                  "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
     sys.stdout.flush()
     follower.cancel()

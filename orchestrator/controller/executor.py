@@ -5,6 +5,7 @@ state lock held, from the reconcile thread."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import structlog
@@ -35,6 +36,9 @@ from orchestrator.spec.health import job_deadlines
 from protos import keel_pb2
 
 log = structlog.get_logger()
+
+WAIT_LOG_S = 5.0    # a wait reason that only counts changes is logged this often at most
+_DIGITS = re.compile(r"\d+")
 
 # Older recorded checkpoints a generation may fall back to if its restore point fails
 # verification.
@@ -102,8 +106,13 @@ class Executor:
             job.goodput.waiting(time.time(), decision.action is Action.WAIT
                                 and decision.awaits_capacity)
         if decision.action is Action.WAIT:
-            if decision.reason != job.last_wait_reason:
-                job.last_wait_reason = decision.reason
+            # A new reason is logged; one that differs only in its numbers (slots free
+            # while a cluster connects, nodes still stopping) at most every WAIT_LOG_S.
+            shape = _DIGITS.sub("#", decision.reason)
+            if decision.reason != job.last_wait_reason and (
+                    shape != _DIGITS.sub("#", job.last_wait_reason)
+                    or now - job.last_wait_logged >= WAIT_LOG_S):
+                job.last_wait_reason, job.last_wait_logged = decision.reason, now
                 log.info("waiting", job=job.name, generation=job.generation,
                          state=job.state.value, reason=decision.reason)
             return
@@ -225,7 +234,7 @@ class Executor:
             restore_from=job.restore_from["path"] if job.restore_from else "", mesh=job.mesh,
             health=job.health.spec, deadlines=job.deadlines,
             restore_fallbacks=job.restore_fallbacks,
-            group_rank=job.placement.index(part), group_world_size=len(job.placement),
+            group_rank=job.group_rank(part), group_world_size=len(job.placement),
             max_restarts=job.spec.max_restarts, working_dir=job.spec.working_dir,
             cold_start=job.spec.cold_start)
         if job.health.spec.preflight_off:

@@ -83,7 +83,8 @@ class JobRuntime:
     step_times: collections.deque = field(  # the latest reported step times, seconds
         default_factory=lambda: collections.deque(maxlen=64))
     last_checkpoint: dict | None = None
-    last_wait_reason: str = ""
+    last_wait_reason: str = ""          # logged last (executor.apply), and when:
+    last_wait_logged: float = 0.0
     health: JobHealth | None = None
     initial_loss_stored: bool = False
     unrecorded: list[dict] = field(default_factory=list)   # commits not yet recorded in etcd
@@ -135,6 +136,7 @@ class JobRuntime:
     _index: dict = field(default_factory=dict, repr=False, compare=False)
     _nodes: frozenset = field(default=frozenset(), repr=False, compare=False)
     _parts: dict = field(default_factory=dict, repr=False, compare=False)
+    _positions: dict = field(default_factory=dict, repr=False, compare=False)
     _indexed: object = field(default=None, repr=False, compare=False)
     # When the current generation was placed (monotonic), and how many generations in a
     # row failed without a healthy stretch (policy.guardrails): the restart back-off.
@@ -158,6 +160,7 @@ class JobRuntime:
             for part in self.placement:
                 by_node[part.node] = by_node.get(part.node, frozenset()) | frozenset(part.ranks)
             self._parts = {part.node: part for part in self.placement}
+            self._positions = {id(part): i for i, part in enumerate(self.placement)}
             self._index, self._nodes, self._indexed = by_node, frozenset(by_node), self.placement
         return self._index
 
@@ -165,6 +168,12 @@ class JobRuntime:
         """The current placement's part on ``node``."""
         self._by_node()
         return self._parts.get(node)
+
+    def group_rank(self, part: NodeRanks) -> int:
+        """``part``'s position in the current placement (its node's group rank, as
+        torchrun's), without a search of the placement for each node."""
+        self._by_node()
+        return self._positions[id(part)]
 
     @property
     def nodes(self) -> frozenset[str]:
