@@ -108,6 +108,8 @@ class Leadership:
     def step_down(self, reason: str) -> None:
         state = self.state
         with state.lock:
+            if not state.is_leader and state.store.term is None:
+                return   # down already (every caller that finds the lead gone says so)
             was = state.store.term
             state.is_leader = False
             state.store.term = None
