@@ -196,7 +196,12 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
     result = Size(nodes)
     workdir.mkdir(parents=True)
     (workdir / "token").write_text(TOKEN)
-    etcd = EmbeddedEtcd(data_parent=workdir, log_path=workdir / "etcd.log",
+    # etcd's data in memory where there is a tmpfs: this machine's shared disk stalled
+    # etcd's fsync for up to 2.5 s under the load generator ("slow fdatasync" in its
+    # log), and the leader lease expired in it; a cluster's etcd has a disk of its own.
+    shm = Path("/dev/shm")
+    etcd = EmbeddedEtcd(data_parent=shm if shm.is_dir() else workdir,
+                        log_path=workdir / "etcd.log",
                         die_with_parent=True).start()
     procs: list[subprocess.Popen] = []
     generators = None
