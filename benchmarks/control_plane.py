@@ -356,7 +356,13 @@ def main() -> int:
             f"{r.etcd_writes_per_s:.2f}", str(r.step_downs), f"{r.generator_cpu * 100:.0f} %",
             f"{r.etcd_cpu * 100:.0f} %", fmt(r.failover_s, ".1f", " s"),
             r.restarted or "n/a"]) + (f"  [{r.note}]" if r.note else ""))
-    fitted = [r for r in results if r.running_s is not None]
+    # Only sizes whose steady window was healthy: a leader that answered no operator
+    # call or stepped down was blocked, not cheap, and its CPU says nothing of the cost.
+    fitted = [r for r in results if r.running_s is not None and r.rpc_ms and not r.step_downs]
+    left_out = [r.nodes for r in results if r.running_s is not None and r not in fitted]
+    if left_out:
+        print(f"\nleft out of the fit (no operator call answered, or a step-down in the "
+              f"steady window): {', '.join(map(str, left_out))} nodes")
     if len(fitted) >= 2:
         xs, ys = [r.nodes for r in fitted], [r.cpu for r in fitted]
         slope, intercept = statistics.linear_regression(xs, ys)
