@@ -251,9 +251,7 @@ class Executor:
 
     def fix(self, session: AgentSession, fixing: Fixing, now: float) -> None:
         """Carry out ``convergence.converge``'s decision about ``session``'s node."""
-        job = self.state.jobs.get(fixing.job)
-        log.warning("converging", node=session.node, job=fixing.job,
-                    generation=fixing.generation, fix=fixing.fix.value, reason=fixing.reason)
+        job = self.state.jobs.get(fixing.job)   # (the reconcile tick logs what it fixed)
         if fixing.fix is Fix.START:
             self._send_start(job, job.part_on(session.node), now)
             return

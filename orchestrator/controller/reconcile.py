@@ -184,6 +184,7 @@ class Reconciler:
             metrics.prune({job.name for job in metrics.exported(state, wall)})
             self._unsettle_moved_jobs()
             unsettled, state.unsettled = state.unsettled, set()
+            fixes: list[tuple[str, convergence.Fixing]] = []
             for node in unsettled:
                 session = state.sessions.get(node)
                 runs = observe.node_runs(session) if session and session.connected else None
@@ -193,10 +194,12 @@ class Reconciler:
                                               session.fixed_at)
                 if fixing is not None:
                     self.executor.fix(session, fixing, now)
+                    fixes.append((node, fixing))
                 if (fixing is not None or now - session.fixed_at < convergence.RESEND_S
                         or not session.accounted or operations.agent_cordon(
                             session.leaving, session.pid, state.cordons.get(node))):
                     state.unsettled.add(node)   # to be looked at again until it agrees
+            _log_fixes(fixes)
             self._spend("converging the nodes", began)
 
     def _pace(self) -> None:
@@ -323,3 +326,25 @@ class Reconciler:
                 executor.pass_on_checkpoint_request(job)
         decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
         executor.apply(job, decision, now)
+
+
+FIXES_LOGGED = 5   # nodes a tick's convergence names one by one; past it, one line
+
+
+def _log_fixes(fixes: list) -> None:
+    """What a tick's convergence told nodes to do: a line per node for a few, else one
+    line with the count per fix and the first nodes (a mass start or restart squares
+    thousands at once: a line each was most of the tick's time at 4,000 nodes)."""
+    if len(fixes) <= FIXES_LOGGED:
+        for node, fixing in fixes:
+            log.warning("converging", node=node, job=fixing.job,
+                        generation=fixing.generation, fix=fixing.fix.value,
+                        reason=fixing.reason)
+        return
+    counts: dict[str, int] = {}
+    for _, fixing in fixes:
+        counts[fixing.fix.value] = counts.get(fixing.fix.value, 0) + 1
+    _, first = fixes[0]
+    log.warning("converging", nodes=len(fixes), fixes=counts,
+                first_nodes=sorted(n for n, _ in fixes)[:FIXES_LOGGED],
+                job=first.job, generation=first.generation, reason=first.reason)

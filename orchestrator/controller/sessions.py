@@ -34,7 +34,7 @@ from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
-from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox
+from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import (NodeAuthority, checkpoint_refusal,
                                            rank_refusal)
@@ -58,6 +58,8 @@ class AgentService:
         self.state = state
         self.leadership = leadership
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (session, message | None)
+        self._post: LoopPost | None = None       # to the streams' outboxes (_post_on)
+        self._post_loop = None
         self.admitting = ThreadPoolExecutor(ADMITTING, thread_name_prefix="admit")
         self.waiting = 0      # Hellos being admitted or waiting to be (on the loop only)
         self.refused = 0      # Connects refused for want of room in the admission queue
@@ -92,7 +94,7 @@ class AgentService:
         self.waiting += 1
         try:
             session, refusal = await loop.run_in_executor(
-                self.admitting, self._admit, hello, LoopOutbox(loop))
+                self.admitting, self._admit, hello, LoopOutbox(self._post_on(loop)))
         finally:
             self.waiting -= 1
         if refusal is not None:
@@ -156,6 +158,12 @@ class AgentService:
                                          report_interval_s=state.report_interval_s)))
         state.wake.set()   # the reconcile loop squares its Hello with the plan
         return session, None
+
+    def _post_on(self, loop: asyncio.AbstractEventLoop) -> LoopPost:
+        """The one ``LoopPost`` of the server's loop (made on it, by its first stream)."""
+        if self._post is None or self._post_loop is not loop:
+            self._post, self._post_loop = LoopPost(loop), loop
+        return self._post
 
     async def _read(self, session: AgentSession, context) -> None:
         try:
