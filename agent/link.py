@@ -51,8 +51,9 @@ class ControllerLink:
                  stopping: threading.Event):
         """``opening()`` gives the messages that open each stream (the Hello, then the
         replays); ``deliver`` takes every controller message of a current term but the
-        Welcome and ReportPace (kept in ``report_interval_s``); ``controller``: a fixed host:port to dial instead of the leader's
-        address (the leader key still gives the terms)."""
+        Welcome and ReportPace (kept in ``report_interval_s``); ``controller``: a fixed
+        host:port to dial instead of the leader's address (the leader key still gives
+        the terms)."""
         self.leaders = leaders
         self.token = token
         self.tls = tls

@@ -59,7 +59,6 @@ class AgentService:
         self.leadership = leadership
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (session, message | None)
         self._post: LoopPost | None = None       # to the streams' outboxes (_post_on)
-        self._post_loop = None
         self.admitting = ThreadPoolExecutor(ADMITTING, thread_name_prefix="admit")
         self.waiting = 0      # Hellos being admitted or waiting to be (on the loop only)
         self.refused = 0      # Connects refused for want of room in the admission queue
@@ -161,8 +160,8 @@ class AgentService:
 
     def _post_on(self, loop: asyncio.AbstractEventLoop) -> LoopPost:
         """The one ``LoopPost`` of the server's loop (made on it, by its first stream)."""
-        if self._post is None or self._post_loop is not loop:
-            self._post, self._post_loop = LoopPost(loop), loop
+        if self._post is None or self._post.loop is not loop:
+            self._post = LoopPost(loop)
         return self._post
 
     async def _read(self, session: AgentSession, context) -> None:

@@ -31,7 +31,7 @@ class LoopPost:
     a tick, the state lock held)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self.loop = loop
         self._pending: collections.deque = collections.deque()   # (queue, message)
         self._lock = threading.Lock()
         self._scheduled = False
@@ -43,7 +43,7 @@ class LoopPost:
                 return   # a drain is due: it takes this one too
             self._scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:
             pass   # the loop is closed: the controller is stopping
 
