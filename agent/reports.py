@@ -12,6 +12,7 @@ import collections
 import threading
 import time
 
+from common.steps import summarize
 from protos import keel_pb2
 
 STEP_TIMES_KEPT = 64   # recent step times the hang timeout scales with
@@ -92,13 +93,16 @@ class Reports:
 
     # -------------------------------------------------------- to the controller
     def take_batch(self) -> keel_pb2.StepReportBatch | None:
-        """The step reports queued since the last call, or None."""
+        """The step reports queued since the last call, summed up per step
+        (``summarize``), or None."""
         with self._lock:
             reports, self._pending = self._pending, []
             if not reports or self._generation is None:
                 return None
             job, generation = self._generation
-        return keel_pb2.StepReportBatch(job=job, generation=generation, reports=reports)
+        node_steps, unsummed = summarize(reports)
+        return keel_pb2.StepReportBatch(job=job, generation=generation, reports=unsummed,
+                                        node_steps=node_steps)
 
     def last_steps(self) -> dict[int, int]:
         """Each rank's latest reported step."""
@@ -131,3 +135,4 @@ class Reports:
                 messages.append(keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
                     job=job, generation=generation, reports=latest, replayed=True)))
             return messages + list(self._replay)
+

@@ -3,12 +3,13 @@ loop, each speaking the real agent protocol to the controller over its own gRPC
 stream and TCP connection, each holding its own etcd lease.
 
 An agent here says Hello (with what it runs, after a reconnect), answers a rendezvous
-request, takes a generation's start and reports its ranks' steps (a report per rank
-per ``--step-s``), batched as the real agent batches them: a message a step, or one
-per interval the controller asks for (``Welcome``, ``ReportPace``) if longer; sends its
-status as the real agent does (when it changes, and every 10 s), confirms a stop, and reconnects with
-jittered exponential back-off to whichever controller leads. It runs no rank process: what is measured is
-the control plane.
+request, takes a generation's start and reports its ranks' steps (every ``--step-s``,
+one ``NodeStep`` a step for its 8 ranks, as the real agent sums them up), batched as
+the real agent batches them: a message a step, or one per interval the controller
+asks for (``Welcome``, ``ReportPace``) if longer; sends its status as the real agent
+does (when it changes, and every 10 s), confirms a stop, and reconnects with jittered
+exponential back-off to whichever controller leads. It runs no rank process: what is
+measured is the control plane.
 
 The leases are kept alive on one LeaseKeepAlive stream per process, and the leader key
 is watched once per process (the real agent keeps its own lease and watch on its own
@@ -194,11 +195,12 @@ class Agent:
         if self.batch is None or (self.batch.job, self.batch.generation) != (
                 start.job, start.generation):
             self.batch = keel_pb2.StepReportBatch(job=start.job, generation=start.generation)
-        for assignment in start.ranks:
-            self.batch.reports.append(keel_pb2.StepReport(
-                rank=assignment.rank, step=self.steps, loss=10.0 / (1 + 0.01 * self.steps),
-                tokens=4096, step_time_s=self.step_s * random.uniform(0.98, 1.02), at=now,
-                compute_s=self.step_s * 0.8))
+        # As the real agent sends them (``common.steps.summarize``): one entry a step.
+        ranks = sorted(assignment.rank for assignment in start.ranks)
+        self.batch.node_steps.append(keel_pb2.NodeStep(
+            step=self.steps, ranks=ranks, tokens=4096 * len(ranks), at=now,
+            step_time_s=[self.step_s * random.uniform(0.98, 1.02) for _ in ranks],
+            loss=10.0 / (1 + 0.01 * self.steps)))
 
     def take_batch(self) -> keel_pb2.AgentMessage | None:
         batch, self.batch = self.batch, None

@@ -449,16 +449,38 @@ class StepReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ..., restore_s: _Optional[float] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
-    __slots__ = ("job", "generation", "reports", "replayed")
+    __slots__ = ("job", "generation", "reports", "replayed", "node_steps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    NODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     reports: _containers.RepeatedCompositeFieldContainer[StepReport]
     replayed: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    node_steps: _containers.RepeatedCompositeFieldContainer[NodeStep]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ..., node_steps: _Optional[_Iterable[_Union[NodeStep, _Mapping]]] = ...) -> None: ...
+
+class NodeStep(_message.Message):
+    __slots__ = ("step", "ranks", "step_time_s", "tokens", "at", "checkpoint_s", "restore_s", "loss")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    step_time_s: _containers.RepeatedScalarFieldContainer[float]
+    tokens: int
+    at: float
+    checkpoint_s: float
+    restore_s: float
+    loss: float
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., step_time_s: _Optional[_Iterable[float]] = ..., tokens: _Optional[int] = ..., at: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., restore_s: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("job", "generation", "step", "path", "samples", "save_s", "bytes")

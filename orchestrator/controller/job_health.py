@@ -8,13 +8,15 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import structlog
 
 from orchestrator.controller import metrics
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
-from orchestrator.policy.straggler import Flag, StepSample, StragglerConfig, evaluate, initial_state
+from orchestrator.policy.straggler import (Flag, StepBlock, StragglerConfig, evaluate,
+                                           initial_state)
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -54,7 +56,7 @@ class JobHealth:
     rank_nodes: dict[int, str] = field(default_factory=dict)
     generation: int = 0
     straggler_state: object = field(default_factory=initial_state)
-    samples: list[StepSample] = field(default_factory=list)   # not yet scored
+    samples: list[tuple[str, list]] = field(default_factory=list)  # (node, tallies) not yet scored
     latest: dict[int, int] = field(default_factory=dict)      # rank -> newest step reported
     found_flags: list[SlowFlag] = field(default_factory=list)  # scored, for the next tick
     epoch: int = 0          # counts new generations: a score of an earlier one is dropped
@@ -158,22 +160,15 @@ class JobHealth:
         self.changed(event)
 
     # -------------------------------------------------------------- stragglers
-    def add_steps(self, reports) -> None:
-        """Ranks' step reports, already checked (steps from 1, finite times: ``sessions``)."""
-        latest, nodes, append = self.latest, self.rank_nodes, self.samples.append
-        sample = StepSample.checked_already
-        for report in reports:
-            # The rank's own time for the step, measured before it waits on its peers:
-            # a slow rank shows here, its healthy peers do not.
-            seconds = report.step_time_s
-            if seconds > 0:
-                rank = report.rank
-                node = nodes.get(rank)
-                if node is None:
-                    continue
-                step = report.step
-                append(sample(rank, node, step, seconds))
-                if step > latest.get(rank, 0):
+    def add_steps(self, node: str, tallies) -> None:
+        """Steps of ``node``'s ranks (``sessions.StepTally``: a step, its ranks and
+        their own step times), already checked (steps from 1, finite times)."""
+        latest = self.latest
+        self.samples.append((node, tallies))
+        for tally in tallies:
+            step = tally.step
+            for rank, seconds in zip(tally.ranks, tally.step_times):
+                if seconds > 0 and step > latest.get(rank, 0):
                     latest[rank] = step
 
     # Straggler scoring runs off the state lock, on the scorer's thread (``Reconciler.
@@ -190,9 +185,10 @@ class JobHealth:
         return min(self.latest.values()) >= (self.straggler_state.last_step
                                              + self.spec.straggler_window)
 
-    def take_scoring(self) -> tuple[int, object, list[StepSample], StragglerConfig]:
-        samples, self.samples = self.samples, []
-        return self.epoch, self.straggler_state, samples, self.straggler_config
+    def take_scoring(self) -> tuple[int, object, Iterator[StepBlock], StragglerConfig]:
+        """What the scorer scores; the samples are made as it reads them, off the lock."""
+        taken, self.samples = self.samples, []
+        return self.epoch, self.straggler_state, _samples(taken), self.straggler_config
 
     def settle_scoring(self, epoch: int, state, found: list[Flag], cleared: list[str]) -> bool:
         """Keep a score of this generation's samples; whether it flagged a node."""
@@ -260,6 +256,21 @@ class JobHealth:
                                        results=[results[k] for k in sorted(results)],
                                        slow=node in slow)
                 for node, results in sorted(self.preflight.items())]
+
+
+def _samples(taken: list[tuple[str, list]]) -> Iterator[StepBlock]:
+    """The straggler detector's samples of nodes' step tallies: a node's step each, of
+    its ranks whose own time for the step was measured (a slow rank shows there, its
+    healthy peers do not: it is taken before they wait on each other)."""
+    for node, tallies in taken:
+        for tally in tallies:
+            ranks, times = tally.ranks, tally.step_times
+            if min(times) <= 0:
+                kept = [(rank, t) for rank, t in zip(ranks, times) if t > 0]
+                if not kept:
+                    continue
+                ranks, times = tuple(r for r, _ in kept), tuple(t for _, t in kept)
+            yield StepBlock(node, tally.step, ranks, times)
 
 
 def _flag(flag: Flag) -> SlowFlag:

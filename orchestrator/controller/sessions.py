@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import queue
 import threading
@@ -30,6 +31,7 @@ import structlog
 
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.steps import summarize
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
@@ -235,7 +237,10 @@ class AgentService:
         if kind == "steps":
             job = self._job_for(body.job, body.generation)
             mine = job.ranks_on_node(session.node) if job is not None else frozenset()
-            reports, invalid, theirs = _checked_steps(body.reports, mine)
+            if body.replayed:
+                reports, invalid, theirs = _checked_replay(body.reports, mine)
+            else:
+                reports, invalid, theirs = _checked_steps(body, mine)
             if invalid:
                 log.warning("ignoring step reports numbered below 1 or with a step time "
                             "that is not a finite number of seconds", node=session.node,
@@ -247,7 +252,7 @@ class AgentService:
             if body.replayed:
                 _progress(job, reports)
             else:
-                _steps(job, body.generation, reports)
+                _steps(job, body.generation, session.node, reports)
         elif kind == "status":
             if session.status != body:
                 self.state.unsettled.add(session.node)
@@ -366,29 +371,67 @@ def authority(job: JobRuntime, node: str) -> NodeAuthority:
                          commits=0 in ranks, checkpoint_dir=job.spec.checkpoint_dir)
 
 
-class RankStep(collections.namedtuple(
-        "RankStep", "rank step loss tokens step_time_s at checkpoint_s restore_s")):
-    """What the controller keeps of a rank's ``StepReport``, read off the message once:
-    a tuple, whose fields cost a fraction of a protobuf attribute's to read again (the
-    job's progress, its health and its goodput each read them)."""
+class StepTally(collections.namedtuple(
+        "StepTally", "step ranks step_times tokens at checkpoint_s restore_s loss")):
+    """What the controller keeps of a ``NodeStep`` (one step of a node's ranks), read
+    off the message once: a tuple, whose fields cost a fraction of a protobuf
+    attribute's to read again (the job's progress, its health and its goodput each
+    read them); ``ranks`` and ``step_times`` are tuples, in the same order."""
     __slots__ = ()
 
 
-def _checked_steps(reports, mine: frozenset[int]) -> tuple[list[RankStep], int, int | None]:
-    """The reports of ``mine`` (the ranks the node hosts) numbered from 1 with a finite
-    step time, as ``RankStep``; how many were not (the comparisons are false for NaN);
-    and the first rank reported that is not the node's (None if none)."""
-    checked, invalid, theirs = [], 0, None
-    for report in reports:   # per report: a rank's step (32,000 a second at scale)
-        step, seconds, rank = report.step, report.step_time_s, report.rank
-        if not (step >= 1 and 0 <= seconds < math.inf):
-            invalid += 1
-        elif rank not in mine:
+def _checked_steps(body: keel_pb2.StepReportBatch, mine: frozenset[int],
+                   ) -> tuple[list[StepTally], int, int | None]:
+    """The batch's steps (its ``NodeStep``s, and its per-rank ``reports`` summed up the
+    same way) of ``mine`` (the ranks the node hosts), numbered from 1 with finite step
+    times, as ``StepTally``; how many rank reports were not (the comparisons are false
+    for NaN); and the first rank reported that is not the node's (None if none).
+    Per entry, not per rank: a node's step costs about the same whatever its ranks."""
+    node_steps, unsummed = summarize(body.reports) if body.reports else ((), ())
+    checked, invalid, theirs = [], len(unsummed), None
+    for entry in itertools.chain(body.node_steps, node_steps):
+        ranks, times = tuple(entry.ranks), tuple(entry.step_time_s)
+        count = len(ranks)
+        if not (entry.step >= 1 and count and len(times) == count
+                and min(times) >= 0 and max(times) < math.inf
+                and not any(map(math.isnan, times))):
+            invalid += count or 1
+            continue
+        if not mine.issuperset(ranks) or len(set(ranks)) != count:
+            ranks, times, other = _only_mine(ranks, times, mine)
             if theirs is None:
-                theirs = rank
+                theirs = other
+            if not ranks:
+                continue
+        checked.append(StepTally(entry.step, ranks, times, entry.tokens, entry.at,
+                                 entry.checkpoint_s, entry.restore_s, entry.loss))
+    return checked, invalid, theirs
+
+
+def _only_mine(ranks: tuple, times: tuple, mine: frozenset[int]) -> tuple[tuple, tuple, int | None]:
+    """The ranks of ``mine``, each once (its first time), with their times; and the
+    first rank that is not the node's (None if none)."""
+    kept: dict[int, float] = {}
+    other = None
+    for rank, seconds in zip(ranks, times):
+        if rank not in mine:
+            other = rank if other is None else other
+        elif rank not in kept:
+            kept[rank] = seconds
+    return tuple(kept), tuple(kept.values()), other
+
+
+def _checked_replay(reports, mine: frozenset[int]) -> tuple[list, int, int | None]:
+    """The replayed reports (each rank's latest) of ``mine`` numbered from 1; how many
+    were not; the first rank reported that is not the node's (None if none)."""
+    checked, invalid, theirs = [], 0, None
+    for report in reports:
+        if not report.step >= 1:
+            invalid += 1
+        elif report.rank not in mine:
+            theirs = report.rank if theirs is None else theirs
         else:
-            checked.append(RankStep(rank, step, report.loss, report.tokens, seconds,
-                                    report.at, report.checkpoint_s, report.restore_s))
+            checked.append(report)
     return checked, invalid, theirs
 
 
@@ -399,33 +442,33 @@ def _progress(job: JobRuntime, reports) -> None:
             job.step, job.loss = report.step, report.loss
 
 
-def _steps(job: JobRuntime, generation: int, reports) -> None:
-    """Rank steps first sent (``RankStep``s or ``StepReport``s, checked): the job's
-    tokens, step times, progress, health and goodput."""
-    if not reports:
+def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]) -> None:
+    """Steps of ``node``'s ranks first sent (``StepTally``s, checked): the job's tokens,
+    step times, progress, health and goodput."""
+    if not tallies:
         return
     tokens, latest, step_times, rank_times = 0, 0.0, job.step_times, job.rank_step_times
-    for report in reports:   # per report: a rank's step (32,000 a second at scale)
-        tokens += report.tokens
-        if report.at > latest:
-            latest = report.at
-        seconds = report.step_time_s
-        rank = report.rank
-        if seconds > 0:
-            step_times.append(seconds)
-            times = rank_times.get(rank)
-            if times is None:
-                times = rank_times[rank] = collections.deque(maxlen=5)
-            times.append(seconds)
-        if rank == 0:
+    for tally in tallies:   # per node step: 4,000 a second at scale, 8 ranks each
+        tokens += tally.tokens
+        if tally.at > latest:
+            latest = tally.at
+        ranks, times = tally.ranks, tally.step_times
+        step_times.extend(times if min(times) > 0 else [t for t in times if t > 0])
+        for rank, seconds in zip(ranks, times):
+            if seconds > 0:
+                recent = rank_times.get(rank)
+                if recent is None:
+                    recent = rank_times[rank] = collections.deque(maxlen=5)
+                recent.append(seconds)
+        if ranks[0] == 0:
             if not job.has_loss:
-                job.initial_loss, job.has_loss = report.loss, True
-            if report.step >= job.step:
-                job.step, job.loss = report.step, report.loss
+                job.initial_loss, job.has_loss = tally.loss, True
+            if tally.step >= job.step:
+                job.step, job.loss = tally.step, tally.loss
     job.tokens += tokens
     job.token_window.add(latest, tokens)
-    job.health.add_steps(reports)
-    job.goodput.steps(generation, reports, time.time())
+    job.health.add_steps(node, tallies)
+    job.goodput.steps(generation, tallies, time.time())
     metrics.recovered(job)
 
 

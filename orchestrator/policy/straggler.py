@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -73,11 +73,13 @@ class StepSample(collections.namedtuple("StepSample", "rank node step step_time_
                              f"report the positive seconds the step took")
         return super().__new__(cls, rank, node, step, step_time_s)
 
-    @classmethod
-    def checked_already(cls, rank: int, node: str, step: int, step_time_s: float) -> StepSample:
-        """One whose fields the caller has already checked (step from 1, a positive
-        finite time), made without checking them again."""
-        return tuple.__new__(cls, (rank, node, step, step_time_s))
+
+class StepBlock(collections.namedtuple("StepBlock", "node step ranks step_times")):
+    """Ranks ``ranks`` on node ``node`` computed step ``step`` in ``step_times`` seconds
+    (in the same order; each checked as a ``StepSample``'s is): a node's step in one
+    tuple, as its agent sends it, so that the controller makes one per node per step
+    rather than one per rank."""
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class StragglerState:
     """What ``evaluate`` carries from one call to the next; build it with ``initial_state``."""
     last_step: int = 0                      # every window through this step is evaluated
     ranks: frozenset[int] = frozenset()     # every rank that reported so far
-    pending: tuple[StepSample, ...] = ()    # reports after last_step, one per (rank, step)
+    pending: tuple[StepBlock, ...] = ()     # reports after last_step, as they arrived
     streaks: tuple[NodeStreak, ...] = ()    # by node name
     flagged: frozenset[str] = frozenset()
     scores: tuple[NodeScore, ...] = ()      # of the latest window scored, by node
@@ -131,10 +133,7 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
     its slowest rank, since its peers wait for it) to the median of the ranks on the
     other nodes. Leaving the node out keeps a slow node from raising its own yardstick:
     on two nodes the cluster median would be the mean of the slow and the fast, and a
-    1.5x node would score only 1.2x.
-
-    O(R log R) for R ranks: the rank medians are sorted once, and each node's reference
-    is read off that order by skipping the node's own positions (O(its ranks))."""
+    1.5x node would score only 1.2x."""
     times: dict[int, list[float]] = {}
     node_of: dict[int, str] = {}
     for rank, node, _, seconds in samples:
@@ -143,7 +142,13 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
             times[rank], node_of[rank] = [seconds], node
         else:
             values.append(seconds)
-    rank_median = {rank: _median(values) for rank, values in times.items()}
+    return _score({rank: _median(values) for rank, values in times.items()}, node_of)
+
+
+def _score(rank_median: dict[int, float], node_of: dict[int, str]) -> list[NodeScore]:
+    """``score_window`` from each rank's median and node. O(R log R) for R ranks: the
+    rank medians are sorted once, and each node's reference is read off that order by
+    skipping the node's own positions (O(its ranks))."""
     order = sorted(rank_median, key=lambda rank: (rank_median[rank], rank))
     position = {rank: index for index, rank in enumerate(order)}
     ordered = [rank_median[rank] for rank in order]
@@ -160,7 +165,7 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
     return scores
 
 
-def _median(values: list[float]) -> float:
+def _median(values: Sequence[float]) -> float:
     """``statistics.median`` (the same float: the mean of the two middle values of an
     even count), without its generality: it is called once per rank per window."""
     ordered = sorted(values)
@@ -189,28 +194,35 @@ def _median_without(ordered: list[float], skipped: list[int]) -> float:
     return (nth(middle - 1) + nth(middle)) / 2
 
 
-def evaluate(state: StragglerState, samples: Iterable[StepSample],
+def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
              config: StragglerConfig) -> tuple[StragglerState, list[Flag], list[str]]:
-    """Adds newly arrived ``samples`` (any order; repeats and steps already evaluated
-    are ignored) and evaluates every window that is now complete. Returns the new
-    state, the flags raised in this call (a flagged node is not flagged again until it
-    is cleared) and the nodes cleared in this call, in the order they happened."""
+    """Adds newly arrived ``samples`` (a rank's step, or a node's; any order; repeats
+    and steps already evaluated are ignored) and evaluates every window that is now
+    complete. Returns the new state, the flags raised in this call (a flagged node is
+    not flagged again until it is cleared) and the nodes cleared in this call, in the
+    order they happened."""
     size, last_step = config.window, state.last_step
     # What is not yet evaluated, by window on the grid (window i holds steps
-    # i*size+1 .. (i+1)*size), one sample per (rank, step): the first to arrive.
-    windows: dict[int, dict[tuple[int, int], StepSample]] = {}
-    latest: dict[int, int] = {}   # rank -> its newest step not yet evaluated
-    for sample in itertools.chain(state.pending, samples):
-        rank, _, step, _ = sample
+    # i*size+1 .. (i+1)*size), as it arrived.
+    windows: dict[int, list[StepBlock]] = {}
+    newest: dict[tuple[int, ...], int] = {}   # a block's ranks -> their newest step
+    for block in itertools.chain(state.pending, samples):
+        if type(block) is StepSample:
+            rank, node, step, seconds = block
+            block = StepBlock(node, step, (rank,), (seconds,))
+        step = block.step
         if step <= last_step:
             continue
         index = (step - 1) // size
         window = windows.get(index)
         if window is None:
-            window = windows[index] = {}
-        key = (rank, step)
-        if key not in window:
-            window[key] = sample
+            window = windows[index] = []
+        window.append(block)
+        if step > newest.get(block.ranks, 0):
+            newest[block.ranks] = step
+    latest: dict[int, int] = {}   # rank -> its newest step not yet evaluated
+    for block_ranks, step in newest.items():
+        for rank in block_ranks:
             if step > latest.get(rank, 0):
                 latest[rank] = step
     ranks = state.ranks | latest.keys()
@@ -223,20 +235,20 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
     while windows:
         index = min(windows)
         first, last = index * size + 1, (index + 1) * size
-        counts: dict[int, int] = {}
-        for rank, _ in windows[index]:
-            counts[rank] = counts.get(rank, 0) + 1
+        times, node_of = _rank_times(windows[index])
         # Complete when every rank seen so far is done with it: it reported all of its
         # steps, or a later one (then a missing one was lost, and waiting is futile).
-        if not all(counts.get(rank, 0) == size or latest.get(rank, 0) > last
-                   for rank in ranks):
+        # (The first test is the usual case, at C speed: every rank reported every step.)
+        if not ((times and len(times) == len(ranks) and min(map(len, times.values())) == size)
+                or all(len(times.get(rank, ())) == size or latest.get(rank, 0) > last
+                       for rank in ranks)):
             break
-        # (Scoring does not depend on the samples' order: no sort of the window.)
-        window = windows.pop(index).values()
+        del windows[index]
         last_step = last
-        if len(counts) < config.min_ranks:
+        if len(times) < config.min_ranks:
             continue
-        scores = tuple(score_window(window))
+        scores = tuple(_score({rank: _median(values) for rank, values in times.items()},
+                              node_of))
         for score in scores:
             streak = streaks.get(score.node, NodeStreak(score.node))
             if score.node in flagged:
@@ -258,13 +270,50 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample],
                 streak = NodeStreak(score.node)
             streaks[score.node] = streak
 
-    pending = {key: sample for window in windows.values() for key, sample in window.items()}
     new_state = StragglerState(
         last_step=last_step, ranks=frozenset(ranks),
-        pending=tuple(pending[key] for key in sorted(pending)),
+        pending=tuple(block for index in sorted(windows) for block in windows[index]),
         streaks=tuple(streaks[node] for node in sorted(streaks)),
         flagged=frozenset(flagged), scores=scores)
     return new_state, flags, cleared
+
+
+def _rank_times(blocks: list[StepBlock]) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
+    """Each rank's step times in a window (the first report of each of its steps counts)
+    and its node (of its first report). When every node sent each step once, for the
+    same ranks, and no rank twice (a healthy window), a node's ranks' times are its
+    blocks' columns, transposed at C speed; otherwise report by report."""
+    by_node: dict[str, list[StepBlock]] = {}
+    for block in blocks:
+        mine = by_node.get(block.node)
+        if mine is None:
+            by_node[block.node] = [block]
+        else:
+            mine.append(block)
+    regular = sum(len(mine[0].ranks) for mine in by_node.values()) == len(
+        set().union(*(mine[0].ranks for mine in by_node.values())))
+    for mine in by_node.values() if regular else ():
+        ranks = mine[0].ranks
+        if not (all(block.ranks == ranks for block in mine)
+                and len({block.step for block in mine}) == len(mine)):
+            regular = False
+            break
+    times: dict[int, Sequence[float]] = {}
+    node_of: dict[int, str] = {}
+    if regular:
+        for node, mine in by_node.items():
+            for rank, column in zip(mine[0].ranks, zip(*(block.step_times for block in mine))):
+                times[rank], node_of[rank] = column, node
+        return times, node_of
+    steps_of: dict[int, dict[int, float]] = {}
+    for node, step, ranks, seconds in blocks:
+        for rank, value in zip(ranks, seconds):
+            steps = steps_of.get(rank)
+            if steps is None:
+                steps_of[rank], node_of[rank] = {step: value}, node
+            elif step not in steps:
+                steps[step] = value
+    return {rank: list(steps.values()) for rank, steps in steps_of.items()}, node_of
 
 
 def _flag(score: NodeScore, streak: NodeStreak, first: int, last: int,

@@ -64,7 +64,9 @@ def run_generation(j: JobRuntime, generation: int, first_step: int, steps: int,
         now += 1.0
         reports = [keel_pb2.StepReport(rank=r, step=step, loss=1.0, tokens=100, at=now,
                                        step_time_s=0.9 if r < 3 else 1.5) for r in range(4)]
-        sessions._steps(j, generation, reports)
+        for node, ranks in (("n0", {0, 1}), (f"n{generation}", {2, 3})):
+            batch = keel_pb2.StepReportBatch(reports=[r for r in reports if r.rank in ranks])
+            sessions._steps(j, generation, node, sessions._checked_steps(batch, ranks)[0])
         j.health.score_now()
     return now
 

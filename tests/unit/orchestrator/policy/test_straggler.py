@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from orchestrator.policy.straggler import (Flag, StepSample, StragglerConfig, evaluate,
+from orchestrator.policy.straggler import (Flag, StepBlock, StepSample, StragglerConfig, evaluate,
                                     initial_state, score_window)
 
 NODE = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
@@ -234,3 +234,78 @@ def test_the_fast_scoring_is_the_definition_exactly(seed):
                                       rng.choice([0.1, 0.2, 0.25, 0.3, 1.0])))
     fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in score_window(samples)]
     assert fast == brute_force_scores(samples)
+
+
+def as_blocks(samples):
+    """The samples as agents send them: a ``StepBlock`` per node and step."""
+    grouped = {}
+    for s in samples:
+        ranks, times = grouped.setdefault((s.node, s.step), ([], []))
+        ranks.append(s.rank)
+        times.append(s.step_time_s)
+    return [StepBlock(node, step, tuple(ranks), tuple(times))
+            for (node, step), (ranks, times) in grouped.items()]
+
+
+def run_blocks(samples, config=CONFIG):
+    state, flags, clears = initial_state(), [], []
+    for step in sorted({s.step for s in samples}):
+        state, new_flags, cleared = evaluate(
+            state, as_blocks([s for s in samples if s.step == step]), config)
+        flags += new_flags
+        clears += [(state.last_step, node) for node in cleared]
+    return flags, clears
+
+
+@pytest.mark.parametrize("name, noise, factor, flagged_node", SERIES,
+                         ids=[case[0] for case in SERIES])
+def test_a_nodes_steps_in_blocks_decide_as_its_ranks_samples_do(name, noise, factor,
+                                                                flagged_node):
+    for seed in SEEDS:
+        samples = series(seed, noise, factor)
+        assert run_blocks(samples) == run(samples), (name, seed)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_blocks_with_lost_repeated_and_late_reports_decide_as_samples_do(seed):
+    """Windows that are not regular (a rank's report lost, a step sent twice, blocks of
+    a node that differ in ranks, arriving out of order) are scored report by report:
+    the same states and flags as the same reports sent one per rank."""
+    rng = random.Random(seed)
+    config = StragglerConfig(window=rng.randint(1, 5), patience=rng.randint(1, 2))
+    slow = {rank: rng.choice([1.0, 1.0, 1.6]) for rank in NODE}
+    samples = []
+    for step in range(1, 31):
+        for rank in NODE:
+            if rng.random() < 0.05:
+                continue   # lost
+            sample = StepSample(rank, NODE[rank], step, BASE_S * slow[rank] * rng.uniform(0.9, 1.1))
+            samples.append(sample)
+            if rng.random() < 0.05:
+                samples.append(sample._replace(step_time_s=sample.step_time_s * 3))  # repeat
+    by_samples, by_blocks = initial_state(), initial_state()
+    start = 0
+    while start < len(samples):
+        chunk = samples[start:start + rng.randint(1, 12)]
+        start += len(chunk)
+        rng.shuffle(chunk)
+        by_samples, flags_s, cleared_s = evaluate(by_samples, chunk, config)
+        by_blocks, flags_b, cleared_b = evaluate(by_blocks, as_blocks(chunk), config)
+        assert (flags_b, cleared_b) == (flags_s, cleared_s)
+        assert (by_blocks.last_step, by_blocks.streaks, by_blocks.flagged, by_blocks.scores) \
+            == (by_samples.last_step, by_samples.streaks, by_samples.flagged, by_samples.scores)
+
+
+@pytest.mark.parametrize("form", ["samples", "blocks"])
+def test_a_step_sent_again_counts_as_first_sent(form):
+    """Every step of rank 2 arrives twice, the second time 10x slower (a replay after a
+    reconnect, say): the first report of each step is the one scored."""
+    config = StragglerConfig(patience=1)
+    first = series(0, 0.0, steps=5)
+    again = [s._replace(step_time_s=s.step_time_s * 10) for s in first if s.rank == 2]
+    batches = [first, again] if form == "samples" else [as_blocks(first), as_blocks(again)]
+    state, flags, _ = evaluate(initial_state(), batches[0], config)
+    assert state.last_step == 5 and flags == []
+    state, flags, _ = evaluate(initial_state(), batches[0] + batches[1], config)
+    assert state.last_step == 5 and flags == []
+    assert [round(s.ratio, 6) for s in state.scores] == [1.0, 1.0]
