@@ -114,7 +114,8 @@ def node_runs(session: AgentSession) -> convergence.NodeRuns | None:
     return convergence.NodeRuns(node=session.node, pid=session.pid, job=status.job,
                                 generation=status.generation, phase=status.phase,
                                 started_job=status.started_job,
-                                started_generation=status.started_generation)
+                                started_generation=status.started_generation,
+                                received_at=session.status_at)
 
 
 def plans_on(state: ControllerState, node: str) -> list[convergence.PlanOnNode]:

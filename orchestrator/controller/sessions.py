@@ -256,7 +256,7 @@ class AgentService:
         elif kind == "status":
             if session.status != body:
                 self.state.unsettled.add(session.node)
-            session.status = body
+            session.status, session.status_at = body, time.monotonic()
         elif kind == "rendezvous_ready":
             job = self._job_for(body.job, body.generation)
             if (job and job.state is JobState.STARTING and job.placement

@@ -87,6 +87,7 @@ class AgentSession:
     # Its Hello has been squared with the plan (adoption); the reconcile loop does it.
     accounted: bool = False
     status: keel_pb2.AgentStatus | None = None   # what it said it runs, last
+    status_at: float = 0.0     # monotonic: when that status arrived
     fixed_at: float = 0.0      # monotonic: it was last sent a start or a stop
     leaving: str = ""          # the agent asked for its node to be drained: why
 

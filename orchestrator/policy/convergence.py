@@ -5,7 +5,12 @@ what to send until they agree. A pure decision.
 A message can be lost with a stream, and a controller can lose the reply to a write
 that went through: then a job may be RUNNING with nothing started on a node, or
 STOPPING with a node that never heard of the stop. The plan is the truth; the agent
-is told again, at most every ``RESEND_S``.
+is told again, at most every ``RESEND_S``, and only once a status it sent at least
+``RESEND_S`` after the last fix still shows the fix missing: at a mass start on a busy
+controller, statuses sent before the start arrive after it, and a resend on each of
+them would feed the load that delayed them. (An agent sends its status when it
+changes and at least every 10 s, so a start that truly went missing is sent again
+within about that.)
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class NodeRuns:
     phase: str                     # IDLE, RUNNING or STOPPING
     started_job: str               # the newest StartGeneration it was given
     started_generation: int
+    received_at: float             # monotonic: when the controller got the status
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,9 @@ class Fixing:
 def converge(now: float, runs: NodeRuns, plans: list[PlanOnNode],
              last_fix_at: float) -> Fixing | None:
     """What to send ``runs.node`` so that it runs what the plans say, or None."""
-    if now - last_fix_at < RESEND_S:
-        return None
+    if last_fix_at and (now - last_fix_at < RESEND_S
+                        or runs.received_at < last_fix_at + RESEND_S):
+        return None   # told just now, or not heard from since it could have acted
     # A generation that is not current goes first: a new one may not start beside it.
     if runs.job and runs.phase == "RUNNING":
         current = next((p for p in plans if p.job == runs.job), None)

@@ -4,9 +4,10 @@ from orchestrator.policy.convergence import RESEND_S, Fix, NodeRuns, PlanOnNode,
 from orchestrator.policy.lifecycle import JobState
 
 
-def runs(job="", generation=0, phase="IDLE", started=("", 0), pid=77):
+def runs(job="", generation=0, phase="IDLE", started=("", 0), pid=77, received_at=100.0):
     return NodeRuns(node="b", pid=pid, job=job, generation=generation, phase=phase,
-                    started_job=started[0], started_generation=started[1])
+                    started_job=started[0], started_generation=started[1],
+                    received_at=received_at)
 
 
 def plan(state=JobState.RUNNING, generation=2, placed=True, agent=77, stopped=False,
@@ -24,6 +25,18 @@ def test_a_node_that_never_got_its_start_is_started_again_but_not_too_often():
     assert fix(runs(), plan()) == (Fix.START, "j", 2)
     assert fix(runs(), plan(), now=100.0, last=100.0 - RESEND_S / 2) is None
     assert fix(runs(), plan(), now=100.0, last=100.0 - RESEND_S) == (Fix.START, "j", 2)
+
+
+def test_a_fix_is_sent_again_only_once_a_status_sent_after_it_still_shows_it_missing():
+    # Told at 90: a status that arrived by 90 + RESEND_S may have been sent before the
+    # agent got it (a busy controller reads statuses late), and is no reason to resend.
+    told = 90.0
+    for received in (80.0, told, told + RESEND_S / 2):
+        assert fix(runs(received_at=received), plan(), now=100.0, last=told) is None
+    assert fix(runs(received_at=told + RESEND_S), plan(), now=100.0, last=told) == \
+        (Fix.START, "j", 2)
+    # Never told: a status of any age is enough.
+    assert fix(runs(received_at=0.0), plan(), now=100.0, last=0.0) == (Fix.START, "j", 2)
 
 
 def test_a_start_goes_only_to_the_agent_incarnation_it_was_planned_for():
