@@ -86,6 +86,7 @@ class AgentService:
         if problem:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         if self.waiting >= ADMISSION_QUEUE:
+            self.state.agent_knocked_at = time.monotonic()
             self.refused += 1
             metrics.AGENTS_DEFERRED.inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -100,6 +101,7 @@ class AgentService:
             self.waiting -= 1
         if refusal is not None:
             await context.abort(*refusal)
+        self.state.agent_knocked_at = time.monotonic()
         log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
                  agents=self.state.connected())
         reader = asyncio.ensure_future(self._read(session, context))

@@ -153,6 +153,9 @@ class ControllerState:
         self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
+        # Monotonic: an agent was last let in, or told to back off and connect again
+        # (a cluster still reconnecting to a new leader: ``observe.taking_over``).
+        self.agent_knocked_at = 0.0
         self.replies = AgentReplies()
 
     @property
