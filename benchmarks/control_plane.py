@@ -168,6 +168,14 @@ class Generators:
     def connected_to(self, address: str) -> int:
         return sum(by.get(address, 0) for by in self.latest)
 
+    def most_connected(self) -> tuple[str, int]:
+        """The controller most agents are connected to, and how many."""
+        counts: dict[str, int] = {}
+        for by in self.latest:
+            for address, count in by.items():
+                counts[address] = counts.get(address, 0) + count
+        return max(counts.items(), key=lambda item: item[1], default=("", 0))
+
     def cpu_s(self) -> float:
         return sum(cpu_s(p.pid) for p in self.procs if p.poll() is None)
 
@@ -240,8 +248,12 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         if wait_for(lambda: generators.connected_to(leader_address) >= nodes, CONNECT_S, 0.1):
             result.connect_s = time.monotonic() - began
         else:
-            result.note = (f"{generators.connected_to(leader_address)}/{nodes} connected after "
-                           f"{CONNECT_S:g} s")
+            address, count = generators.most_connected()
+            whom = ("the first leader" if address == leader_address else
+                    "the standby (the first leader lost the lead)" if address else "none")
+            result.note = (f"{generators.connected_to(leader_address)}/{nodes} connected to the "
+                           f"first leader after {CONNECT_S:g} s; most ({count}) to {whom}; "
+                           f"{step_downs(workdir)} step-downs")
             return result
 
         def job() -> keel_pb2.JobStatus | None:
@@ -290,7 +302,8 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         result.step_downs = step_downs(workdir) - logs0
         result.rss, result.threads = peak["rss"], peak["threads"]
         before = job()
-        if first is not None and before is not None:
+        # (Not after a step-down: the new leader counts the job's tokens from zero.)
+        if first is not None and before is not None and not result.step_downs:
             should = nodes * RANKS_PER_NODE * TOKENS_PER_RANK_STEP / STEP_S
             result.delivered = (before.tokens - first.tokens) / elapsed / should
         channel.close()
@@ -401,8 +414,9 @@ def main() -> int:
         if small.cpu > 0:
             print(f"CPU per node at {large.nodes} against {small.nodes} nodes: "
                   f"{(large.cpu / large.nodes) / (small.cpu / small.nodes):.2f} (1.00 is linear)")
-    if args.keep:
-        print(f"logs kept in {root}", file=sys.stderr)
+    if args.keep or any(r.note for r in results):
+        print(f"logs kept in {root}" + ("" if args.keep else " (a size failed)"),
+              file=sys.stderr)
     else:
         import shutil
         shutil.rmtree(root, ignore_errors=True)
