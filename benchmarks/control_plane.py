@@ -55,7 +55,7 @@ from common.procs import poll as wait_for
 from common.procs import tied_to_this_process
 from common.tls import call_metadata
 from orchestrator.controller.store import Store
-from orchestrator.local.etcd_server import EmbeddedEtcd
+from orchestrator.local.etcd_server import EmbeddedEtcd, memory_backed_dir
 from protos import keel_pb2, keel_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -223,8 +223,7 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
     # etcd's data in memory where there is a tmpfs: this machine's shared disk stalled
     # etcd's fsync for up to 2.5 s under the load generator ("slow fdatasync" in its
     # log), and the leader lease expired in it; a cluster's etcd has a disk of its own.
-    shm = Path("/dev/shm")
-    etcd = EmbeddedEtcd(data_parent=shm if shm.is_dir() else workdir,
+    etcd = EmbeddedEtcd(data_parent=memory_backed_dir() or workdir,
                         log_path=workdir / "etcd.log",
                         die_with_parent=True).start()
     procs: list[subprocess.Popen] = []

@@ -21,7 +21,7 @@ import pytest
 
 from agent.local_server import AgentLocalService, RankIdentity, serve
 from common.procs import poll
-from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary
+from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary, memory_backed_dir
 from protos import keel_pb2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +48,10 @@ def _unit_tests_start_no_processes(request, monkeypatch):
 
 @pytest.fixture
 def etcd():
-    with EmbeddedEtcd() as server:
+    # Its data in memory where there is room: the tests' agents hold 2 s leases, and on
+    # a shared disk under the suite's load etcd's fsync stalled past them (two agents'
+    # leases lost at once, their job failed). What is tested is Keel, not the disk.
+    with EmbeddedEtcd(data_parent=memory_backed_dir()) as server:
         yield server
 
 

@@ -45,6 +45,22 @@ def etcd_binary() -> Path:
     return path
 
 
+# etcd preallocates 64 MB WAL segments; a tmpfs with less room than this (a container's
+# default /dev/shm is 64 MB) is not used.
+MEMORY_DIR_MIN_FREE = 1 << 30
+
+
+def memory_backed_dir() -> Path | None:
+    """``/dev/shm`` where it is a tmpfs with room for etcd's data, else None: for a
+    throwaway etcd (tests, benchmarks) whose fsyncs must not stall on a shared disk."""
+    shm = Path("/dev/shm")
+    try:
+        return shm if shm.is_dir() and shutil.disk_usage(shm).free >= MEMORY_DIR_MIN_FREE \
+            else None
+    except OSError:
+        return None
+
+
 class EmbeddedEtcd:
     """A single-member etcd on 127.0.0.1, alive between ``start()`` and ``stop()``."""
 
