@@ -15,6 +15,7 @@ connects to the new leader; keepalives end a stream to a controller that stalls.
 
 from __future__ import annotations
 
+import collections
 import queue
 import random
 import threading
@@ -34,6 +35,8 @@ log = structlog.get_logger()
 BACKOFF_FIRST_S = 0.1
 MAX_REPORT_INTERVAL_S = 60.0   # an ask to batch step reports longer is not followed
 HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
+_NOTHING = object()   # no message taken off the outbox (None is the close request)
+_ENDED = object()     # the stream a message was taken for has ended
 
 
 def jittered(backoff_s: float, rng: random.Random | None = None) -> float:
@@ -63,6 +66,9 @@ class ControllerLink:
         self.deliver = deliver
         self.stopping = stopping
         self.outbox: queue.Queue = queue.Queue()
+        # Taken off the outbox for a stream that ended meanwhile: the next one sends them.
+        self._carried: collections.deque = collections.deque()
+        self._carry_lock = threading.Lock()
         self._lock = threading.Lock()
         self._call = None            # the Connect call in progress
         self._dialled: str | None = None   # the address it goes to
@@ -168,14 +174,34 @@ class ControllerLink:
 
     def _requests(self, closed: threading.Event):
         yield from self.opening()
-        while not closed.is_set():
-            try:
-                message = self.outbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if message is None:
+        while True:
+            message = self._take(closed)
+            if message is None or message is _ENDED:
                 return
             yield message
+
+    def _take(self, closed: threading.Event):
+        """The next message for the stream ``closed`` belongs to; ``_ENDED`` once that
+        stream has ended. gRPC pulls a stream's messages on a thread of its own, which
+        may still be waiting on the outbox when the stream ends: a message it takes then
+        is kept, in order, for the next stream (before, it went to the ended stream and
+        was lost: a rendezvous answer sent just after a reconnect, and the generation
+        waited 30 s for it)."""
+        while not closed.is_set():
+            taken = _NOTHING
+            if not self._carried:
+                try:
+                    taken = self.outbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+            with self._carry_lock:
+                if taken is not _NOTHING:
+                    self._carried.append(taken)
+                if closed.is_set():
+                    break   # the next stream sends it
+                if self._carried:
+                    return self._carried.popleft()
+        return _ENDED
 
     def _stream(self, address: str) -> None:
         closed = threading.Event()
