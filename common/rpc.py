@@ -32,6 +32,12 @@ CHANNEL_OPTIONS = [
     *MESSAGE_LIMITS,
 ]
 SERVER_OPTIONS = [
+    # No bandwidth-delay probing: it pings a peer on the data it sends, to size flow
+    # control for bulk transfers. Agents' messages are small and many (thousands of
+    # streams), and the probes were an eighth of a controller's CPU at 2,000 agents
+    # (benchmarks.control_plane); the default window still carries an operator's
+    # largest reply at LAN speed.
+    ("grpc.http2.bdp_probe", 0),
     ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
