@@ -182,7 +182,7 @@ class Executor:
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
         job.placed_at = now
-        job.rank_step_times.clear()
+        job.node_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
         job.step = restore.get("step", 0) if restore else 0

@@ -58,6 +58,7 @@ class JobHealth:
     straggler_state: object = field(default_factory=initial_state)
     samples: list[tuple[str, list]] = field(default_factory=list)  # (node, tallies) not yet scored
     latest: dict[int, int] = field(default_factory=dict)      # rank -> newest step reported
+    node_latest: dict[str, int] = field(default_factory=dict)  # node -> its ranks' newest
     found_flags: list[SlowFlag] = field(default_factory=list)  # scored, for the next tick
     epoch: int = 0          # counts new generations: a score of an earlier one is dropped
     flag_times: dict[str, list[float]] = field(default_factory=dict)
@@ -123,7 +124,7 @@ class JobHealth:
         self.rank_nodes = rank_nodes
         self.straggler_state = initial_state()
         self.samples = []
-        self.latest = {}
+        self.latest, self.node_latest = {}, {}
         self.found_flags = []
         self.epoch += 1
         self.hang_event = None
@@ -163,13 +164,21 @@ class JobHealth:
     def add_steps(self, node: str, tallies) -> None:
         """Steps of ``node``'s ranks (``sessions.StepTally``: a step, its ranks and
         their own step times), already checked (steps from 1, finite times)."""
-        latest = self.latest
+        latest, newest = self.latest, self.node_latest
         self.samples.append((node, tallies))
         for tally in tallies:
-            step = tally.step
-            for rank, seconds in zip(tally.ranks, tally.step_times):
+            step, ranks, times = tally.step, tally.ranks, tally.step_times
+            if step > newest.get(node, 0) and min(times) > 0:
+                # Past the newest step of any of the node's ranks (the usual case: a
+                # node's steps come in order): every rank's newest, at C speed.
+                latest.update(dict.fromkeys(ranks, step))
+                newest[node] = step
+                continue
+            for rank, seconds in zip(ranks, times):
                 if seconds > 0 and step > latest.get(rank, 0):
                     latest[rank] = step
+                    if step > newest.get(node, 0):
+                        newest[node] = step
 
     # Straggler scoring runs off the state lock, on the scorer's thread (``Reconciler.
     # score_loop``): under the lock it takes the samples (``take_scoring``), scores them

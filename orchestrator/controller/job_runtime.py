@@ -24,6 +24,7 @@ MAX_FAILURES = 20
 PLACEMENTS_KEPT = 64
 
 
+RECENT_STEPS = 5         # a rank's latest own step times its series is the median of
 TOKENS_WINDOW_S = 10.0   # the tokens/s figure is over the reports of this long
 
 
@@ -127,8 +128,10 @@ class JobRuntime:
     # fault happened, was detected, the old generation stopped and the new one started
     # (wall clock), and its cause. None when no recovery is under way.
     recovery: dict | None = None
-    # Each rank's latest own step times (seconds), for the slowest ranks' series.
-    rank_step_times: dict[int, collections.deque] = field(default_factory=dict)
+    # Each node's latest steps (ranks, their own step times in seconds), for the
+    # slowest ranks' series: kept a node's step at a time, read a rank at a time only
+    # when the series is scraped (``recent_rank_times``).
+    node_step_times: dict[str, collections.deque] = field(default_factory=dict)
     # Which node ran each rank of the generations this leader placed (the newest
     # PLACEMENTS_KEPT), so their output can be read after they ended.
     placements: dict[int, dict[int, str]] = field(default_factory=dict)
@@ -188,6 +191,17 @@ class JobRuntime:
     def rank_nodes(self) -> dict[int, str]:
         """Each rank of the current placement, and its node."""
         return {rank: p.node for p in self.placement for rank in p.ranks}
+
+    def recent_rank_times(self) -> dict[int, list[float]]:
+        """Each rank's own step times (measured: > 0) in its node's latest
+        ``RECENT_STEPS`` steps."""
+        times: dict[int, list[float]] = {}
+        for recent in self.node_step_times.values():
+            for ranks, seconds in recent:
+                for rank, value in zip(ranks, seconds):
+                    if value > 0:
+                        times.setdefault(rank, []).append(value)
+        return times
 
     def remember_placement(self) -> None:
         """Keep the current generation's rank-to-node map among the recent ones."""

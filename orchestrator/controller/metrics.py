@@ -252,7 +252,7 @@ class JobCollector(Collector):
         ranks = f.gauge("keel_rank_step_seconds", f"Median own step time of the {TOP_RANKS} "
                         f"slowest ranks, latest steps", ["job_name", "rank"])
         medians = {rank: statistics.median(times)
-                   for rank, times in job.rank_step_times.items() if times}
+                   for rank, times in job.recent_rank_times().items()}
         for rank in sorted(medians, key=lambda r: (-medians[r], r))[:TOP_RANKS]:
             ranks.add_metric([name, str(rank)], medians[rank])
         self._goodput(f, job)

@@ -110,7 +110,7 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
     fresh.health = old.health
     for name in ("step", "loss", "initial_loss", "has_loss", "initial_loss_stored", "tokens",
                  "token_window", "step_times", "unrecorded", "checkpoint_problems",
-                 "recovery", "rank_step_times"):
+                 "recovery", "node_step_times"):
         setattr(fresh, name, getattr(old, name))
     if fresh.state is old.state and fresh.generation == old.generation:
         # No transition happened that this controller missed: its accounting is ahead

@@ -34,7 +34,7 @@ from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.steps import summarize
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
-from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
@@ -456,19 +456,17 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     step times, progress, health and goodput."""
     if not tallies:
         return
-    tokens, latest, step_times, rank_times = 0, 0.0, job.step_times, job.rank_step_times
+    tokens, latest, step_times = 0, 0.0, job.step_times
+    recent = job.node_step_times.get(node)
+    if recent is None:
+        recent = job.node_step_times[node] = collections.deque(maxlen=RECENT_STEPS)
     for tally in tallies:   # per node step: 4,000 a second at scale, 8 ranks each
         tokens += tally.tokens
         if tally.at > latest:
             latest = tally.at
         ranks, times = tally.ranks, tally.step_times
         step_times.extend(times if min(times) > 0 else [t for t in times if t > 0])
-        for rank, seconds in zip(ranks, times):
-            if seconds > 0:
-                recent = rank_times.get(rank)
-                if recent is None:
-                    recent = rank_times[rank] = collections.deque(maxlen=5)
-                recent.append(seconds)
+        recent.append((ranks, times))
         if ranks[0] == 0:
             if not job.has_loss:
                 job.initial_loss, job.has_loss = tally.loss, True

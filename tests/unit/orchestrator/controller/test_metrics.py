@@ -53,7 +53,7 @@ def run_generation(j: JobRuntime, generation: int, first_step: int, steps: int,
     j.generation = generation
     j.placement = [NodeRanks("n0", (0, 1)), NodeRanks(f"n{generation}", (2, 3))]
     j.health.new_generation(generation, j.rank_nodes)
-    j.rank_step_times.clear()
+    j.node_step_times.clear()
     j.recovery = {"cause": "crash", "fault_at": now - 3, "detected_at": now - 2,
                   "stopped_at": now - 1}
     j.goodput.on_state(now, JobState.STARTING, generation=generation, world_size=4,
@@ -87,6 +87,31 @@ def test_the_series_stay_as_many_as_steps_and_generations_grow():
     assert {dict(labels)["node"] for labels in scores} == {"n0", "n20"}
     recoveries = REGISTRY.get_sample_value("keel_recovery_seconds_count", {"job_name": "flat"})
     assert recoveries == 20
+
+
+def value_of(registry, name: str, **labels) -> float | None:
+    return next((s.value for family in registry.collect() for s in family.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())),
+                None)
+
+
+def test_the_slowest_ranks_series_is_each_ranks_median_over_its_nodes_latest_steps():
+    state, registry = controller()
+    j = state.jobs["j"] = job("j")
+    j.generation = 1
+    j.placement = [NodeRanks("n0", (0, 1)), NodeRanks("n1", (2, 3))]
+    j.health.new_generation(1, j.rank_nodes)
+    # Rank 1 slows down from step 6: only the latest five steps count, so its series
+    # is its new pace. Rank 3's own time is not measured (0) in two of them.
+    for step in range(1, 11):
+        slow = 1.0 if step < 6 else 3.0
+        own = 0.0 if step in (8, 9) else 1.5 + step / 100
+        for node, ranks, times in (("n0", (0, 1), (1.0, slow)), ("n1", (2, 3), (2.0, own))):
+            tally = sessions.StepTally(step, ranks, times, 10, time.time(), 0.0, 0.0, 1.0)
+            sessions._steps(j, 1, node, [tally])
+    medians = {rank: value_of(registry, "keel_rank_step_seconds", job_name="j", rank=str(rank))
+               for rank in range(4)}
+    assert medians == {0: 1.0, 1: 3.0, 2: 2.0, 3: pytest.approx(1.57)}   # of 1.56, 1.57, 1.60
 
 
 def test_a_controller_that_does_not_lead_exports_no_job():

@@ -48,3 +48,31 @@ def test_unfit_steps_are_counted_and_dropped_and_a_foreign_rank_is_named():
     assert theirs == 9
     (only,) = tallies
     assert (only.step, only.ranks, only.step_times) == (2, (4, 5), (0.1, 0.3))
+
+
+def test_each_ranks_newest_measured_step_is_kept_whatever_order_the_steps_come_in():
+    """JobHealth keeps each rank's newest step with a measured time (what says a window
+    may be complete), a node's step at a time when its steps come in order; the same
+    as rank by rank when they do not, or some of a node's ranks were not measured."""
+    import random
+
+    from orchestrator.controller.job_health import JobHealth
+    from orchestrator.spec.health import resolve
+
+    rng = random.Random(7)
+    for run in range(50):
+        health = JobHealth("j", resolve(keel_pb2.HealthSpec()))
+        expected: dict[int, int] = {}
+        steps = [0, 0, 0]
+        for _ in range(40):
+            node = rng.randrange(3)
+            ranks = tuple(range(node * 4, node * 4 + 4))
+            # In order (now and then a step sent again) in half the runs, any order else.
+            steps[node] += rng.randrange(2) if run % 2 else rng.randrange(-5, 6)
+            step = max(1, steps[node])
+            times = tuple(0.0 if rng.random() < 0.2 else 1.0 for _ in ranks)
+            health.add_steps(f"n{node}", [StepTally(step, ranks, times, 0, 0.0, 0.0, 0.0, 0.0)])
+            for rank, seconds in zip(ranks, times):
+                if seconds > 0 and step > expected.get(rank, 0):
+                    expected[rank] = step
+        assert health.latest == expected
