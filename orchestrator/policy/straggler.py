@@ -16,6 +16,7 @@ so the controller starts from ``initial_state()`` when it starts a generation.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import math
@@ -148,17 +149,21 @@ def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
 def _score(rank_median: dict[int, float], node_of: dict[int, str]) -> list[NodeScore]:
     """``score_window`` from each rank's median and node. O(R log R) for R ranks: the
     rank medians are sorted once, and each node's reference is read off that order by
-    skipping the node's own positions (O(its ranks))."""
-    order = sorted(rank_median, key=lambda rank: (rank_median[rank], rank))
-    position = {rank: index for index, rank in enumerate(order)}
-    ordered = [rank_median[rank] for rank in order]
+    skipping positions that hold the node's own medians (O(its ranks log R): which of
+    equal values are skipped does not change what is left)."""
+    ordered = sorted(rank_median.values())
     by_node: dict[str, list[int]] = {}
     for rank in sorted(rank_median):
         by_node.setdefault(node_of[rank], []).append(rank)
     scores = []
     for node in sorted(by_node):
         slowest = max(by_node[node], key=lambda rank: (rank_median[rank], -rank))
-        own = sorted(position[rank] for rank in by_node[node])
+        own, previous, position = [], None, 0
+        for value in sorted(rank_median[rank] for rank in by_node[node]):
+            # The first position holding ``value``, or the next one for a repeat of it.
+            position = position + 1 if value == previous else bisect.bisect_left(ordered, value)
+            own.append(position)
+            previous = value
         reference = _median_without(ordered, own if len(own) < len(ordered) else [])
         scores.append(NodeScore(node, rank_median[slowest] / reference,
                                 len(by_node[node]), slowest))
@@ -250,7 +255,9 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
         scores = tuple(_score({rank: _median(values) for rank, values in times.items()},
                               node_of))
         for score in scores:
-            streak = streaks.get(score.node, NodeStreak(score.node))
+            streak = streaks.get(score.node)
+            if streak is None:
+                streak = NodeStreak(score.node)
             if score.node in flagged:
                 if score.ratio < config.recover:
                     streak = replace(streak, fast_windows=streak.fast_windows + 1)
@@ -266,7 +273,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
                 if streak.slow_windows >= config.patience:
                     flagged.add(score.node)
                     flags.append(_flag(score, streak, first, last, config))
-            else:
+            elif streak.slow_windows or streak.fast_windows or streak.slow_since_step:
                 streak = NodeStreak(score.node)
             streaks[score.node] = streak
 
