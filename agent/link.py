@@ -26,7 +26,7 @@ import grpc
 import structlog
 
 from common.leader import Leader, LeaderWatch
-from common.rpc import channel
+from common.rpc import AGENT_CHANNEL_OPTIONS, channel
 from common.tls import TlsFiles, call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -205,7 +205,7 @@ class ControllerLink:
 
     def _stream(self, address: str) -> None:
         closed = threading.Event()
-        with channel(address, self.tls) as link:
+        with channel(address, self.tls, AGENT_CHANNEL_OPTIONS) as link:
             stub = keel_pb2_grpc.ControllerStub(link)
             self._dialled = address
             self._call = stub.Connect(self._requests(closed),

@@ -39,7 +39,7 @@ import grpc
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from agent.link import BACKOFF_FIRST_S, jittered
-from common import keys
+from common import keys, rpc
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -334,8 +334,8 @@ class Agent:
 
 async def main(args) -> None:
     leases = Leases(args.etcd)
-    options = [("grpc.use_local_subchannel_pool", 1),   # a TCP connection per agent
-               ("grpc.keepalive_time_ms", 10_000)]
+    # A TCP connection per agent, with the real agent's keepalives and limits.
+    options = [("grpc.use_local_subchannel_pool", 1), *rpc.AGENT_CHANNEL_OPTIONS]
     names = [f"{args.prefix}{i:05d}" for i in range(args.agents)]
     agents = [Agent(name, zlib.crc32(name.encode()), args.controllers, args.token, args.step_s,
                     options) for name in names]
