@@ -43,6 +43,8 @@ class OperatorService:
         self.leadership = leadership
         self.executor = executor
         self.lock = state.lock
+        # (what it was built from, the reply): ListNodes
+        self._nodes_reply: tuple[tuple, keel_pb2.ListNodesReply] | None = None
 
     def _require_leader(self, context) -> None:
         self.leadership.require(context)
@@ -126,9 +128,17 @@ class OperatorService:
 
     def ListNodes(self, request, context):
         self._require_leader(context)
+        state = self.state
         with self.lock:
-            names = set(self.state.registered) | set(self.state.sessions) | set(self.state.cordons)
-            return keel_pb2.ListNodesReply(nodes=[self._node_info(n) for n in sorted(names)])
+            # Built again only when what it shows changed: the node tables, or which
+            # job holds which nodes (at 4,000 nodes a build is about 40 ms of the lock).
+            key = (state.nodes_version(),
+                   tuple((job.name, job.state, job.nodes) for job in state.jobs.values()))
+            if self._nodes_reply is None or self._nodes_reply[0] != key:
+                names = set(state.registered) | set(state.sessions) | set(state.cordons)
+                self._nodes_reply = (key, keel_pb2.ListNodesReply(
+                    nodes=[self._node_info(n) for n in sorted(names)]))
+            return self._nodes_reply[1]
 
     # ------------------------------------------------------------------ helpers
     def _node_info(self, name: str) -> keel_pb2.NodeInfo:

@@ -24,6 +24,52 @@ from orchestrator.controller.store import Store
 from protos import keel_pb2
 
 
+class CountedDict(dict):
+    """A dict that counts its changes on its owner (``ControllerState.nodes_version``),
+    read at a dict's speed: what is built from the node tables (``ListNodes``) is kept
+    while none of them changed, however they were changed."""
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "ControllerState", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def _changed(self) -> None:
+        self._owner.nodes_touched()
+
+    def __setitem__(self, key, value):
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+
 class LoopPost:
     """Hands messages from any thread to queues on one event loop, waking the loop once
     per batch, not once per message: a wake is a write to the loop's self-pipe, and a
@@ -138,11 +184,12 @@ class ControllerState:
         self.id = uuid.uuid4().hex[:12]
         self.address = ""
         self.lock = threading.RLock()
+        self._nodes_version = 0   # changes to sessions, registered, cordons (CountedDict)
         self.wake = threading.Event()       # set to run a reconcile tick now
         self.stopping = threading.Event()
-        self.sessions: dict[str, AgentSession] = {}
+        self.sessions = {}
         self.jobs: dict[str, JobRuntime] = {}
-        self.registered: dict[str, dict] = {}   # node records, as etcd has them (a watch)
+        self.registered = {}   # node records, as etcd has them (a watch)
         # Agents whose stream is up; and nodes whose agent said something the reconcile
         # loop has to square with the plan (a new status, a Hello), or which it is
         # still squaring: per tick, the loop looks only at these.
@@ -150,13 +197,50 @@ class ControllerState:
         self.unsettled: set[str] = set()
         self.down: set[str] = set()   # nodes whose agent's stream is down
         self.report_interval_s = 0.0  # asked of the agents (orchestrator.policy.pacing)
-        self.cordons: dict[str, dict] = {}      # as in etcd; written only by the leader
+        self.cordons = {}      # as in etcd; written only by the leader
         self.is_leader = False
         self.leader_since = 0.0                 # monotonic
         # Monotonic: an agent was last let in, or told to back off and connect again
         # (a cluster still reconnecting to a new leader: ``observe.taking_over``).
         self.agent_knocked_at = 0.0
         self.replies = AgentReplies()
+
+    # The node tables: whatever is put in their place, or changed in them, counts.
+    @property
+    def sessions(self) -> dict[str, AgentSession]:
+        return self._sessions
+
+    @sessions.setter
+    def sessions(self, value: dict) -> None:
+        self._sessions = CountedDict(self, value)
+        self.nodes_touched()
+
+    @property
+    def registered(self) -> dict[str, dict]:
+        return self._registered
+
+    @registered.setter
+    def registered(self, value: dict) -> None:
+        self._registered = CountedDict(self, value)
+        self.nodes_touched()
+
+    @property
+    def cordons(self) -> dict[str, dict]:
+        return self._cordons
+
+    @cordons.setter
+    def cordons(self, value: dict) -> None:
+        self._cordons = CountedDict(self, value)
+        self.nodes_touched()
+
+    def nodes_touched(self) -> None:
+        """A session, node record or cordon changed (the tables count their own changes;
+        a session's ``connected`` is counted where it is set)."""
+        self._nodes_version += 1
+
+    def nodes_version(self) -> int:
+        """Changes to the node tables so far: the same number, the same tables."""
+        return self._nodes_version
 
     @property
     def term(self) -> int | None:
@@ -198,6 +282,7 @@ class ControllerState:
         """``session``'s stream is down (under the lock)."""
         if session.connected:
             session.connected = False
+            self.nodes_touched()
             self.streams -= 1
             if now is not None:
                 session.disconnected_at = now
@@ -210,7 +295,7 @@ class ControllerState:
         for session in self.sessions.values():
             session.connected = False
             session.close()
-        self.sessions.clear()
+        self.sessions.clear()   # (counted)
         self.streams = 0
         self.unsettled.clear()
         self.down.clear()
