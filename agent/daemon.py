@@ -27,7 +27,7 @@ from agent import hangs, leftovers, metrics, rank_logs
 from agent.config import AgentConfig
 from agent.generation import Generation, Phase
 from agent.hang import HangConfig
-from agent.link import ControllerLink
+from agent.link import ControllerLink, status_refresh_s
 from agent.pool import WarmPool, pool_env
 from agent.local_server import AgentLocalService, serve
 from agent.reports import Reports
@@ -45,7 +45,7 @@ log = structlog.get_logger()
 # The agent tells the controller what it runs this often (AgentStatus); the controller
 # resends or stops until that agrees with the plan.
 STATUS_PERIOD_S = 1.0     # the status is looked at this often, and sent when it changed
-STATUS_REFRESH_S = 10.0   # and sent unchanged at least this often
+# (and sent unchanged every link.status_refresh_s)
 # A rank that parks waits this long at most for the main loop to say whether it is kept.
 PARK_DECISION_S = 5.0
 
@@ -371,10 +371,11 @@ class Agent:
                 next_flush = now + max(self.config.report_flush_s, self.link.report_interval_s)
             if now >= next_status:
                 # A status that did not change tells the controller nothing (it comes
-                # again after every Hello): sent on a change, else every 10 s, so a
-                # cluster of idle agents is not thousands of messages a second.
+                # again after every Hello): sent on a change, else every 10 s (longer
+                # in a large cluster), so idle agents are not thousands of messages a second.
                 status = self._status()
-                if status != sent_status or now - status_sent_at >= STATUS_REFRESH_S:
+                if (status != sent_status
+                        or now - status_sent_at >= status_refresh_s(self.link.report_interval_s)):
                     self._send(status=status)
                     sent_status, status_sent_at = status, now
                 next_status = now + STATUS_PERIOD_S

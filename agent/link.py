@@ -35,8 +35,21 @@ log = structlog.get_logger()
 BACKOFF_FIRST_S = 0.1
 MAX_REPORT_INTERVAL_S = 60.0   # an ask to batch step reports longer is not followed
 HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
+# An unchanged status is sent again at least this often (the controller resends a
+# start or a stop that a status still shows missing, orchestrator.policy.convergence);
+# in a cluster large enough that the controller asks for longer step batches, every
+# STATUS_REFRESH_BATCHES batches instead, so that the refreshes of all agents together
+# stay about as many a second (about 100 at the default pace) however many they are.
+STATUS_REFRESH_S = 10.0
+STATUS_REFRESH_BATCHES = 10
 _NOTHING = object()   # no message taken off the outbox (None is the close request)
 _ENDED = object()     # the stream a message was taken for has ended
+
+
+def status_refresh_s(report_interval_s: float) -> float:
+    """How long an unchanged status may go unsent, at the step-report interval the
+    controller asked for (0: the agent's own pace)."""
+    return max(STATUS_REFRESH_S, STATUS_REFRESH_BATCHES * report_interval_s)
 
 
 def jittered(backoff_s: float, rng: random.Random | None = None) -> float:

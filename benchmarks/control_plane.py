@@ -7,7 +7,8 @@ node across every node (submitted first: it starts once all are connected), and 
 simulated agents (``benchmarks/simulated_agents.py``: real gRPC streams, each on its
 own TCP connection, each agent with its own etcd lease; many agents per process on one
 event loop; each reports its 8 ranks' steps once a second, and its status when it
-changes and every 10 s, as the real agent does). Measured:
+changes and, unchanged, every 10 s or 10 step batches, as the real agent does).
+Measured:
 
 * ``connect``: from the load generator's start to every agent connected to the leader
   (a connect storm: all start at once), and to the job RUNNING;

@@ -7,7 +7,7 @@ request, takes a generation's start and reports its ranks' steps (every ``--step
 one ``NodeStep`` a step for its 8 ranks, as the real agent sums them up), batched as
 the real agent batches them: a message a step, or one per interval the controller
 asks for (``Welcome``, ``ReportPace``) if longer; sends its status as the real agent
-does (when it changes, and every 10 s), confirms a stop, and reconnects with jittered
+does (when it changes, and unchanged every ``agent.link.status_refresh_s``), confirms a stop, and reconnects with jittered
 exponential back-off to whichever controller leads. It runs no rank process: what is
 measured is the control plane.
 
@@ -38,12 +38,11 @@ import zlib
 import grpc
 from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
-from agent.link import BACKOFF_FIRST_S, jittered
+from agent.link import BACKOFF_FIRST_S, jittered, status_refresh_s
 from common import keys, rpc
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
-STATUS_REFRESH_S = 10.0   # agent/daemon.STATUS_REFRESH_S
 # The real agent's lease TTL is 5 s (agent/config.lease_ttl_s). Here 15 s, and said so
 # in the Hello: sharing two cores with the controller and etcd, a load generator of
 # 2,000 agents did not refresh their leases within 5 s (most expired, and the job was
@@ -282,7 +281,7 @@ class Agent:
     async def _report(self, outbox: asyncio.Queue) -> None:
         # Spread the agents' sends over the period, as independent machines would be.
         await asyncio.sleep(random.uniform(0, self.step_s))
-        next_status = time.monotonic() + STATUS_REFRESH_S
+        next_status = time.monotonic() + status_refresh_s(self.report_interval_s)
         next_send = time.monotonic()
         while True:
             if self.lease_id in self.leases.expired:
@@ -304,7 +303,7 @@ class Agent:
                                 now - self.step_s)
             if time.monotonic() >= next_status:   # a change is sent when it happens
                 outbox.put_nowait(self.status())
-                next_status += STATUS_REFRESH_S
+                next_status += status_refresh_s(self.report_interval_s)
             await asyncio.sleep(self.step_s)
 
     def _on(self, message: keel_pb2.ControllerMessage, say) -> None:

@@ -1,6 +1,7 @@
 """Desired against actual: what a node runs (its agent's status, sent when it changes,
-at least every 10 s, and after every Hello) against what the plan says it should, and
-what to send until they agree. A pure decision.
+at least every 10 s or 10 step batches, ``agent.link.status_refresh_s``, and after
+every Hello) against what the plan says it should, and what to send until they agree.
+A pure decision.
 
 A message can be lost with a stream, and a controller can lose the reply to a write
 that went through: then a job may be RUNNING with nothing started on a node, or
@@ -9,8 +10,8 @@ is told again, at most every ``RESEND_S``, and only once a status it sent at lea
 ``RESEND_S`` after the last fix still shows the fix missing: at a mass start on a busy
 controller, statuses sent before the start arrive after it, and a resend on each of
 them would feed the load that delayed them. (An agent sends its status when it
-changes and at least every 10 s, so a start that truly went missing is sent again
-within about that.)
+changes and at least every 10 s, or every 10 step batches in a large cluster, so a start
+that truly went missing is sent again within about that.)
 """
 
 from __future__ import annotations
