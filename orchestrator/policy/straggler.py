@@ -23,6 +23,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy
+
 
 @dataclass(frozen=True)
 class StragglerConfig:
@@ -240,20 +242,30 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
     while windows:
         index = min(windows)
         first, last = index * size + 1, (index + 1) * size
-        times, node_of = _rank_times(windows[index])
-        # Complete when every rank seen so far is done with it: it reported all of its
-        # steps, or a later one (then a missing one was lost, and waiting is futile).
-        # (The first test is the usual case, at C speed: every rank reported every step.)
-        if not ((times and len(times) == len(ranks) and min(map(len, times.values())) == size)
-                or all(len(times.get(rank, ())) == size or latest.get(rank, 0) > last
-                       for rank in ranks)):
-            break
+        by_node = _by_node(windows[index])
+        shape = _uniform(by_node)
+        # The usual case at scale: every rank seen reported every step of the window,
+        # each node once per step for the same number of ranks. Scored as arrays.
+        uniform = shape is not None and shape[0] == size and len(by_node) * shape[1] == len(ranks)
+        if uniform:
+            reported = len(ranks)
+        else:
+            times, node_of = _rank_times(by_node)
+            # Complete when every rank seen so far is done with it: it reported all of
+            # its steps, or a later one (then a missing one was lost, and waiting is
+            # futile). (The first test is the usual case, at C speed.)
+            if not ((times and len(times) == len(ranks)
+                     and min(map(len, times.values())) == size)
+                    or all(len(times.get(rank, ())) == size or latest.get(rank, 0) > last
+                           for rank in ranks)):
+                break
+            reported = len(times)
         del windows[index]
         last_step = last
-        if len(times) < config.min_ranks:
+        if reported < config.min_ranks:
             continue
-        scores = tuple(_score({rank: _median(values) for rank, values in times.items()},
-                              node_of))
+        scores = tuple(_score_uniform(by_node) if uniform else _score(
+            {rank: _median(values) for rank, values in times.items()}, node_of))
         for score in scores:
             streak = streaks.get(score.node)
             if streak is None:
@@ -285,11 +297,8 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
     return new_state, flags, cleared
 
 
-def _rank_times(blocks: list[StepBlock]) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
-    """Each rank's step times in a window (the first report of each of its steps counts)
-    and its node (of its first report). When every node sent each step once, for the
-    same ranks, and no rank twice (a healthy window), a node's ranks' times are its
-    blocks' columns, transposed at C speed; otherwise report by report."""
+def _by_node(blocks: list[StepBlock]) -> dict[str, list[StepBlock]]:
+    """A window's blocks by node, each node's in arrival order."""
     by_node: dict[str, list[StepBlock]] = {}
     for block in blocks:
         mine = by_node.get(block.node)
@@ -297,30 +306,100 @@ def _rank_times(blocks: list[StepBlock]) -> tuple[dict[int, Sequence[float]], di
             by_node[block.node] = [block]
         else:
             mine.append(block)
-    regular = sum(len(mine[0].ranks) for mine in by_node.values()) == len(
-        set().union(*(mine[0].ranks for mine in by_node.values())))
-    for mine in by_node.values() if regular else ():
+    return by_node
+
+
+def _regular(by_node: dict[str, list[StepBlock]]) -> bool:
+    """Whether every node sent each of its steps once, for the same ranks, and no rank
+    is reported twice (by two nodes, or twice in a block)."""
+    if sum(len(mine[0].ranks) for mine in by_node.values()) != len(
+            set().union(*(mine[0].ranks for mine in by_node.values()))):
+        return False
+    for mine in by_node.values():
         ranks = mine[0].ranks
         if not (all(block.ranks == ranks for block in mine)
                 and len({block.step for block in mine}) == len(mine)):
-            regular = False
-            break
+            return False
+    return True
+
+
+def _uniform(by_node: dict[str, list[StepBlock]]) -> tuple[int, int] | None:
+    """(steps, ranks) of each node, when the window is regular (``_regular``) and every
+    node sent the same number of steps for the same number of ranks; else None."""
+    first = next(iter(by_node.values()), None)
+    if first is None:
+        return None
+    steps, width = len(first), len(first[0].ranks)
+    if not all(len(mine) == steps and len(mine[0].ranks) == width
+               for mine in by_node.values()) or not _regular(by_node):
+        return None
+    return steps, width
+
+
+def _rank_times(by_node: dict[str, list[StepBlock]]
+                ) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
+    """Each rank's step times in a window (the first report of each of its steps counts)
+    and its node (of its first report). In a regular window (``_regular``) a node's
+    ranks' times are its blocks' columns, transposed at C speed; otherwise report by
+    report."""
     times: dict[int, Sequence[float]] = {}
     node_of: dict[int, str] = {}
-    if regular:
+    if _regular(by_node):
         for node, mine in by_node.items():
             for rank, column in zip(mine[0].ranks, zip(*(block.step_times for block in mine))):
                 times[rank], node_of[rank] = column, node
         return times, node_of
     steps_of: dict[int, dict[int, float]] = {}
-    for node, step, ranks, seconds in blocks:
-        for rank, value in zip(ranks, seconds):
-            steps = steps_of.get(rank)
-            if steps is None:
-                steps_of[rank], node_of[rank] = {step: value}, node
-            elif step not in steps:
-                steps[step] = value
+    for node, mine in by_node.items():
+        for _, step, ranks, seconds in mine:
+            for rank, value in zip(ranks, seconds):
+                steps = steps_of.get(rank)
+                if steps is None:
+                    steps_of[rank], node_of[rank] = {step: value}, node
+                elif step not in steps:
+                    steps[step] = value
     return {rank: list(steps.values()) for rank, steps in steps_of.items()}, node_of
+
+
+def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
+    """``_score`` of a uniform window (``_uniform``), computed on arrays: the same
+    floats (a median of an even count is the mean of its two middle values, as
+    ``_median``'s; the ratio one division), a few times faster at thousands of nodes.
+    Each node's reference is the median of the sorted rank medians without the node's
+    own positions, found as ``_score`` finds them."""
+    names = sorted(by_node)
+    steps, width = len(by_node[names[0]]), len(by_node[names[0]][0].ranks)
+    count = len(names)
+    flat = numpy.fromiter(
+        itertools.chain.from_iterable(block.step_times for name in names for block in by_node[name]),
+        float, count=count * steps * width)
+    medians = numpy.median(flat.reshape(count, steps, width), axis=1)     # node x rank
+    ranks = numpy.array([by_node[name][0].ranks for name in names], dtype=numpy.int64)
+    top = medians.max(axis=1)
+    # The slowest rank: the highest median, the lowest rank of those that tie.
+    slowest = numpy.where(medians == top[:, None], ranks, numpy.iinfo(numpy.int64).max).min(axis=1)
+    ordered = numpy.sort(medians, axis=None)
+    own = numpy.sort(medians, axis=1)
+    # The first position holding each value, or the next one for a repeat of it.
+    skipped = numpy.searchsorted(ordered, own, "left")
+    for column in range(1, width):
+        repeat = own[:, column] == own[:, column - 1]
+        skipped[:, column] = numpy.where(repeat, skipped[:, column - 1] + 1, skipped[:, column])
+    if width >= ordered.size:   # one node: its reference is its own ranks
+        skipped = skipped[:, :0]
+    left = ordered.size - skipped.shape[1]
+
+    def nth(n: int) -> numpy.ndarray:
+        # The n-th (from 0) element left once each node's skipped positions are out.
+        index = numpy.full(count, n)
+        for column in range(skipped.shape[1]):
+            index += skipped[:, column] <= index
+        return ordered[index]
+
+    middle = left // 2
+    reference = nth(middle) if left % 2 else (nth(middle - 1) + nth(middle)) / 2
+    return [NodeScore(name, ratio, width, rank) for name, ratio, rank
+            in zip(names, (top / reference).tolist(), slowest.tolist())]
 
 
 def _flag(score: NodeScore, streak: NodeStreak, first: int, last: int,

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from orchestrator.policy import straggler
 from orchestrator.policy.straggler import (Flag, StepBlock, StepSample, StragglerConfig, evaluate,
                                     initial_state, score_window)
 
@@ -235,6 +236,26 @@ def test_the_fast_scoring_is_the_definition_exactly(seed):
     fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in score_window(samples)]
     assert fast == brute_force_scores(samples)
 
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_uniform_window_scored_as_arrays_is_the_definition_exactly(seed):
+    """Every node sent each step once for as many ranks (the usual window at scale, scored
+    on arrays): the same floats, slowest ranks and order as the definition, with ties
+    common and windows of odd and even length."""
+    rng = random.Random(seed)
+    nodes, width, steps = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 6)
+    ranks = list(range(nodes * width))
+    rng.shuffle(ranks)   # a node's ranks need not be adjacent, nor in order
+    samples = [StepSample(rank, f"n{node}", step, rng.choice([0.1, 0.2, 0.25, 0.3, 1.0]))
+               for node in range(nodes) for step in range(1, steps + 1)
+               for rank in ranks[node * width:(node + 1) * width]]
+    blocks = as_blocks(samples)
+    rng.shuffle(blocks)
+    by_node = straggler._by_node(blocks)
+    assert straggler._uniform(by_node) == (steps, width)
+    fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in straggler._score_uniform(by_node)]
+    assert fast == brute_force_scores(samples)
 
 def as_blocks(samples):
     """The samples as agents send them: a ``StepBlock`` per node and step."""
