@@ -381,7 +381,8 @@ def main() -> int:
     print(f"\ncontrol plane, {RANKS_PER_NODE} ranks per node, steady window {args.duration:g} s "
           f"(CPU: seconds per second, of one core)")
     header = ("nodes", "connect", "running", "ctl CPU", "RSS", "threads", "RPC p50", "RPC p99",
-              "etcd w/s", "downs", "gen CPU", "delivered", "etcd CPU", "failover", "restarted")
+              "etcd w/s", "downs", "gen CPU", "delivered", "etcd CPU", "gen leases lost",
+              "failover", "restarted")
     print(" | ".join(header))
     for r in results:
         print(" | ".join([
@@ -392,7 +393,7 @@ def main() -> int:
                                                             if r.rpc_errors else ""),
             f"{r.etcd_writes_per_s:.2f}", str(r.step_downs), f"{r.generator_cpu * 100:.0f} %",
             fmt(None if r.delivered is None else r.delivered * 100, ".0f", " %"),
-            f"{r.etcd_cpu * 100:.0f} %", fmt(r.failover_s, ".1f", " s"),
+            f"{r.etcd_cpu * 100:.0f} %", str(r.lease_renewals), fmt(r.failover_s, ".1f", " s"),
             r.restarted or "n/a"]) + (f"  [{r.note}]" if r.note else ""))
     # Only sizes whose steady window was healthy: a leader that answered no operator
     # call or stepped down was blocked, not cheap, and its CPU says nothing of the cost;
