@@ -242,7 +242,8 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
     while windows:
         index = min(windows)
         first, last = index * size + 1, (index + 1) * size
-        by_node = _by_node(windows[index])
+        blocks = windows[index]
+        by_node = _by_node(blocks)
         shape = _uniform(by_node)
         # The usual case at scale: every rank seen reported every step of the window,
         # each node once per step for the same number of ranks. Scored as arrays.
@@ -250,7 +251,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
         if uniform:
             reported = len(ranks)
         else:
-            times, node_of = _rank_times(by_node)
+            times, node_of = _rank_times(blocks, by_node)
             # Complete when every rank seen so far is done with it: it reported all of
             # its steps, or a later one (then a missing one was lost, and waiting is
             # futile). (The first test is the usual case, at C speed.)
@@ -336,12 +337,12 @@ def _uniform(by_node: dict[str, list[StepBlock]]) -> tuple[int, int] | None:
     return steps, width
 
 
-def _rank_times(by_node: dict[str, list[StepBlock]]
+def _rank_times(blocks: list[StepBlock], by_node: dict[str, list[StepBlock]]
                 ) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
     """Each rank's step times in a window (the first report of each of its steps counts)
-    and its node (of its first report). In a regular window (``_regular``) a node's
-    ranks' times are its blocks' columns, transposed at C speed; otherwise report by
-    report."""
+    and its node (of its first report); ``by_node`` is ``_by_node(blocks)``. In a
+    regular window (``_regular``) a node's ranks' times are its blocks' columns,
+    transposed at C speed; otherwise report by report, in arrival order."""
     times: dict[int, Sequence[float]] = {}
     node_of: dict[int, str] = {}
     if _regular(by_node):
@@ -350,14 +351,13 @@ def _rank_times(by_node: dict[str, list[StepBlock]]
                 times[rank], node_of[rank] = column, node
         return times, node_of
     steps_of: dict[int, dict[int, float]] = {}
-    for node, mine in by_node.items():
-        for _, step, ranks, seconds in mine:
-            for rank, value in zip(ranks, seconds):
-                steps = steps_of.get(rank)
-                if steps is None:
-                    steps_of[rank], node_of[rank] = {step: value}, node
-                elif step not in steps:
-                    steps[step] = value
+    for node, step, ranks, seconds in blocks:
+        for rank, value in zip(ranks, seconds):
+            steps = steps_of.get(rank)
+            if steps is None:
+                steps_of[rank], node_of[rank] = {step: value}, node
+            elif step not in steps:
+                steps[step] = value
     return {rank: list(steps.values()) for rank, steps in steps_of.items()}, node_of
 
 
