@@ -158,13 +158,23 @@ class Leadership:
             context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
 
     def release(self) -> None:
-        """Give the lead up for good (shutdown): revoke the lease, and the key with it."""
+        """Give the lead up for good (shutdown): revoke the lease, and the key with it,
+        once a reconcile tick under way has made its writes. A tick holds the state lock
+        throughout; cut off half-way, it could have put a placement in etcd but not the
+        event saying which node it replaced, and the next leader would never know. A
+        tick stuck past its budget (a third of the TTL) is not waited for longer."""
         self.leader.stop()
         if self.lease is None:
             return
+        state = self.state
+        held = state.lock.acquire(timeout=state.config.leader_ttl_s / 3)
         try:
-            self.lease.revoke()
-        except Exception as exc:  # etcd may already be gone at shutdown
-            log.warning("could not revoke controller lease", error=str(exc))
-        if self.state.is_leader:
-            self.step_down("shutting down: the lead is handed over")
+            try:
+                self.lease.revoke()
+            except Exception as exc:  # etcd may already be gone at shutdown
+                log.warning("could not revoke controller lease", error=str(exc))
+            if state.is_leader:
+                self.step_down("shutting down: the lead is handed over")
+        finally:
+            if held:
+                state.lock.release()

@@ -1,17 +1,23 @@
 """Leadership does not share a thread with the work (orchestrator/controller/leadership):
-a reconcile tick held up past the leader lease's TTL does not cost the lead, and a
-standby refuses agents without reading etcd."""
+a reconcile tick held up past the leader lease's TTL does not cost the lead, a
+standby refuses agents without reading etcd, and a leader handing over lets the tick
+under way finish its writes."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import grpc
 import pytest
 
+from common.etcd import connect
 from common.tls import call_metadata
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.daemon import Controller
+from orchestrator.controller.leadership import Leadership
+from orchestrator.controller.store import Store
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
 
@@ -41,6 +47,64 @@ def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
     finally:
         controller.shutdown()
 
+
+
+def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etcd):
+    """SIGTERM to a leader (``shutdown``) hands the lead over once the tick under way has
+    made its writes. Before, the lease went at once: a tick that had put a placement in
+    etcd could not save the event saying which node it replaced, and the next leader
+    never showed it (keel up's drain-and-handover test, under load)."""
+    controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
+    controller.serve()
+    state, leadership = controller.state, controller.leadership
+    wait_for(lambda: state.is_leader, 30, what="the controller to lead")
+    reader = Store(connect([etcd.endpoint], 5))
+    event = {"kind": "replaced", "reason": "node-1 replaced by node-2"}
+    revoked, written_before_revoke = threading.Event(), []
+    revoke = leadership.lease.revoke
+
+    def revoke_and_note():
+        written_before_revoke.append(reader.events("held") == [event])
+        result = revoke()
+        revoked.set()
+        return result
+
+    leadership.lease.revoke = revoke_and_note
+    stopper = threading.Thread(target=controller.shutdown)
+    with state.lock:   # a tick under way
+        # The deterministic hook: the lock, saying when the handover waits for it.
+        state.lock = WaitedFor(state.lock, Leadership.release)
+        stopper.start()
+        wait_for(lambda: revoked.is_set() or state.lock.waited.is_set(), 30,
+                 what="the handover to revoke the lease, or to wait for the tick")
+        state.store.put_events("held", [(1, event)])   # the tick's last write
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert written_before_revoke == [True]
+    assert reader.events("held") == [event]
+    assert reader.controller_address() is None   # and the lead was handed over
+
+
+class WaitedFor:
+    """A lock that notes when the function ``where`` asks for it."""
+
+    def __init__(self, lock, where):
+        self.lock, self.where, self.waited = lock, where.__code__, threading.Event()
+
+    def acquire(self, *args, **kwargs):
+        if sys._getframe(1).f_code is self.where:
+            self.waited.set()
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
     """A standby names the leader from its watch of the leader key: agents reconnecting
