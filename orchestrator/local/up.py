@@ -74,12 +74,20 @@ def up(options: UpOptions) -> int:
                           f"--etcd-endpoints {cluster.endpoints} {credentials}")
             progress.note(f"metrics: prometheus --config.file {scrape}")
             deadline = time.monotonic() + options.timeout_s
-            while True:
+
+            def job_status() -> keel_pb2.JobStatus:
+                """The job as the leader has it; a leader change since a leader fault
+                fired is that fault's failover."""
+                nonlocal leader_changes, struck_at
                 status = client.call("GetJob", keel_pb2.GetJobRequest(job=spec.name))
                 if len(client.leaders) - 1 > leader_changes and struck_at is not None:
                     failovers_s.append(round(time.monotonic() - struck_at, 2))
                     struck_at = None
                 leader_changes = len(client.leaders) - 1
+                return status
+
+            while True:
+                status = job_status()
                 progress.show(status)
                 cluster.refresh_targets()
                 for fired in faults.fire(status.step, cluster, client.address):
@@ -101,6 +109,11 @@ def up(options: UpOptions) -> int:
                     error = f"a daemon exited unexpectedly; see {workdir / 'logs'}"
                     break
                 time.sleep(POLL_S)
+            # A leader fault that fired as the job ended: followed to the next leader,
+            # so that the summary counts the failover it caused.
+            while struck_at is not None and not error and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                status = job_status()
         finally:
             client.close()
     except (RuntimeError, NoController, grpc.RpcError) as exc:

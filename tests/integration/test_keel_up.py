@@ -215,19 +215,21 @@ def test_a_sigtermed_agent_drains_its_node_and_a_sigtermed_leader_hands_over(no_
     its ranks with no checkpoint. Now its node is drained like `keel drain`: a checkpoint,
     then the job moves to the spare without spending a restart, and the agent exits."""
     summary = run_up(no_leaks / "run", "--controllers", "2", "--nodes", "2", "--spares", "1",
-                     "--slots-per-node", "1", "--steps", "45", "--checkpoint-every", "100",
+                     "--slots-per-node", "1", "--steps", "60", "--checkpoint-every", "100",
                      # The handover comes after the drain, which under load has taken
-                     # until step 22 (a handover inside a drain: test_gray_failures'
-                     # test_a_leader_that_takes_over_between_a_drains_stop_...).
-                     "--inject", "term_agent:node=1,step=10", "--inject", "term_leader:step=40")
+                     # until step 36 (a handover inside a drain: test_gray_failures'
+                     # test_a_leader_that_takes_over_between_a_drains_stop_...), and
+                     # well before the end: keel up polls every 0.5 s, and under load
+                     # the last 5 steps of 45 ran between two polls.
+                     "--inject", "term_agent:node=1,step=10", "--inject", "term_leader:step=45")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
-    assert (summary["steps"], summary["restarts"], summary["generations"]) == (45, 0, 2)
+    assert (summary["steps"], summary["restarts"], summary["generations"]) == (60, 0, 2)
     replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
     assert replaced["node"] == "node-1" and "node-2" in replaced["reason"], replaced
     assert summary["data"]["duplicates"] == 0 and summary["data"]["missing"] == 0
     logs = no_leaks / "run" / "logs"
     assert "draining the node before stopping" in (logs / "agent-node-1.log").read_text()
-    # The only checkpoint before step 45 is the one the drain took, after step 10.
+    # The only checkpoint before step 60 is the one the drain took, after step 10.
     second = [json.loads(line) for path in logs.glob("controller*.log")
               for line in path.read_text().splitlines()
               if '"to": "RUNNING"' in line and "generation 2:" in line]
