@@ -244,14 +244,15 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
         first, last = index * size + 1, (index + 1) * size
         blocks = windows[index]
         by_node = _by_node(blocks)
-        shape = _uniform(by_node)
+        regular = _regular(by_node)
+        shape = _uniform(by_node) if regular else None
         # The usual case at scale: every rank seen reported every step of the window,
         # each node once per step for the same number of ranks. Scored as arrays.
         uniform = shape is not None and shape[0] == size and len(by_node) * shape[1] == len(ranks)
         if uniform:
             reported = len(ranks)
         else:
-            times, node_of = _rank_times(blocks, by_node)
+            times, node_of = _rank_times(blocks, by_node, regular)
             # Complete when every rank seen so far is done with it: it reported all of
             # its steps, or a later one (then a missing one was lost, and waiting is
             # futile). (The first test is the usual case, at C speed.)
@@ -325,27 +326,27 @@ def _regular(by_node: dict[str, list[StepBlock]]) -> bool:
 
 
 def _uniform(by_node: dict[str, list[StepBlock]]) -> tuple[int, int] | None:
-    """(steps, ranks) of each node, when the window is regular (``_regular``) and every
-    node sent the same number of steps for the same number of ranks; else None."""
+    """(steps, ranks) of each node of a regular window (``_regular``), when every node
+    sent the same number of steps for the same number of ranks; else None."""
     first = next(iter(by_node.values()), None)
     if first is None:
         return None
     steps, width = len(first), len(first[0].ranks)
     if not all(len(mine) == steps and len(mine[0].ranks) == width
-               for mine in by_node.values()) or not _regular(by_node):
+               for mine in by_node.values()):
         return None
     return steps, width
 
 
-def _rank_times(blocks: list[StepBlock], by_node: dict[str, list[StepBlock]]
+def _rank_times(blocks: list[StepBlock], by_node: dict[str, list[StepBlock]], regular: bool
                 ) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
     """Each rank's step times in a window (the first report of each of its steps counts)
-    and its node (of its first report); ``by_node`` is ``_by_node(blocks)``. In a
-    regular window (``_regular``) a node's ranks' times are its blocks' columns,
-    transposed at C speed; otherwise report by report, in arrival order."""
+    and its node (of its first report); ``by_node`` is ``_by_node(blocks)``, ``regular``
+    ``_regular(by_node)``. In a regular window a node's ranks' times are its blocks'
+    columns, transposed at C speed; otherwise report by report, in arrival order."""
     times: dict[int, Sequence[float]] = {}
     node_of: dict[int, str] = {}
-    if _regular(by_node):
+    if regular:
         for node, mine in by_node.items():
             for rank, column in zip(mine[0].ranks, zip(*(block.step_times for block in mine))):
                 times[rank], node_of[rank] = column, node

@@ -48,7 +48,6 @@ def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
         controller.shutdown()
 
 
-
 def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etcd):
     """SIGTERM to a leader (``shutdown``) hands the lead over once the tick under way has
     made its writes. Before, the lease went at once: a tick that had put a placement in
@@ -79,10 +78,13 @@ def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etc
                  what="the handover to revoke the lease, or to wait for the tick")
         state.store.put_events("held", [(1, event)])   # the tick's last write
     stopper.join(60)
-    assert not stopper.is_alive()
-    assert written_before_revoke == [True]
-    assert reader.events("held") == [event]
-    assert reader.controller_address() is None   # and the lead was handed over
+    try:
+        assert not stopper.is_alive()
+        assert written_before_revoke == [True]
+        assert reader.events("held") == [event]
+        assert reader.controller_address() is None   # and the lead was handed over
+    finally:
+        reader.client.close()
 
 
 class WaitedFor:
@@ -105,6 +107,7 @@ class WaitedFor:
 
     def __exit__(self, *exc):
         self.release()
+
 
 def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
     """A standby names the leader from its watch of the leader key: agents reconnecting

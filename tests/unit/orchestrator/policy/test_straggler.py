@@ -237,7 +237,6 @@ def test_the_fast_scoring_is_the_definition_exactly(seed):
     assert fast == brute_force_scores(samples)
 
 
-
 @pytest.mark.parametrize("seed", range(60))
 def test_a_uniform_window_scored_as_arrays_is_the_definition_exactly(seed):
     """Every node sent each step once for as many ranks (the usual window at scale, scored
@@ -253,9 +252,10 @@ def test_a_uniform_window_scored_as_arrays_is_the_definition_exactly(seed):
     blocks = as_blocks(samples)
     rng.shuffle(blocks)
     by_node = straggler._by_node(blocks)
-    assert straggler._uniform(by_node) == (steps, width)
+    assert straggler._regular(by_node) and straggler._uniform(by_node) == (steps, width)
     fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in straggler._score_uniform(by_node)]
     assert fast == brute_force_scores(samples)
+
 
 def as_blocks(samples):
     """The samples as agents send them: a ``StepBlock`` per node and step."""
