@@ -17,81 +17,169 @@ from common.logs import configure
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--node", required=True, help="Unique name of this node.")
-@click.option("--slots", type=int, required=True, help="Rank processes this node can run "
-              "(usually its GPU count).")
-@click.option("--etcd-endpoints", required=True,
-              help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).",
-              envvar=env.ETCD_ENDPOINTS)
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False),
-              help="File holding the join token, or the controller's only token (else "
-                   "--tls-dir's join.token, else env KEEL_TOKEN).")
-@click.option("--run-dir", type=click.Path(file_okay=False), default=".keel/agent",
-              show_default=True, help="Where rank logs and error files go.")
-@click.option("--host", default=None,
-              help="Address other nodes reach this node's ranks on (default: this "
-                   "machine's address on the route to etcd; a loopback one is refused when "
-                   "etcd is remote).")
-@click.option("--rendezvous-ports", metavar="LOW-HIGH", default=None,
-              help="Take the rendezvous port of a generation whose rank 0 runs here from "
-                   "this range (for a firewall); default: any free port.")
-@click.option("--controller", default=None,
-              help="Controller host:port; default: discover the leader through etcd.")
-@click.option("--lease-ttl-s", type=float, default=5.0, show_default=True,
-              help="TTL of the node's etcd lease: a dead node is noticed after this.")
-@click.option("--drain-timeout-s", type=float, default=60.0, show_default=True,
-              help="On SIGTERM while running ranks, move the job off this node around a "
-                   "checkpoint (as `keel drain` does) for at most this long, then stop. "
-                   "SIGINT, or a second SIGTERM, stops at once.")
-@click.option("--stop-grace-s", type=float, default=5.0, show_default=True,
-              help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
-                   "stopped with the job's own stop grace).")
+@click.option(
+    "--slots",
+    type=int,
+    required=True,
+    help="Rank processes this node can run (usually its GPU count).",
+)
+@click.option(
+    "--etcd-endpoints",
+    required=True,
+    help="Comma-separated etcd host:port list (env KEEL_ETCD_ENDPOINTS).",
+    envvar=env.ETCD_ENDPOINTS,
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File holding the join token, or the controller's only token (else "
+    "--tls-dir's join.token, else env KEEL_TOKEN).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    default=".keel/agent",
+    show_default=True,
+    help="Where rank logs and error files go.",
+)
+@click.option(
+    "--host",
+    default=None,
+    help="Address other nodes reach this node's ranks on (default: this "
+    "machine's address on the route to etcd; a loopback one is refused when "
+    "etcd is remote).",
+)
+@click.option(
+    "--rendezvous-ports",
+    metavar="LOW-HIGH",
+    default=None,
+    help="Take the rendezvous port of a generation whose rank 0 runs here from "
+    "this range (for a firewall); default: any free port.",
+)
+@click.option(
+    "--controller",
+    default=None,
+    help="Controller host:port; default: discover the leader through etcd.",
+)
+@click.option(
+    "--lease-ttl-s",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="TTL of the node's etcd lease: a dead node is noticed after this.",
+)
+@click.option(
+    "--drain-timeout-s",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="On SIGTERM while running ranks, move the job off this node around a "
+    "checkpoint (as `keel drain` does) for at most this long, then stop. "
+    "SIGINT, or a second SIGTERM, stops at once.",
+)
+@click.option(
+    "--stop-grace-s",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="SIGTERM to SIGKILL grace when the agent shuts down (a job's ranks are "
+    "stopped with the job's own stop grace).",
+)
 @flags.metrics_options("--host", ", its ranks' included")
-@click.option("--accelerator", default="",
-              help="What this node's slots are, for the job's MFU (e.g. 'NVIDIA H100 80GB "
-                   "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.")
-@click.option("--warm-processes/--no-warm-processes", default=True, show_default=True,
-              help="Keep one process per slot that has started Python and imported torch "
-                   "(and created its GPU's CUDA context), for restarted ranks to start "
-                   "from; a job can still ask for cold starts (JobSpec cold_start).")
-@click.option("--warm-imports", default=",".join(DEFAULT_IMPORTS), show_default=True,
-              metavar="MODULE,...",
-              help="What the warm processes import ahead of their ranks (add e.g. "
-                   "torch.distributed.pipelining for pipeline-parallel jobs).")
-@click.option("--warm-refill-delay-s", type=float, default=10.0, show_default=True,
-              help="Fill the warm processes this long after ranks last started here (a "
-                   "refill costs what a cold start does; a generation that ends sooner "
-                   "is not charged for one).")
-@click.option("--restart-in-place/--no-restart-in-place", default=True, show_default=True,
-              help="Let ranks that can (trainer.runtime, e.g. the reference trainer) leave a "
-                   "failed or stopped generation alive and become the same rank of the next "
-                   "one on the same slot, instead of starting new processes; a job can still "
-                   "ask for fresh processes (JobSpec cold_start).")
-@flags.tls_options("agent", "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
-                   ca_help="CA certificate of the controller")
+@click.option(
+    "--accelerator",
+    default="",
+    help="What this node's slots are, for the job's MFU (e.g. 'NVIDIA H100 80GB "
+    "HBM3'); default: the first GPU nvidia-smi names, else 'cpu'.",
+)
+@click.option(
+    "--warm-processes/--no-warm-processes",
+    default=True,
+    show_default=True,
+    help="Keep one process per slot that has started Python and imported torch "
+    "(and created its GPU's CUDA context), for restarted ranks to start "
+    "from; a job can still ask for cold starts (JobSpec cold_start).",
+)
+@click.option(
+    "--warm-imports",
+    default=",".join(DEFAULT_IMPORTS),
+    show_default=True,
+    metavar="MODULE,...",
+    help="What the warm processes import ahead of their ranks (add e.g. "
+    "torch.distributed.pipelining for pipeline-parallel jobs).",
+)
+@click.option(
+    "--warm-refill-delay-s",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Fill the warm processes this long after ranks last started here (a "
+    "refill costs what a cold start does; a generation that ends sooner "
+    "is not charged for one).",
+)
+@click.option(
+    "--restart-in-place/--no-restart-in-place",
+    default=True,
+    show_default=True,
+    help="Let ranks that can (trainer.runtime, e.g. the reference trainer) leave a "
+    "failed or stopped generation alive and become the same rank of the next "
+    "one on the same slot, instead of starting new processes; a job can still "
+    "ask for fresh processes (JobSpec cold_start).",
+)
+@flags.tls_options(
+    "agent",
+    "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
+    ca_help="CA certificate of the controller",
+)
 @flags.etcd_options
 @flags.log_options
-def main(node, slots, etcd_endpoints, token_file, run_dir, host, rendezvous_ports, controller,
-         lease_ttl_s,
-         drain_timeout_s, stop_grace_s, metrics_listen, metrics_address_file, accelerator,
-         warm_processes, warm_imports, warm_refill_delay_s, restart_in_place, log_format,
-         log_level, **security):
+def main(
+    node,
+    slots,
+    etcd_endpoints,
+    token_file,
+    run_dir,
+    host,
+    rendezvous_ports,
+    controller,
+    lease_ttl_s,
+    drain_timeout_s,
+    stop_grace_s,
+    metrics_listen,
+    metrics_address_file,
+    accelerator,
+    warm_processes,
+    warm_imports,
+    warm_refill_delay_s,
+    restart_in_place,
+    log_format,
+    log_level,
+    **security,
+):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
     try:
         endpoints = tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip())
         config = AgentConfig(
             **security_settings(node, token_file, **security),
-            node=node, slots=slots, etcd_endpoints=endpoints,
+            node=node,
+            slots=slots,
+            etcd_endpoints=endpoints,
             run_dir=Path(run_dir).resolve(),
             host=net.advertised(host, endpoints, "--host") if endpoints else host,
             rendezvous_ports=net.port_range(rendezvous_ports) if rendezvous_ports else None,
             controller=controller,
-            lease_ttl_s=lease_ttl_s, stop_grace_s=stop_grace_s, drain_timeout_s=drain_timeout_s,
+            lease_ttl_s=lease_ttl_s,
+            stop_grace_s=stop_grace_s,
+            drain_timeout_s=drain_timeout_s,
             metrics_listen=metrics_listen,
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
-            accelerator=accelerator, warm_processes=warm_processes,
-            warm_refill_delay_s=warm_refill_delay_s, restart_in_place=restart_in_place,
-            warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()))
+            accelerator=accelerator,
+            warm_processes=warm_processes,
+            warm_refill_delay_s=warm_refill_delay_s,
+            restart_in_place=restart_in_place,
+            warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()),
+        )
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -17,26 +17,26 @@ class AgentConfig:
     node: str
     slots: int
     etcd_endpoints: tuple[str, ...]
-    token: str = field(repr=False)       # the join token (or the controller's only one)
-    run_dir: Path                         # rank logs and error files
-    host: str = "127.0.0.1"               # address peers reach this node's ranks on
+    token: str = field(repr=False)  # the join token (or the controller's only one)
+    run_dir: Path  # rank logs and error files
+    host: str = "127.0.0.1"  # address peers reach this node's ranks on
     rendezvous_ports: range | None = None  # rank 0's rendezvous port from these; None = any
-    controller: str | None = None         # host:port; None = discover through etcd
-    lease_ttl_s: float = 5.0              # node record expires this long after death
-    tick_s: float = 0.05                  # supervision period (rank exit detection)
-    report_flush_s: float = 0.5           # step reports are batched up to this long
-    stop_grace_s: float = 5.0             # SIGTERM → SIGKILL
-    drain_timeout_s: float = 60.0         # on SIGTERM: at most this long moving the job off
-    etcd_timeout_s: float | None = None   # default: lease_ttl_s / 3
-    reconnect_max_s: float = 5.0          # back-off cap between controller reconnects
-    metrics_listen: str | None = None     # [host]:port of /metrics; a bare :port binds `host`
-    metrics_address_file: Path | None = None   # write the metrics host:port here once serving
-    accelerator: str = ""                 # what its slots are; "" = detect (agent.accelerator)
-    warm_processes: bool = True           # keep a warm process per slot (agent.pool)
-    warm_refill_delay_s: float = 10.0     # refill them this long after the last rank start
-    warm_imports: tuple[str, ...] = ()    # modules they import ahead; () = agent.warm's default
-    restart_in_place: bool = True         # keep ranks that can restart in place (agent.parking)
-    tls: TlsFiles | None = None           # mutual TLS to the controller; None = plaintext
+    controller: str | None = None  # host:port; None = discover through etcd
+    lease_ttl_s: float = 5.0  # node record expires this long after death
+    tick_s: float = 0.05  # supervision period (rank exit detection)
+    report_flush_s: float = 0.5  # step reports are batched up to this long
+    stop_grace_s: float = 5.0  # SIGTERM → SIGKILL
+    drain_timeout_s: float = 60.0  # on SIGTERM: at most this long moving the job off
+    etcd_timeout_s: float | None = None  # default: lease_ttl_s / 3
+    reconnect_max_s: float = 5.0  # back-off cap between controller reconnects
+    metrics_listen: str | None = None  # [host]:port of /metrics; a bare :port binds `host`
+    metrics_address_file: Path | None = None  # write the metrics host:port here once serving
+    accelerator: str = ""  # what its slots are; "" = detect (agent.accelerator)
+    warm_processes: bool = True  # keep a warm process per slot (agent.pool)
+    warm_refill_delay_s: float = 10.0  # refill them this long after the last rank start
+    warm_imports: tuple[str, ...] = ()  # modules they import ahead; () = agent.warm's default
+    restart_in_place: bool = True  # keep ranks that can restart in place (agent.parking)
+    tls: TlsFiles | None = None  # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
 
     def __post_init__(self):
@@ -49,8 +49,10 @@ class AgentConfig:
         for endpoint in self.etcd_endpoints:
             host_port(endpoint)
         if not self.token:
-            raise ValueError("token: the agent needs the join token (--token-file, "
-                             "--tls-dir's join.token, or KEEL_TOKEN)")
+            raise ValueError(
+                "token: the agent needs the join token (--token-file, "
+                "--tls-dir's join.token, or KEEL_TOKEN)"
+            )
         # Deadline hierarchy: lease refresh (ttl/3) < lease TTL; etcd calls must fail
         # well before the lease would lapse; supervision ticks many times per grace.
         if self.lease_ttl_s < 2:
@@ -58,24 +60,34 @@ class AgentConfig:
         if self.etcd_timeout_s is None:
             object.__setattr__(self, "etcd_timeout_s", self.lease_ttl_s / 3)
         if self.etcd_timeout_s >= self.lease_ttl_s / 2:
-            raise ValueError(f"etcd_timeout_s={self.etcd_timeout_s} must be below "
-                             f"lease_ttl_s/2 ({self.lease_ttl_s / 2})")
+            raise ValueError(
+                f"etcd_timeout_s={self.etcd_timeout_s} must be below "
+                f"lease_ttl_s/2 ({self.lease_ttl_s / 2})"
+            )
         if self.metrics_listen is not None:
-            listen_address(self.metrics_listen, self.host)   # raises with the fix
+            listen_address(self.metrics_listen, self.host)  # raises with the fix
         if not self.warm_refill_delay_s >= 0:
-            raise ValueError(f"warm_refill_delay_s={self.warm_refill_delay_s}: must be 0 "
-                             f"or more seconds")
+            raise ValueError(
+                f"warm_refill_delay_s={self.warm_refill_delay_s}: must be 0 or more seconds"
+            )
         if not self.drain_timeout_s > 0:
-            raise ValueError(f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
-                             f"SIGTERM may spend moving the job off the node (e.g. 60)")
+            raise ValueError(
+                f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
+                f"SIGTERM may spend moving the job off the node (e.g. 60)"
+            )
         if not 0 < self.tick_s <= self.stop_grace_s / 10:
-            raise ValueError(f"tick_s={self.tick_s} must be positive and at most "
-                             f"stop_grace_s/10")
+            raise ValueError(f"tick_s={self.tick_s} must be positive and at most stop_grace_s/10")
 
 
-def security_settings(node: str, token_file: str | None, tls_dir: str | None = None,
-                      ca: str | None = None, cert: str | None = None, key: str | None = None,
-                      **etcd_flags) -> dict:
+def security_settings(
+    node: str,
+    token_file: str | None,
+    tls_dir: str | None = None,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    **etcd_flags,
+) -> dict:
     """``AgentConfig`` fields (token, tls, etcd_credentials) from the agent's flags.
 
     From a TLS directory the agent takes ``ca.pem``, its own certificate
@@ -86,8 +98,12 @@ def security_settings(node: str, token_file: str | None, tls_dir: str | None = N
     if tls_dir:
         identity = first_identity(tls_dir, (f"agent-{node}", "agent"))
         if identity is None and not cert:
-            raise ValueError(f"--tls-dir {tls_dir} holds neither agent-{node}.pem nor "
-                             f"agent.pem; give --cert and --key")
-    return {"token": read_token(token_file, Path(tls_dir) / "join.token" if tls_dir else None),
-            "tls": resolve_tls(tls_dir, identity, ca, cert, key),
-            "etcd_credentials": etcd_credentials(**etcd_flags)}
+            raise ValueError(
+                f"--tls-dir {tls_dir} holds neither agent-{node}.pem nor "
+                f"agent.pem; give --cert and --key"
+            )
+    return {
+        "token": read_token(token_file, Path(tls_dir) / "join.token" if tls_dir else None),
+        "tls": resolve_tls(tls_dir, identity, ca, cert, key),
+        "etcd_credentials": etcd_credentials(**etcd_flags),
+    }

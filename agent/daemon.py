@@ -44,7 +44,7 @@ log = structlog.get_logger()
 
 # The agent tells the controller what it runs this often (AgentStatus); the controller
 # resends or stops until that agrees with the plan.
-STATUS_PERIOD_S = 1.0     # the status is looked at this often, and sent when it changed
+STATUS_PERIOD_S = 1.0  # the status is looked at this often, and sent when it changed
 # (and sent unchanged every link.status_refresh_s)
 # A rank that parks waits this long at most for the main loop to say whether it is kept.
 PARK_DECISION_S = 5.0
@@ -53,42 +53,61 @@ PARK_DECISION_S = 5.0
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
-        self.etcd = EtcdClient(list(config.etcd_endpoints), config.etcd_timeout_s,
-                               config.etcd_credentials)
+        self.etcd = EtcdClient(
+            list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials
+        )
         self.events: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         interface = net.interface_of(config.host)
         if interface is None:
-            log.warning("no interface of this machine holds the advertised host; the "
-                        "ranks' gloo picks its own address (set GLOO_SOCKET_IFNAME)",
-                        host=config.host)
+            log.warning(
+                "no interface of this machine holds the advertised host; the "
+                "ranks' gloo picks its own address (set GLOO_SOCKET_IFNAME)",
+                host=config.host,
+            )
         self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
         self.socket_path = f"{self.socket_dir}/agent.sock"
-        self.pool = WarmPool(config.slots, config.run_dir / "pool",
-                             pool_env(dict(os.environ), self.socket_path),
-                             refill_delay_s=config.warm_refill_delay_s,
-                             **({"imports": config.warm_imports} if config.warm_imports else {})) \
-            if config.warm_processes else None
-        self.supervisor = Supervisor(config.run_dir, node=config.node,
-                                     interface=interface or "", pool=self.pool,
-                                     in_place=config.restart_in_place)
+        self.pool = (
+            WarmPool(
+                config.slots,
+                config.run_dir / "pool",
+                pool_env(dict(os.environ), self.socket_path),
+                refill_delay_s=config.warm_refill_delay_s,
+                **({"imports": config.warm_imports} if config.warm_imports else {}),
+            )
+            if config.warm_processes
+            else None
+        )
+        self.supervisor = Supervisor(
+            config.run_dir,
+            node=config.node,
+            interface=interface or "",
+            pool=self.pool,
+            in_place=config.restart_in_place,
+        )
         self.generation = Generation()
-        self.started: tuple[str, int] | None = None   # the newest StartGeneration's
+        self.started: tuple[str, int] | None = None  # the newest StartGeneration's
         self.reports = Reports()
         self.hang_config = HangConfig()
         self.lease = None
-        self.lease_ok_at = 0.0   # monotonic: the lease was last renewed (or granted)
+        self.lease_ok_at = 0.0  # monotonic: the lease was last renewed (or granted)
         self.metrics_server = None
-        self.leaving_since: float | None = None   # monotonic: SIGTERM asked it to drain
+        self.leaving_since: float | None = None  # monotonic: SIGTERM asked it to drain
         self.rank_series = metrics.RankSeries(config.node)
         self.accelerator = config.accelerator or detect_accelerator()
-        self.held = False        # the controller said etcd is out of its reach too
+        self.held = False  # the controller said etcd is out of its reach too
         self.local_server: grpc.Server | None = None
         self.leaders = LeaderWatch(self.etcd)
-        self.link = ControllerLink(self.leaders, config.token, config.tls, config.controller,
-                                   config.reconnect_max_s, self._opening,
-                                   lambda message: self.events.put(("controller", message)),
-                                   self.stopping)
+        self.link = ControllerLink(
+            self.leaders,
+            config.token,
+            config.tls,
+            config.controller,
+            config.reconnect_max_s,
+            self._opening,
+            lambda message: self.events.put(("controller", message)),
+            self.stopping,
+        )
 
     # ================================================================ lifecycle
     def run(self) -> None:
@@ -97,25 +116,40 @@ class Agent:
             leftovers.take_over(self.config.run_dir, self.socket_path)
             self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
             self.lease_ok_at = time.monotonic()
-            self.local_server = serve(self.socket_path, AgentLocalService(
-                self.supervisor.identify, self._on_steps, self._on_checkpoint,
-                lambda report: self.events.put(("preflight", report)),
-                lambda problem: self.events.put(("problem", problem)),
-                self.reports.recorded_step, self._on_attach, self.supervisor.leaving,
-                self._on_park, self.supervisor.parking.answer),
-                workers=2 * self.config.slots + 8)
+            self.local_server = serve(
+                self.socket_path,
+                AgentLocalService(
+                    self.supervisor.identify,
+                    self._on_steps,
+                    self._on_checkpoint,
+                    lambda report: self.events.put(("preflight", report)),
+                    lambda problem: self.events.put(("problem", problem)),
+                    self.reports.recorded_step,
+                    self._on_attach,
+                    self.supervisor.leaving,
+                    self._on_park,
+                    self.supervisor.parking.answer,
+                ),
+                workers=2 * self.config.slots + 8,
+            )
             if self.config.metrics_listen is not None:
                 self.metrics_server = common_metrics.serve(
-                    listen_address(self.config.metrics_listen, self.config.host),
-                    self.config.tls)
+                    listen_address(self.config.metrics_listen, self.config.host), self.config.tls
+                )
                 if self.config.metrics_address_file:
-                    write_atomically(self.config.metrics_address_file,
-                                     f"{self.config.host}:{self.metrics_server.server_port}")
+                    write_atomically(
+                        self.config.metrics_address_file,
+                        f"{self.config.host}:{self.metrics_server.server_port}",
+                    )
             threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
             self.leaders.start()
             threading.Thread(target=self.link.run, name="stream", daemon=True).start()
-            log.info("agent started", slots=self.config.slots, lease_id=self.lease.id,
-                     socket=self.socket_path)
+            log.info(
+                "agent started",
+                slots=self.config.slots,
+                lease_id=self.lease.id,
+                socket=self.socket_path,
+            )
             self._main_loop()
         finally:
             self._shutdown()
@@ -143,8 +177,9 @@ class Agent:
         if self.leaving_since is None:
             return False
         if now - self.leaving_since > self.config.drain_timeout_s:
-            log.warning("drain timed out; stopping the ranks",
-                        drain_timeout_s=self.config.drain_timeout_s)
+            log.warning(
+                "drain timed out; stopping the ranks", drain_timeout_s=self.config.drain_timeout_s
+            )
             return True
         return not self._live_ranks_any() and self.generation.phase is Phase.IDLE
 
@@ -178,7 +213,7 @@ class Agent:
             except Exception as exc:  # etcd down or restarting: it keeps leases across
                 log.warning("lease refresh failed", error=str(exc), lease_id=self.lease.id)
                 continue
-            self.held = False   # etcd answers us again
+            self.held = False  # etcd answers us again
             if alive:
                 self.lease_ok_at = time.monotonic()
             else:
@@ -192,8 +227,9 @@ class Agent:
         except Exception as exc:
             log.warning("cannot grant a new lease; retrying", error=str(exc))
             return
-        log.warning("etcd lease lost; registering again", old_lease_id=self.lease.id,
-                    lease_id=lease.id)
+        log.warning(
+            "etcd lease lost; registering again", old_lease_id=self.lease.id, lease_id=lease.id
+        )
         self.lease, self.lease_ok_at = lease, time.monotonic()
         self.link.reconnect()  # the next stream opens with a Hello on the new lease
 
@@ -202,31 +238,42 @@ class Agent:
         """What opens every stream: a Hello naming the generation this agent runs (even
         when all its ranks here have exited) and its live ranks, then the replays."""
         config = self.config
-        hello = keel_pb2.Hello(node=config.node, host=config.host, slots=config.slots,
-                               lease_id=self.lease.id, pid=os.getpid(),
-                               heartbeat_s=config.report_flush_s,
-                               reconnect_max_s=config.reconnect_max_s,
-                               lease_ttl_s=config.lease_ttl_s,
-                               accelerator=self.accelerator)
+        hello = keel_pb2.Hello(
+            node=config.node,
+            host=config.host,
+            slots=config.slots,
+            lease_id=self.lease.id,
+            pid=os.getpid(),
+            heartbeat_s=config.report_flush_s,
+            reconnect_max_s=config.reconnect_max_s,
+            lease_ttl_s=config.lease_ttl_s,
+            accelerator=self.accelerator,
+        )
         current = self.generation.start
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
             hello.running.extend(self._live_ranks(current))
-        opening = [keel_pb2.AgentMessage(hello=hello), *self.reports.replay(),
-                   keel_pb2.AgentMessage(status=self._status())]
+        opening = [
+            keel_pb2.AgentMessage(hello=hello),
+            *self.reports.replay(),
+            keel_pb2.AgentMessage(status=self._status()),
+        ]
         if self.leaving_since is not None:
             opening.append(keel_pb2.AgentMessage(leaving=self._leaving()))
         return opening
 
     @staticmethod
     def _leaving() -> keel_pb2.Leaving:
-        return keel_pb2.Leaving(reason="its agent was sent SIGTERM (the node is shutting "
-                                       "down or being drained)")
+        return keel_pb2.Leaving(
+            reason="its agent was sent SIGTERM (the node is shutting down or being drained)"
+        )
 
     def _live_ranks(self, start: keel_pb2.StartGeneration) -> list[keel_pb2.RankAssignment]:
-        return [keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
-                for r in self.supervisor.of_generation(start.job, start.generation)
-                if r.live]
+        return [
+            keel_pb2.RankAssignment(rank=r.rank, local_rank=r.local_rank)
+            for r in self.supervisor.of_generation(start.job, start.generation)
+            if r.live
+        ]
 
     def _status(self) -> keel_pb2.AgentStatus:
         """What this agent runs: the generation (running or being stopped), its live
@@ -283,8 +330,12 @@ class Agent:
             decided.put(None)
             return
         if isinstance(kept, str):
-            log.info("not keeping a rank for restart in place", generation=request.generation,
-                     rank=request.rank, reason=kept)
+            log.info(
+                "not keeping a rank for restart in place",
+                generation=request.generation,
+                rank=request.rank,
+                reason=kept,
+            )
             decided.put(kept)
             return
         decided.put(None)
@@ -293,13 +344,31 @@ class Agent:
     def _report_exit(self, report: keel_pb2.RankExited) -> None:
         """A rank is done with its generation (exited, or parked alive): logged, counted,
         and told to the controller after the steps it reported before."""
-        log.info("rank exited", job=report.job, generation=report.generation, rank=report.rank,
-                 pid=report.pid, exit_code=report.exit_code, signal=report.signal,
-                 stopped_by_agent=report.stopped_by_agent, parked=report.parked)
-        metrics.RANK_EXITS.labels(node=self.config.node, outcome=(
-            "stopped" if report.stopped_by_agent else "parked" if report.parked
-            else "signal" if report.signal else "ok" if report.exit_code == 0
-            else "failed")).inc()
+        log.info(
+            "rank exited",
+            job=report.job,
+            generation=report.generation,
+            rank=report.rank,
+            pid=report.pid,
+            exit_code=report.exit_code,
+            signal=report.signal,
+            stopped_by_agent=report.stopped_by_agent,
+            parked=report.parked,
+        )
+        metrics.RANK_EXITS.labels(
+            node=self.config.node,
+            outcome=(
+                "stopped"
+                if report.stopped_by_agent
+                else "parked"
+                if report.parked
+                else "signal"
+                if report.signal
+                else "ok"
+                if report.exit_code == 0
+                else "failed"
+            ),
+        ).inc()
         self._flush_steps()
         self._send(rank_exited=report)
         self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
@@ -341,13 +410,20 @@ class Agent:
                 elif kind == "park":
                     self._park(*payload)
                 elif kind == "leave":
-                    log.info("draining the node before stopping",
-                             drain_timeout_s=self.config.drain_timeout_s)
+                    log.info(
+                        "draining the node before stopping",
+                        drain_timeout_s=self.config.drain_timeout_s,
+                    )
                     self.supervisor.parking.release_all("the node is draining", time.monotonic())
                     self._send(leaving=self._leaving())
                 elif kind == "problem":
-                    log.warning("a rank would not use a checkpoint", kind=payload.kind,
-                                step=payload.step, path=payload.path, reason=payload.reason)
+                    log.warning(
+                        "a rank would not use a checkpoint",
+                        kind=payload.kind,
+                        step=payload.step,
+                        path=payload.path,
+                        reason=payload.reason,
+                    )
                     self._send(checkpoint_problem=payload)
             except queue.Empty:
                 pass
@@ -360,11 +436,11 @@ class Agent:
             self._check_fence(now)
             self._check_hang(now)
             node = self.config.node
-            metrics.RANKS_RUNNING.labels(node).set(sum(1 for r in self.supervisor.ranks
-                                                       if r.live))
+            metrics.RANKS_RUNNING.labels(node).set(sum(1 for r in self.supervisor.ranks if r.live))
             metrics.CONTROLLER_CONNECTED.labels(node).set(1 if self.link.up else 0)
             metrics.LEASE_OK.labels(node).set(
-                1 if now - self.lease_ok_at < self.config.lease_ttl_s else 0)
+                1 if now - self.lease_ok_at < self.config.lease_ttl_s else 0
+            )
             if now >= next_flush or self.reports.full():
                 self._flush_steps()
                 # At our own pace, or the controller's of a large cluster if longer.
@@ -374,8 +450,9 @@ class Agent:
                 # again after every Hello): sent on a change, else every 10 s (longer
                 # in a large cluster), so idle agents are not thousands of messages a second.
                 status = self._status()
-                if (status != sent_status
-                        or now - status_sent_at >= status_refresh_s(self.link.report_interval_s)):
+                if status != sent_status or now - status_sent_at >= status_refresh_s(
+                    self.link.report_interval_s
+                ):
                     self._send(status=status)
                     sent_status, status_sent_at = status, now
                 next_status = now + STATUS_PERIOD_S
@@ -387,10 +464,12 @@ class Agent:
         if kind == "prepare_rendezvous":
             prep = message.prepare_rendezvous
             port = net.free_port(self.config.host, self.config.rendezvous_ports)
-            log.info("rendezvous port chosen", job=prep.job, generation=prep.generation,
-                     port=port)
-            self._send(rendezvous_ready=keel_pb2.RendezvousReady(
-                job=prep.job, generation=prep.generation, host=self.config.host, port=port))
+            log.info("rendezvous port chosen", job=prep.job, generation=prep.generation, port=port)
+            self._send(
+                rendezvous_ready=keel_pb2.RendezvousReady(
+                    job=prep.job, generation=prep.generation, host=self.config.host, port=port
+                )
+            )
         elif kind == "start_generation":
             self._start(message.start_generation)
         elif kind == "stop_generation":
@@ -410,73 +489,100 @@ class Agent:
             self.reports.recorded(recorded.generation, recorded.step)
         elif kind == "etcd_unreachable":
             self.held = True
-            log.warning("the controller cannot reach etcd either: keeping the ranks while "
-                        "our lease cannot be renewed")
+            log.warning(
+                "the controller cannot reach etcd either: keeping the ranks while "
+                "our lease cannot be renewed"
+            )
         elif kind == "read_log":
             request = message.read_log
-            running = any(r.rank == request.rank and r.live
-                          for r in self.supervisor.of_generation(request.job,
-                                                                 request.generation))
-            self._send(log_chunk=rank_logs.read(self.config.run_dir, self.config.node,
-                                                request, running))
+            running = any(
+                r.rank == request.rank and r.live
+                for r in self.supervisor.of_generation(request.job, request.generation)
+            )
+            self._send(
+                log_chunk=rank_logs.read(self.config.run_dir, self.config.node, request, running)
+            )
         elif kind == "checkpoint_now":
             request = message.checkpoint_now
             self.reports.want_checkpoint(request.generation, request.after_step)
-            log.info("checkpoint requested", job=request.job, generation=request.generation,
-                     after_step=request.after_step, reason=request.reason)
+            log.info(
+                "checkpoint requested",
+                job=request.job,
+                generation=request.generation,
+                after_step=request.after_step,
+                reason=request.reason,
+            )
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
         if self.started == (start.job, start.generation):
-            log.info("generation already started here; ignoring the repeat", job=start.job,
-                     generation=start.generation)
+            log.info(
+                "generation already started here; ignoring the repeat",
+                job=start.job,
+                generation=start.generation,
+            )
             return
         self.started = (start.job, start.generation)
         # A node runs one generation at a time: anything older goes first.
-        older = [r for r in self.supervisor.ranks if r.generation != start.generation
-                 or r.job != start.job]
+        older = [
+            r
+            for r in self.supervisor.ranks
+            if r.generation != start.generation or r.job != start.job
+        ]
         if older:
-            log.warning("stopping ranks of an older generation before starting",
-                        count=len(older))
+            log.warning("stopping ranks of an older generation before starting", count=len(older))
             self.supervisor.stop_all(self.config.stop_grace_s + 2)
             for job, generation in {(r.job, r.generation) for r in older}:
-                leftovers.kill_marked(self.socket_path, job, generation,
-                                      spare=self.supervisor.parking.pids())
+                leftovers.kill_marked(
+                    self.socket_path, job, generation, spare=self.supervisor.parking.pids()
+                )
             self.supervisor.ranks.clear()
         if self.generation.phase is Phase.STOPPING:
-            self._maybe_confirm_stop()   # nothing of it is left now
+            self._maybe_confirm_stop()  # nothing of it is left now
         self.generation.begin(start)
         self.reports.begin(start.job, start.generation)
         try:
             chain = self._deadlines(start)
-            self.hang_config = HangConfig(floor_s=chain.hang_floor_s, k=start.health.hang_k,
-                                          first_step_timeout_s=chain.first_step_timeout_s,
-                                          checkpoint_timeout_s=chain.checkpoint_timeout_s)
+            self.hang_config = HangConfig(
+                floor_s=chain.hang_floor_s,
+                k=start.health.hang_k,
+                first_step_timeout_s=chain.first_step_timeout_s,
+                checkpoint_timeout_s=chain.checkpoint_timeout_s,
+            )
             self.supervisor.start(start, self.socket_path, chain)
         except (ValueError, OSError) as exc:
             # A health budget that makes no sense, or a command that cannot be executed
             # at all: report it as the ranks' failure, with the reason.
             log.error("cannot start ranks", error=str(exc), command=list(start.command))
             for assignment in start.ranks:
-                self._send(rank_exited=keel_pb2.RankExited(
-                    job=start.job, generation=start.generation, rank=assignment.rank,
-                    exit_code=127, traceback=f"cannot start {list(start.command)}: {exc}",
-                    exited_at=time.time()))
+                self._send(
+                    rank_exited=keel_pb2.RankExited(
+                        job=start.job,
+                        generation=start.generation,
+                        rank=assignment.rank,
+                        exit_code=127,
+                        traceback=f"cannot start {list(start.command)}: {exc}",
+                        exited_at=time.time(),
+                    )
+                )
 
     def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
         """The generation's deadline chain as the controller resolved it (or, from a
         controller that sends none, the job's health budgets and this agent's stop
         grace), checked here too; raises DeadlineError."""
         if start.HasField("deadlines"):
-            chain = deadlines.Deadlines(**json_format.MessageToDict(
-                start.deadlines, preserving_proto_field_name=True))
+            chain = deadlines.Deadlines(
+                **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
+            )
         else:
             health = start.health
             chain = deadlines.Deadlines(
-                hang_floor_s=health.hang_floor_s, first_step_timeout_s=health.first_step_timeout_s,
+                hang_floor_s=health.hang_floor_s,
+                first_step_timeout_s=health.first_step_timeout_s,
                 checkpoint_timeout_s=health.checkpoint_timeout_s,
                 stop_grace_s=self.config.stop_grace_s,
                 collective_timeout_s=deadlines.COLLECTIVE_TIMEOUT_S,
-                startup_timeout_s=deadlines.STARTUP_TIMEOUT_S)
+                startup_timeout_s=deadlines.STARTUP_TIMEOUT_S,
+            )
         problems = deadlines.check(chain)
         if problems:
             raise deadlines.DeadlineError(problems)
@@ -491,16 +597,30 @@ class Agent:
         replaced)."""
         state = self.generation
         unrenewed_s = now - self.lease_ok_at
-        if (state.phase is not Phase.RUNNING or unrenewed_s < self.config.lease_ttl_s
-                or self.link.up or self.held):
+        if (
+            state.phase is not Phase.RUNNING
+            or unrenewed_s < self.config.lease_ttl_s
+            or self.link.up
+            or self.held
+        ):
             return
         current = state.start
-        ranks = [r for r in self.supervisor.of_generation(current.job, current.generation)
-                 if r.phase is RankPhase.RUNNING]
-        why = (f"self-fenced: no lease renewal for {unrenewed_s:.1f} s (TTL "
-               f"{self.config.lease_ttl_s:g} s) and no controller reachable")
-        log.error("stopping the ranks", job=current.job, generation=current.generation,
-                  ranks=[r.rank for r in ranks], reason=why)
+        ranks = [
+            r
+            for r in self.supervisor.of_generation(current.job, current.generation)
+            if r.phase is RankPhase.RUNNING
+        ]
+        why = (
+            f"self-fenced: no lease renewal for {unrenewed_s:.1f} s (TTL "
+            f"{self.config.lease_ttl_s:g} s) and no controller reachable"
+        )
+        log.error(
+            "stopping the ranks",
+            job=current.job,
+            generation=current.generation,
+            ranks=[r.rank for r in ranks],
+            reason=why,
+        )
         self.supervisor.stop(ranks, now)
         state.stop(current.job, current.generation, why)
 
@@ -510,16 +630,24 @@ class Agent:
         if state.phase is not Phase.RUNNING or state.hang_reported:
             return
         current = state.start
-        ranks = [r for r in self.supervisor.of_generation(current.job, current.generation)
-                 if r.phase is RankPhase.RUNNING]
+        ranks = [
+            r
+            for r in self.supervisor.of_generation(current.job, current.generation)
+            if r.phase is RankPhase.RUNNING
+        ]
         if not ranks:
             return
         latest, recent = self.reports.progress()
         hang = hangs.check(now, ranks, latest, recent, self.hang_config)
         if hang is None:
             return
-        log.warning("hang detected", job=current.job, generation=current.generation,
-                    rank=hang.rank, reason=hang.reason)
+        log.warning(
+            "hang detected",
+            job=current.job,
+            generation=current.generation,
+            rank=hang.rank,
+            reason=hang.reason,
+        )
         self._report_stacks(current.job, current.generation, ranks, hang)
         # The hung rank is stopped; its peers, whose collectives then fail, may park.
         self.supervisor.stop([r for r in ranks if r.rank == hang.rank], now, leave=False)
@@ -540,11 +668,16 @@ class Agent:
         if not self.supervisor.generation_done(job, generation):
             return
         # A parked process started for this generation still carries its marks.
-        escaped = leftovers.kill_marked(self.socket_path, job, generation,
-                                        spare=self.supervisor.parking.pids())
+        escaped = leftovers.kill_marked(
+            self.socket_path, job, generation, spare=self.supervisor.parking.pids()
+        )
         if escaped:
-            log.warning("killed processes the ranks had moved out of their process "
-                        "groups", job=job, generation=generation, count=escaped)
+            log.warning(
+                "killed processes the ranks had moved out of their process groups",
+                job=job,
+                generation=generation,
+                count=escaped,
+            )
         self.supervisor.forget(job, generation)
         if self.generation.running(job, generation):
             self.reports.end()
@@ -566,8 +699,13 @@ def detect_accelerator() -> str:
     if smi is None:
         return "cpu"
     try:
-        names = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=10, check=True)
+        names = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return "cpu"
     first = names.stdout.strip().splitlines()

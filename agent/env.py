@@ -10,10 +10,17 @@ from common.deadlines import Deadlines
 from protos import keel_pb2
 
 
-def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
-             assignment: keel_pb2.RankAssignment, agent_socket: str,
-             error_file: str, chain: Deadlines, rank_token: str = "",
-             node: str = "", interface: str = "") -> dict[str, str]:
+def rank_env(
+    base: Mapping[str, str],
+    start: keel_pb2.StartGeneration,
+    assignment: keel_pb2.RankAssignment,
+    agent_socket: str,
+    error_file: str,
+    chain: Deadlines,
+    rank_token: str = "",
+    node: str = "",
+    interface: str = "",
+) -> dict[str, str]:
     """Environment for one rank: ``base`` (the agent's) but for its Keel variables,
     then the job's, then ours.
 
@@ -35,36 +42,38 @@ def rank_env(base: Mapping[str, str], start: keel_pb2.StartGeneration,
     # interface of the address this node advertises, unless told otherwise.
     if interface and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = interface
-    env.update({
-        "RANK": str(assignment.rank),
-        "LOCAL_RANK": str(assignment.local_rank),
-        "WORLD_SIZE": str(start.world_size),
-        "LOCAL_WORLD_SIZE": str(start.local_world_size),
-        "GROUP_RANK": str(start.group_rank),
-        "GROUP_WORLD_SIZE": str(max(start.group_world_size, 1)),
-        "ROLE_RANK": str(assignment.rank),
-        "ROLE_NAME": "default",
-        "ROLE_WORLD_SIZE": str(start.world_size),
-        "MASTER_ADDR": start.master_addr,
-        "MASTER_PORT": str(start.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(start.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(start.max_restarts),
-        "TORCHELASTIC_RUN_ID": f"{start.job}-g{start.generation}",
-        # Rank 0 hosts the rendezvous store (init_process_group's env://); under
-        # torchrun the agent's own store would be used instead.
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCHELASTIC_ERROR_FILE": error_file,
-        **{name: env.get(name, value) for name, value in keel_env.TORCHRUN_DEFAULTS.items()},
-        "PYTHONUNBUFFERED": "1",
-        keel_env.JOB: start.job,
-        keel_env.GENERATION: str(start.generation),
-        keel_env.NODE: node,
-        keel_env.MESH: start.mesh,
-        keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
-        keel_env.RESTORE_FROM: start.restore_from,
-        keel_env.RESTORE_FALLBACKS: os.pathsep.join(start.restore_fallbacks),
-        keel_env.AGENT_SOCKET: agent_socket,
-        keel_env.RANK_TOKEN: rank_token,
-        **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},
-    })
+    env.update(
+        {
+            "RANK": str(assignment.rank),
+            "LOCAL_RANK": str(assignment.local_rank),
+            "WORLD_SIZE": str(start.world_size),
+            "LOCAL_WORLD_SIZE": str(start.local_world_size),
+            "GROUP_RANK": str(start.group_rank),
+            "GROUP_WORLD_SIZE": str(max(start.group_world_size, 1)),
+            "ROLE_RANK": str(assignment.rank),
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(start.world_size),
+            "MASTER_ADDR": start.master_addr,
+            "MASTER_PORT": str(start.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(start.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(start.max_restarts),
+            "TORCHELASTIC_RUN_ID": f"{start.job}-g{start.generation}",
+            # Rank 0 hosts the rendezvous store (init_process_group's env://); under
+            # torchrun the agent's own store would be used instead.
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            **{name: env.get(name, value) for name, value in keel_env.TORCHRUN_DEFAULTS.items()},
+            "PYTHONUNBUFFERED": "1",
+            keel_env.JOB: start.job,
+            keel_env.GENERATION: str(start.generation),
+            keel_env.NODE: node,
+            keel_env.MESH: start.mesh,
+            keel_env.CHECKPOINT_DIR: start.checkpoint_dir,
+            keel_env.RESTORE_FROM: start.restore_from,
+            keel_env.RESTORE_FALLBACKS: os.pathsep.join(start.restore_fallbacks),
+            keel_env.AGENT_SOCKET: agent_socket,
+            keel_env.RANK_TOKEN: rank_token,
+            **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},
+        }
+    )
     return env

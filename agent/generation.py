@@ -23,9 +23,9 @@ log = structlog.get_logger()
 
 
 class Phase(str, enum.Enum):
-    IDLE = "IDLE"            # no generation is being run or stopped here
-    RUNNING = "RUNNING"      # ``start`` was given; its ranks run (or some have exited)
-    STOPPING = "STOPPING"    # ``stopping`` is being stopped; confirmed once all is reaped
+    IDLE = "IDLE"  # no generation is being run or stopped here
+    RUNNING = "RUNNING"  # ``start`` was given; its ranks run (or some have exited)
+    STOPPING = "STOPPING"  # ``stopping`` is being stopped; confirmed once all is reaped
 
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
@@ -45,6 +45,7 @@ class Generation:
     Hello still names it); ``stopping``: (job, generation) being stopped, to confirm;
     ``hang_reported``: this agent already reported a hang of ``start`` (one per
     generation)."""
+
     phase: Phase = Phase.IDLE
     start: keel_pb2.StartGeneration | None = None
     stopping: tuple[str, int] | None = None
@@ -52,10 +53,17 @@ class Generation:
 
     def _move(self, target: Phase, why: str, job: str, generation: int) -> None:
         if target not in TRANSITIONS[self.phase]:
-            raise IllegalTransition(f"generation {generation} of {job}: cannot go from "
-                                    f"{self.phase.value} to {target.value}")
-        log.info("generation phase", job=job, generation=generation,
-                 **{"from": self.phase.value, "to": target.value}, why=why)
+            raise IllegalTransition(
+                f"generation {generation} of {job}: cannot go from "
+                f"{self.phase.value} to {target.value}"
+            )
+        log.info(
+            "generation phase",
+            job=job,
+            generation=generation,
+            **{"from": self.phase.value, "to": target.value},
+            why=why,
+        )
         self.phase = target
 
     def begin(self, start: keel_pb2.StartGeneration) -> None:
@@ -73,12 +81,18 @@ class Generation:
         job, generation = self.stopping
         if self.running(job, generation):
             self.start = None
-        self._move(Phase.RUNNING if self.start is not None else Phase.IDLE,
-                   "every rank of the stopped one reaped", job, generation)
+        self._move(
+            Phase.RUNNING if self.start is not None else Phase.IDLE,
+            "every rank of the stopped one reaped",
+            job,
+            generation,
+        )
         self.stopping = None
         return job, generation
 
     def running(self, job: str, generation: int) -> bool:
         """Whether ``job``'s ``generation`` is the one this agent runs."""
-        return self.start is not None and (self.start.job, self.start.generation) == (job,
-                                                                                      generation)
+        return self.start is not None and (self.start.job, self.start.generation) == (
+            job,
+            generation,
+        )

@@ -14,27 +14,39 @@ from agent.stacks import dump_since, parse_dump, where
 from agent.supervisor import RankProcess
 from protos import keel_pb2
 
-STACK_DUMP_WAIT_S = 0.5      # faulthandler writes within milliseconds; slack for a busy node
+STACK_DUMP_WAIT_S = 0.5  # faulthandler writes within milliseconds; slack for a busy node
 STACK_TAIL_BYTES = 65536
 
 
-def check(now: float, ranks: list[RankProcess],
-          latest: dict[int, tuple[float, keel_pb2.StepReport]], recent_step_times: list[float],
-          config: HangConfig) -> Hang | None:
+def check(
+    now: float,
+    ranks: list[RankProcess],
+    latest: dict[int, tuple[float, keel_pb2.StepReport]],
+    recent_step_times: list[float],
+    config: HangConfig,
+) -> Hang | None:
     """The hung rank among ``ranks`` (running ones), judged on each rank's latest report
     (``latest``: rank -> when it arrived, the report) and the recent step times."""
     progress = []
     for rank in ranks:
         at, report = latest.get(rank.rank, (None, keel_pb2.StepReport()))
-        progress.append(RankProgress(rank=rank.rank, pid=rank.pid, started_at=rank.started_at,
-                                     last_report_at=at, last_step=report.step,
-                                     checkpointing=report.checkpointing,
-                                     reports_steps=rank.attached))
+        progress.append(
+            RankProgress(
+                rank=rank.rank,
+                pid=rank.pid,
+                started_at=rank.started_at,
+                last_report_at=at,
+                last_step=report.step,
+                checkpointing=report.checkpointing,
+                reports_steps=rank.attached,
+            )
+        )
     return find_hang(now, progress, recent_step_times, config)
 
 
-def collect_stacks(job: str, generation: int, ranks: list[RankProcess],
-                   hang: Hang | None) -> keel_pb2.HangDetected:
+def collect_stacks(
+    job: str, generation: int, ranks: list[RankProcess], hang: Hang | None
+) -> keel_pb2.HangDetected:
     """SIGUSR1 every rank of ``ranks`` (all running), read what each wrote, and make the
     report of ``job``'s ``generation``: the stacks, and the hang if this agent found it.
     Each stack's first line says where its main thread is."""
@@ -49,8 +61,9 @@ def collect_stacks(job: str, generation: int, ranks: list[RankProcess],
     for proc in ranks:
         dump = dump_since(before[proc.rank], tail(proc.stderr_path, STACK_TAIL_BYTES))
         stacks[proc.rank] = f"{where(parse_dump(dump)) or 'no stack dumped'}\n{dump.strip()}"
-    report = keel_pb2.HangDetected(job=job, generation=generation, stacks=stacks,
-                                   detected_at=time.time())
+    report = keel_pb2.HangDetected(
+        job=job, generation=generation, stacks=stacks, detected_at=time.time()
+    )
     if hang is not None:
         report.rank, report.pid, report.last_step = hang.rank, hang.pid, hang.last_step
         report.stalled_for_s, report.timeout_s = hang.stalled_for_s, hang.timeout_s

@@ -47,8 +47,9 @@ def carrying(*markers: str) -> list[int]:
     return found
 
 
-def kill_marked(socket_path: str, job: str = "", generation: int = 0,
-                spare: set[int] = frozenset()) -> int:
+def kill_marked(
+    socket_path: str, job: str = "", generation: int = 0, spare: set[int] = frozenset()
+) -> int:
     """SIGKILL every process started for the agent whose socket is ``socket_path`` (only
     those of ``job``'s ``generation`` if given), but the pids in ``spare`` (parked rank
     processes: their marks are from the environment they started with), and wait until
@@ -88,8 +89,11 @@ def _previous(state_file: Path) -> dict | None:
         previous = json.loads(state_file.read_text())
     except (FileNotFoundError, ValueError):
         return None
-    if not isinstance(previous, dict) or not isinstance(previous.get("pid"), int) or \
-            not isinstance(previous.get("socket"), str):
+    if (
+        not isinstance(previous, dict)
+        or not isinstance(previous.get("pid"), int)
+        or not isinstance(previous.get("socket"), str)
+    ):
         log.warning("ignoring a malformed agent record", path=str(state_file))
         return None
     return previous
@@ -103,16 +107,25 @@ def take_over(run_dir: Path, socket_path: str) -> int:
     killed = 0
     if previous:
         pid = previous["pid"]
-        if pid != os.getpid() and started_at(pid) is not None and \
-                started_at(pid) == previous.get("started"):
-            raise RunDirInUse(f"agent pid {pid} is running on run dir {run_dir}; "
-                              f"stop it or give this agent another --run-dir")
+        if (
+            pid != os.getpid()
+            and started_at(pid) is not None
+            and started_at(pid) == previous.get("started")
+        ):
+            raise RunDirInUse(
+                f"agent pid {pid} is running on run dir {run_dir}; "
+                f"stop it or give this agent another --run-dir"
+            )
         killed = kill_marked(previous["socket"])
         if killed:
-            log.warning("killed processes the previous agent left running", count=killed,
-                        previous_agent_pid=pid)
+            log.warning(
+                "killed processes the previous agent left running",
+                count=killed,
+                previous_agent_pid=pid,
+            )
     tmp = state_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "started": started_at(os.getpid()),
-                               "socket": socket_path}))
+    tmp.write_text(
+        json.dumps({"pid": os.getpid(), "started": started_at(os.getpid()), "socket": socket_path})
+    )
     tmp.replace(state_file)
     return killed

@@ -33,8 +33,8 @@ from protos import keel_pb2, keel_pb2_grpc
 log = structlog.get_logger()
 
 BACKOFF_FIRST_S = 0.1
-MAX_REPORT_INTERVAL_S = 60.0   # an ask to batch step reports longer is not followed
-HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
+MAX_REPORT_INTERVAL_S = 60.0  # an ask to batch step reports longer is not followed
+HEALTHY_STREAM_S = 10.0  # a stream that lasted this long resets the back-off
 # An unchanged status is sent again at least this often (the controller resends a
 # start or a stop that a status still shows missing, orchestrator.policy.convergence);
 # in a cluster large enough that the controller asks for longer step batches, every
@@ -42,8 +42,8 @@ HEALTHY_STREAM_S = 10.0   # a stream that lasted this long resets the back-off
 # stay about as many a second (about 100 at the default pace) however many they are.
 STATUS_REFRESH_S = 10.0
 STATUS_REFRESH_BATCHES = 10
-_NOTHING = object()   # no message taken off the outbox (None is the close request)
-_ENDED = object()     # the stream a message was taken for has ended
+_NOTHING = object()  # no message taken off the outbox (None is the close request)
+_ENDED = object()  # the stream a message was taken for has ended
 
 
 def status_refresh_s(report_interval_s: float) -> float:
@@ -60,11 +60,17 @@ def jittered(backoff_s: float, rng: random.Random | None = None) -> float:
 
 
 class ControllerLink:
-    def __init__(self, leaders: LeaderWatch, token: str, tls: TlsFiles | None,
-                 controller: str | None, reconnect_max_s: float,
-                 opening: Callable[[], list[keel_pb2.AgentMessage]],
-                 deliver: Callable[[keel_pb2.ControllerMessage], None],
-                 stopping: threading.Event):
+    def __init__(
+        self,
+        leaders: LeaderWatch,
+        token: str,
+        tls: TlsFiles | None,
+        controller: str | None,
+        reconnect_max_s: float,
+        opening: Callable[[], list[keel_pb2.AgentMessage]],
+        deliver: Callable[[keel_pb2.ControllerMessage], None],
+        stopping: threading.Event,
+    ):
         """``opening()`` gives the messages that open each stream (the Hello, then the
         replays); ``deliver`` takes every controller message of a current term but the
         Welcome and ReportPace (kept in ``report_interval_s``); ``controller``: a fixed
@@ -83,16 +89,16 @@ class ControllerLink:
         self._carried: collections.deque = collections.deque()
         self._carry_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._call = None            # the Connect call in progress
-        self._dialled: str | None = None   # the address it goes to
-        self._cluster = 0            # the etcd cluster the terms below count in
-        self._highest = 0            # the highest leader term seen
-        self._refused_term = 0       # the last term refused (logged once)
-        self.up = False              # a stream to a current controller is open
+        self._call = None  # the Connect call in progress
+        self._dialled: str | None = None  # the address it goes to
+        self._cluster = 0  # the etcd cluster the terms below count in
+        self._highest = 0  # the highest leader term seen
+        self._refused_term = 0  # the last term refused (logged once)
+        self.up = False  # a stream to a current controller is open
         # How long the controller asks step reports to be batched (0: our own pace): in
         # its Welcome, then in a ReportPace when its cluster grows or shrinks.
         self.report_interval_s = 0.0
-        self._leader_named = threading.Event()   # the key named a leader: retry now
+        self._leader_named = threading.Event()  # the key named a leader: retry now
         leaders.on_change = self.leader_changed
 
     # ----------------------------------------------------------------- terms
@@ -110,8 +116,11 @@ class ControllerLink:
                 return True
             refused, self._refused_term = self._refused_term, term
         if refused != term:
-            log.warning("refusing messages of a superseded controller", term=term,
-                        highest_term=self._highest)
+            log.warning(
+                "refusing messages of a superseded controller",
+                term=term,
+                highest_term=self._highest,
+            )
         return False
 
     def leader_changed(self, leader: Leader | None) -> None:
@@ -169,8 +178,11 @@ class ControllerLink:
                 try:
                     self._stream(address)
                 except Exception as exc:  # e.g. TLS files unreadable: retry, never die
-                    log.error("cannot connect to the controller", address=address,
-                              error=f"{type(exc).__name__}: {exc}")
+                    log.error(
+                        "cannot connect to the controller",
+                        address=address,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
                 if time.monotonic() - started > HEALTHY_STREAM_S:
                     backoff = BACKOFF_FIRST_S
             paused = self._pause(jittered(backoff))
@@ -211,7 +223,7 @@ class ControllerLink:
                 if taken is not _NOTHING:
                     self._carried.append(taken)
                 if closed.is_set():
-                    break   # the next stream sends it
+                    break  # the next stream sends it
                 if self._carried:
                     return self._carried.popleft()
         return _ENDED
@@ -221,32 +233,40 @@ class ControllerLink:
         with channel(address, self.tls, AGENT_CHANNEL_OPTIONS) as link:
             stub = keel_pb2_grpc.ControllerStub(link)
             self._dialled = address
-            self._call = stub.Connect(self._requests(closed),
-                                      metadata=call_metadata(self.token))
+            self._call = stub.Connect(self._requests(closed), metadata=call_metadata(self.token))
             try:
                 for message in self._call:
                     if message.WhichOneof("kind") == "welcome":
                         if not self.current_term(message.term):
-                            break   # a superseded controller: find the leader again
+                            break  # a superseded controller: find the leader again
                         self._see_term(message.term)
                         self.up = True
                         self._pace(message.welcome.report_interval_s)
-                        log.info("connected to controller", address=address,
-                                 controller_id=message.welcome.controller_id,
-                                 term=message.term,
-                                 report_interval_s=self.report_interval_s)
+                        log.info(
+                            "connected to controller",
+                            address=address,
+                            controller_id=message.welcome.controller_id,
+                            term=message.term,
+                            report_interval_s=self.report_interval_s,
+                        )
                     elif not self.current_term(message.term):
                         pass
                     elif message.WhichOneof("kind") == "report_pace":
                         self._pace(message.report_pace.interval_s)
-                        log.info("batching step reports as the controller asks",
-                                 report_interval_s=self.report_interval_s)
+                        log.info(
+                            "batching step reports as the controller asks",
+                            report_interval_s=self.report_interval_s,
+                        )
                     else:
                         self.deliver(message)
             except grpc.RpcError as exc:
                 if not self.stopping.is_set():
-                    log.warning("controller stream ended", address=address,
-                                code=str(exc.code()), details=exc.details())
+                    log.warning(
+                        "controller stream ended",
+                        address=address,
+                        code=str(exc.code()),
+                        details=exc.details(),
+                    )
             finally:
                 self.up = False
                 self._call = None

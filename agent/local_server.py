@@ -30,6 +30,7 @@ MAX_REPORTS_PER_CALL = 4096
 class RankIdentity:
     """Who holds a rank token: ``ranks`` of ``generation`` of ``job`` (one rank, for the
     ranks an agent starts)."""
+
     job: str
     generation: int
     ranks: frozenset[int]
@@ -37,17 +38,19 @@ class RankIdentity:
 
 
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
-    def __init__(self, identify: Callable[[str], RankIdentity | None],
-                 on_steps: Callable[[int, list], int | None],
-                 on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
-                 on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
-                 on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
-                 recorded_step: Callable[[], int] = lambda: 0,
-                 on_attach: Callable[[RankIdentity, int, bool], None] = lambda who, rank, keep: None,
-                 leaving: Callable[[str], bool] = lambda token: False,
-                 on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no",
-                 next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None]
-                 = lambda token: None):
+    def __init__(
+        self,
+        identify: Callable[[str], RankIdentity | None],
+        on_steps: Callable[[int, list], int | None],
+        on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
+        on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
+        on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
+        recorded_step: Callable[[], int] = lambda: 0,
+        on_attach: Callable[[RankIdentity, int, bool], None] = lambda who, rank, keep: None,
+        leaving: Callable[[str], bool] = lambda token: False,
+        on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no",
+        next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None] = lambda token: None,
+    ):
         """``identify(token)``: the rank a token belongs to, None if none does;
         ``on_steps(generation, reports)`` returns the step after which the controller
         asked this generation for a checkpoint, None if it did not (answered to the
@@ -73,27 +76,34 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         return dict(context.invocation_metadata()).get(env.RANK_TOKEN_METADATA, "")
 
     def _ack(self, context, **fields) -> keel_pb2.LocalAck:
-        return keel_pb2.LocalAck(recorded_step=self._recorded_step(),
-                                 leave_generation=self._leaving(self._token(context)), **fields)
+        return keel_pb2.LocalAck(
+            recorded_step=self._recorded_step(),
+            leave_generation=self._leaving(self._token(context)),
+            **fields,
+        )
 
     def _caller(self, context, generation: int) -> RankIdentity:
         token = self._token(context)
         who = self._identify(token) if token else None
         if who is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "no live rank's token (KEEL_RANK_TOKEN): only ranks this agent "
-                          "started report here")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no live rank's token (KEEL_RANK_TOKEN): only ranks this agent started report here",
+            )
         if generation != who.generation:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"generation {generation}: this rank belongs to generation "
-                          f"{who.generation}")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"generation {generation}: this rank belongs to generation {who.generation}",
+            )
         return who
 
     @staticmethod
     def _only(context, who: RankIdentity, rank: int, what: str) -> None:
         if rank not in who.ranks:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{what} of rank {rank}: this caller is rank(s) {sorted(who.ranks)}")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what} of rank {rank}: this caller is rank(s) {sorted(who.ranks)}",
+            )
 
     def Attach(self, request, context):
         who = self._caller(context, request.generation)
@@ -104,8 +114,9 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def ReportSteps(self, request, context):
         who = self._caller(context, request.generation)
         if len(request.reports) > MAX_REPORTS_PER_CALL:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"at most {MAX_REPORTS_PER_CALL} reports per call")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_REPORTS_PER_CALL} reports per call"
+            )
         for report in request.reports:
             self._only(context, who, report.rank, "a step report")
         wanted = self._on_steps(request.generation, list(request.reports))
@@ -126,9 +137,11 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "path: the committed directory")
         # Absolute: the rank's working directory is not the agent's.
         if not os.path.isabs(request.path) or not inside(request.path, who.checkpoint_dir):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"path {request.path!r} is not inside the job's checkpoint directory "
-                          f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"path {request.path!r} is not inside the job's checkpoint directory "
+                f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}",
+            )
         self._on_checkpoint(request)
         return self._ack(context)
 
@@ -136,8 +149,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         who = self._caller(context, request.generation)
         self._only(context, who, 0, "a checkpoint problem (rank 0's to report)")
         if request.kind not in ("stale_commit", "quarantined"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "kind: stale_commit or quarantined")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind: stale_commit or quarantined")
         self._on_problem(request)
         return keel_pb2.LocalAck()
 
@@ -146,16 +158,19 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         self._only(context, who, request.rank, "a park")
         refused = self._on_park(self._token(context), request)
         if refused:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"not kept for restart in place: {refused}")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"not kept for restart in place: {refused}"
+            )
         return keel_pb2.LocalAck()
 
     def NextGeneration(self, request, context):
         answer = self._next_generation(self._token(context))
         if answer is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "no parked rank's token (KEEL_RANK_TOKEN): only a rank that "
-                          "parked here asks for its next generation")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no parked rank's token (KEEL_RANK_TOKEN): only a rank that "
+                "parked here asks for its next generation",
+            )
         return answer
 
 

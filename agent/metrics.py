@@ -12,34 +12,60 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from protos import keel_pb2
 
-RANKS_RUNNING = Gauge("keel_agent_ranks_running", "Rank processes alive on this node",
-                      ["node"])
-RANK_EXITS = Counter("keel_agent_rank_exits", "Rank process exits: ok, failed (exit code), "
-                     "signal, stopped (by the agent), parked (left a failed generation alive "
-                     "to restart in place)", ["node", "outcome"])
-CONTROLLER_CONNECTED = Gauge("keel_agent_controller_connected",
-                             "1 while the agent's stream to the leader is up", ["node"])
+RANKS_RUNNING = Gauge("keel_agent_ranks_running", "Rank processes alive on this node", ["node"])
+RANK_EXITS = Counter(
+    "keel_agent_rank_exits",
+    "Rank process exits: ok, failed (exit code), "
+    "signal, stopped (by the agent), parked (left a failed generation alive "
+    "to restart in place)",
+    ["node", "outcome"],
+)
+CONTROLLER_CONNECTED = Gauge(
+    "keel_agent_controller_connected", "1 while the agent's stream to the leader is up", ["node"]
+)
 LEASE_OK = Gauge("keel_agent_lease_ok", "1 while the agent's etcd lease is alive", ["node"])
 HANGS = Counter("keel_agent_hangs", "Hangs this agent declared", ["node"])
 
-STEP_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
-STEP_SECONDS = Histogram("keel_step_seconds", "Its ranks' step time by phase: step (the "
-                         "rank's own time), data, compute, optimizer, checkpoint; seconds",
-                         ["job_name", "node", "phase"], buckets=STEP_BUCKETS)
-CHECKPOINT_BLOCKING = Histogram("keel_checkpoint_blocking_seconds",
-                                "The training loop blocked by a checkpoint save, seconds",
-                                ["job_name", "node"], buckets=STEP_BUCKETS)
-SAVE_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-CHECKPOINT_SAVE = Histogram("keel_checkpoint_save_seconds", "A checkpoint save from its "
-                            "start to its durable commit, seconds", ["job_name", "node"],
-                            buckets=SAVE_BUCKETS)
-CHECKPOINT_LOAD = Histogram("keel_checkpoint_load_seconds", "A rank's restore of a "
-                            "checkpoint, seconds", ["job_name", "node"], buckets=SAVE_BUCKETS)
-CHECKPOINT_BYTES = Gauge("keel_checkpoint_bytes", "Size of the newest checkpoint this "
-                         "node's rank 0 committed, bytes", ["job_name", "node"])
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_SECONDS = Histogram(
+    "keel_step_seconds",
+    "Its ranks' step time by phase: step (the "
+    "rank's own time), data, compute, optimizer, checkpoint; seconds",
+    ["job_name", "node", "phase"],
+    buckets=STEP_BUCKETS,
+)
+CHECKPOINT_BLOCKING = Histogram(
+    "keel_checkpoint_blocking_seconds",
+    "The training loop blocked by a checkpoint save, seconds",
+    ["job_name", "node"],
+    buckets=STEP_BUCKETS,
+)
+SAVE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+CHECKPOINT_SAVE = Histogram(
+    "keel_checkpoint_save_seconds",
+    "A checkpoint save from its start to its durable commit, seconds",
+    ["job_name", "node"],
+    buckets=SAVE_BUCKETS,
+)
+CHECKPOINT_LOAD = Histogram(
+    "keel_checkpoint_load_seconds",
+    "A rank's restore of a checkpoint, seconds",
+    ["job_name", "node"],
+    buckets=SAVE_BUCKETS,
+)
+CHECKPOINT_BYTES = Gauge(
+    "keel_checkpoint_bytes",
+    "Size of the newest checkpoint this node's rank 0 committed, bytes",
+    ["job_name", "node"],
+)
 EXIT_OUTCOMES = ("ok", "failed", "signal", "stopped", "parked")
-PHASES = {"step": "step_time_s", "data": "data_s", "compute": "compute_s",
-          "optimizer": "optimizer_s", "checkpoint": "checkpoint_s"}
+PHASES = {
+    "step": "step_time_s",
+    "data": "data_s",
+    "compute": "compute_s",
+    "optimizer": "optimizer_s",
+    "checkpoint": "checkpoint_s",
+}
 
 
 def _seconds(value: float) -> bool:
@@ -62,11 +88,10 @@ class RankSeries:
         """Label what follows with ``job``, dropping the previous job's series."""
         if job == self.job:
             return
-        if self.job:   # remove() passes over label values without a series
+        if self.job:  # remove() passes over label values without a series
             for phase in PHASES:
                 STEP_SECONDS.remove(self.job, self.node, phase)
-            for metric in (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, CHECKPOINT_LOAD,
-                           CHECKPOINT_BYTES):
+            for metric in (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, CHECKPOINT_LOAD, CHECKPOINT_BYTES):
                 metric.remove(self.job, self.node)
         self.job = job
         # Every series of the job at once: their number does not change while it runs.
@@ -95,4 +120,3 @@ class RankSeries:
                 CHECKPOINT_SAVE.labels(job, self.node).observe(saved.save_s)
             if saved.bytes:
                 CHECKPOINT_BYTES.labels(job, self.node).set(saved.bytes)
-

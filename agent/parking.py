@@ -44,6 +44,7 @@ POLL_HOLD_S = 1.0
 @dataclass(eq=False)
 class Parked:
     """A process that left ``generation`` of ``job``, parked on ``slot``."""
+
     popen: subprocess.Popen
     job: str
     generation: int
@@ -54,7 +55,7 @@ class Parked:
     job_env: dict[str, str]
     since: float = field(default_factory=time.monotonic)
     released_at: float | None = None
-    adopted: bool = False              # given a rank; forgotten once it has its answer
+    adopted: bool = False  # given a rank; forgotten once it has its answer
     answers: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=1))
 
     @property
@@ -73,26 +74,40 @@ class Parked:
         became another rank of an equal mesh (rank 1 of dp_shard=2, then rank 0 of it)
         was handed its old shards' offsets: every checkpoint plan then covered half of
         each tensor. A different world size or layout makes unequal meshes."""
-        return (self.released_at is None and not self.adopted and not start.cold_start
-                and start.job == self.job and assignment.local_rank == self.slot
-                and assignment.rank == self.rank
-                and tuple(start.command) == self.command
-                and start.working_dir == self.working_dir and dict(start.env) == self.job_env
-                and self.popen.poll() is None
-                and process_state(self.pid) not in ("T", "t", None))
+        return (
+            self.released_at is None
+            and not self.adopted
+            and not start.cold_start
+            and start.job == self.job
+            and assignment.local_rank == self.slot
+            and assignment.rank == self.rank
+            and tuple(start.command) == self.command
+            and start.working_dir == self.working_dir
+            and dict(start.env) == self.job_env
+            and self.popen.poll() is None
+            and process_state(self.pid) not in ("T", "t", None)
+        )
 
     def start(self, env: dict[str, str], stdout: str, stderr: str) -> None:
         """Hand it its new rank."""
         self.adopted = True
-        self.answers.put(keel_pb2.NextGenerationAnswer(action="start", env=env, stdout=stdout,
-                                                       stderr=stderr))
+        self.answers.put(
+            keel_pb2.NextGenerationAnswer(action="start", env=env, stdout=stdout, stderr=stderr)
+        )
 
     def release(self, reason: str, now: float) -> None:
         """Tell it to exit; it is SIGKILLed if it has not ``RELEASE_GRACE_S`` later."""
         if self.released_at is not None or self.adopted:
             return
-        log.info("releasing a parked rank process", job=self.job, generation=self.generation,
-                 rank=self.rank, slot=self.slot, pid=self.pid, reason=reason)
+        log.info(
+            "releasing a parked rank process",
+            job=self.job,
+            generation=self.generation,
+            rank=self.rank,
+            slot=self.slot,
+            pid=self.pid,
+            reason=reason,
+        )
         self.released_at = now
         self.answers.put(keel_pb2.NextGenerationAnswer(action="exit", reason=reason))
 
@@ -116,8 +131,14 @@ class ParkingLot:
         self.by_token: dict[str, Parked] = {}
 
     def park(self, token: str, parked: Parked) -> None:
-        log.info("rank parked", job=parked.job, generation=parked.generation, rank=parked.rank,
-                 slot=parked.slot, pid=parked.pid)
+        log.info(
+            "rank parked",
+            job=parked.job,
+            generation=parked.generation,
+            rank=parked.rank,
+            slot=parked.slot,
+            pid=parked.pid,
+        )
         self.by_token[token] = parked
 
     def find(self, token: str) -> Parked | None:
@@ -136,8 +157,9 @@ class ParkingLot:
             self.by_token.pop(token, None)
         return answer
 
-    def take(self, start: keel_pb2.StartGeneration,
-             assignment: keel_pb2.RankAssignment) -> Parked | None:
+    def take(
+        self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment
+    ) -> Parked | None:
         """The parked process that can become ``assignment`` (then ``Parked.start`` it)."""
         return next((p for p in list(self.by_token.values()) if p.fits(start, assignment)), None)
 
@@ -155,18 +177,26 @@ class ParkingLot:
         for token, parked in list(self.by_token.items()):
             code = parked.popen.poll()
             if code is not None:
-                log.info("parked rank process exited", job=parked.job, rank=parked.rank,
-                         pid=parked.pid, exit_code=code,
-                         released=parked.released_at is not None)
-                signal_group(parked.pid, signal.SIGKILL)   # whatever it left in its group
+                log.info(
+                    "parked rank process exited",
+                    job=parked.job,
+                    rank=parked.rank,
+                    pid=parked.pid,
+                    exit_code=code,
+                    released=parked.released_at is not None,
+                )
+                signal_group(parked.pid, signal.SIGKILL)  # whatever it left in its group
                 del self.by_token[token]
             elif parked.adopted:
                 continue
             elif parked.released_at is None and now - parked.since >= self.ttl_s:
                 parked.release(f"no generation took it in {self.ttl_s:g} s", now)
             elif parked.released_at is not None and now - parked.released_at >= RELEASE_GRACE_S:
-                log.warning("a released parked process did not exit; killing its group",
-                            pid=parked.pid, grace_s=RELEASE_GRACE_S)
+                log.warning(
+                    "a released parked process did not exit; killing its group",
+                    pid=parked.pid,
+                    grace_s=RELEASE_GRACE_S,
+                )
                 signal_group(parked.pid, signal.SIGKILL)
 
     def kill_all(self) -> None:

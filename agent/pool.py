@@ -52,7 +52,7 @@ class _Warm:
     popen: subprocess.Popen
     slot: int
     started_at: float = field(default_factory=time.monotonic)
-    ready_at: float | None = None     # when it said its imports were done
+    ready_at: float | None = None  # when it said its imports were done
 
     def check_ready(self, now: float) -> bool:
         """Whether it has said (on its stdout pipe) that its imports are done."""
@@ -63,8 +63,12 @@ class _Warm:
                 said = b""
             if b"ready" in said:
                 self.ready_at = now
-                log.info("warm process ready", slot=self.slot, pid=self.popen.pid,
-                         after_s=round(now - self.started_at, 2))
+                log.info(
+                    "warm process ready",
+                    slot=self.slot,
+                    pid=self.popen.pid,
+                    after_s=round(now - self.started_at, 2),
+                )
         return self.ready_at is not None
 
 
@@ -86,9 +90,15 @@ def warm_args(command: list[str]) -> list[str] | None:
 
 
 class WarmPool:
-    def __init__(self, slots: int, log_dir: Path, base_env: dict[str, str],
-                 max_age_s: float = MAX_AGE_S, refill_delay_s: float = REFILL_DELAY_S,
-                 imports: tuple[str, ...] = DEFAULT_IMPORTS):
+    def __init__(
+        self,
+        slots: int,
+        log_dir: Path,
+        base_env: dict[str, str],
+        max_age_s: float = MAX_AGE_S,
+        refill_delay_s: float = REFILL_DELAY_S,
+        imports: tuple[str, ...] = DEFAULT_IMPORTS,
+    ):
         """``slots`` processes at most, one per local rank; each starts with
         ``base_env`` (the agent's, no KEEL_* but the socket that marks what this agent
         started) and logs to ``log_dir`` until it is given a rank."""
@@ -111,25 +121,44 @@ class WarmPool:
         # Its stdout is a pipe until it becomes a rank: "ready" once imported.
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
-                [*tied_to_this_process(), sys.executable, "-u", "-m", "agent.warm",
-                 str(self.log_dir / f"slot{slot}"), ",".join(self.imports)],
-                env={**self.base_env, SLOT: str(slot)}, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+                [
+                    *tied_to_this_process(),
+                    sys.executable,
+                    "-u",
+                    "-m",
+                    "agent.warm",
+                    str(self.log_dir / f"slot{slot}"),
+                    ",".join(self.imports),
+                ],
+                env={**self.base_env, SLOT: str(slot)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                start_new_session=True,
+            )
         os.set_blocking(popen.stdout.fileno(), False)
         return _Warm(popen, slot)
 
     def _usable(self, warm: _Warm, now: float) -> bool:
         # Stopped (T) or traced (t): it would stall the rank it became.
-        return (warm.popen.poll() is None and now - warm.started_at < self.max_age_s
-                and process_state(warm.popen.pid) not in ("T", "t", None))
+        return (
+            warm.popen.poll() is None
+            and now - warm.started_at < self.max_age_s
+            and process_state(warm.popen.pid) not in ("T", "t", None)
+        )
 
     def refill(self, now: float) -> None:
         """Replace dead and stale processes, and once ranks have not been started for
         a while, the taken ones."""
         for slot, warm in list(self.idle.items()):
             if not self._usable(warm, now):
-                log.info("replacing a warm process", slot=slot, pid=warm.popen.pid,
-                         exit_code=warm.popen.poll(), state=process_state(warm.popen.pid))
+                log.info(
+                    "replacing a warm process",
+                    slot=slot,
+                    pid=warm.popen.pid,
+                    exit_code=warm.popen.poll(),
+                    state=process_state(warm.popen.pid),
+                )
                 _discard(warm)
                 del self.idle[slot]
             else:
@@ -140,8 +169,9 @@ class WarmPool:
             if slot not in self.idle:
                 self.idle[slot] = self._spawn(slot)
 
-    def take(self, slot: int, command: list[str], job_env: dict[str, str],
-             now: float) -> subprocess.Popen | None:
+    def take(
+        self, slot: int, command: list[str], job_env: dict[str, str], now: float
+    ) -> subprocess.Popen | None:
         """The warm process of ``slot`` if it can run ``command`` (and is alive and
         fresh), removed from the pool; else None, and the rank starts cold."""
         self.last_taken = now
@@ -151,22 +181,38 @@ class WarmPool:
         if warm is None:
             return None
         if not self._usable(warm, now):
-            log.info("not handing out a warm process", slot=slot, pid=warm.popen.pid,
-                     exit_code=warm.popen.poll(), state=process_state(warm.popen.pid))
+            log.info(
+                "not handing out a warm process",
+                slot=slot,
+                pid=warm.popen.pid,
+                exit_code=warm.popen.poll(),
+                state=process_state(warm.popen.pid),
+            )
             _discard(warm)
             return None
         self.taken_ready = warm.check_ready(now)
         return warm.popen
 
     @staticmethod
-    def hand(popen: subprocess.Popen, command: list[str], env: dict[str, str],
-             cwd: str, stdout: Path, stderr: Path) -> None:
+    def hand(
+        popen: subprocess.Popen,
+        command: list[str],
+        env: dict[str, str],
+        cwd: str,
+        stdout: Path,
+        stderr: Path,
+    ) -> None:
         """Give ``popen`` (from ``take``) its rank; raises OSError if it died since."""
-        assignment = {"args": warm_args(command), "env": env, "cwd": cwd,
-                      "stdout": str(stdout), "stderr": str(stderr)}
+        assignment = {
+            "args": warm_args(command),
+            "env": env,
+            "cwd": cwd,
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+        }
         popen.stdin.write(json.dumps(assignment).encode() + b"\n")
         popen.stdin.close()
-        popen.stdout.close()     # it writes the rank's file from now on
+        popen.stdout.close()  # it writes the rank's file from now on
 
     def close(self) -> None:
         for warm in self.idle.values():

@@ -9,7 +9,7 @@ from agent.supervisor import rank_log
 from common.keys import JOB_NAME
 from protos import keel_pb2
 
-MAX_BYTES = 1 << 20          # of each file per read: well inside gRPC's 4 MiB message
+MAX_BYTES = 1 << 20  # of each file per read: well inside gRPC's 4 MiB message
 DEFAULT_BYTES = 64 << 10
 
 
@@ -25,8 +25,7 @@ def _read(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
-def read(run_dir: Path, node: str, request: keel_pb2.ReadLog,
-         running: bool) -> keel_pb2.LogChunk:
+def read(run_dir: Path, node: str, request: keel_pb2.ReadLog, running: bool) -> keel_pb2.LogChunk:
     """The chunk answering ``request``; its ``error`` says what could not be read."""
     chunk = keel_pb2.LogChunk(request_id=request.request_id, running=running)
     if not JOB_NAME.match(request.job):
@@ -39,8 +38,10 @@ def read(run_dir: Path, node: str, request: keel_pb2.ReadLog,
         chunk.out, chunk.out_offset = _read(out, request.out_offset, limit)
         chunk.err, chunk.err_offset = _read(out.with_suffix(".err"), request.err_offset, limit)
     except FileNotFoundError:
-        chunk.error = (f"node {node} has no output of rank {request.rank} of job "
-                       f"{request.job} generation {request.generation} (no {out})")
+        chunk.error = (
+            f"node {node} has no output of rank {request.rank} of job "
+            f"{request.job} generation {request.generation} (no {out})"
+        )
     except OSError as exc:
         chunk.error = f"node {node} cannot read {out}: {exc}"
     return chunk

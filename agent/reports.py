@@ -15,7 +15,7 @@ import time
 from common.steps import summarize
 from protos import keel_pb2
 
-STEP_TIMES_KEPT = 64   # recent step times the hang timeout scales with
+STEP_TIMES_KEPT = 64  # recent step times the hang timeout scales with
 # Step reports sent in one message at most, however long the controller asks batches
 # to be (a fast job on a large cluster): a message of these is about 250 KB.
 FULL_BATCH = 4096
@@ -24,12 +24,12 @@ FULL_BATCH = 4096
 class Reports:
     def __init__(self):
         self._lock = threading.Lock()
-        self._generation: tuple[str, int] | None = None   # (job, generation) reported on
+        self._generation: tuple[str, int] | None = None  # (job, generation) reported on
         self._pending: list[keel_pb2.StepReport] = []
         # rank -> (when it arrived, monotonic; its latest report), in step order
         self._latest: dict[int, tuple[float, keel_pb2.StepReport]] = {}
         self._step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
-        self._checkpoint_wanted: int | None = None   # a save after this step is wanted
+        self._checkpoint_wanted: int | None = None  # a save after this step is wanted
         self._recorded_step = 0
         self._replay: list[keel_pb2.AgentMessage] = []
 
@@ -61,7 +61,7 @@ class Reports:
 
     def full(self) -> bool:
         """Whether a batch's worth of step reports is waiting: send it now."""
-        return len(self._pending) >= FULL_BATCH   # (a length read needs no lock)
+        return len(self._pending) >= FULL_BATCH  # (a length read needs no lock)
 
     # ------------------------------------------------------------ from the ranks
     def add_steps(self, generation: int, reports: list[keel_pb2.StepReport]) -> int | None:
@@ -87,8 +87,9 @@ class Reports:
         with self._lock:
             if self._generation is None or self._generation[1] != generation:
                 return False
-            self._checkpoint_wanted = max(after_step, -1 if self._checkpoint_wanted is None
-                                          else self._checkpoint_wanted)
+            self._checkpoint_wanted = max(
+                after_step, -1 if self._checkpoint_wanted is None else self._checkpoint_wanted
+            )
             return True
 
     # -------------------------------------------------------- to the controller
@@ -101,8 +102,9 @@ class Reports:
                 return None
             job, generation = self._generation
         node_steps, unsummed = summarize(reports)
-        return keel_pb2.StepReportBatch(job=job, generation=generation, reports=unsummed,
-                                        node_steps=node_steps)
+        return keel_pb2.StepReportBatch(
+            job=job, generation=generation, reports=unsummed, node_steps=node_steps
+        )
 
     def last_steps(self) -> dict[int, int]:
         """Each rank's latest reported step."""
@@ -119,8 +121,9 @@ class Reports:
         newest commit is kept (an older one changes nothing at the controller)."""
         with self._lock:
             if message.WhichOneof("kind") == "checkpoint_saved":
-                self._replay = [m for m in self._replay
-                                if m.WhichOneof("kind") != "checkpoint_saved"]
+                self._replay = [
+                    m for m in self._replay if m.WhichOneof("kind") != "checkpoint_saved"
+                ]
             self._replay.append(message)
 
     def replay(self) -> list[keel_pb2.AgentMessage]:
@@ -130,9 +133,15 @@ class Reports:
             messages = []
             if self._generation is not None and self._latest:
                 job, generation = self._generation
-                latest = [report for _, report in sorted(self._latest.values(),
-                                                         key=lambda seen: seen[1].rank)]
-                messages.append(keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
-                    job=job, generation=generation, reports=latest, replayed=True)))
+                latest = [
+                    report
+                    for _, report in sorted(self._latest.values(), key=lambda seen: seen[1].rank)
+                ]
+                messages.append(
+                    keel_pb2.AgentMessage(
+                        steps=keel_pb2.StepReportBatch(
+                            job=job, generation=generation, reports=latest, replayed=True
+                        )
+                    )
+                )
             return messages + list(self._replay)
-

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 _HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)\b.*\(most recent call first\):$")
-_STACK = "Stack (most recent call first):"   # the header of a one-thread dump
+_STACK = "Stack (most recent call first):"  # the header of a one-thread dump
 _FRAME = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')
 # Lines faulthandler writes in place of frames: no Python frame, frames elided past
 # its depth limit, a thread caught collecting garbage.
@@ -36,16 +36,16 @@ _THREADS_ELIDED = "..."
 
 @dataclass(frozen=True)
 class Frame:
-    file: str        # as faulthandler printed it: absolute, relative or "<string>"
-    line: int        # 0 when faulthandler could not tell ("line ???")
+    file: str  # as faulthandler printed it: absolute, relative or "<string>"
+    line: int  # 0 when faulthandler could not tell ("line ???")
     function: str
 
 
 @dataclass(frozen=True)
 class ThreadStack:
-    thread_id: str                 # "0x00007f7bd3246b80"; "" in a one-thread dump
-    current: bool                  # the thread that wrote the dump
-    frames: tuple[Frame, ...]      # innermost first, as faulthandler prints them
+    thread_id: str  # "0x00007f7bd3246b80"; "" in a one-thread dump
+    current: bool  # the thread that wrote the dump
+    frames: tuple[Frame, ...]  # innermost first, as faulthandler prints them
 
 
 def parse_dump(text: str) -> list[ThreadStack]:
@@ -53,12 +53,12 @@ def parse_dump(text: str) -> list[ThreadStack]:
     first), or [] if there is none. Other output around a dump is ignored; so are
     frames whose thread header was cut off the start of ``text``. A dump cut off at the
     end of ``text`` is not complete: its last listed thread would not be the main one."""
-    *lines, partial = text.split("\n")   # partial: a last line still without its newline
+    *lines, partial = text.split("\n")  # partial: a last line still without its newline
     last_complete: list[ThreadStack] = []
-    dump: list[ThreadStack] = []     # threads of the dump being read
-    frames: list[Frame] = []         # frames of its last thread
-    has_lines = False                # its last thread has a frame (or note) line yet
-    blank = False                    # a blank line after that thread: another may follow
+    dump: list[ThreadStack] = []  # threads of the dump being read
+    frames: list[Frame] = []  # frames of its last thread
+    has_lines = False  # its last thread has a frame (or note) line yet
+    blank = False  # a blank line after that thread: another may follow
 
     def close():
         nonlocal last_complete, dump, frames, has_lines, blank
@@ -136,7 +136,7 @@ def dump_since(text_before: str, text_after: str) -> str:
     # Knuth-Morris-Pratt: match text_after as a pattern along text_before; the match
     # length at the end of text_before is the overlap. Linear in the tails' size.
     if text_after.startswith(text_before):
-        return text_after[len(text_before):]
+        return text_after[len(text_before) :]
     if not text_after:
         return ""
     failure = [0] * len(text_after)

@@ -44,18 +44,19 @@ PARK_WINDOW_S = 2.0
 
 class RankPhase(str, enum.Enum):
     RUNNING = "RUNNING"
-    LEAVING = "LEAVING"     # asked to leave the generation alive (restart in place)
-    PARKED = "PARKED"       # it did: done for the generation, its process kept (agent.parking)
-    STOPPING = "STOPPING"   # SIGTERM sent, waiting out the grace
-    KILLED = "KILLED"       # SIGKILL sent to the group
-    EXITED = "EXITED"       # the rank's process was reaped
-    REAPED = "REAPED"       # and its process group is empty
+    LEAVING = "LEAVING"  # asked to leave the generation alive (restart in place)
+    PARKED = "PARKED"  # it did: done for the generation, its process kept (agent.parking)
+    STOPPING = "STOPPING"  # SIGTERM sent, waiting out the grace
+    KILLED = "KILLED"  # SIGKILL sent to the group
+    EXITED = "EXITED"  # the rank's process was reaped
+    REAPED = "REAPED"  # and its process group is empty
 
 
 # The only transitions a rank makes; ``RankProcess.move`` refuses any other.
 RANK_TRANSITIONS: dict[RankPhase, frozenset[RankPhase]] = {
-    RankPhase.RUNNING: frozenset({RankPhase.LEAVING, RankPhase.PARKED, RankPhase.STOPPING,
-                                  RankPhase.EXITED}),
+    RankPhase.RUNNING: frozenset(
+        {RankPhase.LEAVING, RankPhase.PARKED, RankPhase.STOPPING, RankPhase.EXITED}
+    ),
     RankPhase.LEAVING: frozenset({RankPhase.PARKED, RankPhase.STOPPING, RankPhase.EXITED}),
     RankPhase.PARKED: frozenset(),
     RankPhase.STOPPING: frozenset({RankPhase.KILLED, RankPhase.EXITED}),
@@ -82,21 +83,24 @@ class RankProcess:
     exited_at: float = 0.0
     last_step: int = 0
     started_at: float = field(default_factory=time.monotonic)
-    stop_grace_s: float = 5.0      # SIGTERM to SIGKILL, the generation's
+    stop_grace_s: float = 5.0  # SIGTERM to SIGKILL, the generation's
     exit_report: keel_pb2.RankExited | None = field(default=None)
-    token: str = field(default="", repr=False)   # its credential on the agent's socket
-    attached: bool = False         # it said it reports steps (AgentLocal.Attach)
-    warm: bool = False             # started from a warm process (agent.pool)
-    in_place: bool = False         # it said it can restart in place (Attach)
-    reused: bool = False           # a parked process of an earlier generation became it
-    tearing_down: bool = False     # it said it is on its way to park (RankPark.tearing_down)
+    token: str = field(default="", repr=False)  # its credential on the agent's socket
+    attached: bool = False  # it said it reports steps (AgentLocal.Attach)
+    warm: bool = False  # started from a warm process (agent.pool)
+    in_place: bool = False  # it said it can restart in place (Attach)
+    reused: bool = False  # a parked process of an earlier generation became it
+    tearing_down: bool = False  # it said it is on its way to park (RankPark.tearing_down)
     start: keel_pb2.StartGeneration | None = field(default=None, repr=False)
 
     @property
     def live(self) -> bool:
         """Its process runs this generation's rank (not exited, not parked)."""
-        return self.phase in (RankPhase.RUNNING, RankPhase.LEAVING, RankPhase.STOPPING,
-                              RankPhase.KILLED) and self.popen.returncode is None
+        return (
+            self.phase
+            in (RankPhase.RUNNING, RankPhase.LEAVING, RankPhase.STOPPING, RankPhase.KILLED)
+            and self.popen.returncode is None
+        )
 
     @property
     def pid(self) -> int:
@@ -106,10 +110,19 @@ class RankProcess:
         """Enter ``target`` (one line in the log); raises IllegalRankTransition if the
         lifecycle does not allow it."""
         if target not in RANK_TRANSITIONS[self.phase]:
-            raise IllegalRankTransition(f"rank {self.rank} (pid {self.pid}) cannot go from "
-                                        f"{self.phase.value} to {target.value}")
-        log.info("rank phase", job=self.job, generation=self.generation, rank=self.rank,
-                 pid=self.pid, **{"from": self.phase.value, "to": target.value}, why=why)
+            raise IllegalRankTransition(
+                f"rank {self.rank} (pid {self.pid}) cannot go from "
+                f"{self.phase.value} to {target.value}"
+            )
+        log.info(
+            "rank phase",
+            job=self.job,
+            generation=self.generation,
+            rank=self.rank,
+            pid=self.pid,
+            **{"from": self.phase.value, "to": target.value},
+            why=why,
+        )
         self.phase = target
 
     @property
@@ -127,8 +140,15 @@ def rank_log(run_dir: Path, job: str, generation: int, rank: int, stream: str) -
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, reap_timeout_s: float = 5.0, node: str = "",
-                 interface: str = "", pool: WarmPool | None = None, in_place: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        reap_timeout_s: float = 5.0,
+        node: str = "",
+        interface: str = "",
+        pool: WarmPool | None = None,
+        in_place: bool = True,
+    ):
         """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
         the node's advertised address. ``pool``: warm processes to start ranks from.
         ``in_place``: keep ranks that can restart in place for the next generation."""
@@ -154,8 +174,9 @@ class Supervisor:
         that has not exited, or None."""
         return self.identities.get(token)
 
-    def start(self, start: keel_pb2.StartGeneration, agent_socket: str,
-              chain: Deadlines) -> list[RankProcess]:
+    def start(
+        self, start: keel_pb2.StartGeneration, agent_socket: str, chain: Deadlines
+    ) -> list[RankProcess]:
         """Start the ranks ``start`` assigns to this node, each stopped (when it comes to
         that) with the generation's stop grace from ``chain``."""
         log_dir = rank_log(self.run_dir, start.job, start.generation, 0, "out").parent
@@ -165,8 +186,17 @@ class Supervisor:
             error_file = log_dir / f"rank{assignment.rank}.error.json"
             error_file.unlink(missing_ok=True)
             token = secrets.token_urlsafe(24)
-            env = rank_env(os.environ, start, assignment, agent_socket, str(error_file), chain,
-                           token, self.node, self.interface)
+            env = rank_env(
+                os.environ,
+                start,
+                assignment,
+                agent_socket,
+                str(error_file),
+                chain,
+                token,
+                self.node,
+                self.interface,
+            )
             out = rank_log(self.run_dir, start.job, start.generation, assignment.rank, "out")
             err = out.with_suffix(".err")
             parked = self.parking.take(start, assignment) if self.in_place else None
@@ -180,83 +210,155 @@ class Supervisor:
                 with open(out, "ab") as out_file, open(err, "ab") as err_file:
                     popen = subprocess.Popen(
                         [*tied_to_this_process(), *start.command],
-                        env=env, stdout=out_file, stderr=err_file, stdin=subprocess.DEVNULL,
-                        cwd=start.working_dir or None, start_new_session=True)
-            proc = RankProcess(job=start.job, generation=start.generation,
-                               rank=assignment.rank, local_rank=assignment.local_rank,
-                               popen=popen, log_dir=log_dir, stop_grace_s=chain.stop_grace_s,
-                               warm=warm, reused=parked is not None, start=start,
-                               # It parked through trainer.runtime: it attaches again.
-                               attached=parked is not None, in_place=parked is not None)
+                        env=env,
+                        stdout=out_file,
+                        stderr=err_file,
+                        stdin=subprocess.DEVNULL,
+                        cwd=start.working_dir or None,
+                        start_new_session=True,
+                    )
+            proc = RankProcess(
+                job=start.job,
+                generation=start.generation,
+                rank=assignment.rank,
+                local_rank=assignment.local_rank,
+                popen=popen,
+                log_dir=log_dir,
+                stop_grace_s=chain.stop_grace_s,
+                warm=warm,
+                reused=parked is not None,
+                start=start,
+                # It parked through trainer.runtime: it attaches again.
+                attached=parked is not None,
+                in_place=parked is not None,
+            )
             self.ranks.append(proc)
             self.identities[token] = RankIdentity(
-                job=start.job, generation=start.generation,
-                ranks=frozenset({assignment.rank}), checkpoint_dir=start.checkpoint_dir)
+                job=start.job,
+                generation=start.generation,
+                ranks=frozenset({assignment.rank}),
+                checkpoint_dir=start.checkpoint_dir,
+            )
             proc.token = token
             started.append(proc)
-            log.info("rank started", job=start.job, generation=start.generation,
-                     rank=assignment.rank, warm=proc.warm, in_place=proc.reused, pid=popen.pid,
-                     **({"warm_ready": self.pool.taken_ready} if warm else {}))
+            log.info(
+                "rank started",
+                job=start.job,
+                generation=start.generation,
+                rank=assignment.rank,
+                warm=proc.warm,
+                in_place=proc.reused,
+                pid=popen.pid,
+                **({"warm_ready": self.pool.taken_ready} if warm else {}),
+            )
         # Parked processes this generation has no place for go.
-        self.parking.release_all(f"generation {start.generation} of {start.job} starts here "
-                                 f"without them", time.monotonic())
+        self.parking.release_all(
+            f"generation {start.generation} of {start.job} starts here without them",
+            time.monotonic(),
+        )
         return started
 
-    def park(self, token: str, request: keel_pb2.RankPark,
-             now: float) -> keel_pb2.RankExited | str | None:
+    def park(
+        self, token: str, request: keel_pb2.RankPark, now: float
+    ) -> keel_pb2.RankExited | str | None:
         """The rank holding ``token`` left its generation alive: it is done for that
         generation (the returned report says so) and waits in the parking lot. A string
         says why it is not kept (the rank then exits as it would have); None answers a
         rank that says it is tearing down (it has the stop grace to park)."""
-        proc = next((r for r in self.ranks if r.token == token
-                     and r.phase in (RankPhase.RUNNING, RankPhase.LEAVING)), None)
+        proc = next(
+            (
+                r
+                for r in self.ranks
+                if r.token == token and r.phase in (RankPhase.RUNNING, RankPhase.LEAVING)
+            ),
+            None,
+        )
         if proc is None:
             return "it is not a running rank of this agent"
         if not self.in_place:
             return "this agent keeps no ranks for restart in place (--no-restart-in-place)"
         if not proc.in_place or proc.start is None or proc.start.cold_start:
-            return ("its job asked for fresh processes (cold_start)" if proc.start is not None
-                    and proc.start.cold_start else "it did not attach with restart_in_place")
+            return (
+                "its job asked for fresh processes (cold_start)"
+                if proc.start is not None and proc.start.cold_start
+                else "it did not attach with restart_in_place"
+            )
         if request.tearing_down:
             proc.tearing_down = True
-            log.info("rank is leaving its generation alive", job=proc.job,
-                     generation=proc.generation, rank=proc.rank, pid=proc.pid)
+            log.info(
+                "rank is leaving its generation alive",
+                job=proc.job,
+                generation=proc.generation,
+                rank=proc.rank,
+                pid=proc.pid,
+            )
             return None
         asked = proc.phase is RankPhase.LEAVING
         # Nothing of the generation it leaves may run on: what it started in its group goes.
         for pid in group_members(proc.pid):
             if pid != proc.pid:
                 _kill(pid)
-        proc.move(RankPhase.PARKED, "it left the generation alive: " +
-                  ("asked to" if asked else "the generation failed under it"))
+        proc.move(
+            RankPhase.PARKED,
+            "it left the generation alive: "
+            + ("asked to" if asked else "the generation failed under it"),
+        )
         proc.exited_at = now
         self.identities.pop(token, None)
         self.leaving_tokens.discard(token)
         proc.exit_report = keel_pb2.RankExited(
-            job=proc.job, generation=proc.generation, rank=proc.rank, pid=proc.pid,
-            exit_code=1 if request.failed else 0, traceback=request.reason[-8000:],
-            stderr_tail=tail(proc.stderr_path)[-4000:], exited_at=time.time(),
-            stopped_by_agent=asked, last_step=proc.last_step, reaped_at=time.time(), parked=True)
-        self.parking.park(token, Parked(
-            popen=proc.popen, job=proc.job, generation=proc.generation, rank=proc.rank,
-            slot=proc.local_rank, command=tuple(proc.start.command),
-            working_dir=proc.start.working_dir, job_env=dict(proc.start.env)))
+            job=proc.job,
+            generation=proc.generation,
+            rank=proc.rank,
+            pid=proc.pid,
+            exit_code=1 if request.failed else 0,
+            traceback=request.reason[-8000:],
+            stderr_tail=tail(proc.stderr_path)[-4000:],
+            exited_at=time.time(),
+            stopped_by_agent=asked,
+            last_step=proc.last_step,
+            reaped_at=time.time(),
+            parked=True,
+        )
+        self.parking.park(
+            token,
+            Parked(
+                popen=proc.popen,
+                job=proc.job,
+                generation=proc.generation,
+                rank=proc.rank,
+                slot=proc.local_rank,
+                command=tuple(proc.start.command),
+                working_dir=proc.start.working_dir,
+                job_env=dict(proc.start.env),
+            ),
+        )
         return proc.exit_report
 
-    def _warm(self, start: keel_pb2.StartGeneration, assignment: keel_pb2.RankAssignment,
-              env: dict[str, str], out: Path, err: Path) -> subprocess.Popen | None:
+    def _warm(
+        self,
+        start: keel_pb2.StartGeneration,
+        assignment: keel_pb2.RankAssignment,
+        env: dict[str, str],
+        out: Path,
+        err: Path,
+    ) -> subprocess.Popen | None:
         """A warm process become the rank, or None to start it cold."""
         if self.pool is None or start.cold_start:
             return None
-        popen = self.pool.take(assignment.local_rank, list(start.command), dict(start.env),
-                               time.monotonic())
+        popen = self.pool.take(
+            assignment.local_rank, list(start.command), dict(start.env), time.monotonic()
+        )
         if popen is None:
             return None
         try:
             self.pool.hand(popen, list(start.command), env, start.working_dir, out, err)
-        except OSError as exc:   # it died since it was checked
-            log.warning("a warm process could not take its rank; starting it cold",
-                        pid=popen.pid, error=str(exc))
+        except OSError as exc:  # it died since it was checked
+            log.warning(
+                "a warm process could not take its rank; starting it cold",
+                pid=popen.pid,
+                error=str(exc),
+            )
             signal_group(popen.pid, signal.SIGKILL)
             return None
         return popen
@@ -270,8 +372,11 @@ class Supervisor:
         agent shutting down), every other running one gets SIGTERM to its group."""
         for proc in ranks:
             if proc.phase is RankPhase.RUNNING and leave and self.in_place and proc.in_place:
-                proc.move(RankPhase.LEAVING, f"asked to leave the generation alive, SIGTERM "
-                                             f"in {self._park_window(proc):g} s if it has not")
+                proc.move(
+                    RankPhase.LEAVING,
+                    f"asked to leave the generation alive, SIGTERM "
+                    f"in {self._park_window(proc):g} s if it has not",
+                )
                 proc.stop_requested_at = now
                 self.leaving_tokens.add(proc.token)
             elif proc.phase in (RankPhase.RUNNING, RankPhase.LEAVING):
@@ -292,8 +397,12 @@ class Supervisor:
         exited = []
         self.parking.poll(now)
         for proc in self.ranks:
-            if proc.phase in (RankPhase.RUNNING, RankPhase.LEAVING, RankPhase.STOPPING,
-                              RankPhase.KILLED):
+            if proc.phase in (
+                RankPhase.RUNNING,
+                RankPhase.LEAVING,
+                RankPhase.STOPPING,
+                RankPhase.KILLED,
+            ):
                 code = proc.popen.poll()
                 if code is not None:
                     stopped = proc.phase is not RankPhase.RUNNING
@@ -305,25 +414,42 @@ class Supervisor:
                     # Whatever the rank left in its group (workers, helpers) goes with it.
                     signal_group(proc.pid, signal.SIGKILL)
                     exited.append(proc)
-                elif (proc.phase is RankPhase.LEAVING
-                      and now - proc.stop_requested_at >= self._park_window(proc)):
-                    log.info("rank did not leave its generation in time; stopping it",
-                             rank=proc.rank, pid=proc.pid, window_s=self._park_window(proc))
+                elif (
+                    proc.phase is RankPhase.LEAVING
+                    and now - proc.stop_requested_at >= self._park_window(proc)
+                ):
+                    log.info(
+                        "rank did not leave its generation in time; stopping it",
+                        rank=proc.rank,
+                        pid=proc.pid,
+                        window_s=self._park_window(proc),
+                    )
                     self._terminate(proc, now)
-                elif (proc.phase is RankPhase.STOPPING
-                      and now - proc.stop_requested_at >= proc.stop_grace_s):
-                    log.warning("rank ignored SIGTERM; killing its process group",
-                                rank=proc.rank, pid=proc.pid, grace_s=proc.stop_grace_s)
+                elif (
+                    proc.phase is RankPhase.STOPPING
+                    and now - proc.stop_requested_at >= proc.stop_grace_s
+                ):
+                    log.warning(
+                        "rank ignored SIGTERM; killing its process group",
+                        rank=proc.rank,
+                        pid=proc.pid,
+                        grace_s=proc.stop_grace_s,
+                    )
                     proc.move(RankPhase.KILLED, f"SIGTERM ignored for {proc.stop_grace_s:g} s")
                     signal_group(proc.pid, signal.SIGKILL)
             if proc.phase is RankPhase.EXITED:
                 if not group_alive(proc.pid):
                     proc.move(RankPhase.REAPED, "its process group is empty")
                 elif now - proc.exited_at > self.reap_timeout_s:
-                    log.error("process group still has members after SIGKILL",
-                              rank=proc.rank, pgid=proc.pid)
-                    proc.move(RankPhase.REAPED, f"given up waiting {self.reap_timeout_s:g} s "
-                                                f"for its process group")
+                    log.error(
+                        "process group still has members after SIGKILL",
+                        rank=proc.rank,
+                        pgid=proc.pid,
+                    )
+                    proc.move(
+                        RankPhase.REAPED,
+                        f"given up waiting {self.reap_timeout_s:g} s for its process group",
+                    )
         return exited
 
     def _exit_report(self, proc: RankProcess, code: int, stopped: bool) -> keel_pb2.RankExited:
@@ -337,19 +463,29 @@ class Supervisor:
         except FileNotFoundError:
             pass
         return keel_pb2.RankExited(
-            job=proc.job, generation=proc.generation, rank=proc.rank, pid=proc.pid,
-            exit_code=code if code >= 0 else -1, signal=-code if code < 0 else 0,
-            traceback=traceback, stderr_tail=stderr_tail[-4000:], exited_at=exited_at,
-            stopped_by_agent=stopped, last_step=proc.last_step, reaped_at=time.time())
+            job=proc.job,
+            generation=proc.generation,
+            rank=proc.rank,
+            pid=proc.pid,
+            exit_code=code if code >= 0 else -1,
+            signal=-code if code < 0 else 0,
+            traceback=traceback,
+            stderr_tail=stderr_tail[-4000:],
+            exited_at=exited_at,
+            stopped_by_agent=stopped,
+            last_step=proc.last_step,
+            reaped_at=time.time(),
+        )
 
     def generation_done(self, job: str, generation: int) -> bool:
         """True when every rank of the generation is reaped, its group empty, or parked."""
-        return all(r.phase in (RankPhase.REAPED, RankPhase.PARKED)
-                   for r in self.of_generation(job, generation))
+        return all(
+            r.phase in (RankPhase.REAPED, RankPhase.PARKED)
+            for r in self.of_generation(job, generation)
+        )
 
     def forget(self, job: str, generation: int) -> None:
-        self.ranks = [r for r in self.ranks
-                      if not (r.job == job and r.generation == generation)]
+        self.ranks = [r for r in self.ranks if not (r.job == job and r.generation == generation)]
 
     def stop_all(self, timeout_s: float) -> None:
         """Blocking stop of every rank (parked processes stay in the lot)."""

@@ -23,15 +23,20 @@ import sys
 
 from common.adopt import redirect, take_environment, take_output
 
-SLOT = "KEEL_WARM_SLOT"      # the local rank this process is warmed for (its GPU)
+SLOT = "KEEL_WARM_SLOT"  # the local rank this process is warmed for (its GPU)
 
 
 # What a warm process imports ahead of its rank (``keel agent --warm-imports``): torch,
 # the distributed stack a composite-parallel trainer loads (checkpoints, FSDP,
 # DTensor), and torch._dynamo, which the first optimizer of any script imports
 # (torch._compile): several seconds of every cold start.
-DEFAULT_IMPORTS = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-                   "torch.distributed.tensor", "torch._dynamo")
+DEFAULT_IMPORTS = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+)
 
 
 def _warm_up(modules: list[str]) -> None:
@@ -42,12 +47,12 @@ def _warm_up(modules: list[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError as exc:   # a module this installation lacks: the rank may too
+        except ImportError as exc:  # a module this installation lacks: the rank may too
             print(f"warm process: not importing {name}: {exc}", file=sys.stderr)
     slot = int(os.environ.get(SLOT, "0"))
     if torch.cuda.is_available() and slot < torch.cuda.device_count():
         torch.cuda.set_device(slot)
-        torch.zeros(1, device="cuda")          # the context, created now
+        torch.zeros(1, device="cuda")  # the context, created now
 
 
 def become(assignment: dict) -> None:
@@ -60,7 +65,8 @@ def become(assignment: dict) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch
-        torch.set_num_threads(int(threads))    # torch read the pool's own at import
+
+        torch.set_num_threads(int(threads))  # torch read the pool's own at import
     args = assignment["args"]
     if args[0] == "-m":
         # As `python -m`: the working directory first on the path; run_module puts the

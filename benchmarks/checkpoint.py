@@ -68,35 +68,78 @@ def launch(workdir: Path, world_size: int, options: argparse.Namespace, extra: l
     """Runs ``world_size`` ranks of ``benchmarks.checkpoint_ranks``; their results."""
     port = free_port("127.0.0.1")
     base = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
-    argv = [sys.executable, "-m", "benchmarks.checkpoint_ranks", "--workdir", str(workdir),
-            "--rounds", str(options.rounds), "--dim", str(options.dim), "--layers", str(options.layers),
-            "--heads", str(HEADS), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.checkpoint_ranks",
+        "--workdir",
+        str(workdir),
+        "--rounds",
+        str(options.rounds),
+        "--dim",
+        str(options.dim),
+        "--layers",
+        str(options.layers),
+        "--heads",
+        str(HEADS),
+        *extra,
+    ]
     procs, logs = [], []
     for rank in range(world_size):
-        env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                      "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                      "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-                      "KEEL_LOG_FORMAT": "console"}
+        env = base | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            "KEEL_LOG_FORMAT": "console",
+        }
         logs.append(workdir / f"w{world_size}-rank{rank}.log")
         with open(logs[-1], "wb") as out:
-            procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=REPO,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    first = None    # the first rank seen to fail, and its exit status
+    first = None  # the first rank seen to fail, and its exit status
     try:
-        while first is None and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            first = next(((rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        while (
+            first is None and any(p.poll() is None for p in procs) and time.monotonic() < deadline
+        ):
+            first = next(
+                ((rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)),
+                None,
+            )
             time.sleep(0.2)
     finally:
         running = [rank for rank, p in enumerate(procs) if p.poll() is None]
         terminate(procs, GRACE_S)
-    first = first or next(((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None)
+    first = first or next(
+        ((rank, p.returncode) for rank, p in enumerate(procs) if p.returncode), None
+    )
     if first or running:
         rank, code = first or (running[0], None)
-        why = (f"still running after {LAUNCH_TIMEOUT_S:g} s" if code is None
-               else f"exited {code}" if code > 0 else f"was killed by signal {-code}")
+        why = (
+            f"still running after {LAUNCH_TIMEOUT_S:g} s"
+            if code is None
+            else f"exited {code}"
+            if code > 0
+            else f"was killed by signal {-code}"
+        )
         tail = logs[rank].read_text(errors="replace").splitlines()[-25:]
-        raise Failed(f"world {world_size}: rank {rank} (pid {procs[rank].pid}) {why}:\n" + "\n".join(tail))
+        raise Failed(
+            f"world {world_size}: rank {rank} (pid {procs[rank].pid}) {why}:\n" + "\n".join(tail)
+        )
     return json.loads((workdir / f"results-w{world_size}.json").read_text())
 
 
@@ -105,7 +148,9 @@ def filesystem(path: Path) -> str:
     best = ("?", "?", "/")
     for line in Path("/proc/mounts").read_text().splitlines():
         device, mount, kind = line.split()[:3]
-        if (str(path).startswith(mount.rstrip("/") + "/") or str(path) == mount) and len(mount) >= len(best[2]):
+        if (str(path).startswith(mount.rstrip("/") + "/") or str(path) == mount) and len(
+            mount
+        ) >= len(best[2]):
             best = (device, kind, mount)
     return f"{best[0]} ({best[1]}) on {best[2]}"
 
@@ -118,28 +163,40 @@ def derived_phases(name: str, times: dict[str, float], spent: dict[str, float]) 
     """Rank 0's phases of one measurement, named for the tables."""
     if name == "sync save":
         commit = spent.get("commit", 0.0)
-        return {"save returned": spent["own blocked"],
-                "state_dict": spent["state_dict"],
-                "staging directory, ledger, barrier": spent["own blocked"] - spent["state_dict"] - spent["dcp.save"]
-                - commit,
-                "dcp.save: write_data (serialize, write and fsync its shard file)": spent["write_data"],
-                "dcp.save: the rest (plans, gathers, .metadata)": spent["dcp.save"] - spent["write_data"],
-                "commit: manifest (CRC-32 of every file)": spent["manifest"],
-                "commit: fsyncs, fence, rename": commit - spent["manifest"]}
+        return {
+            "save returned": spent["own blocked"],
+            "state_dict": spent["state_dict"],
+            "staging directory, ledger, barrier": spent["own blocked"]
+            - spent["state_dict"]
+            - spent["dcp.save"]
+            - commit,
+            "dcp.save: write_data (serialize, write and fsync its shard file)": spent["write_data"],
+            "dcp.save: the rest (plans, gathers, .metadata)": spent["dcp.save"]
+            - spent["write_data"],
+            "commit: manifest (CRC-32 of every file)": spent["manifest"],
+            "commit: fsyncs, fence, rename": commit - spent["manifest"],
+        }
     if name == "async save":
-        return {"save returned": spent["own blocked"],
-                "state_dict": spent["state_dict"],
-                "staging directory, ledger, barrier": spent["own blocked"] - spent["state_dict"]
-                - spent["dcp.async_save"],
-                "dcp.async_save (staging to CPU memory)": spent["dcp.async_save"],
-                "after save returns, in the background: write and commit":
-                    spent["own to commit"] - spent["own blocked"],
-                "  of which write_data (serialize, write and fsync its shard file)": spent["write_data"],
-                "  of which commit: manifest (CRC-32 of every file)": spent["manifest"]}
+        return {
+            "save returned": spent["own blocked"],
+            "state_dict": spent["state_dict"],
+            "staging directory, ledger, barrier": spent["own blocked"]
+            - spent["state_dict"]
+            - spent["dcp.async_save"],
+            "dcp.async_save (staging to CPU memory)": spent["dcp.async_save"],
+            "after save returns, in the background: write and commit": spent["own to commit"]
+            - spent["own blocked"],
+            "  of which write_data (serialize, write and fsync its shard file)": spent[
+                "write_data"
+            ],
+            "  of which commit: manifest (CRC-32 of every file)": spent["manifest"],
+        }
     if name.startswith("load"):
-        return {"choose: verify (read and CRC-32 every file)": spent.get("verify", 0.0),
-                "load: dcp.load (plan, read, copy in)": spent["dcp.load"],
-                "load: set state into model and optimizer": times["load"] - spent["dcp.load"]}
+        return {
+            "choose: verify (read and CRC-32 every file)": spent.get("verify", 0.0),
+            "load: dcp.load (plan, read, copy in)": spent["dcp.load"],
+            "load: set state into model and optimizer": times["load"] - spent["dcp.load"],
+        }
     return {}
 
 
@@ -154,9 +211,13 @@ def table(title: str, names: list[str], results: dict, columns: list[tuple[str, 
         cells = []
         for key, _ in columns:
             values = [run[key] for run in runs if key in run]
-            cells.append(f"{median(values):>8.3f} ({min(values):.2f}–{max(values):.2f})" if values else "—")
+            cells.append(
+                f"{median(values):>8.3f} ({min(values):.2f}–{max(values):.2f})" if values else "—"
+            )
         print(f"{name:<{width}}" + "".join(f"{cell:>22}" for cell in cells))
-        phases = [derived_phases(name, run, spent) for run, spent in zip(runs, results["phases"][name])]
+        phases = [
+            derived_phases(name, run, spent) for run, spent in zip(runs, results["phases"][name])
+        ]
         for phase in phases[0]:
             print(f"    {phase}: {median([p[phase] for p in phases]):.3f} s (rank 0)")
 
@@ -168,61 +229,102 @@ def verdict(value: float, target: float, at_most: bool) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per launch (after one untimed)")
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="timed rounds per launch (after one untimed)"
+    )
     parser.add_argument("--dim", type=int, default=1024, help="model width (ModelConfig.dim)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (ModelConfig.layers)")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
+    parser.add_argument(
+        "--layers", type=int, default=2, help="transformer blocks (ModelConfig.layers)"
+    )
+    parser.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes"
+    )
     options = parser.parse_args()
     began = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="keel-bench-checkpoint-", dir=options.dir))
     try:
-        big = launch(workdir, 4, options, ["--layouts", SAVE_LAYOUT, RESHARD_LAYOUT, "--saves",
-                                           "--load-into", RESHARD_LAYOUT])
+        big = launch(
+            workdir,
+            4,
+            options,
+            ["--layouts", SAVE_LAYOUT, RESHARD_LAYOUT, "--saves", "--load-into", RESHARD_LAYOUT],
+        )
         saved = big["sources"][f"{SAVE_LAYOUT} (world 4)"]
-        small = launch(workdir, 2, options, ["--layouts", SMALL_LAYOUT,
-                                             "--foreign", f"{SAVE_LAYOUT} (world 4)@{saved}"])
+        small = launch(
+            workdir,
+            2,
+            options,
+            ["--layouts", SMALL_LAYOUT, "--foreign", f"{SAVE_LAYOUT} (world 4)@{saved}"],
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     wall_s = time.monotonic() - began
 
     committed = sum(big["shares"])
-    print(f"model dim {options.dim}, {options.layers} layers, {HEADS} heads: {committed / 1e6:.1f} MB per "
-          f"checkpoint (weights and AdamW moments, fp32); {options.rounds} timed rounds per launch; "
-          f"checkpoints on {filesystem(workdir)}")
+    print(
+        f"model dim {options.dim}, {options.layers} layers, {HEADS} heads: {committed / 1e6:.1f} MB per "
+        f"checkpoint (weights and AdamW moments, fp32); {options.rounds} timed rounds per launch; "
+        f"checkpoints on {filesystem(workdir)}"
+    )
     problems = {kind: problem for kind, problem in big["commit_problems"].items() if problem}
-    print("commit without an agent: " + ("; ".join(f"{kind}: {p}" for kind, p in problems.items()) if problems else
-          "sync and async saves each left step_N/ with .metadata, one shard file per rank, ledger.json and a "
-          "manifest.json that verifies, no staging directory; only the report to the agent was a no-op"))
-    table(f"saves, world 4, {SAVE_LAYOUT}; seconds, median (min–max) of the slowest rank",
-          ["raw write", "sync save", "async save"], big,
-          [("blocked", "loop blocked"), ("to commit", "save → committed")])
+    print(
+        "commit without an agent: "
+        + (
+            "; ".join(f"{kind}: {p}" for kind, p in problems.items())
+            if problems
+            else "sync and async saves each left step_N/ with .metadata, one shard file per rank, ledger.json and a "
+            "manifest.json that verifies, no staging directory; only the report to the agent was a no-op"
+        )
+    )
+    table(
+        f"saves, world 4, {SAVE_LAYOUT}; seconds, median (min–max) of the slowest rank",
+        ["raw write", "sync save", "async save"],
+        big,
+        [("blocked", "loop blocked"), ("to commit", "save → committed")],
+    )
     loads = [name for name in big["times"] if name.startswith("load")]
-    table("restores (page cache dropped first), world 4; seconds, median (min–max) of the slowest rank",
-          loads, big, [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")])
+    table(
+        "restores (page cache dropped first), world 4; seconds, median (min–max) of the slowest rank",
+        loads,
+        big,
+        [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")],
+    )
     small_loads = [name for name in small["times"] if name.startswith("load")]
-    table("restores (page cache dropped first), world 2; seconds, median (min–max) of the slowest rank",
-          small_loads, small, [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")])
+    table(
+        "restores (page cache dropped first), world 2; seconds, median (min–max) of the slowest rank",
+        small_loads,
+        small,
+        [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")],
+    )
 
     def at(results: dict, name: str, key: str = "blocked") -> float:
         return median([run[key] for run in results["times"][name]])
 
     print(f"\nbenchmark wall time {wall_s:.0f} s")
     sync_s, async_s, raw_s = at(big, "sync save"), at(big, "async save"), at(big, "raw write")
-    print(f"async save blocks the loop {async_s:.3f} s vs sync save {sync_s:.3f} s -> {async_s / sync_s:.3f} "
-          f"({verdict(async_s / sync_s, TARGETS['async_over_sync'], True)})")
-    print(f"save throughput {committed / sync_s / 1e6:.0f} MB/s vs raw write and fsync {committed / raw_s / 1e6:.0f} "
-          f"MB/s -> {raw_s / sync_s:.2f} ({verdict(raw_s / sync_s, TARGETS['save_over_raw'], False)})")
+    print(
+        f"async save blocks the loop {async_s:.3f} s vs sync save {sync_s:.3f} s -> {async_s / sync_s:.3f} "
+        f"({verdict(async_s / sync_s, TARGETS['async_over_sync'], True)})"
+    )
+    print(
+        f"save throughput {committed / sync_s / 1e6:.0f} MB/s vs raw write and fsync {committed / raw_s / 1e6:.0f} "
+        f"MB/s -> {raw_s / sync_s:.2f} ({verdict(raw_s / sync_s, TARGETS['save_over_raw'], False)})"
+    )
     resharded = f"load {SAVE_LAYOUT} (world 4) -> {RESHARD_LAYOUT}"
     same = f"load {RESHARD_LAYOUT} (world 4) -> {RESHARD_LAYOUT}"
-    print(f"resharded load {SAVE_LAYOUT} -> {RESHARD_LAYOUT} (world 4) {at(big, resharded, 'load'):.3f} s vs "
-          f"same layout {at(big, same, 'load'):.3f} s -> {at(big, resharded, 'load') / at(big, same, 'load'):.2f} "
-          f"(whole restore {at(big, resharded) / at(big, same):.2f}; no target)")
+    print(
+        f"resharded load {SAVE_LAYOUT} -> {RESHARD_LAYOUT} (world 4) {at(big, resharded, 'load'):.3f} s vs "
+        f"same layout {at(big, same, 'load'):.3f} s -> {at(big, resharded, 'load') / at(big, same, 'load'):.2f} "
+        f"(whole restore {at(big, resharded) / at(big, same):.2f}; no target)"
+    )
     resharded = f"load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT}"
     same = f"load {SMALL_LAYOUT} (world 2) -> {SMALL_LAYOUT}"
-    print(f"resharded load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT} (world 2) {at(small, resharded, 'load'):.3f} s "
-          f"vs same layout {at(small, same, 'load'):.3f} s -> "
-          f"{at(small, resharded, 'load') / at(small, same, 'load'):.2f} "
-          f"(whole restore {at(small, resharded) / at(small, same):.2f}; no target)")
+    print(
+        f"resharded load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT} (world 2) {at(small, resharded, 'load'):.3f} s "
+        f"vs same layout {at(small, same, 'load'):.3f} s -> "
+        f"{at(small, resharded, 'load') / at(small, same, 'load'):.2f} "
+        f"(whole restore {at(small, resharded) / at(small, same):.2f}; no target)"
+    )
     return 0
 
 

@@ -79,6 +79,7 @@ class Clock:
                 return call(*args, **kwargs)
             finally:
                 self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - started
+
         return timed
 
     def take(self) -> dict[str, float]:
@@ -91,7 +92,9 @@ def built(args: argparse.Namespace, layout: Layout, device: torch.device) -> tra
     moments at the first step, and a checkpoint before it would hold the weights only."""
     torch.manual_seed(args.seed)
     run = train.setup(args, layout, device)
-    first, count = rank_samples(0, args.global_batch, layout.dp_rank(dist.get_rank()), layout.dp_size)
+    first, count = rank_samples(
+        0, args.global_batch, layout.dp_rank(dist.get_rank()), layout.dp_size
+    )
     inputs, targets = SyntheticTokens(args.vocab, args.seq_len, args.seed).batch(first, count)
     timer = PhaseTimer(device)
     timer.start()
@@ -100,8 +103,13 @@ def built(args: argparse.Namespace, layout: Layout, device: torch.device) -> tra
 
 
 def trainer_state(run: train.Setup, args: argparse.Namespace, step: int) -> TrainerState:
-    return TrainerState(step, step * args.global_batch, run.optimizers.scheduler_state(), torch.get_rng_state(),
-                        Ledger([[1, 0, args.global_batch]]))
+    return TrainerState(
+        step,
+        step * args.global_batch,
+        run.optimizers.scheduler_state(),
+        torch.get_rng_state(),
+        Ledger([[1, 0, args.global_batch]]),
+    )
 
 
 def slowest(seconds: float) -> float:
@@ -144,7 +152,7 @@ def raw_write(directory: str, size: int, chunk: memoryview) -> None:
     with open(os.path.join(directory, f"rank{dist.get_rank()}.bin"), "wb") as out:
         left = size
         while left:
-            left -= out.write(chunk[:min(left, len(chunk))])
+            left -= out.write(chunk[: min(left, len(chunk))])
         out.flush()
         os.fsync(out.fileno())
 
@@ -164,12 +172,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True, help="where checkpoints and results go")
     parser.add_argument("--rounds", type=int, required=True, help="timed rounds, after one untimed")
-    parser.add_argument("--layouts", nargs="+", required=True, help="layouts on this world; saves use the first")
-    parser.add_argument("--saves", action="store_true", help="time raw writes, sync and async saves")
-    parser.add_argument("--load-into", nargs="*", default=None, metavar="LAYOUT",
-                        help="the layouts restores load into (default every one of --layouts)")
-    parser.add_argument("--foreign", nargs="*", default=[], metavar="NAME@DIR",
-                        help="checkpoint directories saved by another launch, to load here")
+    parser.add_argument(
+        "--layouts", nargs="+", required=True, help="layouts on this world; saves use the first"
+    )
+    parser.add_argument(
+        "--saves", action="store_true", help="time raw writes, sync and async saves"
+    )
+    parser.add_argument(
+        "--load-into",
+        nargs="*",
+        default=None,
+        metavar="LAYOUT",
+        help="the layouts restores load into (default every one of --layouts)",
+    )
+    parser.add_argument(
+        "--foreign",
+        nargs="*",
+        default=[],
+        metavar="NAME@DIR",
+        help="checkpoint directories saved by another launch, to load here",
+    )
     parser.add_argument("--dim", type=int, required=True)
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--heads", type=int, required=True)
@@ -178,9 +200,23 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rt = keel_runtime.init({**os.environ, keel_runtime.env.GENERATION: str(GENERATION)})
-    args = train.parse_args(["--steps", "1", "--no-preflight", "--dim", str(options.dim),
-                             "--layers", str(options.layers), "--heads", str(options.heads),
-                             "--global-batch", "4", "--seq-len", "16"])
+    args = train.parse_args(
+        [
+            "--steps",
+            "1",
+            "--no-preflight",
+            "--dim",
+            str(options.dim),
+            "--layers",
+            str(options.layers),
+            "--heads",
+            str(options.heads),
+            "--global-batch",
+            "4",
+            "--seq-len",
+            "16",
+        ]
+    )
     device = torch.device("cpu")
     clock = Clock()
     dcp.save = clock.wrap("dcp.save", dcp.save)
@@ -198,10 +234,20 @@ def main() -> None:
     # One checkpoint per layout, kept for the loads (this launch's and another's).
     sources: dict[str, str] = {}
     for text, run in runs.items():
-        saver = Checkpointer(os.path.join(options.workdir, "load", f"w{world_size}-{text}"), rt,
-                             use_async=False, keep=0, restored_from=None)
-        saver.save(1, args.global_batch, state_dict(run.parts, run.optimizers.optimizers, trainer_state(run, args, 1)),
-                   Ledger([[1, 0, args.global_batch]]), args.global_batch)
+        saver = Checkpointer(
+            os.path.join(options.workdir, "load", f"w{world_size}-{text}"),
+            rt,
+            use_async=False,
+            keep=0,
+            restored_from=None,
+        )
+        saver.save(
+            1,
+            args.global_batch,
+            state_dict(run.parts, run.optimizers.optimizers, trainer_state(run, args, 1)),
+            Ledger([[1, 0, args.global_batch]]),
+            args.global_batch,
+        )
         sources[f"{text} (world {world_size})"] = saver.checkpoint_dir
     for entry in options.foreign:
         name, directory = entry.split("@", 1)
@@ -211,8 +257,12 @@ def main() -> None:
     results: dict = {"times": {}, "phases": {}, "sources": sources, "commit_problems": {}}
     if options.saves:
         run = runs[options.layouts[0]]
-        sync = Checkpointer(os.path.join(work, "sync"), rt, use_async=False, keep=0, restored_from=None)
-        background = Checkpointer(os.path.join(work, "async"), rt, use_async=True, keep=0, restored_from=None)
+        sync = Checkpointer(
+            os.path.join(work, "sync"), rt, use_async=False, keep=0, restored_from=None
+        )
+        background = Checkpointer(
+            os.path.join(work, "async"), rt, use_async=True, keep=0, restored_from=None
+        )
         sync._commit = clock.wrap("commit", sync._commit)
         background._commit = clock.wrap("commit", background._commit)
         raw_dir = os.path.join(work, "raw")
@@ -225,8 +275,13 @@ def main() -> None:
             saved = trainer_state(run, args, step)
             dist.barrier()
             started = time.perf_counter()
-            saver.save(step, saved.samples, state_dict(run.parts, run.optimizers.optimizers, saved), saved.ledger,
-                       args.global_batch)
+            saver.save(
+                step,
+                saved.samples,
+                state_dict(run.parts, run.optimizers.optimizers, saved),
+                saved.ledger,
+                args.global_batch,
+            )
             blocked_s = time.perf_counter() - started
             saver.wait()
             committed_s = time.perf_counter() - started
@@ -262,7 +317,11 @@ def main() -> None:
         shared = [results.get("shares")]
         dist.broadcast_object_list(shared, src=0)
         owed = shared[0]
-        arms += [("raw write", raw), ("sync save", lambda: save(sync)), ("async save", lambda: save(background))]
+        arms += [
+            ("raw write", raw),
+            ("sync save", lambda: save(sync)),
+            ("async save", lambda: save(background)),
+        ]
 
     def load(source: str, target: str):
         def measure() -> tuple[dict[str, float], dict[str, float]]:
@@ -274,23 +333,34 @@ def main() -> None:
             started = time.perf_counter()
             path = restore.choose(sources[source], rt)
             chosen_s = time.perf_counter() - started
-            checkpoint.load(path, run.parts, run.optimizers.optimizers,
-                            TrainerState(0, 0, run.optimizers.scheduler_state(), torch.get_rng_state()))
+            checkpoint.load(
+                path,
+                run.parts,
+                run.optimizers.optimizers,
+                TrainerState(0, 0, run.optimizers.scheduler_state(), torch.get_rng_state()),
+            )
             loaded_s = time.perf_counter() - started
             phases = clock.take()
-            return {"choose": slowest(chosen_s), "blocked": slowest(loaded_s),
-                    "load": slowest(loaded_s - chosen_s)}, phases
+            return {
+                "choose": slowest(chosen_s),
+                "blocked": slowest(loaded_s),
+                "load": slowest(loaded_s - chosen_s),
+            }, phases
+
         return measure
 
-    arms += [(f"load {source} -> {target}", load(source, target))
-             for source in sources for target in options.load_into or runs]
+    arms += [
+        (f"load {source} -> {target}", load(source, target))
+        for source in sources
+        for target in options.load_into or runs
+    ]
     for round_index in range(options.rounds + 1):
         shift = round_index % len(arms)
         for name, measure in arms[shift:] + arms[:shift]:
             clock.take()
             times, phases = measure()
             if round_index == 0:
-                continue    # the first round warms every path up
+                continue  # the first round warms every path up
             results["times"].setdefault(name, []).append(times)
             results["phases"].setdefault(name, []).append(phases)
     if rank == 0:

@@ -62,15 +62,15 @@ from protos import keel_pb2, keel_pb2_grpc
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
 AGENTS_PER_PROCESS = 500
-CONNECT_S = 180.0        # the most a connect storm is waited for
+CONNECT_S = 180.0  # the most a connect storm is waited for
 # Agents start at this rate (each taking its etcd lease, then dialling): at 4,000 all
 # at once, the load generator's eight processes starting together starved etcd on
 # this machine's two cores, and the leader stepped down for it (2 runs of 5); a
 # cluster's nodes boot over seconds. The failover is the storm at once.
-START_RATE = 200.0       # agents a second
+START_RATE = 200.0  # agents a second
 RANKS_PER_NODE = 8
-TOKENS_PER_RANK_STEP = 4096   # what a simulated rank reports a step (simulated_agents)
-STEP_S = 1.0                  # each simulated node's step, seconds (its default)
+TOKENS_PER_RANK_STEP = 4096  # what a simulated rank reports a step (simulated_agents)
+STEP_S = 1.0  # each simulated node's step, seconds (its default)
 # The load generator runs under SCHED_IDLE, on what CPU the controllers and etcd leave:
 # on a cluster the agents are other machines. Here they share two cores with the
 # controller under test: at its priority they took 1.4 cores at 4,000 nodes and starved
@@ -109,7 +109,7 @@ def etcd_writes(endpoint: str) -> float:
             with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
                 text = response.read().decode()
             break
-        except OSError:   # (socket timeouts and URLError are OSErrors)
+        except OSError:  # (socket timeouts and URLError are OSErrors)
             if attempt == 5:
                 raise
     total = 0.0
@@ -124,7 +124,7 @@ class Size:
     nodes: int
     connect_s: float | None = None
     running_s: float | None = None
-    cpu: float = 0.0                  # the leader's, of one core, over the window
+    cpu: float = 0.0  # the leader's, of one core, over the window
     rss: int = 0
     threads: int = 0
     rpc_ms: list[float] = field(default_factory=list)
@@ -136,8 +136,8 @@ class Size:
     failover_s: float | None = None
     restarted: str = ""
     refusals: int = 0
-    lease_renewals: int = 0           # simulated agents whose lease expired under load
-    delivered: float | None = None    # steps the leader counted / steps the agents should send
+    lease_renewals: int = 0  # simulated agents whose lease expired under load
+    delivered: float | None = None  # steps the leader counted / steps the agents should send
     note: str = ""
 
 
@@ -152,13 +152,31 @@ class Generators:
         for index in range(count):
             share = nodes // count + (1 if index < nodes % count else 0)
             proc = subprocess.Popen(
-                [*IDLE_PRIORITY, sys.executable, "-m", "benchmarks.simulated_agents",
-                 "--etcd", etcd, "--controllers", ",".join(controllers), "--token", TOKEN,
-                 "--agents", str(share), "--prefix", f"sim-{index}-",
-                 "--ramp-s", f"{nodes / START_RATE:g}"],
-                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=open(log_dir / f"agents-{index}.log", "wb"), text=True,
-                env={**os.environ, "PYTHONPATH": str(REPO)})
+                [
+                    *IDLE_PRIORITY,
+                    sys.executable,
+                    "-m",
+                    "benchmarks.simulated_agents",
+                    "--etcd",
+                    etcd,
+                    "--controllers",
+                    ",".join(controllers),
+                    "--token",
+                    TOKEN,
+                    "--agents",
+                    str(share),
+                    "--prefix",
+                    f"sim-{index}-",
+                    "--ramp-s",
+                    f"{nodes / START_RATE:g}",
+                ],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(log_dir / f"agents-{index}.log", "wb"),
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
             self.procs.append(proc)
             threading.Thread(target=self._read, args=(index, proc), daemon=True).start()
 
@@ -200,22 +218,41 @@ class Generators:
 
 def start_controller(name: str, etcd: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     address_file = workdir / f"{name}.address"
-    proc = subprocess.Popen(   # dies with this script, however it ends (same pid: exec)
-        [*tied_to_this_process(), sys.executable, "-m", "orchestrator.cli", "controller",
-         "--etcd-endpoints", etcd,
-         "--token-file", str(workdir / "token"), "--address-file", str(address_file),
-         "--advertise-host", "127.0.0.1", "--listen", "127.0.0.1:0"],
-        cwd=REPO, stdin=subprocess.DEVNULL, stdout=open(workdir / f"{name}.log", "wb"),
-        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(  # dies with this script, however it ends (same pid: exec)
+        [
+            *tied_to_this_process(),
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "controller",
+            "--etcd-endpoints",
+            etcd,
+            "--token-file",
+            str(workdir / "token"),
+            "--address-file",
+            str(address_file),
+            "--advertise-host",
+            "127.0.0.1",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=open(workdir / f"{name}.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if not wait_for(address_file.exists, 60) or proc.poll() is not None:
-        raise RuntimeError(f"controller {name} did not start: "
-                           f"{(workdir / f'{name}.log').read_text()[-2000:]}")
+        raise RuntimeError(
+            f"controller {name} did not start: {(workdir / f'{name}.log').read_text()[-2000:]}"
+        )
     return proc, address_file.read_text().strip()
 
 
 def job_spec(nodes: int) -> keel_pb2.JobSpec:
-    spec = keel_pb2.JobSpec(name="bench", world_size=nodes * RANKS_PER_NODE,
-                            command=["simulated"], max_restarts=3)
+    spec = keel_pb2.JobSpec(
+        name="bench", world_size=nodes * RANKS_PER_NODE, command=["simulated"], max_restarts=3
+    )
     spec.health.preflight_off = True
     spec.health.straggler_policy = "alert"
     return spec
@@ -228,9 +265,11 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
     # etcd's data in memory where there is a tmpfs: this machine's shared disk stalled
     # etcd's fsync for up to 2.5 s under the load generator ("slow fdatasync" in its
     # log), and the leader lease expired in it; a cluster's etcd has a disk of its own.
-    etcd = EmbeddedEtcd(data_parent=memory_backed_dir() or workdir,
-                        log_path=workdir / "etcd.log",
-                        die_with_parent=True).start()
+    etcd = EmbeddedEtcd(
+        data_parent=memory_backed_dir() or workdir,
+        log_path=workdir / "etcd.log",
+        die_with_parent=True,
+    ).start()
     procs: list[subprocess.Popen] = []
     generators = None
     try:
@@ -244,8 +283,9 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         metadata = call_metadata(TOKEN)
         channel = grpc.insecure_channel(leader_address)
         stub = keel_pb2_grpc.ControllerStub(channel)
-        stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=job_spec(nodes)), metadata=metadata,
-                       timeout=30)
+        stub.SubmitJob(
+            keel_pb2.SubmitJobRequest(spec=job_spec(nodes)), metadata=metadata, timeout=30
+        )
 
         began = time.monotonic()
         generators = Generators(nodes, etcd.endpoint, [leader_address, standby_address], workdir)
@@ -253,32 +293,41 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
             result.connect_s = time.monotonic() - began
         else:
             address, count = generators.most_connected()
-            whom = ("the first leader" if address == leader_address else
-                    "the standby (the first leader lost the lead)" if address else "none")
-            result.note = (f"{generators.connected_to(leader_address)}/{nodes} connected to the "
-                           f"first leader after {CONNECT_S:g} s; most ({count}) to {whom}; "
-                           f"{step_downs(workdir)} step-downs")
+            whom = (
+                "the first leader"
+                if address == leader_address
+                else "the standby (the first leader lost the lead)"
+                if address
+                else "none"
+            )
+            result.note = (
+                f"{generators.connected_to(leader_address)}/{nodes} connected to the "
+                f"first leader after {CONNECT_S:g} s; most ({count}) to {whom}; "
+                f"{step_downs(workdir)} step-downs"
+            )
             return result
 
         def job() -> keel_pb2.JobStatus | None:
             try:
-                return stub.GetJob(keel_pb2.GetJobRequest(job="bench"), metadata=metadata,
-                                   timeout=30)
+                return stub.GetJob(
+                    keel_pb2.GetJobRequest(job="bench"), metadata=metadata, timeout=30
+                )
             except grpc.RpcError:
                 return None
 
-        if wait_for(lambda: (status := job()) is not None and status.state == "RUNNING", 300,
-                    0.5):
+        if wait_for(lambda: (status := job()) is not None and status.state == "RUNNING", 300, 0.5):
             result.running_s = time.monotonic() - began
         else:
             result.note = f"the job did not run: {job()}"
             return result
-        time.sleep(5)   # the start's messages settle
+        time.sleep(5)  # the start's messages settle
 
         # The steady window.
-        calls = [("ListNodes", keel_pb2.ListNodesRequest()),
-                 ("GetJob", keel_pb2.GetJobRequest(job="bench")),
-                 ("ListJobs", keel_pb2.ListJobsRequest())]
+        calls = [
+            ("ListNodes", keel_pb2.ListNodesRequest()),
+            ("GetJob", keel_pb2.GetJobRequest(job="bench")),
+            ("ListJobs", keel_pb2.ListJobsRequest()),
+        ]
         first = job()
         writes0, t0 = etcd_writes(etcd.endpoint), time.monotonic()
         cpu0, gen0, etcd0 = cpu_s(leader.pid), generators.cpu_s(), cpu_s(etcd.proc.pid)
@@ -322,10 +371,15 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         after = wait_for(job, 30)
         if after is None or before is None:
             result.restarted = "unknown (no answer)"
-        elif (after.generation, after.restarts, after.state) != (before.generation,
-                                                                  before.restarts, "RUNNING"):
-            result.restarted = (f"yes: generation {before.generation}→{after.generation}, "
-                                f"restarts {before.restarts}→{after.restarts}, {after.state}")
+        elif (after.generation, after.restarts, after.state) != (
+            before.generation,
+            before.restarts,
+            "RUNNING",
+        ):
+            result.restarted = (
+                f"yes: generation {before.generation}→{after.generation}, "
+                f"restarts {before.restarts}→{after.restarts}, {after.state}"
+            )
         else:
             result.restarted = "no"
         return result
@@ -346,8 +400,11 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
 
 
 def step_downs(workdir: Path) -> int:
-    return sum(path.read_text(errors="replace").count('"stepped down"')
-               for path in workdir.glob("*.log") if path.stem in ("leader", "standby"))
+    return sum(
+        path.read_text(errors="replace").count('"stepped down"')
+        for path in workdir.glob("*.log")
+        if path.stem in ("leader", "standby")
+    )
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -363,10 +420,14 @@ def fmt(value, spec: str, unit: str = "") -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="100,1000,2000,4000",
-                        help="comma-separated node counts, each measured from scratch")
-    parser.add_argument("--duration", type=float, default=60.0,
-                        help="seconds of the steady window at each size")
+    parser.add_argument(
+        "--sizes",
+        default="100,1000,2000,4000",
+        help="comma-separated node counts, each measured from scratch",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="seconds of the steady window at each size"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the logs and etcd data")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -376,54 +437,101 @@ def main() -> int:
         print(f"measuring {nodes} nodes ...", file=sys.stderr, flush=True)
         result = measure(nodes, args.duration, root / str(nodes))
         results.append(result)
-        print(json.dumps({k: v for k, v in result.__dict__.items() if k != "rpc_ms"}),
-              file=sys.stderr, flush=True)
-    print(f"\ncontrol plane, {RANKS_PER_NODE} ranks per node, steady window {args.duration:g} s "
-          f"(CPU: seconds per second, of one core)")
-    header = ("nodes", "connect", "running", "ctl CPU", "RSS", "threads", "RPC p50", "RPC p99",
-              "etcd w/s", "downs", "gen CPU", "delivered", "etcd CPU", "gen leases lost",
-              "failover", "restarted")
+        print(
+            json.dumps({k: v for k, v in result.__dict__.items() if k != "rpc_ms"}),
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"\ncontrol plane, {RANKS_PER_NODE} ranks per node, steady window {args.duration:g} s "
+        f"(CPU: seconds per second, of one core)"
+    )
+    header = (
+        "nodes",
+        "connect",
+        "running",
+        "ctl CPU",
+        "RSS",
+        "threads",
+        "RPC p50",
+        "RPC p99",
+        "etcd w/s",
+        "downs",
+        "gen CPU",
+        "delivered",
+        "etcd CPU",
+        "gen leases lost",
+        "failover",
+        "restarted",
+    )
     print(" | ".join(header))
     for r in results:
-        print(" | ".join([
-            str(r.nodes), fmt(r.connect_s, ".1f", " s"), fmt(r.running_s, ".1f", " s"),
-            f"{r.cpu * 100:.1f} %", f"{r.rss / 2**20:.0f} MiB", str(r.threads),
-            fmt(percentile(r.rpc_ms, 0.5), ".1f", " ms"),
-            fmt(percentile(r.rpc_ms, 0.99), ".1f", " ms") + (f" ({r.rpc_errors} failed)"
-                                                            if r.rpc_errors else ""),
-            f"{r.etcd_writes_per_s:.2f}", str(r.step_downs), f"{r.generator_cpu * 100:.0f} %",
-            fmt(None if r.delivered is None else r.delivered * 100, ".0f", " %"),
-            f"{r.etcd_cpu * 100:.0f} %", str(r.lease_renewals), fmt(r.failover_s, ".1f", " s"),
-            r.restarted or "n/a"]) + (f"  [{r.note}]" if r.note else ""))
+        print(
+            " | ".join(
+                [
+                    str(r.nodes),
+                    fmt(r.connect_s, ".1f", " s"),
+                    fmt(r.running_s, ".1f", " s"),
+                    f"{r.cpu * 100:.1f} %",
+                    f"{r.rss / 2**20:.0f} MiB",
+                    str(r.threads),
+                    fmt(percentile(r.rpc_ms, 0.5), ".1f", " ms"),
+                    fmt(percentile(r.rpc_ms, 0.99), ".1f", " ms")
+                    + (f" ({r.rpc_errors} failed)" if r.rpc_errors else ""),
+                    f"{r.etcd_writes_per_s:.2f}",
+                    str(r.step_downs),
+                    f"{r.generator_cpu * 100:.0f} %",
+                    fmt(None if r.delivered is None else r.delivered * 100, ".0f", " %"),
+                    f"{r.etcd_cpu * 100:.0f} %",
+                    str(r.lease_renewals),
+                    fmt(r.failover_s, ".1f", " s"),
+                    r.restarted or "n/a",
+                ]
+            )
+            + (f"  [{r.note}]" if r.note else "")
+        )
     # Only sizes whose steady window was healthy: a leader that answered no operator
     # call or stepped down was blocked, not cheap, and its CPU says nothing of the cost;
     # nor does it where the agents sent much less than they should.
-    fitted = [r for r in results if r.running_s is not None and r.rpc_ms and not r.step_downs
-              and (r.delivered or 0) >= DELIVERED_FOR_FIT]
+    fitted = [
+        r
+        for r in results
+        if r.running_s is not None
+        and r.rpc_ms
+        and not r.step_downs
+        and (r.delivered or 0) >= DELIVERED_FOR_FIT
+    ]
     left_out = [r.nodes for r in results if r.running_s is not None and r not in fitted]
     if left_out:
-        print(f"\nleft out of the fit (no operator call answered, a step-down in the "
-              f"steady window, or under {DELIVERED_FOR_FIT:.0%} of the steps delivered): "
-              f"{', '.join(map(str, left_out))} nodes")
+        print(
+            f"\nleft out of the fit (no operator call answered, a step-down in the "
+            f"steady window, or under {DELIVERED_FOR_FIT:.0%} of the steps delivered): "
+            f"{', '.join(map(str, left_out))} nodes"
+        )
     if len(fitted) >= 2:
         xs, ys = [r.nodes for r in fitted], [r.cpu for r in fitted]
         slope, intercept = statistics.linear_regression(xs, ys)
-        print(f"\ncontroller CPU per node (least squares over {len(fitted)} sizes): "
-              f"{slope * 1e6:.1f} µs per node-second, intercept {intercept * 100:.1f} %")
+        print(
+            f"\ncontroller CPU per node (least squares over {len(fitted)} sizes): "
+            f"{slope * 1e6:.1f} µs per node-second, intercept {intercept * 100:.1f} %"
+        )
         for n in (10_000, 16_384):
-            print(f"  at {n} nodes: {(intercept + slope * n) * 100:.0f} % of one core "
-                  f"(extrapolated)")
+            print(
+                f"  at {n} nodes: {(intercept + slope * n) * 100:.0f} % of one core (extrapolated)"
+            )
         if slope > 0:
             print(f"  one core holds about {(1 - intercept) / slope:,.0f} nodes at this slope")
         small, large = fitted[0], fitted[-1]
         if small.cpu > 0:
-            print(f"CPU per node at {large.nodes} against {small.nodes} nodes: "
-                  f"{(large.cpu / large.nodes) / (small.cpu / small.nodes):.2f} (1.00 is linear)")
+            print(
+                f"CPU per node at {large.nodes} against {small.nodes} nodes: "
+                f"{(large.cpu / large.nodes) / (small.cpu / small.nodes):.2f} (1.00 is linear)"
+            )
     if args.keep or any(r.note for r in results):
-        print(f"logs kept in {root}" + ("" if args.keep else " (a size failed)"),
-              file=sys.stderr)
+        print(f"logs kept in {root}" + ("" if args.keep else " (a size failed)"), file=sys.stderr)
     else:
         import shutil
+
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

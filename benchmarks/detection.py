@@ -67,24 +67,41 @@ from datetime import datetime
 from pathlib import Path
 
 from benchmarks import recovery
-from benchmarks.recovery import (Failed, Launch, Run, json_lines, median, metric, seconds, table,
-                                 transitions, unix)
+from benchmarks.recovery import (
+    Failed,
+    Launch,
+    Run,
+    json_lines,
+    median,
+    metric,
+    seconds,
+    table,
+    transitions,
+    unix,
+)
 from orchestrator.local.options import JOB_NAME, UpOptions, job_spec
 from orchestrator.spec.health import DEFAULTS
 
-FAULT_STEP = 6                      # crash and hang: at the start of this step
+FAULT_STEP = 6  # crash and hang: at the start of this step
 HANG_FLOOR_S = 4.0
-COLLECTIVE_TIMEOUT_S = 20.0         # both arms' collective timeout (it must exceed 1.2 x (floor + 5 s))
+COLLECTIVE_TIMEOUT_S = 20.0  # both arms' collective timeout (it must exceed 1.2 x (floor + 5 s))
 WINDOW, PATIENCE = DEFAULTS.straggler_window, DEFAULTS.straggler_patience
-SLOW_STEP = WINDOW + 1              # the first step of the second window
+SLOW_STEP = WINDOW + 1  # the first step of the second window
 SLOW_STEPS = 30
 FACTORS = (1.2, 1.5, 2.0)
 CLEAN_STEPS = 150
 SCRAPE_S = 0.25
-BASE = UpOptions(nodes=2, slots_per_node=1, steps=FAULT_STEP + 10, checkpoint_every=1000,
-                 preflight=False, straggler_policy="alert", max_restarts=0)
-RUN_TIMEOUT_S = 240.0               # one run, cluster start and stop included
-STOP_TIMEOUT_S = 60.0               # keel up's shutdown after SIGINT
+BASE = UpOptions(
+    nodes=2,
+    slots_per_node=1,
+    steps=FAULT_STEP + 10,
+    checkpoint_every=1000,
+    preflight=False,
+    straggler_policy="alert",
+    max_restarts=0,
+)
+RUN_TIMEOUT_S = 240.0  # one run, cluster start and stop included
+STOP_TIMEOUT_S = 60.0  # keel up's shutdown after SIGINT
 POLL_S = 0.05
 # torchrun's own lines: "W1201 18:34:08.437000 18919 path/api.py:1028] message".
 TORCHRUN_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ \S+\] (.*)$")
@@ -93,8 +110,14 @@ TORCHRUN_REACTIONS = ("closing signal SIGTERM", "failed (exitcode", "Worker grou
 
 # --- runs -----------------------------------------------------------------------------
 
-def wait_until(done: Callable[[], object], proc: subprocess.Popen, timeout_s: float,
-               what: str, tick: Callable[[], None] | None = None):
+
+def wait_until(
+    done: Callable[[], object],
+    proc: subprocess.Popen,
+    timeout_s: float,
+    what: str,
+    tick: Callable[[], None] | None = None,
+):
     """Polls ``done()`` until it returns something, and returns it; None if ``proc``
     exits first. ``tick`` runs on every poll. Raises Failed after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -112,10 +135,22 @@ def wait_until(done: Callable[[], object], proc: subprocess.Popen, timeout_s: fl
 
 def up_flags(options: UpOptions) -> list[str]:
     """``keel up``'s flags for ``options`` (the fields this benchmark sets)."""
-    flags = ["--nodes", str(options.nodes), "--slots-per-node", str(options.slots_per_node),
-             "--steps", str(options.steps), "--checkpoint-every", str(options.checkpoint_every),
-             "--straggler-policy", options.straggler_policy,
-             "--max-restarts", str(options.max_restarts), "--hang-floor-s", str(options.hang_floor_s)]
+    flags = [
+        "--nodes",
+        str(options.nodes),
+        "--slots-per-node",
+        str(options.slots_per_node),
+        "--steps",
+        str(options.steps),
+        "--checkpoint-every",
+        str(options.checkpoint_every),
+        "--straggler-policy",
+        options.straggler_policy,
+        "--max-restarts",
+        str(options.max_restarts),
+        "--hang-floor-s",
+        str(options.hang_floor_s),
+    ]
     if options.collective_timeout_s:
         flags += ["--collective-timeout-s", str(options.collective_timeout_s)]
     if not options.preflight:
@@ -128,30 +163,53 @@ def up_flags(options: UpOptions) -> list[str]:
 @dataclass
 class KeelRun:
     work: Path
-    found: object         # what ``done`` returned; None if keel up ended first
+    found: object  # what ``done`` returned; None if keel up ended first
     summary: dict
 
 
-def keel_up(directory: Path, options: UpOptions, done: Callable[[Path], object],
-            tick: Callable[[Path], None] | None = None) -> KeelRun:
+def keel_up(
+    directory: Path,
+    options: UpOptions,
+    done: Callable[[Path], object],
+    tick: Callable[[Path], None] | None = None,
+) -> KeelRun:
     """``keel up`` with ``options`` until ``done(workdir)`` returns something (then it
     is interrupted) or it ends; every process it started is stopped before returning."""
     work = directory / "keel"
     launch = Launch(directory)
     try:
-        proc = launch.start([sys.executable, "-m", "orchestrator.cli", "up", *up_flags(options),
-                             "--json", "--workdir", str(work)], "keel-up",
-                            launch.env(OMP_NUM_THREADS="1"))
-        found = wait_until(lambda: done(work), proc, RUN_TIMEOUT_S, "keel up",
-                           (lambda: tick(work)) if tick else None)
+        proc = launch.start(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "up",
+                *up_flags(options),
+                "--json",
+                "--workdir",
+                str(work),
+            ],
+            "keel-up",
+            launch.env(OMP_NUM_THREADS="1"),
+        )
+        found = wait_until(
+            lambda: done(work),
+            proc,
+            RUN_TIMEOUT_S,
+            "keel up",
+            (lambda: tick(work)) if tick else None,
+        )
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
             proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise Failed(f"keel up did not stop within {STOP_TIMEOUT_S:.0f} s of SIGINT") from None
-        lines = [line for line in (directory / "keel-up.out").read_text().splitlines()
-                 if line.startswith("{")]
+        lines = [
+            line
+            for line in (directory / "keel-up.out").read_text().splitlines()
+            if line.startswith("{")
+        ]
         return KeelRun(work, found, json.loads(lines[-1]) if lines else {})
     finally:
         launch.close()
@@ -184,13 +242,23 @@ def stopping(work: Path, since: float) -> tuple[float, str] | None:
 
 
 def controller_events(work: Path, kind: str | None = None) -> list[dict]:
-    return [r for r in json_lines(work / "logs" / "controller.log")
-            if r.get("event") == "event" and (kind is None or r.get("kind") == kind)]
+    return [
+        r
+        for r in json_lines(work / "logs" / "controller.log")
+        if r.get("event") == "event" and (kind is None or r.get("kind") == kind)
+    ]
 
 
 def agent_records(work: Path, event: str) -> list[dict]:
-    return sorted((r for path in sorted((work / "logs").glob("agent-*.log"))
-                   for r in json_lines(path) if r.get("event") == event), key=unix)
+    return sorted(
+        (
+            r
+            for path in sorted((work / "logs").glob("agent-*.log"))
+            for r in json_lines(path)
+            if r.get("event") == event
+        ),
+        key=unix,
+    )
 
 
 def torchrun(directory: Path, options: UpOptions, done: Callable[[Path], object]) -> Path:
@@ -198,16 +266,36 @@ def torchrun(directory: Path, options: UpOptions, done: Callable[[Path], object]
     until ``done(its stderr)`` returns something; then stopped. Its stderr (torchrun's
     lines and the ranks' logs) is the result."""
     spec = job_spec(options, directory / "checkpoints")
-    argv = list(spec.command)[3:]          # after "python -u -m": trainer.train and its flags
+    argv = list(spec.command)[3:]  # after "python -u -m": trainer.train and its flags
     if options.collective_timeout_s:
         argv.insert(1, f"--collective-timeout-s={options.collective_timeout_s}")
     launch = Launch(directory)
     try:
-        proc = launch.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(options.world_size), "--max-restarts", "1",
-                             "--log-dir", str(directory / "torchelastic"), "-m", *argv], "torchrun",
-                            launch.env(**spec.env, KEEL_MESH=spec.mesh, KEEL_PREFLIGHT="0",
-                                       LOGLEVEL="INFO", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        proc = launch.start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(options.world_size),
+                "--max-restarts",
+                "1",
+                "--log-dir",
+                str(directory / "torchelastic"),
+                "-m",
+                *argv,
+            ],
+            "torchrun",
+            launch.env(
+                **spec.env,
+                KEEL_MESH=spec.mesh,
+                KEEL_PREFLIGHT="0",
+                LOGLEVEL="INFO",
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+            ),
+        )
         err = directory / "torchrun.err"
         if not wait_until(lambda: done(err), proc, RUN_TIMEOUT_S, "torchrun"):
             raise Failed(f"torchrun exited {proc.returncode} before reacting to the fault")
@@ -229,7 +317,9 @@ def torchrun_lines(err: Path, year: int) -> list[tuple[float, str]]:
     return lines
 
 
-def torchrun_reaction(err: Path, prefix: str) -> tuple[float, float, list[tuple[float, str]]] | None:
+def torchrun_reaction(
+    err: Path, prefix: str
+) -> tuple[float, float, list[tuple[float, str]]] | None:
     """The fault's time (the trainer's line starting with ``prefix``), the time of
     torchrun's first line reacting to it, and its lines from then on; None before both."""
     records = [r for r in json_lines(err) if r.get("component") == "trainer"]
@@ -237,10 +327,16 @@ def torchrun_reaction(err: Path, prefix: str) -> tuple[float, float, list[tuple[
         fault = fault_time(records, prefix)
     except Failed:
         return None
-    after = [(at, message) for at, message in torchrun_lines(err, datetime.now().year)
-             if at >= fault - 0.001]     # torchrun's times are in milliseconds
-    reactions = [(at, message) for at, message in after
-                 if any(mark in message for mark in TORCHRUN_REACTIONS)]
+    after = [
+        (at, message)
+        for at, message in torchrun_lines(err, datetime.now().year)
+        if at >= fault - 0.001
+    ]  # torchrun's times are in milliseconds
+    reactions = [
+        (at, message)
+        for at, message in after
+        if any(mark in message for mark in TORCHRUN_REACTIONS)
+    ]
     if not reactions:
         return None
     return fault, reactions[0][0], after
@@ -275,8 +371,11 @@ def crash_keel(directory: Path) -> Run:
         at, reason = decided
         if "rank 1 " not in reason or "signal 9" not in reason:
             raise Failed(f"the job stopped for another reason: {reason}")
-        exited = [r for r in agent_records(run.work, "rank exited")
-                  if r.get("rank") == 1 and unix(r) >= kill]
+        exited = [
+            r
+            for r in agent_records(run.work, "rank exited")
+            if r.get("rank") == 1 and unix(r) >= kill
+        ]
         phases = {"reaped": unix(exited[0]) - kill} if exited else {}
         phases["decided"] = at - kill - phases.get("reaped", 0.0)
         return Run("keel", at - kill, phases, note=f"decision: {reason[:90]}")
@@ -301,8 +400,12 @@ def crash_torchrun(directory: Path) -> Run:
 
 # --- hang -----------------------------------------------------------------------------
 
-HANG = replace(BASE, inject=(f"hang:rank=1,step={FAULT_STEP}",), hang_floor_s=HANG_FLOOR_S,
-               collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+HANG = replace(
+    BASE,
+    inject=(f"hang:rank=1,step={FAULT_STEP}",),
+    hang_floor_s=HANG_FLOOR_S,
+    collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+)
 
 
 def hang_keel(directory: Path) -> Run:
@@ -328,11 +431,16 @@ def hang_keel(directory: Path) -> Run:
         phases["beyond timeout"] = at - hung - timeout_s
         event = next((e for e in run.summary.get("events", []) if e.get("kind") == "hang"), {})
         named = re.match(r"rank (\d+)", reason)
-        refused = [r for r in json_lines(run.work / "logs" / "controller.log")
-                   if r.get("event") == "refusing an agent message"]
-        note = (f"{len(verdicts)} agent verdict(s), {len(refused)} agent message(s) refused; the "
-                f"decision names rank {named.group(1) if named else '?'}, the event (after the "
-                f"stacks) rank {event.get('rank', '?')}: {event.get('root_cause', '')[:70]}")
+        refused = [
+            r
+            for r in json_lines(run.work / "logs" / "controller.log")
+            if r.get("event") == "refusing an agent message"
+        ]
+        note = (
+            f"{len(verdicts)} agent verdict(s), {len(refused)} agent message(s) refused; the "
+            f"decision names rank {named.group(1) if named else '?'}, the event (after the "
+            f"stacks) rank {event.get('rank', '?')}: {event.get('root_cause', '')[:70]}"
+        )
         return Run("keel", at - hung, phases, note=note)
     except Failed as exc:
         return Run("keel", problem=str(exc))
@@ -345,11 +453,17 @@ def hang_torchrun(directory: Path) -> Run:
         hung, reacted, after = torchrun_reaction(err, "injecting hang")
         text = err.read_text(errors="replace")
         why = re.findall(r"\[rank0\]: (RuntimeError: .*Timed out.*)", text)
-        phases = {"reaction": reacted - hung, "timeout": COLLECTIVE_TIMEOUT_S,
-                  "beyond timeout": reacted - hung - COLLECTIVE_TIMEOUT_S}
+        phases = {
+            "reaction": reacted - hung,
+            "timeout": COLLECTIVE_TIMEOUT_S,
+            "beyond timeout": reacted - hung - COLLECTIVE_TIMEOUT_S,
+        }
         failed = restart_decided(after)
-        note = ("rank 0: " + why[0].split("] ", 1)[-1][:80]) if why else \
-            "rank 0 logged no collective timeout"
+        note = (
+            ("rank 0: " + why[0].split("] ", 1)[-1][:80])
+            if why
+            else "rank 0 logged no collective timeout"
+        )
         if failed is not None:
             note += f"; Worker group FAILED {failed - reacted:.2f} s after its first line"
         return Run("torchrun", reacted - hung, phases, note=note)
@@ -359,22 +473,26 @@ def hang_torchrun(directory: Path) -> Run:
 
 # --- stragglers -----------------------------------------------------------------------
 
+
 @dataclass
 class Straggler:
     factor: float
-    flagged_at_step: int | None = None      # the window end the flag names
-    trainer_step: int | None = None         # rank 0's last logged step when it was flagged
-    seconds: float | None = None            # slowdown → the flag's log line
-    ratio: float | None = None              # the score the flag gave
-    others: int = 0                         # flags on another node (false)
+    flagged_at_step: int | None = None  # the window end the flag names
+    trainer_step: int | None = None  # rank 0's last logged step when it was flagged
+    seconds: float | None = None  # slowdown → the flag's log line
+    ratio: float | None = None  # the score the flag gave
+    others: int = 0  # flags on another node (false)
     problem: str = ""
 
 
 def straggler_run(directory: Path, factor: float) -> Straggler:
     """Rank 1 slowed by ``factor`` from ``SLOW_STEP``: until the controller flags its
     node (then interrupted), or for ``SLOW_STEPS`` steps."""
-    options = replace(BASE, steps=SLOW_STEP + SLOW_STEPS - 1,
-                      inject=(f"slow:rank=1,step={SLOW_STEP},factor={factor:g}",))
+    options = replace(
+        BASE,
+        steps=SLOW_STEP + SLOW_STEPS - 1,
+        inject=(f"slow:rank=1,step={SLOW_STEP},factor={factor:g}",),
+    )
     result = Straggler(factor)
 
     def flags_of_slow_node(work: Path) -> list[dict]:
@@ -390,8 +508,10 @@ def straggler_run(directory: Path, factor: float) -> Straggler:
         result.others = len(controller_events(run.work, "straggler")) - len(mine)
         if not mine:
             if run.summary.get("state") != "SUCCEEDED":
-                raise Failed(f"the job ended {run.summary.get('state')} before a flag: "
-                             f"{run.summary.get('reason')}")
+                raise Failed(
+                    f"the job ended {run.summary.get('state')} before a flag: "
+                    f"{run.summary.get('reason')}"
+                )
             return result
         flag = mine[0]
         steps = [r for r in json_lines(rank_log(run.work, 0)) if r.get("event") == "step"]
@@ -407,18 +527,19 @@ def straggler_run(directory: Path, factor: float) -> Straggler:
 
 # --- clean ----------------------------------------------------------------------------
 
+
 @dataclass
 class Clean:
     rank_steps: int = 0
     minutes: float = 0.0
     flags: int = 0
-    hangs: int = 0              # the controller's hang events
-    verdicts: int = 0           # the agents' hang verdicts (each agent judges its own ranks)
+    hangs: int = 0  # the controller's hang events
+    verdicts: int = 0  # the agents' hang verdicts (each agent judges its own ranks)
     crashes: int = 0
     stops: int = 0
     top_score: float | None = None
     scores_seen: int = 0
-    reasons: list[str] = field(default_factory=list)    # of every flag and verdict
+    reasons: list[str] = field(default_factory=list)  # of every flag and verdict
     problem: str = ""
 
 
@@ -437,25 +558,34 @@ def clean_run(directory: Path, steps: int) -> Clean:
             text = urllib.request.urlopen(f"http://{address}/metrics", timeout=1).read().decode()
         except OSError:
             return
-        scores = tuple(metric(text, "keel_job_straggler_score", job_name=JOB_NAME, node=node)
-                       for node in ("node-0", "node-1"))
+        scores = tuple(
+            metric(text, "keel_job_straggler_score", job_name=JOB_NAME, node=node)
+            for node in ("node-0", "node-1")
+        )
         if None not in scores:
             seen.add(scores)
 
     try:
         run = keel_up(directory, replace(BASE, steps=steps), lambda work: None, scrape)
         if run.summary.get("state") != "SUCCEEDED":
-            raise Failed(f"the clean run ended {run.summary.get('state')}: {run.summary.get('reason')}")
+            raise Failed(
+                f"the clean run ended {run.summary.get('state')}: {run.summary.get('reason')}"
+            )
         result.rank_steps = run.summary["steps"] * run.summary["world_size"]
         logged = [unix(r) for r in json_lines(rank_log(run.work, 0)) if r.get("event") == "step"]
         result.minutes = (max(logged) - min(logged)) / 60
         result.flags = len(controller_events(run.work, "straggler"))
-        result.reasons = [f"{e['kind']}: {e.get('reason', '')}" for e in controller_events(run.work)]
+        result.reasons = [
+            f"{e['kind']}: {e.get('reason', '')}" for e in controller_events(run.work)
+        ]
         result.hangs = len(controller_events(run.work, "hang"))
         result.verdicts = len(agent_records(run.work, "hang detected"))
         result.crashes = len(controller_events(run.work, "crash"))
-        result.stops = sum(1 for old, new, _, _ in transitions(run.work / "logs" / "controller.log")
-                           if (old, new) == ("RUNNING", "STOPPING"))
+        result.stops = sum(
+            1
+            for old, new, _, _ in transitions(run.work / "logs" / "controller.log")
+            if (old, new) == ("RUNNING", "STOPPING")
+        )
         result.scores_seen = len(seen)
         result.top_score = max((max(s) for s in seen), default=None)
     except Failed as exc:
@@ -464,6 +594,7 @@ def clean_run(directory: Path, steps: int) -> Clean:
 
 
 # --- report ---------------------------------------------------------------------------
+
 
 def score(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
@@ -475,98 +606,154 @@ def ratio(numerator: float | None, denominator: float | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=1,
-                        help="crash and hang runs per arm (each round adds about a minute and a half)")
-    parser.add_argument("--clean-steps", type=int, default=CLEAN_STEPS,
-                        help="steps of the clean run")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="crash and hang runs per arm (each round adds about a minute and a half)",
+    )
+    parser.add_argument(
+        "--clean-steps", type=int, default=CLEAN_STEPS, help="steps of the clean run"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     options = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="keel-bench-detection-"))
     began = time.monotonic()
-    arms = {("crash", "keel"): crash_keel, ("crash", "torchrun"): crash_torchrun,
-            ("hang", "keel"): hang_keel, ("hang", "torchrun"): hang_torchrun}
-    results: dict[str, dict[str, list[Run]]] = {"crash": {"keel": [], "torchrun": []},
-                                                "hang": {"keel": [], "torchrun": []}}
+    arms = {
+        ("crash", "keel"): crash_keel,
+        ("crash", "torchrun"): crash_torchrun,
+        ("hang", "keel"): hang_keel,
+        ("hang", "torchrun"): hang_torchrun,
+    }
+    results: dict[str, dict[str, list[Run]]] = {
+        "crash": {"keel": [], "torchrun": []},
+        "hang": {"keel": [], "torchrun": []},
+    }
     stragglers: list[Straggler] = []
     clean = Clean()
     try:
         for round_index in range(options.runs):
             names = list(arms)
-            names = names[round_index % len(names):] + names[:round_index % len(names)]
+            names = names[round_index % len(names) :] + names[: round_index % len(names)]
             for scenario, arm in names:
                 directory = root / f"{scenario}-{round_index}-{arm}"
                 directory.mkdir()
                 run = arms[scenario, arm](directory)
                 results[scenario][arm].append(run)
-                print(f"{scenario}, round {round_index + 1}, {arm}: "
-                      f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
-                      flush=True)
+                print(
+                    f"{scenario}, round {round_index + 1}, {arm}: "
+                    f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
+                    flush=True,
+                )
         for factor in FACTORS:
             directory = root / f"straggler-{factor:g}"
             directory.mkdir()
             stragglers.append(straggler_run(directory, factor))
             s = stragglers[-1]
-            print(f"straggler x{factor:g}: " + (f"failed: {s.problem}" if s.problem else
-                  f"flagged at step {s.flagged_at_step}" if s.flagged_at_step else
-                  f"not flagged in {SLOW_STEPS} steps"), flush=True)
+            print(
+                f"straggler x{factor:g}: "
+                + (
+                    f"failed: {s.problem}"
+                    if s.problem
+                    else f"flagged at step {s.flagged_at_step}"
+                    if s.flagged_at_step
+                    else f"not flagged in {SLOW_STEPS} steps"
+                ),
+                flush=True,
+            )
         (root / "clean").mkdir()
         clean = clean_run(root / "clean", options.clean_steps)
-        print(f"clean, {options.clean_steps} steps: " + (f"failed: {clean.problem}" if clean.problem
-              else f"{clean.flags + clean.hangs + clean.crashes} flag(s) or verdict(s)"), flush=True)
+        print(
+            f"clean, {options.clean_steps} steps: "
+            + (
+                f"failed: {clean.problem}"
+                if clean.problem
+                else f"{clean.flags + clean.hangs + clean.crashes} flag(s) or verdict(s)"
+            ),
+            flush=True,
+        )
     finally:
         if options.keep:
             print(f"runs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    table(f"A. crash: rank 1 SIGKILLed at step {FAULT_STEP}, world size 2; medians in seconds",
-          [("reaped", "kill → the agent's rank exited"), ("decided", "→ RUNNING→STOPPING"),
-           ("reaction", "kill → torchrun's first line"),
-           ("restart decided", "→ Worker group FAILED")], results["crash"], outcome="detected")
-    table(f"B. hang: rank 1 stopped at step {FAULT_STEP}, hang floor {HANG_FLOOR_S:g} s, collective "
-          f"timeout {COLLECTIVE_TIMEOUT_S:g} s in both arms; medians in seconds",
-          [("verdict", "hang → the first agent's hang detected"),
-           ("decided", "→ RUNNING→STOPPING"), ("reaction", "hang → torchrun's first line"),
-           ("timeout", "the one applied"), ("beyond timeout", "total − timeout")], results["hang"],
-          outcome="detected")
+    table(
+        f"A. crash: rank 1 SIGKILLed at step {FAULT_STEP}, world size 2; medians in seconds",
+        [
+            ("reaped", "kill → the agent's rank exited"),
+            ("decided", "→ RUNNING→STOPPING"),
+            ("reaction", "kill → torchrun's first line"),
+            ("restart decided", "→ Worker group FAILED"),
+        ],
+        results["crash"],
+        outcome="detected",
+    )
+    table(
+        f"B. hang: rank 1 stopped at step {FAULT_STEP}, hang floor {HANG_FLOOR_S:g} s, collective "
+        f"timeout {COLLECTIVE_TIMEOUT_S:g} s in both arms; medians in seconds",
+        [
+            ("verdict", "hang → the first agent's hang detected"),
+            ("decided", "→ RUNNING→STOPPING"),
+            ("reaction", "hang → torchrun's first line"),
+            ("timeout", "the one applied"),
+            ("beyond timeout", "total − timeout"),
+        ],
+        results["hang"],
+        outcome="detected",
+    )
     least = WINDOW * PATIENCE
-    print(f"\nC. straggler: rank 1 slowed from step {SLOW_STEP} for {SLOW_STEPS} steps; detector "
-          f"window {WINDOW} steps, patience {PATIENCE} windows, threshold "
-          f"{DEFAULTS.straggler_slowdown:g}x (so at least {least} slow steps)")
-    print(f"{'factor':>8}{'flagged at':>12}{'slow steps':>12}{'trainer at':>12}{'steps run':>11}"
-          f"{'seconds':>9}{'score':>8}{'other flags':>13}")
+    print(
+        f"\nC. straggler: rank 1 slowed from step {SLOW_STEP} for {SLOW_STEPS} steps; detector "
+        f"window {WINDOW} steps, patience {PATIENCE} windows, threshold "
+        f"{DEFAULTS.straggler_slowdown:g}x (so at least {least} slow steps)"
+    )
+    print(
+        f"{'factor':>8}{'flagged at':>12}{'slow steps':>12}{'trainer at':>12}{'steps run':>11}"
+        f"{'seconds':>9}{'score':>8}{'other flags':>13}"
+    )
     for s in stragglers:
         if s.problem:
             print(f"{s.factor:>8g}  failed: {s.problem}")
         elif s.flagged_at_step is None:
             print(f"{s.factor:>8g}  not flagged in {SLOW_STEPS} steps{'':>36}{s.others:>13}")
         else:
-            print(f"{s.factor:>8g}{s.flagged_at_step:>12}{s.flagged_at_step - SLOW_STEP + 1:>12}"
-                  f"{s.trainer_step:>12}{s.trainer_step - SLOW_STEP + 1:>11}{s.seconds:>8.2f}s"
-                  f"{s.ratio:>7.2f}x{s.others:>13}")
-    print("  flagged at: the window end the flag names; slow steps: from the slowdown through it; "
-          "trainer at: rank 0's last step logged when the controller logged the flag")
+            print(
+                f"{s.factor:>8g}{s.flagged_at_step:>12}{s.flagged_at_step - SLOW_STEP + 1:>12}"
+                f"{s.trainer_step:>12}{s.trainer_step - SLOW_STEP + 1:>11}{s.seconds:>8.2f}s"
+                f"{s.ratio:>7.2f}x{s.others:>13}"
+            )
+    print(
+        "  flagged at: the window end the flag names; slow steps: from the slowdown through it; "
+        "trainer at: rank 0's last step logged when the controller logged the flag"
+    )
     print(f"\nD. clean: {options.clean_steps} steps, world size 2, no fault")
     if clean.problem:
         print(f"  failed: {clean.problem}")
     else:
-        print(f"  {clean.rank_steps} rank-steps over {clean.minutes:.2f} min of stepping: "
-              f"{clean.flags} straggler flag(s), {clean.hangs} hang event(s) ({clean.verdicts} agent "
-              f"verdict(s)), {clean.crashes} crash event(s), {clean.stops} stop(s); highest window "
-              f"score {score(clean.top_score)} over {clean.scores_seen} distinct scrapes")
+        print(
+            f"  {clean.rank_steps} rank-steps over {clean.minutes:.2f} min of stepping: "
+            f"{clean.flags} straggler flag(s), {clean.hangs} hang event(s) ({clean.verdicts} agent "
+            f"verdict(s)), {clean.crashes} crash event(s), {clean.stops} stop(s); highest window "
+            f"score {score(clean.top_score)} over {clean.scores_seen} distinct scrapes"
+        )
         for reason in clean.reasons:
             print(f"    {reason}")
     print(f"\nbenchmark wall time {time.monotonic() - began:.0f} s")
     keel, plain = median(results["crash"]["keel"]), median(results["crash"]["torchrun"])
-    print(f"crash (kill → decision): keel {seconds(keel)} vs torchrun {seconds(plain)} "
-          f"-> {ratio(keel, plain)}")
+    print(
+        f"crash (kill → decision): keel {seconds(keel)} vs torchrun {seconds(plain)} "
+        f"-> {ratio(keel, plain)}"
+    )
     keel, plain = median(results["hang"]["keel"]), median(results["hang"]["torchrun"])
     beyond = median(results["hang"]["keel"], "beyond timeout")
     plain_beyond = median(results["hang"]["torchrun"], "beyond timeout")
     timeout = median(results["hang"]["keel"], "timeout")
-    print(f"hang (hang → decision): keel {seconds(keel)} (timeout {seconds(timeout)}, "
-          f"{seconds(beyond)} beyond) vs torchrun {seconds(plain)} (collective timeout "
-          f"{COLLECTIVE_TIMEOUT_S:.2f} s, {seconds(plain_beyond)} beyond) -> {ratio(keel, plain)}")
+    print(
+        f"hang (hang → decision): keel {seconds(keel)} (timeout {seconds(timeout)}, "
+        f"{seconds(beyond)} beyond) vs torchrun {seconds(plain)} (collective timeout "
+        f"{COLLECTIVE_TIMEOUT_S:.2f} s, {seconds(plain_beyond)} beyond) -> {ratio(keel, plain)}"
+    )
     for s in stragglers:
         if s.problem:
             print(f"straggler x{s.factor:g}: n/a (the run failed)")
@@ -574,21 +761,25 @@ def main() -> int:
             print(f"straggler x{s.factor:g}: not flagged in {SLOW_STEPS} steps")
         else:
             slow = s.flagged_at_step - SLOW_STEP + 1
-            print(f"straggler x{s.factor:g}: flagged after {slow} slow steps vs the least "
-                  f"{least} (window {WINDOW} x patience {PATIENCE}) -> {slow / least:.2f}; "
-                  f"{s.trainer_step - SLOW_STEP + 1} steps run, {s.seconds:.2f} s, score "
-                  f"{score(s.ratio)}")
+            print(
+                f"straggler x{s.factor:g}: flagged after {slow} slow steps vs the least "
+                f"{least} (window {WINDOW} x patience {PATIENCE}) -> {slow / least:.2f}; "
+                f"{s.trainer_step - SLOW_STEP + 1} steps run, {s.seconds:.2f} s, score "
+                f"{score(s.ratio)}"
+            )
     if clean.problem:
         print("false flags: n/a (the clean run failed)")
     else:
         false = clean.flags + clean.hangs + clean.crashes
         per_minute = false / clean.minutes if clean.minutes else float("nan")
-        print(f"false flags: {false} in {clean.rank_steps} rank-steps ({clean.minutes:.2f} "
-              f"run-minutes) -> "
-              f"{1000 * false / max(clean.rank_steps, 1):.2f} per 1000 rank-steps, "
-              f"{per_minute:.2f} per run-minute; highest clean window score "
-              f"{score(clean.top_score)} vs threshold {DEFAULTS.straggler_slowdown:g}x "
-              f"-> {ratio(clean.top_score, DEFAULTS.straggler_slowdown)}")
+        print(
+            f"false flags: {false} in {clean.rank_steps} rank-steps ({clean.minutes:.2f} "
+            f"run-minutes) -> "
+            f"{1000 * false / max(clean.rank_steps, 1):.2f} per 1000 rank-steps, "
+            f"{per_minute:.2f} per run-minute; highest clean window score "
+            f"{score(clean.top_score)} vs threshold {DEFAULTS.straggler_slowdown:g}x "
+            f"-> {ratio(clean.top_score, DEFAULTS.straggler_slowdown)}"
+        )
     return 0
 
 

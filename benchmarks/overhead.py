@@ -53,15 +53,19 @@ def agent(socket_path: str, token: str, ready, reports, calls) -> None:
             calls.value += 1
         return False
 
-    server = serve(socket_path, AgentLocalService(lambda given: rank if given == token else None,
-                                                  on_steps, lambda _: None))
+    server = serve(
+        socket_path,
+        AgentLocalService(lambda given: rank if given == token else None, on_steps, lambda _: None),
+    )
     ready.set()
     server.wait_for_termination()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=30, help="rounds of one block with reporting and one without")
+    parser.add_argument(
+        "--rounds", type=int, default=30, help="rounds of one block with reporting and one without"
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -71,14 +75,24 @@ def main() -> int:
     spawn = multiprocessing.get_context("spawn")
     ready, reports, calls = spawn.Event(), spawn.Value("q", 0), spawn.Value("q", 0)
     token = secrets.token_urlsafe(24)
-    server = spawn.Process(target=agent, args=(socket_path, token, ready, reports, calls), daemon=True)
+    server = spawn.Process(
+        target=agent, args=(socket_path, token, ready, reports, calls), daemon=True
+    )
     server.start()
     if not ready.wait(60):
         raise TimeoutError("the agent-local server did not start within 60 s")
 
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
-    rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1", "KEEL_JOB": "bench", "KEEL_GENERATION": "1",
-                       "KEEL_AGENT_SOCKET": socket_path, "KEEL_RANK_TOKEN": token})
+    rt = runtime.init(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "KEEL_JOB": "bench",
+            "KEEL_GENERATION": "1",
+            "KEEL_AGENT_SOCKET": socket_path,
+            "KEEL_RANK_TOKEN": token,
+        }
+    )
     total_steps = WARMUP_STEPS + 2 * options.rounds * options.steps
     args = train.parse_args(["--steps", str(total_steps), "--no-preflight"])
     device = torch.device("cpu")
@@ -101,11 +115,15 @@ def main() -> int:
             timer.lap("data_s")
             loss = run.step(inputs, targets, timer)
             busy_s = time.perf_counter() - started
-            shared = train.exchange_step(loss, first, count, True, rt.take_checkpoint_request(), device)
+            shared = train.exchange_step(
+                loss, first, count, True, rt.take_checkpoint_request(), device
+            )
             step, samples = step + 1, samples + args.global_batch
             if report:
                 reporting = time.perf_counter()
-                rt.report_step(step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds())
+                rt.report_step(
+                    step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds()
+                )
                 call_s.append(time.perf_counter() - reporting)
             times.append(time.perf_counter() - started)
         return times

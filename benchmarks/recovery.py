@@ -92,10 +92,10 @@ TRAINER = UpOptions(nodes=2, slots_per_node=2, steps=400, checkpoint_every=5, pr
 # Rank 1 is killed at a step this far past a checkpoint's start, once every warm
 # process is ready: its save has had as long to commit as at step 12 of 5-step saves.
 KILL_AFTER_SAVE_STEPS = 2
-MARKER = "KEEL_BENCH_LAUNCH"       # in the environment of everything an arm starts
-RUN_TIMEOUT_S = 60.0               # the direct launches
-RECOVERY_TIMEOUT_S = 15.0          # torchrun, from the kill to its end
-KEEL_TIMEOUT_S = 180.0             # a keel run / keel up, cluster start and stop included
+MARKER = "KEEL_BENCH_LAUNCH"  # in the environment of everything an arm starts
+RUN_TIMEOUT_S = 60.0  # the direct launches
+RECOVERY_TIMEOUT_S = 15.0  # torchrun, from the kill to its end
+KEEL_TIMEOUT_S = 180.0  # a keel run / keel up, cluster start and stop included
 GRACE_S = 5.0
 
 
@@ -105,6 +105,7 @@ class Failed(Exception):
 
 # --- processes ------------------------------------------------------------------------
 
+
 def marked(pattern: str) -> list[int]:
     """Live processes whose environment holds ``pattern`` (the arm's marker)."""
     needle, found = pattern.encode(), []
@@ -112,8 +113,10 @@ def marked(pattern: str) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "environ").read_bytes() and \
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (
+                needle in (entry / "environ").read_bytes()
+                and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
                 found.append(int(entry.name))
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
@@ -138,10 +141,19 @@ class Launch:
         return base | {"PYTHONPATH": str(REPO), name: value} | extra
 
     def start(self, argv: list[str], log: str, env: dict[str, str]) -> subprocess.Popen:
-        with open(self.directory / f"{log}.out", "ab") as out, \
-                open(self.directory / f"{log}.err", "ab") as err:
-            proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        with (
+            open(self.directory / f"{log}.out", "ab") as out,
+            open(self.directory / f"{log}.err", "ab") as err,
+        ):
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -174,6 +186,7 @@ class Launch:
 
 # --- records --------------------------------------------------------------------------
 
+
 def json_lines(path: Path) -> list[dict]:
     """The JSON objects of a log, one a line; other lines (tracebacks, warnings) skipped."""
     if not path.exists():
@@ -195,19 +208,25 @@ def unix(record: dict) -> float:
 
 def transitions(controller_log: Path) -> list[tuple[str, str, float, str]]:
     """The controller's job-state changes: (from, to, unix time, reason), in order."""
-    return [(r["from"], r["to"], unix(r), r.get("reason", "")) for r in json_lines(controller_log)
-            if r.get("event") == "job state"]
+    return [
+        (r["from"], r["to"], unix(r), r.get("reason", ""))
+        for r in json_lines(controller_log)
+        if r.get("event") == "job state"
+    ]
 
 
-def after(changes: list[tuple[str, str, float, str]], source: str, target: str,
-          since: float) -> tuple[float, str]:
+def after(
+    changes: list[tuple[str, str, float, str]], source: str, target: str, since: float
+) -> tuple[float, str]:
     """The first change from ``source`` to ``target`` at or after ``since``: its time
     and reason."""
     for old, new, at, reason in changes:
         if old == source and new == target and at >= since:
             return at, reason
-    raise Failed(f"the controller logged no {source}→{target} after the kill "
-                 f"(changes: {', '.join(f'{c[0]}→{c[1]}' for c in changes) or 'none'})")
+    raise Failed(
+        f"the controller logged no {source}→{target} after the kill "
+        f"(changes: {', '.join(f'{c[0]}→{c[1]}' for c in changes) or 'none'})"
+    )
 
 
 def controller_phases(changes, kill: float) -> tuple[dict[str, float], float]:
@@ -219,8 +238,12 @@ def controller_phases(changes, kill: float) -> tuple[dict[str, float], float]:
     pending, _ = after(changes, "STOPPING", "PENDING", stopping)
     starting, _ = after(changes, "PENDING", "STARTING", pending)
     running, _ = after(changes, "STARTING", "RUNNING", starting)
-    return {"detect": stopping - kill, "stop": pending - stopping, "plan": starting - pending,
-            "port": running - starting}, running
+    return {
+        "detect": stopping - kill,
+        "stop": pending - stopping,
+        "plan": starting - pending,
+        "port": running - starting,
+    }, running
 
 
 def script_times(out: Path, rank: int, restart: int) -> dict:
@@ -236,7 +259,9 @@ def script_times(out: Path, rank: int, restart: int) -> dict:
             times[record["event"]] = record["t"]
             if record["event"] == "restored":
                 times["from_epoch"] = record["from_epoch"]
-    missing = [k for k in ("start", "imported", "pg", "built", "restored", "epoch") if k not in times]
+    missing = [
+        k for k in ("start", "imported", "pg", "built", "restored", "epoch") if k not in times
+    ]
     if missing:
         raise Failed(f"rank {rank} logged no {', '.join(missing)} in restart {restart}")
     return times
@@ -244,10 +269,14 @@ def script_times(out: Path, rank: int, restart: int) -> dict:
 
 def script_phases(times: dict, launched: float) -> dict[str, float]:
     """From ``launched`` (whatever started the script's process) to its first epoch."""
-    return {"start": times["start"] - launched, "imports": times["imported"] - times["start"],
-            "rendezvous": times["pg"] - times["imported"],
-            "setup": times["built"] - times["pg"], "restore": times["restored"] - times["built"],
-            "first step": times["epoch"] - times["restored"]}
+    return {
+        "start": times["start"] - launched,
+        "imports": times["imported"] - times["start"],
+        "rendezvous": times["pg"] - times["imported"],
+        "setup": times["built"] - times["pg"],
+        "restore": times["restored"] - times["built"],
+        "first step": times["epoch"] - times["restored"],
+    }
 
 
 def kill_time(out: Path, fail_epoch: int) -> float:
@@ -262,6 +291,7 @@ def kill_time(out: Path, fail_epoch: int) -> float:
 
 
 # --- scenario A: the plain script -----------------------------------------------------
+
 
 @dataclass
 class Run:
@@ -285,10 +315,27 @@ def run_keel(directory: Path, cold: bool) -> Run:
     out.mkdir(parents=True)
     launch = Launch(directory)
     try:
-        launch.start([sys.executable, "-m", "orchestrator.cli", "run", "--workdir", str(work),
-                      "--nproc-per-node", "2", "--max-restarts", "1", "--quiet",
-                      *(["--cold-start"] if cold else []), str(SCRIPT), str(out), *script_args(fail_epoch)],
-                     "keel-run", launch.env())
+        launch.start(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "run",
+                "--workdir",
+                str(work),
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                "--quiet",
+                *(["--cold-start"] if cold else []),
+                str(SCRIPT),
+                str(out),
+                *script_args(fail_epoch),
+            ],
+            "keel-run",
+            launch.env(),
+        )
         if not launch.wait(KEEL_TIMEOUT_S):
             raise Failed(f"keel run did not end within {KEEL_TIMEOUT_S:.0f} s")
         code = launch.procs[0].returncode
@@ -299,13 +346,20 @@ def run_keel(directory: Path, cold: bool) -> Run:
         phases, running = controller_phases(transitions(work / "logs" / "controller.log"), kill)
         times = script_times(out, 0, 1)
         phases |= script_phases(times, running)
-        starts = [r for r in json_lines(work / "logs" / "agent-node-0.log")
-                  if r.get("event") == "rank started"]
+        starts = [
+            r
+            for r in json_lines(work / "logs" / "agent-node-0.log")
+            if r.get("event") == "rank started"
+        ]
         warm = sorted({str(r.get("warm")).lower() for r in starts if r.get("generation") == 2})
-        return Run(arm, times["epoch"] - kill, phases,
-                   note=f"the kill {kill - unix(starts[0]):.1f} s after generation 1 started; "
-                        f"generation 2 warm={'/'.join(warm)}, its rank 0's start "
-                        f"{phases['start']:.2f} s")
+        return Run(
+            arm,
+            times["epoch"] - kill,
+            phases,
+            note=f"the kill {kill - unix(starts[0]):.1f} s after generation 1 started; "
+            f"generation 2 warm={'/'.join(warm)}, its rank 0's start "
+            f"{phases['start']:.2f} s",
+        )
     except Failed as exc:
         return Run(arm, problem=str(exc))
     finally:
@@ -317,7 +371,9 @@ def run_keel(directory: Path, cold: bool) -> Run:
 def last_error(path: Path) -> str:
     """The last line of a log that names a RuntimeError (else any error), shortened."""
     lines = path.read_text(errors="replace").splitlines()
-    named = [line for line in lines if "RuntimeError" in line] or [line for line in lines if "Error" in line]
+    named = [line for line in lines if "RuntimeError" in line] or [
+        line for line in lines if "Error" in line
+    ]
     return named[-1].strip()[:240] if named else ""
 
 
@@ -328,15 +384,32 @@ def run_torchrun(directory: Path) -> Run:
     out.mkdir(parents=True)
     launch = Launch(directory)
     try:
-        proc = launch.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), str(out),
-                             *script_args(FAIL_EPOCH)], "torchrun",
-                            launch.env(OMP_NUM_THREADS="1"))
-        wait_for(lambda: (out / "kill.json").exists(), [proc], KEEL_TIMEOUT_S, "torchrun's first run")
+        proc = launch.start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                str(SCRIPT),
+                str(out),
+                *script_args(FAIL_EPOCH),
+            ],
+            "torchrun",
+            launch.env(OMP_NUM_THREADS="1"),
+        )
+        wait_for(
+            lambda: (out / "kill.json").exists(), [proc], KEEL_TIMEOUT_S, "torchrun's first run"
+        )
         if not launch.wait(RECOVERY_TIMEOUT_S):
             raise Failed(f"torchrun did not recover within {RECOVERY_TIMEOUT_S:.0f} s of the kill")
         if proc.returncode != 0:
-            raise Failed(f"torchrun exited {proc.returncode}: {last_error(directory / 'torchrun.err')}")
+            raise Failed(
+                f"torchrun exited {proc.returncode}: {last_error(directory / 'torchrun.err')}"
+            )
         kill = kill_time(out, FAIL_EPOCH)
         times = script_times(out, 0, 1)
         return Run(arm, times["epoch"] - kill, script_phases(times, kill))
@@ -346,15 +419,27 @@ def run_torchrun(directory: Path) -> Run:
         launch.close()
 
 
-def start_ranks(launch: Launch, argv: list[str], world: int, per_node: int, restart: int,
-                log: str, **env: str) -> None:
+def start_ranks(
+    launch: Launch, argv: list[str], world: int, per_node: int, restart: int, log: str, **env: str
+) -> None:
     """``world`` ranks of ``argv`` started directly, as torchrun would start them."""
     port = str(free_port("127.0.0.1"))
     for rank in range(world):
-        launch.start(argv, f"{log}-rank{rank}", launch.env(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
-            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-            OMP_NUM_THREADS="1", TORCHELASTIC_RESTART_COUNT=str(restart), **env))
+        launch.start(
+            argv,
+            f"{log}-rank{rank}",
+            launch.env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank % per_node),
+                LOCAL_WORLD_SIZE=str(per_node),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+                TORCHELASTIC_RESTART_COUNT=str(restart),
+                **env,
+            ),
+        )
 
 
 def wait_for(done, procs: list[subprocess.Popen], timeout_s: float, what: str):
@@ -393,6 +478,7 @@ def run_cold(directory: Path) -> Run:
                 return script_times(out, 0, 1)
             except Failed:
                 return None
+
         times = wait_for(first_epoch, launch.procs, RUN_TIMEOUT_S, "the restart")
         kill_time(out, EARLY_FAIL_EPOCH)
         return Run("cold start", times["epoch"] - launched, script_phases(times, launched))
@@ -403,6 +489,7 @@ def run_cold(directory: Path) -> Run:
 
 
 # --- scenario B: the reference trainer ------------------------------------------------
+
 
 def metric(text: str, name: str, **labels: str) -> float | None:
     """A sample's value in Prometheus text, matched by name and a subset of labels."""
@@ -424,8 +511,10 @@ def first_step(path: Path) -> dict | None:
 
 
 def resumed(path: Path) -> dict | None:
-    return next((r for r in trainer_records(path)
-                 if str(r.get("event", "")).startswith("resumed from ")), None)
+    return next(
+        (r for r in trainer_records(path) if str(r.get("event", "")).startswith("resumed from ")),
+        None,
+    )
 
 
 def recovery_metrics(address_file: Path) -> dict[str, float]:
@@ -440,19 +529,33 @@ def recovery_metrics(address_file: Path) -> dict[str, float]:
         return {}
     found = {"total": metric(text, "keel_recovery_seconds_sum", job_name="keel-up")}
     for phase in ("detect", "stop", "start", "restore", "first_step"):
-        found[phase] = metric(text, "keel_recovery_phase_seconds_sum", job_name="keel-up", phase=phase)
+        found[phase] = metric(
+            text, "keel_recovery_phase_seconds_sum", job_name="keel-up", phase=phase
+        )
     return found
 
 
 def warm_ready(work: Path) -> int:
     """How many warm processes the agents of a keel up have said are ready."""
-    return sum(1 for log in (work / "logs").glob("agent-*.log") for r in json_lines(log)
-               if r.get("event") == "warm process ready")
+    return sum(
+        1
+        for log in (work / "logs").glob("agent-*.log")
+        for r in json_lines(log)
+        if r.get("event") == "warm process ready"
+    )
 
 
 def rank_pid(agent_log: Path, generation: int, rank: int) -> int | None:
-    return next((r["pid"] for r in json_lines(agent_log) if r.get("event") == "rank started"
-                 and r.get("generation") == generation and r.get("rank") == rank), None)
+    return next(
+        (
+            r["pid"]
+            for r in json_lines(agent_log)
+            if r.get("event") == "rank started"
+            and r.get("generation") == generation
+            and r.get("rank") == rank
+        ),
+        None,
+    )
 
 
 def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
@@ -465,22 +568,50 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
     node0 = work / "nodes" / "node-0" / "keel-up"
     slots = TRAINER.nodes * TRAINER.slots_per_node
     try:
-        launch.start([sys.executable, "-m", "orchestrator.cli", "up", "--nodes", str(TRAINER.nodes),
-                      "--slots-per-node", str(TRAINER.slots_per_node), "--steps", str(TRAINER.steps),
-                      "--checkpoint-every", str(TRAINER.checkpoint_every), "--no-preflight",
-                      "--json", "--workdir", str(work)],
-                     "keel-up", launch.env())
+        launch.start(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "up",
+                "--nodes",
+                str(TRAINER.nodes),
+                "--slots-per-node",
+                str(TRAINER.slots_per_node),
+                "--steps",
+                str(TRAINER.steps),
+                "--checkpoint-every",
+                str(TRAINER.checkpoint_every),
+                "--no-preflight",
+                "--json",
+                "--workdir",
+                str(work),
+            ],
+            "keel-up",
+            launch.env(),
+        )
         proc = launch.procs[0]
-        wait_for(lambda: warm_ready(work) >= slots, [proc], KEEL_TIMEOUT_S,
-                 "every agent's warm processes")
+        wait_for(
+            lambda: warm_ready(work) >= slots,
+            [proc],
+            KEEL_TIMEOUT_S,
+            "every agent's warm processes",
+        )
 
         def kill_step():
             """The generation running a step just after a checkpoint's start, if one is."""
             newest = max((int(d.name[3:]) for d in node0.glob("gen*")), default=0)
-            steps = [r["step"] for r in trainer_records(node0 / f"gen{newest}" / "rank0.err")
-                     if r.get("event") == "step"]
-            return newest if steps and steps[-1] % TRAINER.checkpoint_every == KILL_AFTER_SAVE_STEPS \
+            steps = [
+                r["step"]
+                for r in trainer_records(node0 / f"gen{newest}" / "rank0.err")
+                if r.get("event") == "step"
+            ]
+            return (
+                newest
+                if steps and steps[-1] % TRAINER.checkpoint_every == KILL_AFTER_SAVE_STEPS
                 else None
+            )
+
         # Generation 1 may have failed by itself (a port taken between its choice and
         # its use, on a busy machine): the kill is in whichever generation runs.
         killed = wait_for(kill_step, [proc], KEEL_TIMEOUT_S, "a step just after a checkpoint")
@@ -490,8 +621,12 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
         kill = time.time()
         os.kill(victim, signal.SIGKILL)
         after = killed + 1
-        wait_for(lambda: first_step(node0 / f"gen{after}" / "rank0.err"), [proc], KEEL_TIMEOUT_S,
-                 f"keel up's generation {after}")
+        wait_for(
+            lambda: first_step(node0 / f"gen{after}" / "rank0.err"),
+            [proc],
+            KEEL_TIMEOUT_S,
+            f"keel up's generation {after}",
+        )
         # The step reaches the controller with the agent's next batch of reports.
         address = work / "prometheus" / "controller-0.address"
         scraped, deadline = {}, time.monotonic() + 5
@@ -505,8 +640,12 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
             raise Failed("keel up did not stop on SIGINT") from None
         changes = transitions(work / "logs" / "controller.log")
         phases, running = controller_phases(changes, kill)
-        started = [r for log in sorted((work / "logs").glob("agent-*.log")) for r in json_lines(log)
-                   if r.get("event") == "rank started"]
+        started = [
+            r
+            for log in sorted((work / "logs").glob("agent-*.log"))
+            for r in json_lines(log)
+            if r.get("event") == "rank started"
+        ]
         err = node0 / f"gen{after}" / "rank0.err"
         back, step = resumed(err), first_step(err)
         gen2 = [r for r in started if r.get("generation") == after]
@@ -522,15 +661,22 @@ def run_keel_up(directory: Path) -> tuple[Run, Path | None]:
             phases["setup + restore"] = to_resumed
         phases["first step"] = unix(step) - unix(back)
         restored = Path(back["event"].split()[2])
-        how = ", ".join(f"rank {r['rank']} " + ("in place" if r.get("in_place") else
-                                                 "warm" if r.get("warm") else "cold")
-                        for r in sorted(gen2, key=lambda r: r["rank"]))
+        how = ", ".join(
+            f"rank {r['rank']} "
+            + ("in place" if r.get("in_place") else "warm" if r.get("warm") else "cold")
+            for r in sorted(gen2, key=lambda r: r["rank"])
+        )
         first = unix(started[0]) if started else kill
-        note = (f"the kill {kill - first:.1f} s after generation 1 started, in generation {killed}; "
-                f"generation {after}: {how}; "
-                f"resumed at step {step['step']} from {restored.name}"
-                + (f"; Keel's own keel_recovery_seconds {scraped['total']:.2f} s" if scraped else
-                   "; the controller's recovery metrics were not read in time"))
+        note = (
+            f"the kill {kill - first:.1f} s after generation 1 started, in generation {killed}; "
+            f"generation {after}: {how}; "
+            f"resumed at step {step['step']} from {restored.name}"
+            + (
+                f"; Keel's own keel_recovery_seconds {scraped['total']:.2f} s"
+                if scraped
+                else "; the controller's recovery metrics were not read in time"
+            )
+        )
         return Run("keel", unix(step) - kill, phases, note=note), restored
     except Failed as exc:
         return Run("keel", problem=str(exc)), None
@@ -554,15 +700,22 @@ def run_trainer_cold(directory: Path, checkpoint: Path | None) -> Run:
     launch = Launch(directory)
     try:
         launched = time.time()
-        start_ranks(launch, list(spec.command), spec.world_size, TRAINER.slots_per_node, 0,
-                    "trainer", **env)
-        step = wait_for(lambda: first_step(directory / "trainer-rank0.err"), launch.procs,
-                        RUN_TIMEOUT_S, "the cold start")
+        start_ranks(
+            launch, list(spec.command), spec.world_size, TRAINER.slots_per_node, 0, "trainer", **env
+        )
+        step = wait_for(
+            lambda: first_step(directory / "trainer-rank0.err"),
+            launch.procs,
+            RUN_TIMEOUT_S,
+            "the cold start",
+        )
         back = resumed(directory / "trainer-rank0.err")
         if back is None or checkpoint.name not in back["event"]:
             raise Failed(f"it did not resume from {checkpoint.name}")
-        phases = {"start + setup + restore": unix(back) - launched,
-                  "first step": unix(step) - unix(back)}
+        phases = {
+            "start + setup + restore": unix(back) - launched,
+            "first step": unix(step) - unix(back),
+        }
         return Run(arm, unix(step) - launched, phases, note=f"resumed at step {step['step']}")
     except Failed as exc:
         return Run(arm, problem=str(exc))
@@ -572,9 +725,12 @@ def run_trainer_cold(directory: Path, checkpoint: Path | None) -> Run:
 
 # --- report ---------------------------------------------------------------------------
 
+
 def median(runs: list[Run], phase: str | None = None) -> float | None:
     """The median total (or ``phase``) over the runs that have a total."""
-    values = [r.total if phase is None else r.phases.get(phase) for r in runs if r.total is not None]
+    values = [
+        r.total if phase is None else r.phases.get(phase) for r in runs if r.total is not None
+    ]
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
@@ -583,8 +739,13 @@ def median_total(runs: list[Run]) -> float | None:
     return median(runs)
 
 
-def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]],
-          notes: list[str] = (), outcome: str = "recovered") -> None:
+def table(
+    title: str,
+    rows: list[tuple[str, str]],
+    results: dict[str, list[Run]],
+    notes: list[str] = (),
+    outcome: str = "recovered",
+) -> None:
     """Phases (rows, with a description) by arm (columns): medians over the runs that
     have a total (``outcome``: what such a run did); then every run's total and note."""
     arms = list(results)
@@ -613,8 +774,9 @@ def table(title: str, rows: list[tuple[str, str]], results: dict[str, list[Run]]
         print(f"  {note}")
 
 
-def ratio(numerator: float | None, denominator: float | None,
-          missing: str = "n/a (no run recovered)") -> str:
+def ratio(
+    numerator: float | None, denominator: float | None, missing: str = "n/a (no run recovered)"
+) -> str:
     if numerator is None or not denominator:
         return missing
     return f"{numerator / denominator:.2f}"
@@ -628,41 +790,53 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="runs per arm")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
-    parser.add_argument("--scenario", choices=("both", "plain", "trainer"), default="both",
-                        help="A (the plain script), B (the reference trainer) or both")
+    parser.add_argument(
+        "--scenario",
+        choices=("both", "plain", "trainer"),
+        default="both",
+        help="A (the plain script), B (the reference trainer) or both",
+    )
     options = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="keel-bench-recovery-"))
     began = time.monotonic()
-    arms = {"keel": lambda d: run_keel(d, cold=False),
-            "keel --cold-start": lambda d: run_keel(d, cold=True),
-            "torchrun": run_torchrun,
-            "cold start": run_cold}
+    arms = {
+        "keel": lambda d: run_keel(d, cold=False),
+        "keel --cold-start": lambda d: run_keel(d, cold=True),
+        "torchrun": run_torchrun,
+        "cold start": run_cold,
+    }
     plain: dict[str, list[Run]] = {name: [] for name in arms}
     trainer: dict[str, list[Run]] = {"keel": [], "cold start": []}
     try:
         for round_index in range(options.runs if options.scenario != "trainer" else 0):
             names = list(arms)
-            names = names[round_index % len(names):] + names[:round_index % len(names)]
+            names = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in names:
                 directory = root / f"plain-{round_index}-{re.sub('[^a-z]+', '', name)}"
                 directory.mkdir()
                 plain[name].append(arms[name](directory))
                 run = plain[name][-1]
-                print(f"plain script, round {round_index + 1}, {name}: "
-                      f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
-                      flush=True)
+                print(
+                    f"plain script, round {round_index + 1}, {name}: "
+                    f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
+                    flush=True,
+                )
         for round_index in range(options.runs if options.scenario != "plain" else 0):
             run, checkpoint = run_keel_up(root / f"trainer-{round_index}-keel")
             trainer["keel"].append(run)
-            print(f"reference trainer, round {round_index + 1}, keel: "
-                  f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
-                  flush=True)
+            print(
+                f"reference trainer, round {round_index + 1}, keel: "
+                f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
+                flush=True,
+            )
             (root / f"trainer-{round_index}-cold").mkdir()
             run = run_trainer_cold(root / f"trainer-{round_index}-cold", checkpoint)
             trainer["cold start"].append(run)
-            print(f"reference trainer, round {round_index + 1}, cold start: "
-                  f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
-                  flush=True)
+            print(
+                f"reference trainer, round {round_index + 1}, cold start: "
+                f"{seconds(run.total) if run.total is not None else 'failed: ' + run.problem}",
+                flush=True,
+            )
     finally:
         if options.keep:
             print(f"runs kept in {root}")
@@ -670,43 +844,69 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
 
     if options.scenario != "trainer":
-        table(f"A. plain torchrun script (benchmarks/recovery_script.py), world size 2 on one node, "
-              f"rank 1 SIGKILLed at epoch {FAIL_EPOCH} (keel --cold-start and the cold start's "
-              f"failing run: epoch {EARLY_FAIL_EPOCH}); medians in seconds",
-              [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
-               ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
-               ("start", "→ the script's first line"), ("imports", "→ torch imported"),
-               ("rendezvous", "init_process_group"), ("setup", "model and optimizer made"),
-               ("restore", "snapshot loaded"),
-               ("first step", "the first epoch")],
-              plain, [("torchrun's start is kill → the restarted script's first line (its detection, "
-                       "stopping the survivor, its rendezvous and the spawn); the cold start's is "
-                       "launch → first line")])
+        table(
+            f"A. plain torchrun script (benchmarks/recovery_script.py), world size 2 on one node, "
+            f"rank 1 SIGKILLed at epoch {FAIL_EPOCH} (keel --cold-start and the cold start's "
+            f"failing run: epoch {EARLY_FAIL_EPOCH}); medians in seconds",
+            [
+                ("detect", "kill → RUNNING→STOPPING"),
+                ("stop", "→ STOPPING→PENDING"),
+                ("plan", "→ PENDING→STARTING"),
+                ("port", "→ STARTING→RUNNING"),
+                ("start", "→ the script's first line"),
+                ("imports", "→ torch imported"),
+                ("rendezvous", "init_process_group"),
+                ("setup", "model and optimizer made"),
+                ("restore", "snapshot loaded"),
+                ("first step", "the first epoch"),
+            ],
+            plain,
+            [
+                (
+                    "torchrun's start is kill → the restarted script's first line (its detection, "
+                    "stopping the survivor, its rendezvous and the spawn); the cold start's is "
+                    "launch → first line"
+                )
+            ],
+        )
     if options.scenario != "plain":
-        table(f"B. reference trainer, world size 4 (2 nodes × 2), rank 1 SIGKILLed once the warm "
-              f"processes are ready, {KILL_AFTER_SAVE_STEPS} steps after a checkpoint's start "
-              f"(every {TRAINER.checkpoint_every}); medians in seconds",
-              [("detect", "kill → RUNNING→STOPPING"), ("stop", "→ STOPPING→PENDING"),
-               ("plan", "→ PENDING→STARTING"), ("port", "→ STARTING→RUNNING"),
-               ("start", "→ the agent started rank 0"),
-               ("setup", "→ restore began: rendezvous, model"),
-               ("restore", "restore_s: verify and load"),
-               ("setup + restore", "when restore_s was not read"),
-               ("start + setup + restore", "launch → resumed"),
-               ("first step", "→ its first step's end")],
-              trainer, [])
+        table(
+            f"B. reference trainer, world size 4 (2 nodes × 2), rank 1 SIGKILLed once the warm "
+            f"processes are ready, {KILL_AFTER_SAVE_STEPS} steps after a checkpoint's start "
+            f"(every {TRAINER.checkpoint_every}); medians in seconds",
+            [
+                ("detect", "kill → RUNNING→STOPPING"),
+                ("stop", "→ STOPPING→PENDING"),
+                ("plan", "→ PENDING→STARTING"),
+                ("port", "→ STARTING→RUNNING"),
+                ("start", "→ the agent started rank 0"),
+                ("setup", "→ restore began: rendezvous, model"),
+                ("restore", "restore_s: verify and load"),
+                ("setup + restore", "when restore_s was not read"),
+                ("start + setup + restore", "launch → resumed"),
+                ("first step", "→ its first step's end"),
+            ],
+            trainer,
+            [],
+        )
     print(f"\nbenchmark wall time {time.monotonic() - began:.0f} s")
     if options.scenario != "trainer":
         keel, torchrun = median_total(plain["keel"]), median_total(plain["torchrun"])
         cold = median_total(plain["cold start"])
         recovered = sum(1 for r in plain["torchrun"] if r.total is not None)
-        print(f"plain script: keel {seconds(keel)} vs torchrun {seconds(torchrun)} "
-              f"(recovered {recovered}/{len(plain['torchrun'])}) -> {ratio(keel, torchrun)}")
-        print(f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} -> {ratio(keel, cold)}")
+        print(
+            f"plain script: keel {seconds(keel)} vs torchrun {seconds(torchrun)} "
+            f"(recovered {recovered}/{len(plain['torchrun'])}) -> {ratio(keel, torchrun)}"
+        )
+        print(
+            f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} -> {ratio(keel, cold)}"
+        )
     if options.scenario != "plain":
         keel_up, trainer_cold = median_total(trainer["keel"]), median_total(trainer["cold start"])
-        print(f"reference trainer, world 4: keel {seconds(keel_up)} vs cold start with restore "
-              f"{seconds(trainer_cold)} -> {ratio(keel_up, trainer_cold)}")
+        print(
+            f"reference trainer, world 4: keel {seconds(keel_up)} vs cold start with restore "
+            f"{seconds(trainer_cold)} -> {ratio(keel_up, trainer_cold)}"
+        )
     return 0
 
 

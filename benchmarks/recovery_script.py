@@ -34,15 +34,17 @@ import torch.distributed as dist
 
 T_IMPORTED = time.time()
 
-WIDTH = 256      # the MLP's hidden width
-BATCH = 64       # samples per rank per step
+WIDTH = 256  # the MLP's hidden width
+BATCH = 64  # samples per rank per step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="directory of the snapshot, markers and timestamps")
     parser.add_argument("--epochs", type=int, default=7)
-    parser.add_argument("--fail-epoch", type=int, default=4, help="epoch at whose start rank 1 kills itself")
+    parser.add_argument(
+        "--fail-epoch", type=int, default=4, help="epoch at whose start rank 1 kills itself"
+    )
     parser.add_argument("--iters", type=int, default=12, help="training steps per epoch")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
@@ -50,8 +52,13 @@ def main() -> None:
     times = args.out / f"times-rank{rank}.jsonl"
 
     def mark(event: str, t: float | None = None, **fields) -> None:
-        record = {"event": event, "t": time.time() if t is None else t, "restart": restart,
-                  "pid": os.getpid(), **fields}
+        record = {
+            "event": event,
+            "t": time.time() if t is None else t,
+            "restart": restart,
+            "pid": os.getpid(),
+            **fields,
+        }
         with open(times, "a") as lines:
             lines.write(json.dumps(record) + "\n")
 
@@ -61,9 +68,13 @@ def main() -> None:
     mark("pg")
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDTH, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(WIDTH, 1),
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     mark("built")
     snapshot = args.out / "snapshot.pt"
@@ -82,7 +93,9 @@ def main() -> None:
             except FileExistsError:
                 pass
             else:
-                (args.out / "kill.json").write_text(json.dumps({"t": time.time(), "pid": os.getpid()}))
+                (args.out / "kill.json").write_text(
+                    json.dumps({"t": time.time(), "pid": os.getpid()})
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
         # The data is a function of the epoch and the step alone.
         generator = torch.Generator().manual_seed(1000 * epoch)
@@ -91,15 +104,17 @@ def main() -> None:
             loss = (model(x) - x.mean(dim=1, keepdim=True)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
-            for p in model.parameters():          # what DDP does: average the gradients
+            for p in model.parameters():  # what DDP does: average the gradients
                 dist.all_reduce(p.grad)
                 p.grad /= world
             optimizer.step()
         mark("epoch", epoch=epoch)
         if rank == 0:
             partial = snapshot.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch}, partial)
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                partial,
+            )
             os.replace(partial, snapshot)
         # Nobody starts the next epoch (rank 1 not its kill) before the snapshot is in place.
         dist.barrier()

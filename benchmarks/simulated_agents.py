@@ -48,8 +48,8 @@ from protos import keel_pb2, keel_pb2_grpc
 # 2,000 agents did not refresh their leases within 5 s (most expired, and the job was
 # restarted for nodes "lost" that were alive); refreshes cost etcd, not the controller.
 LEASE_TTL_S = 15
-GRANTS_IN_FLIGHT = 16      # lease grants a process has in flight at once (see Leases)
-RECONNECT_MAX_S = 5.0     # agent/config.reconnect_max_s
+GRANTS_IN_FLIGHT = 16  # lease grants a process has in flight at once (see Leases)
+RECONNECT_MAX_S = 5.0  # agent/config.reconnect_max_s
 
 
 class Leases:
@@ -63,7 +63,7 @@ class Leases:
         self.endpoint = endpoint
         self.channel = grpc.aio.insecure_channel(endpoint)
         self.stub = rpc_pb2_grpc.LeaseStub(self.channel)
-        self.ids: set[int] = set()   # added to on the agents' loop, read by the keeper
+        self.ids: set[int] = set()  # added to on the agents' loop, read by the keeper
         # Leases etcd says are gone (a refresh answered TTL 0: it expired while the
         # generator, or etcd, was starved): their agents take new ones and say Hello
         # again, as the real agent does (agent/daemon._register_again).
@@ -78,8 +78,9 @@ class Leases:
         for attempt in range(20):
             try:
                 async with self.granting:
-                    reply = await self.stub.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=ttl),
-                                                       timeout=10)
+                    reply = await self.stub.LeaseGrant(
+                        rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout=10
+                    )
                 self.ids.add(reply.ID)
                 return reply.ID
             except grpc.aio.AioRpcError:
@@ -89,8 +90,7 @@ class Leases:
     def keep_alive(self, period_s: float) -> None:
         """Refresh every lease every ``period_s``, on a thread of its own (plain gRPC,
         no event loop)."""
-        threading.Thread(target=self._keep, args=(period_s,), name="leases",
-                         daemon=True).start()
+        threading.Thread(target=self._keep, args=(period_s,), name="leases", daemon=True).start()
 
     def _keep(self, period_s: float) -> None:
         stub = rpc_pb2_grpc.LeaseStub(grpc.insecure_channel(self.endpoint))
@@ -101,6 +101,7 @@ class Leases:
                 for lease_id in list(self.ids):
                     yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
                 time.sleep(max(0.0, period_s - (time.monotonic() - began)))
+
         while True:
             try:
                 for reply in stub.LeaseKeepAlive(requests()):
@@ -135,11 +136,17 @@ class LeaderKey:
         while True:
             try:
                 found = await rpc_pb2_grpc.KVStub(self.channel).Range(
-                    rpc_pb2.RangeRequest(key=key), timeout=10)
+                    rpc_pb2.RangeRequest(key=key), timeout=10
+                )
                 self._set(found.kvs[0].value if found.kvs else b"")
                 call = rpc_pb2_grpc.WatchStub(self.channel).Watch()
-                await call.write(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
-                    key=key, start_revision=found.header.revision + 1)))
+                await call.write(
+                    rpc_pb2.WatchRequest(
+                        create_request=rpc_pb2.WatchCreateRequest(
+                            key=key, start_revision=found.header.revision + 1
+                        )
+                    )
+                )
                 async for response in call:
                     for event in response.events:
                         self._set(event.kv.value if event.type == event.PUT else b"")
@@ -148,39 +155,55 @@ class LeaderKey:
 
 
 class Agent:
-    def __init__(self, node: str, pid: int, addresses: list[str], token: str, step_s: float,
-                 channel_options: list):
+    def __init__(
+        self,
+        node: str,
+        pid: int,
+        addresses: list[str],
+        token: str,
+        step_s: float,
+        channel_options: list,
+    ):
         self.node, self.pid, self.addresses, self.token = node, pid, addresses, token
         self.step_s = step_s
         self.options = channel_options
         self.lease_id = 0
-        self.start: keel_pb2.StartGeneration | None = None   # the generation it runs
+        self.start: keel_pb2.StartGeneration | None = None  # the generation it runs
         self.started: tuple[str, int] = ("", 0)
         self.stopped: tuple[str, int] | None = None
         self.steps = 0
-        self.batch: keel_pb2.StepReportBatch | None = None   # reports not yet sent
-        self.report_interval_s = 0.0   # as the controller asks (0: a message a step)
+        self.batch: keel_pb2.StepReportBatch | None = None  # reports not yet sent
+        self.report_interval_s = 0.0  # as the controller asks (0: a message a step)
         self.connects = 0
-        self.connected = ""        # the address of the controller it is connected to
+        self.connected = ""  # the address of the controller it is connected to
         self.refusals = 0
         self.errors = 0
-        self.renewals = 0          # leases found expired and taken again
+        self.renewals = 0  # leases found expired and taken again
         self.leases: Leases | None = None
 
     def hello(self) -> keel_pb2.AgentMessage:
-        hello = keel_pb2.Hello(node=self.node, host="127.0.0.1", slots=8, lease_id=self.lease_id,
-                               pid=self.pid, heartbeat_s=self.step_s,
-                               reconnect_max_s=RECONNECT_MAX_S, lease_ttl_s=LEASE_TTL_S,
-                               accelerator="simulated")
+        hello = keel_pb2.Hello(
+            node=self.node,
+            host="127.0.0.1",
+            slots=8,
+            lease_id=self.lease_id,
+            pid=self.pid,
+            heartbeat_s=self.step_s,
+            reconnect_max_s=RECONNECT_MAX_S,
+            lease_ttl_s=LEASE_TTL_S,
+            accelerator="simulated",
+        )
         if self.start is not None:
             hello.running_job, hello.running_generation = self.start.job, self.start.generation
             hello.running.extend(self.start.ranks)
         return keel_pb2.AgentMessage(hello=hello)
 
     def status(self) -> keel_pb2.AgentMessage:
-        status = keel_pb2.AgentStatus(phase="RUNNING" if self.start else "IDLE",
-                                      started_job=self.started[0],
-                                      started_generation=self.started[1])
+        status = keel_pb2.AgentStatus(
+            phase="RUNNING" if self.start else "IDLE",
+            started_job=self.started[0],
+            started_generation=self.started[1],
+        )
         if self.start is not None:
             status.job, status.generation = self.start.job, self.start.generation
             status.running.extend(self.start.ranks)
@@ -192,14 +215,22 @@ class Agent:
         now = time.time()
         start = self.start
         if self.batch is None or (self.batch.job, self.batch.generation) != (
-                start.job, start.generation):
+            start.job,
+            start.generation,
+        ):
             self.batch = keel_pb2.StepReportBatch(job=start.job, generation=start.generation)
         # As the real agent sends them (``common.steps.summarize``): one entry a step.
         ranks = sorted(assignment.rank for assignment in start.ranks)
-        self.batch.node_steps.append(keel_pb2.NodeStep(
-            step=self.steps, ranks=ranks, tokens=4096 * len(ranks), at=now,
-            step_time_s=[self.step_s * random.uniform(0.98, 1.02) for _ in ranks],
-            loss=10.0 / (1 + 0.01 * self.steps)))
+        self.batch.node_steps.append(
+            keel_pb2.NodeStep(
+                step=self.steps,
+                ranks=ranks,
+                tokens=4096 * len(ranks),
+                at=now,
+                step_time_s=[self.step_s * random.uniform(0.98, 1.02) for _ in ranks],
+                loss=10.0 / (1 + 0.01 * self.steps),
+            )
+        )
 
     def take_batch(self) -> keel_pb2.AgentMessage | None:
         batch, self.batch = self.batch, None
@@ -221,12 +252,12 @@ class Agent:
                     # Its lease is gone: a new one, as the real agent takes.
                     print(f"{self.node}: {exc.details()}", file=sys.stderr, flush=True)
                     self.lease_id = await leases.grant(LEASE_TTL_S)
-            except Exception as exc:   # never lose an agent: say why, and reconnect
+            except Exception as exc:  # never lose an agent: say why, and reconnect
                 self.errors += 1
                 print(f"{self.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             self.connected = ""
             index += 1
-            if time.monotonic() - started > 10.0:   # a healthy stream: start over
+            if time.monotonic() - started > 10.0:  # a healthy stream: start over
                 backoff = BACKOFF_FIRST_S
             # Jittered exponential back-off, cut short when the leader key names a
             # leader, as agent/link.
@@ -240,13 +271,12 @@ class Agent:
 
     async def _stream(self, address: str) -> None:
         async with grpc.aio.insecure_channel(address, options=self.options) as channel:
-            call = keel_pb2_grpc.ControllerStub(channel).Connect(
-                metadata=call_metadata(self.token))
+            call = keel_pb2_grpc.ControllerStub(channel).Connect(metadata=call_metadata(self.token))
             await call.write(self.hello())
             await call.write(self.status())
             first = await call.read()
             if first is grpc.aio.EOF:
-                await call   # raises the refusal
+                await call  # raises the refusal
                 return
             self.report_interval_s = first.welcome.report_interval_s
             self.connects += 1
@@ -254,8 +284,10 @@ class Agent:
             # One writer per stream (gRPC allows no concurrent writes): what the
             # agent says is queued, and a failed write ends the stream.
             outbox: asyncio.Queue = asyncio.Queue()
-            tasks = [asyncio.ensure_future(self._pump(call, outbox)),
-                     asyncio.ensure_future(self._report(outbox))]
+            tasks = [
+                asyncio.ensure_future(self._pump(call, outbox)),
+                asyncio.ensure_future(self._report(outbox)),
+            ]
             try:
                 while True:
                     message = await call.read()
@@ -271,7 +303,7 @@ class Agent:
         try:
             while True:
                 message = await outbox.get()
-                if message is None:   # hang up: the controller ends the stream
+                if message is None:  # hang up: the controller ends the stream
                     await call.done_writing()
                     return
                 await call.write(message)
@@ -299,9 +331,10 @@ class Agent:
                 if batch is not None:
                     outbox.put_nowait(batch)
                 # (From the last send, not from now: a step's sleep overruns a little.)
-                next_send = max(next_send + max(self.step_s, self.report_interval_s),
-                                now - self.step_s)
-            if time.monotonic() >= next_status:   # a change is sent when it happens
+                next_send = max(
+                    next_send + max(self.step_s, self.report_interval_s), now - self.step_s
+                )
+            if time.monotonic() >= next_status:  # a change is sent when it happens
                 outbox.put_nowait(self.status())
                 next_status += status_refresh_s(self.report_interval_s)
             await asyncio.sleep(self.step_s)
@@ -312,8 +345,13 @@ class Agent:
             self.report_interval_s = message.report_pace.interval_s
         elif kind == "prepare_rendezvous":
             prep = message.prepare_rendezvous
-            say(keel_pb2.AgentMessage(rendezvous_ready=keel_pb2.RendezvousReady(
-                job=prep.job, generation=prep.generation, host="127.0.0.1", port=29500)))
+            say(
+                keel_pb2.AgentMessage(
+                    rendezvous_ready=keel_pb2.RendezvousReady(
+                        job=prep.job, generation=prep.generation, host="127.0.0.1", port=29500
+                    )
+                )
+            )
         elif kind == "start_generation":
             start = message.start_generation
             if self.started != (start.job, start.generation):
@@ -322,10 +360,17 @@ class Agent:
         elif kind == "stop_generation":
             stop = message.stop_generation
             if self.start is not None and (self.start.job, self.start.generation) == (
-                    stop.job, stop.generation):
+                stop.job,
+                stop.generation,
+            ):
                 self.start = None
-            say(keel_pb2.AgentMessage(generation_stopped=keel_pb2.GenerationStopped(
-                job=stop.job, generation=stop.generation)))
+            say(
+                keel_pb2.AgentMessage(
+                    generation_stopped=keel_pb2.GenerationStopped(
+                        job=stop.job, generation=stop.generation
+                    )
+                )
+            )
             say(self.status())
         elif kind == "resync":
             say(self.status())
@@ -336,8 +381,10 @@ async def main(args) -> None:
     # A TCP connection per agent, with the real agent's keepalives and limits.
     options = [("grpc.use_local_subchannel_pool", 1), *rpc.AGENT_CHANNEL_OPTIONS]
     names = [f"{args.prefix}{i:05d}" for i in range(args.agents)]
-    agents = [Agent(name, zlib.crc32(name.encode()), args.controllers, args.token, args.step_s,
-                    options) for name in names]
+    agents = [
+        Agent(name, zlib.crc32(name.encode()), args.controllers, args.token, args.step_s, options)
+        for name in names
+    ]
     leases.keep_alive(LEASE_TTL_S / 3)
     leader = LeaderKey(args.etcd)
     follower = asyncio.ensure_future(leader.follow())
@@ -347,7 +394,7 @@ async def main(args) -> None:
     async def tell():
         while True:
             by: dict[str, int] = {}
-            paced: dict[str, int] = {}   # report interval asked -> agents connected
+            paced: dict[str, int] = {}  # report interval asked -> agents connected
             for agent in agents:
                 if agent.connected:
                     by[agent.connected] = by.get(agent.connected, 0) + 1
@@ -356,6 +403,7 @@ async def main(args) -> None:
             sys.stdout.write(json.dumps({"at": time.time(), "by": by, "paced": paced}) + "\n")
             sys.stdout.flush()
             await asyncio.sleep(0.5)
+
     teller = asyncio.ensure_future(tell())
     tasks = []
     for agent in agents:
@@ -365,13 +413,21 @@ async def main(args) -> None:
     await stop.wait()
     teller.cancel()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    sys.stdout.write(json.dumps({"summary": True, "agents": len(agents),
-                                 "connected": sum(bool(a.connected) for a in agents),
-                                 "connects": sum(a.connects for a in agents),
-                                 "refusals": sum(a.refusals for a in agents),
-                                 "errors": sum(a.errors for a in agents),
-                                 "lease_renewals": sum(a.renewals for a in agents),
-                                 "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {
+                "summary": True,
+                "agents": len(agents),
+                "connected": sum(bool(a.connected) for a in agents),
+                "connects": sum(a.connects for a in agents),
+                "refusals": sum(a.refusals for a in agents),
+                "errors": sum(a.errors for a in agents),
+                "lease_renewals": sum(a.renewals for a in agents),
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+            }
+        )
+        + "\n"
+    )
     sys.stdout.flush()
     follower.cancel()
     for task in tasks:
@@ -386,6 +442,7 @@ if __name__ == "__main__":
     parser.add_argument("--agents", type=int, required=True)
     parser.add_argument("--prefix", default="sim-")
     parser.add_argument("--step-s", type=float, default=1.0)
-    parser.add_argument("--ramp-s", type=float, default=0.0,
-                        help="start the agents evenly over this many seconds")
+    parser.add_argument(
+        "--ramp-s", type=float, default=0.0, help="start the agents evenly over this many seconds"
+    )
     asyncio.run(main(parser.parse_args()))

@@ -21,6 +21,7 @@ def coerced_locale(env: Mapping[str, str]) -> str | None:
     if (env.get("LC_CTYPE") or env.get("LANG") or "C") not in ("C", "POSIX"):
         return None
     import locale
+
     before = locale.setlocale(locale.LC_CTYPE)
     try:
         for target in ("C.UTF-8", "C.utf8", "UTF-8"):

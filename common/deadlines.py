@@ -27,10 +27,10 @@ from dataclasses import dataclass, fields
 # A later deadline must exceed the earlier one plus the stop grace by this factor:
 # detection and stopping take scheduling slack on a busy node too.
 MARGIN = 1.2
-COLLECTIVE_TIMEOUT_S = 60.0    # defaults, raised when the chain needs more
+COLLECTIVE_TIMEOUT_S = 60.0  # defaults, raised when the chain needs more
 STARTUP_TIMEOUT_S = 300.0
 HEARTBEATS_PER_FLOOR = 2
-MIN_LEASE_S = 2.0              # etcd leases shorter than this expire under load
+MIN_LEASE_S = 2.0  # etcd leases shorter than this expire under load
 
 
 class DeadlineError(ValueError):
@@ -48,8 +48,8 @@ class Deadlines:
     first_step_timeout_s: float = 300.0
     checkpoint_timeout_s: float = 300.0
     stop_grace_s: float = 5.0
-    collective_timeout_s: float = 0.0    # 0: derived (see resolve)
-    startup_timeout_s: float = 0.0       # 0: derived
+    collective_timeout_s: float = 0.0  # 0: derived (see resolve)
+    startup_timeout_s: float = 0.0  # 0: derived
     lease_ttl_s: float = 5.0
     node_lost_grace_s: float = 10.0
     leader_ttl_s: float = 5.0
@@ -80,10 +80,13 @@ def resolve(**given: float) -> Deadlines:
     d = Deadlines(**values)
     collective = d.collective_timeout_s or max(
         COLLECTIVE_TIMEOUT_S,
-        float(math.ceil(least_collective_timeout_s(d.hang_floor_s, d.stop_grace_s))))
+        float(math.ceil(least_collective_timeout_s(d.hang_floor_s, d.stop_grace_s))),
+    )
     startup = d.startup_timeout_s or max(
-        STARTUP_TIMEOUT_S, collective,
-        float(math.ceil(least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s))))
+        STARTUP_TIMEOUT_S,
+        collective,
+        float(math.ceil(least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s))),
+    )
     d = Deadlines(**{**values, "collective_timeout_s": collective, "startup_timeout_s": startup})
     problems = check(d)
     if problems:
@@ -97,11 +100,14 @@ MAX_DEADLINE_S = 30 * 24 * 3600.0
 
 
 def _not_seconds(values: dict[str, object]) -> list[str]:
-    return [f"{name}={value}: must be a finite number of seconds above 0 and at most "
-            f"{MAX_DEADLINE_S:.0f} (30 days)"
-            for name, value in values.items()
-            if not (isinstance(value, (int, float)) and math.isfinite(value)
-                    and 0 < value <= MAX_DEADLINE_S)]
+    return [
+        f"{name}={value}: must be a finite number of seconds above 0 and at most "
+        f"{MAX_DEADLINE_S:.0f} (30 days)"
+        for name, value in values.items()
+        if not (
+            isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_DEADLINE_S
+        )
+    ]
 
 
 def check(d: Deadlines) -> list[str]:
@@ -110,42 +116,56 @@ def check(d: Deadlines) -> list[str]:
     if problems:
         return problems
     if d.hang_floor_s < max(1.0, HEARTBEATS_PER_FLOOR * d.heartbeat_s):
-        problems.append(f"hang_floor_s={d.hang_floor_s}: must be at least 1 s and "
-                        f"{HEARTBEATS_PER_FLOOR} report periods ({HEARTBEATS_PER_FLOOR} x "
-                        f"heartbeat_s={d.heartbeat_s}): a rank reporting on time would look "
-                        f"hung; raise hang_floor_s")
+        problems.append(
+            f"hang_floor_s={d.hang_floor_s}: must be at least 1 s and "
+            f"{HEARTBEATS_PER_FLOOR} report periods ({HEARTBEATS_PER_FLOOR} x "
+            f"heartbeat_s={d.heartbeat_s}): a rank reporting on time would look "
+            f"hung; raise hang_floor_s"
+        )
     for name in ("first_step_timeout_s", "checkpoint_timeout_s"):
         if getattr(d, name) < d.hang_floor_s:
-            problems.append(f"{name}={getattr(d, name)}: must be at least hang_floor_s="
-                            f"{d.hang_floor_s}: start-up and saves take longer than a step; "
-                            f"raise {name} or lower hang_floor_s")
+            problems.append(
+                f"{name}={getattr(d, name)}: must be at least hang_floor_s="
+                f"{d.hang_floor_s}: start-up and saves take longer than a step; "
+                f"raise {name} or lower hang_floor_s"
+            )
     least = least_collective_timeout_s(d.hang_floor_s, d.stop_grace_s)
     if d.collective_timeout_s < least:
-        problems.append(f"collective_timeout_s={d.collective_timeout_s}: must be at least "
-                        f"{MARGIN:g} x (hang_floor_s={d.hang_floor_s} + stop_grace_s="
-                        f"{d.stop_grace_s}) = {least:g}: the agent must name a hung rank "
-                        f"and stop it before its peers' collectives time out; raise "
-                        f"collective_timeout_s (or leave it out: it is derived) or lower "
-                        f"hang_floor_s")
+        problems.append(
+            f"collective_timeout_s={d.collective_timeout_s}: must be at least "
+            f"{MARGIN:g} x (hang_floor_s={d.hang_floor_s} + stop_grace_s="
+            f"{d.stop_grace_s}) = {least:g}: the agent must name a hung rank "
+            f"and stop it before its peers' collectives time out; raise "
+            f"collective_timeout_s (or leave it out: it is derived) or lower "
+            f"hang_floor_s"
+        )
     least = least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s)
     if d.startup_timeout_s < least:
-        problems.append(f"startup_timeout_s={d.startup_timeout_s}: must be at least "
-                        f"{MARGIN:g} x (first_step_timeout_s={d.first_step_timeout_s} + "
-                        f"stop_grace_s={d.stop_grace_s}) = {least:g}: a rank stuck before "
-                        f"its first step must be named before its peers time out; raise "
-                        f"startup_timeout_s (or leave it out) or lower first_step_timeout_s")
+        problems.append(
+            f"startup_timeout_s={d.startup_timeout_s}: must be at least "
+            f"{MARGIN:g} x (first_step_timeout_s={d.first_step_timeout_s} + "
+            f"stop_grace_s={d.stop_grace_s}) = {least:g}: a rank stuck before "
+            f"its first step must be named before its peers time out; raise "
+            f"startup_timeout_s (or leave it out) or lower first_step_timeout_s"
+        )
     if d.startup_timeout_s < d.collective_timeout_s:
-        problems.append(f"startup_timeout_s={d.startup_timeout_s}: must be at least "
-                        f"collective_timeout_s={d.collective_timeout_s}: start-up runs "
-                        f"collectives too")
+        problems.append(
+            f"startup_timeout_s={d.startup_timeout_s}: must be at least "
+            f"collective_timeout_s={d.collective_timeout_s}: start-up runs "
+            f"collectives too"
+        )
     if d.reconnect_max_s >= d.node_lost_grace_s:
-        problems.append(f"reconnect_max_s={d.reconnect_max_s}: must be below "
-                        f"node_lost_grace_s={d.node_lost_grace_s}: an agent backing off "
-                        f"between reconnects would have its node counted lost; lower the "
-                        f"agent's reconnect back-off or raise the controller's "
-                        f"--node-lost-grace-s")
+        problems.append(
+            f"reconnect_max_s={d.reconnect_max_s}: must be below "
+            f"node_lost_grace_s={d.node_lost_grace_s}: an agent backing off "
+            f"between reconnects would have its node counted lost; lower the "
+            f"agent's reconnect back-off or raise the controller's "
+            f"--node-lost-grace-s"
+        )
     for name in ("lease_ttl_s", "leader_ttl_s"):
         if getattr(d, name) < MIN_LEASE_S:
-            problems.append(f"{name}={getattr(d, name)}: must be at least {MIN_LEASE_S:g} s: "
-                            f"shorter etcd leases expire under ordinary load")
+            problems.append(
+                f"{name}={getattr(d, name)}: must be at least {MIN_LEASE_S:g} s: "
+                f"shorter etcd leases expire under ordinary load"
+            )
     return problems

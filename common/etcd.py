@@ -29,9 +29,11 @@ ENDPOINT_RETRY_S = 0.5
 # this instead. (With Keel's message limits, ``common.rpc``: gRPC's default 4 MiB would
 # fail a range read past it. No keepalive: every call has a deadline, and etcd answers
 # pings more often than every 5 s with GOAWAY.)
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class EtcdCredentials:
     """How an etcd client proves itself: TLS (``ca`` alone to verify the server,
     ``cert``/``key`` too when etcd demands client certificates) and/or a user and
     password (etcd auth enabled)."""
+
     ca: Path | None = None
     cert: Path | None = None
     key: Path | None = None
@@ -49,16 +52,19 @@ class EtcdCredentials:
         if bool(self.cert) != bool(self.key):
             raise ValueError("--etcd-cert and --etcd-key go together")
         if self.cert and not self.ca:
-            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server "
-                             "certificate)")
+            raise ValueError("--etcd-cert needs --etcd-ca (the CA of etcd's server certificate)")
         if bool(self.user) != bool(self.password):
-            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go "
-                             "together")
+            raise ValueError("--etcd-user and --etcd-password (or KEEL_ETCD_PASSWORD) go together")
 
     def client_kwargs(self) -> dict:
         """Keyword arguments of python3-etcd3's clients."""
-        found = {"ca_cert": self.ca, "cert_cert": self.cert, "cert_key": self.key,
-                 "user": self.user, "password": self.password}
+        found = {
+            "ca_cert": self.ca,
+            "cert_cert": self.cert,
+            "cert_key": self.key,
+            "user": self.user,
+            "password": self.password,
+        }
         return {k: str(v) for k, v in found.items() if v}
 
 
@@ -77,7 +83,6 @@ class _Endpoint(etcd3.Endpoint):
         return grpc.intercept_channel(super()._mkchannel(opts), EtcdCallMetrics())
 
 
-
 # python3-etcd3 0.13's watcher still calls ``six.itervalues`` when a watch stream fails
 # (etcd restarted, or out of reach) but no longer imports six: its thread died of a
 # NameError before telling the callbacks, so a watch that etcd's restart ended was never
@@ -88,20 +93,34 @@ if not hasattr(etcd3.watch, "six"):
 
 
 class EtcdClient(etcd3.MultiEndpointEtcd3Client):
-    def __init__(self, endpoints: list[str], timeout_s: float,
-                 credentials: EtcdCredentials | None = None):
+    def __init__(
+        self, endpoints: list[str], timeout_s: float, credentials: EtcdCredentials | None = None
+    ):
         """``endpoints``: "host:port" of every etcd member; ``timeout_s``: deadline of
         each call."""
         kwargs = credentials.client_kwargs() if credentials else {}
         secure = "ca_cert" in kwargs
-        creds = (self.get_secure_creds(kwargs["ca_cert"], kwargs.get("cert_key"),
-                                       kwargs.get("cert_cert")) if secure else None)
+        creds = (
+            self.get_secure_creds(
+                kwargs["ca_cert"], kwargs.get("cert_key"), kwargs.get("cert_cert")
+            )
+            if secure
+            else None
+        )
         # Here, not at the top: common.rpc imports common.tls, which imports this module.
         from common.rpc import MESSAGE_LIMITS
-        members = [_Endpoint(host, port, secure=secure, creds=creds,
-                             time_retry=ENDPOINT_RETRY_S,
-                             opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS])
-                   for host, port in map(host_port, endpoints)]
+
+        members = [
+            _Endpoint(
+                host,
+                port,
+                secure=secure,
+                creds=creds,
+                time_retry=ENDPOINT_RETRY_S,
+                opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS],
+            )
+            for host, port in map(host_port, endpoints)
+        ]
         if not members:
             raise ValueError("etcd endpoints: give at least one host:port")
         self._user, self._password = kwargs.get("user"), kwargs.get("password")
@@ -121,23 +140,27 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
 
     def _log_in(self) -> None:
         response = self.authstub.Authenticate(
-            etcdrpc.AuthenticateRequest(name=self._user, password=self._password),
-            self.timeout)
+            etcdrpc.AuthenticateRequest(name=self._user, password=self._password), self.timeout
+        )
         self.metadata = (("token", response.token),)
         # gRPC sends call credentials over TLS only; in plaintext the metadata carries it.
-        self.call_credentials = grpc.metadata_call_credentials(
-            EtcdTokenCallCredentials(response.token)) if self._secure else None
+        self.call_credentials = (
+            grpc.metadata_call_credentials(EtcdTokenCallCredentials(response.token))
+            if self._secure
+            else None
+        )
 
 
-def connect(endpoints: list[str], timeout_s: float,
-            credentials: EtcdCredentials | None = None) -> EtcdClient:
+def connect(
+    endpoints: list[str], timeout_s: float, credentials: EtcdCredentials | None = None
+) -> EtcdClient:
     """An etcd client over ``endpoints`` ("host:port", failing over between them), over
     TLS and/or with a user and password if ``credentials`` say so, with ``timeout_s``
     the deadline of each call."""
     return EtcdClient(endpoints, timeout_s, credentials)
 
 
-PAGE = 500   # keys a paged read asks for at a time (fewer if a page's values are too large)
+PAGE = 500  # keys a paged read asks for at a time (fewer if a page's values are too large)
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -149,8 +172,7 @@ def prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False
-                ) -> tuple[list, int, int]:
+def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False) -> tuple[list, int, int]:
     """Every key-value under ``prefix``, in key order, read page by page at the revision
     of the first page (a page of values past the message limit is asked for again
     smaller); returns (kvs, that revision, the cluster id)."""
@@ -159,8 +181,9 @@ def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False
     revision, page = None, PAGE
     while True:
         try:
-            response = client.get_range_response(start, end, limit=page, revision=revision,
-                                                 keys_only=keys_only)
+            response = client.get_range_response(
+                start, end, limit=page, revision=revision, keys_only=keys_only
+            )
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or page == 1:
                 raise

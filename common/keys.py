@@ -24,7 +24,9 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 NODE_NAME_RULE = "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
 # What a job may be called: in its keys and in its ranks' log directories on every node.
 JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-JOB_NAME_RULE = "use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit"
+JOB_NAME_RULE = (
+    "use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit"
+)
 LEADER = f"{PREFIX}/controller/leader"
 NODES = f"{PREFIX}/nodes/"
 CORDONS = f"{PREFIX}/cordons/"
@@ -89,4 +91,4 @@ def job_of(key: str) -> str | None:
     """The job a key under ``JOBS`` belongs to, or None for other keys."""
     if not key.startswith(JOBS):
         return None
-    return key[len(JOBS):].split("/", 1)[0]
+    return key[len(JOBS) :].split("/", 1)[0]

@@ -27,8 +27,9 @@ class LayoutError(ValueError):
     """A layout that cannot be read or cannot run; the message says how to fix it."""
 
 
-def parse_axes(text: str | None, world_size: int | None = None,
-               source: str | None = None) -> dict[str, int]:
+def parse_axes(
+    text: str | None, world_size: int | None = None, source: str | None = None
+) -> dict[str, int]:
     """The axes named in ``text``, in the order given (``{"dp_shard": 2, "tp": 2}``).
 
     With ``world_size``, empty text means ``dp_shard`` over every rank and the sizes
@@ -38,17 +39,21 @@ def parse_axes(text: str | None, world_size: int | None = None,
     if not text or not text.strip():
         if world_size is not None:
             return {"dp_shard": world_size}
-        raise LayoutError("empty layout: write it as NAME=SIZE pairs joined by commas, "
-                          "e.g. 'dp_shard=8' or 'dp_shard=4,tp=2'")
+        raise LayoutError(
+            "empty layout: write it as NAME=SIZE pairs joined by commas, "
+            "e.g. 'dp_shard=8' or 'dp_shard=4,tp=2'"
+        )
     axes: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.strip().partition("=")
         name, size = name.strip(), size.strip()
         if not sep or name not in AXES or not size.isdigit() or int(size) < 1:
             example = f"dp_shard={world_size}" if world_size else "dp_shard=4,tp=2"
-            raise LayoutError(f"{what}: {part.strip()!r} is not NAME=SIZE with NAME one of "
-                              f"{', '.join(AXES)} and SIZE a positive integer, e.g. "
-                              f"{example!r}")
+            raise LayoutError(
+                f"{what}: {part.strip()!r} is not NAME=SIZE with NAME one of "
+                f"{', '.join(AXES)} and SIZE a positive integer, e.g. "
+                f"{example!r}"
+            )
         if name in axes:
             raise LayoutError(f"{what} gives {name} twice; give each axis once")
         axes[name] = int(size)
@@ -57,8 +62,10 @@ def parse_axes(text: str | None, world_size: int | None = None,
         for size in axes.values():
             product *= size
         if product != world_size:
-            raise LayoutError(f"{what} spans {product} ranks but WORLD_SIZE={world_size}; "
-                              f"make the sizes multiply to the world size")
+            raise LayoutError(
+                f"{what} spans {product} ranks but WORLD_SIZE={world_size}; "
+                f"make the sizes multiply to the world size"
+            )
     return axes
 
 
@@ -74,12 +81,15 @@ class Layout:
     def __post_init__(self) -> None:
         bad = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) < 1]
         if bad:
-            raise LayoutError(f"Layout {', '.join(bad)}: every axis is a positive integer; "
-                              f"use 1 for an axis that is not split")
+            raise LayoutError(
+                f"Layout {', '.join(bad)}: every axis is a positive integer; "
+                f"use 1 for an axis that is not split"
+            )
 
     @classmethod
-    def parse(cls, text: str | None, world_size: int | None = None,
-              source: str | None = None) -> Layout:
+    def parse(
+        cls, text: str | None, world_size: int | None = None, source: str | None = None
+    ) -> Layout:
         """The layout ``text`` describes (see ``parse_axes``)."""
         return cls(**parse_axes(text, world_size, source))
 

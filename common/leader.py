@@ -45,14 +45,22 @@ def parse(raw: bytes, create_revision: int, cluster_id: int) -> Leader | None:
 class LeaderWatch:
     """The leader key, followed (``common.watch.Watch``)."""
 
-    def __init__(self, etcd: EtcdClient, on_change: Callable[[Leader | None], None] = lambda _: None):
+    def __init__(
+        self, etcd: EtcdClient, on_change: Callable[[Leader | None], None] = lambda _: None
+    ):
         self.etcd = etcd
         self.on_change = on_change
         self.current: Leader | None = None
         self._known = False
         self._cluster = 0
-        self._watch = Watch(etcd, keys.LEADER, prefix=False, on_reset=self._reset,
-                            on_events=self._events, name="the leader key")
+        self._watch = Watch(
+            etcd,
+            keys.LEADER,
+            prefix=False,
+            on_reset=self._reset,
+            on_events=self._events,
+            name="the leader key",
+        )
 
     def start(self) -> LeaderWatch:
         self._watch.start()

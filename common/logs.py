@@ -32,8 +32,7 @@ class _Stderr:
         return sys.stderr.isatty()
 
 
-def settings(fmt: str | None = None, level: str | None = None, *,
-             tty: bool) -> tuple[str, str]:
+def settings(fmt: str | None = None, level: str | None = None, *, tty: bool) -> tuple[str, str]:
     """The log format and level to use: ``fmt`` and ``level`` when given (the flags),
     else ``KEEL_LOG_FORMAT`` and ``KEEL_LOG_LEVEL`` (a deployment's override), else
     ``console`` if the logs go to a terminal (``tty``) and ``json`` if not, and
@@ -41,16 +40,24 @@ def settings(fmt: str | None = None, level: str | None = None, *,
     fmt = fmt or os.environ.get(env.LOG_FORMAT) or ("console" if tty else "json")
     level = level or os.environ.get(env.LOG_LEVEL) or "info"
     if fmt not in FORMATS:
-        raise ValueError(f"log format {fmt!r}: give --log-format (or {env.LOG_FORMAT}) "
-                         f"{' or '.join(FORMATS)}")
+        raise ValueError(
+            f"log format {fmt!r}: give --log-format (or {env.LOG_FORMAT}) {' or '.join(FORMATS)}"
+        )
     if level not in LEVELS:
-        raise ValueError(f"log level {level!r}: give --log-level (or {env.LOG_LEVEL}) "
-                         f"one of {', '.join(LEVELS)}")
+        raise ValueError(
+            f"log level {level!r}: give --log-level (or {env.LOG_LEVEL}) one of {', '.join(LEVELS)}"
+        )
     return fmt, level
 
 
-def configure(component: str, *, fmt: str | None = None, level: str | None = None,
-              stream: TextIO | None = None, **context: object) -> None:
+def configure(
+    component: str,
+    *,
+    fmt: str | None = None,
+    level: str | None = None,
+    stream: TextIO | None = None,
+    **context: object,
+) -> None:
     """Sends this process's logs to ``stream`` (default: ``sys.stderr``, as it is at
     each line): with ``fmt`` "json" one object per line, "console" structlog's
     ``ConsoleRenderer`` (coloured only on a terminal); lines below ``level`` (debug,
@@ -73,25 +80,36 @@ def configure(component: str, *, fmt: str | None = None, level: str | None = Non
     def add_context(_logger, _method: str, event: dict) -> dict:
         return {**fields, **event}
 
-    shared = [structlog.contextvars.merge_contextvars, add_context,
-              structlog.processors.add_log_level,
-              structlog.processors.TimeStamper(fmt="iso", utc=True)]
-    render = ([structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
-              if fmt == "json" else [structlog.dev.ConsoleRenderer(colors=stream.isatty())])
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        add_context,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    render = (
+        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        if fmt == "json"
+        else [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+    )
     threshold = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
         processors=[*shared, *render],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=structlog.WriteLoggerFactory(stream),
-        cache_logger_on_first_use=False)
+        cache_logger_on_first_use=False,
+    )
 
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render]))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+        )
+    )
     root = logging.getLogger()
-    for earlier in [h for h in root.handlers
-                    if isinstance(h.formatter, structlog.stdlib.ProcessorFormatter)]:
+    for earlier in [
+        h for h in root.handlers if isinstance(h.formatter, structlog.stdlib.ProcessorFormatter)
+    ]:
         root.removeHandler(earlier)
     root.addHandler(handler)
     root.setLevel(threshold)

@@ -17,15 +17,21 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 if TYPE_CHECKING:  # common.tls imports common.etcd, which uses this module
     from common.tls import TlsFiles
 
-ETCD_SECONDS = Histogram("keel_etcd_request_seconds", "One etcd call, seconds", ["op"],
-                         buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+ETCD_SECONDS = Histogram(
+    "keel_etcd_request_seconds",
+    "One etcd call, seconds",
+    ["op"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
 ETCD_ERRORS = Counter("keel_etcd_request_errors", "etcd calls that failed", ["op"])
 ETCD_UP = Gauge("keel_etcd_up", "1 if the latest etcd call succeeded")
-RPC_HANDLED = Counter("keel_grpc_server_handled", "RPCs served, by status code",
-                      ["method", "code"])
-RPC_SECONDS = Histogram("keel_grpc_server_handling_seconds",
-                        "Time to serve one RPC (a stream: its whole life), seconds",
-                        ["method"], buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 30, 300, 3600))
+RPC_HANDLED = Counter("keel_grpc_server_handled", "RPCs served, by status code", ["method", "code"])
+RPC_SECONDS = Histogram(
+    "keel_grpc_server_handling_seconds",
+    "Time to serve one RPC (a stream: its whole life), seconds",
+    ["method"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300, 3600),
+)
 
 
 def serve(listen: str, tls: TlsFiles | None = None):
@@ -35,12 +41,17 @@ def serve(listen: str, tls: TlsFiles | None = None):
     ``server_port``, and ``shutdown()`` to stop it."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"metrics address {listen!r}: write it as host:port (port 0 "
-                         f"picks a free one)")
+        raise ValueError(
+            f"metrics address {listen!r}: write it as host:port (port 0 picks a free one)"
+        )
     kwargs = {}
     if tls is not None:
-        kwargs = dict(certfile=str(tls.cert), keyfile=str(tls.key),
-                      client_cafile=str(tls.ca), client_auth_required=True)
+        kwargs = dict(
+            certfile=str(tls.cert),
+            keyfile=str(tls.key),
+            client_cafile=str(tls.ca),
+            client_auth_required=True,
+        )
     server, _ = start_http_server(int(port), addr=host.strip("[]"), **kwargs)
     return server
 
@@ -62,11 +73,15 @@ class EtcdCallMetrics(grpc.UnaryUnaryClientInterceptor):
         # error; code() waits for it.
         failed = outcome.code() is not grpc.StatusCode.OK
         ETCD_SECONDS.labels(op=op).observe(time.monotonic() - start)
-        errors = ETCD_ERRORS.labels(op=op)   # at 0 from an op's first call
+        errors = ETCD_ERRORS.labels(op=op)  # at 0 from an op's first call
         if failed:
             errors.inc()
-        ETCD_UP.set(0 if failed and outcome.code() in (
-            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else 1)
+        ETCD_UP.set(
+            0
+            if failed
+            and outcome.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            else 1
+        )
         return outcome
 
 
@@ -82,17 +97,20 @@ class RpcMetrics(grpc.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 _unary(handler.unary_unary, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
                 _streaming(handler.stream_stream, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _streaming(handler.unary_stream, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -109,12 +127,14 @@ class AioRpcMetrics(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 _pooled_unary(handler.unary_unary, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream and inspect.iscoroutinefunction(handler.stream_stream):
             return grpc.stream_stream_rpc_method_handler(
                 _async_streaming(handler.stream_stream, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -145,6 +165,7 @@ def _pooled_unary(behavior, method: str):
 
     def handle(request, context):
         return unary(request, _KeepsCode(context))
+
     return handle
 
 
@@ -173,6 +194,7 @@ def _unary(behavior, method: str):
     def handle(request, context):
         with _counted(method, context):
             return behavior(request, context)
+
     return handle
 
 
@@ -180,6 +202,7 @@ def _async_streaming(behavior, method: str):
     async def handle(request_iterator, context):
         with _counted(method, context):
             return await behavior(request_iterator, context)
+
     return handle
 
 
@@ -187,4 +210,5 @@ def _streaming(behavior, method: str):
     def handle(request, context):
         with _counted(method, context):
             yield from behavior(request, context)
+
     return handle

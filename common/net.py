@@ -10,7 +10,7 @@ import socket
 import struct
 from pathlib import Path
 
-SIOCGIFADDR = 0x8915     # linux/sockios.h: an interface's IPv4 address
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
 
 class AddressError(ValueError):
@@ -36,9 +36,10 @@ def interface_addresses() -> dict[str, set[str]]:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR,
-                                     struct.pack("256s", name.encode()[:15]))
-            except OSError:      # no IPv4 address
+                packed = fcntl.ioctl(
+                    probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:  # no IPv4 address
                 continue
             found.setdefault(name, set()).add(socket.inet_ntoa(packed[20:24]))
     try:
@@ -46,8 +47,9 @@ def interface_addresses() -> dict[str, set[str]]:
             fields = line.split()
             if len(fields) == 6:
                 found.setdefault(fields[5], set()).add(
-                    str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
-    except OSError:              # no IPv6
+                    str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
+                )
+    except OSError:  # no IPv6
         pass
     return found
 
@@ -56,8 +58,10 @@ def interface_of(host: str) -> str | None:
     """The interface that holds ``host`` (an address, or a name resolving to one of
     this machine's), or None when none here does (a NAT's public address)."""
     try:
-        wanted = {ipaddress.ip_address(info[4][0].split("%")[0]).compressed
-                  for info in socket.getaddrinfo(host.strip("[]"), None)}
+        wanted = {
+            ipaddress.ip_address(info[4][0].split("%")[0]).compressed
+            for info in socket.getaddrinfo(host.strip("[]"), None)
+        }
     except (OSError, ValueError):
         return None
     for name, addresses in sorted(interface_addresses().items()):
@@ -83,15 +87,19 @@ def advertised(given: str | None, etcd_endpoints: tuple[str, ...], flag: str) ->
     remote = not is_loopback(host)
     if given:
         if remote and is_loopback(given):
-            raise AddressError(f"{flag} {given}: etcd is at {etcd_endpoints[0]}, so peers are "
-                               f"remote and cannot reach a loopback address; give {flag} "
-                               f"this machine's address on the cluster network")
+            raise AddressError(
+                f"{flag} {given}: etcd is at {etcd_endpoints[0]}, so peers are "
+                f"remote and cannot reach a loopback address; give {flag} "
+                f"this machine's address on the cluster network"
+            )
         return given
     try:
         return route_address(host, int(port))
     except OSError as exc:
-        raise AddressError(f"cannot tell this machine's address on the route to etcd "
-                           f"{etcd_endpoints[0]} ({exc}); give {flag}") from None
+        raise AddressError(
+            f"cannot tell this machine's address on the route to etcd "
+            f"{etcd_endpoints[0]} ({exc}); give {flag}"
+        ) from None
 
 
 def listen_address(listen: str, advertise_host: str) -> str:

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-REAP_WAIT_S = 5.0   # after SIGKILL, how long a process group may take to empty
+REAP_WAIT_S = 5.0  # after SIGKILL, how long a process group may take to empty
 
 
 def tied_to_this_process() -> list[str]:
@@ -69,8 +69,7 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def terminate(procs: Sequence[subprocess.Popen], grace_s: float,
-              sig: int = signal.SIGTERM) -> None:
+def terminate(procs: Sequence[subprocess.Popen], grace_s: float, sig: int = signal.SIGTERM) -> None:
     """Stop ``procs``, each the leader of its own process group (started with
     ``start_new_session=True``): ``sig`` (SIGTERM) to each process, up to ``grace_s``
     seconds for all of them to exit, then SIGKILL to the groups of those left, and wait

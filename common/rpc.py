@@ -24,23 +24,27 @@ import grpc
 from common.metrics import AioRpcMetrics, RpcMetrics
 from common.tls import TlsFiles, server_credentials
 
-KEEPALIVE_TIME_S = 2.0       # ping a quiet connection this often
-AGENT_KEEPALIVE_TIME_S = 6.0   # an agent's stream to the controller (see above)
-KEEPALIVE_TIMEOUT_S = 2.0    # and give up on it this long after a ping goes unanswered
+KEEPALIVE_TIME_S = 2.0  # ping a quiet connection this often
+AGENT_KEEPALIVE_TIME_S = 6.0  # an agent's stream to the controller (see above)
+KEEPALIVE_TIMEOUT_S = 2.0  # and give up on it this long after a ping goes unanswered
 # Replies hold a job's events and a hang's stacks (each bounded, see the controller's
 # job health); nothing legitimate comes near this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-MESSAGE_LIMITS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+MESSAGE_LIMITS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def _channel_options(keepalive_s: float) -> list[tuple[str, int]]:
-    return [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            *MESSAGE_LIMITS]
+    return [
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        *MESSAGE_LIMITS,
+    ]
 
 
 CHANNEL_OPTIONS = _channel_options(KEEPALIVE_TIME_S)
@@ -62,32 +66,41 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str, files: TlsFiles | None,
-            options: list[tuple[str, int]] = CHANNEL_OPTIONS) -> grpc.Channel:
+def channel(
+    address: str, files: TlsFiles | None, options: list[tuple[str, int]] = CHANNEL_OPTIONS
+) -> grpc.Channel:
     """A channel to ``address`` presenting ``files.cert`` and trusting only
     ``files.ca`` (plaintext if ``files`` is None), with keepalives (an operator's:
     ``CHANNEL_OPTIONS``; an agent's stream to the controller: ``AGENT_CHANNEL_OPTIONS``)."""
     if files is None:
         return grpc.insecure_channel(address, options=options)
     ca, cert, key = files.pems()
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert), options=options)
+    return grpc.secure_channel(
+        address,
+        grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert),
+        options=options,
+    )
 
 
 def server(max_workers: int, interceptors=()) -> grpc.Server:
     """A server with keepalives and message limits, whose RPCs are counted and timed
     (``common.metrics``; outermost, so that calls ``interceptors`` refuse count too)."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=[RpcMetrics(), *interceptors], options=SERVER_OPTIONS)
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[RpcMetrics(), *interceptors],
+        options=SERVER_OPTIONS,
+    )
 
 
 def aio_server(max_workers: int, interceptors=()) -> grpc.aio.Server:
     """``server`` on ``grpc.aio``, made on the event loop that will run it: coroutine
     handlers run on the loop (a stream costs no thread), plain ones on a pool of
     ``max_workers`` threads."""
-    return grpc.aio.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                           interceptors=[AioRpcMetrics(), *interceptors],
-                           options=SERVER_OPTIONS)
+    return grpc.aio.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[AioRpcMetrics(), *interceptors],
+        options=SERVER_OPTIONS,
+    )
 
 
 def add_port(server_: grpc.Server, listen: str, files: TlsFiles | None) -> int:

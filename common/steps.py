@@ -11,8 +11,9 @@ import math
 from protos import keel_pb2
 
 
-def summarize(reports: list[keel_pb2.StepReport]) -> tuple[list[keel_pb2.NodeStep],
-                                                            list[keel_pb2.StepReport]]:
+def summarize(
+    reports: list[keel_pb2.StepReport],
+) -> tuple[list[keel_pb2.NodeStep], list[keel_pb2.StepReport]]:
     """The ranks' reports as one ``NodeStep`` per step, in step order (a rank's first
     report of a step counts, as at the controller); and the reports a step cannot carry
     (a step below 1, a step time that is not a finite number of seconds), which go as
@@ -28,11 +29,16 @@ def summarize(reports: list[keel_pb2.StepReport]) -> tuple[list[keel_pb2.NodeSte
     for step in sorted(by_step):
         ranks = by_step[step]
         order = sorted(ranks)
-        node_steps.append(keel_pb2.NodeStep(
-            step=step, ranks=order, step_time_s=[ranks[r].step_time_s for r in order],
-            tokens=sum(r.tokens for r in ranks.values()),
-            at=max(r.at for r in ranks.values()),
-            checkpoint_s=max(r.checkpoint_s for r in ranks.values()),
-            restore_s=max(r.restore_s for r in ranks.values()),
-            loss=ranks[order[0]].loss))
+        node_steps.append(
+            keel_pb2.NodeStep(
+                step=step,
+                ranks=order,
+                step_time_s=[ranks[r].step_time_s for r in order],
+                tokens=sum(r.tokens for r in ranks.values()),
+                at=max(r.at for r in ranks.values()),
+                checkpoint_s=max(r.checkpoint_s for r in ranks.values()),
+                restore_s=max(r.restore_s for r in ranks.values()),
+                loss=ranks[order[0]].loss,
+            )
+        )
     return node_steps, unsummed

@@ -24,6 +24,7 @@ from common.etcd import EtcdCredentials
 class TlsFiles:
     """PEM files of one side of a mutual-TLS connection: the CA that signs every party
     it trusts, and its own certificate and private key."""
+
     ca: Path
     cert: Path
     key: Path
@@ -42,20 +43,29 @@ def first_identity(tls_dir: str | Path, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if (Path(tls_dir) / f"{n}.pem").is_file()), None)
 
 
-def resolve_tls(tls_dir: str | Path | None, identity: str | None, ca: str | None = None,
-                cert: str | None = None, key: str | None = None) -> TlsFiles | None:
+def resolve_tls(
+    tls_dir: str | Path | None,
+    identity: str | None,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+) -> TlsFiles | None:
     """The files of party ``identity``: explicit paths first, then ``tls_dir``'s
     ``ca.pem``, ``<identity>.pem`` and ``<identity>.key``; None if nothing is given."""
     if tls_dir is None and not (ca or cert or key):
         return None
     base = Path(tls_dir) if tls_dir is not None else None
-    paths = {"--ca": ca or (base and base / "ca.pem"),
-             "--cert": cert or (base and identity and base / f"{identity}.pem"),
-             "--key": key or (base and identity and base / f"{identity}.key")}
+    paths = {
+        "--ca": ca or (base and base / "ca.pem"),
+        "--cert": cert or (base and identity and base / f"{identity}.pem"),
+        "--key": key or (base and identity and base / f"{identity}.key"),
+    }
     missing = [flag for flag, path in paths.items() if not path]
     if missing:
-        raise ValueError(f"mutual TLS needs {', '.join(missing)} too (or --tls-dir "
-                         f"holding ca.pem, <name>.pem and <name>.key)")
+        raise ValueError(
+            f"mutual TLS needs {', '.join(missing)} too (or --tls-dir "
+            f"holding ca.pem, <name>.pem and <name>.key)"
+        )
     return TlsFiles(*(Path(p) for p in paths.values()))
 
 
@@ -77,21 +87,26 @@ def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Server credentials that demand a client certificate signed by ``files.ca``."""
     ca, cert, key = files.pems()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=True)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
 
 
 # ----------------------------------------------------------------------- etcd
-def etcd_credentials(etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None,
-                     etcd_password=None, **_) -> EtcdCredentials | None:
+def etcd_credentials(
+    etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None, etcd_password=None, **_
+) -> EtcdCredentials | None:
     """The etcd credentials of the ``common.flags.etcd_options`` flags; None if none
     is given."""
     if not (etcd_ca or etcd_cert or etcd_key or etcd_user or etcd_password):
         return None
-    return EtcdCredentials(ca=Path(etcd_ca) if etcd_ca else None,
-                           cert=Path(etcd_cert) if etcd_cert else None,
-                           key=Path(etcd_key) if etcd_key else None,
-                           user=etcd_user or None, password=etcd_password or None)
+    return EtcdCredentials(
+        ca=Path(etcd_ca) if etcd_ca else None,
+        cert=Path(etcd_cert) if etcd_cert else None,
+        key=Path(etcd_key) if etcd_key else None,
+        user=etcd_user or None,
+        password=etcd_password or None,
+    )
 
 
 def etcd_flags(credentials: EtcdCredentials | None) -> list[str]:
@@ -99,6 +114,10 @@ def etcd_flags(credentials: EtcdCredentials | None) -> list[str]:
     child reads that from KEEL_ETCD_PASSWORD)."""
     if credentials is None:
         return []
-    flags = {"--etcd-ca": credentials.ca, "--etcd-cert": credentials.cert,
-             "--etcd-key": credentials.key, "--etcd-user": credentials.user}
+    flags = {
+        "--etcd-ca": credentials.ca,
+        "--etcd-cert": credentials.cert,
+        "--etcd-key": credentials.key,
+        "--etcd-user": credentials.user,
+    }
     return [part for flag, value in flags.items() if value for part in (flag, str(value))]

@@ -21,19 +21,26 @@ from common.etcd import EtcdClient, prefix_end, read_prefix
 log = structlog.get_logger()
 
 RETRY_S = 0.5
-POLL_S = 0.2     # how often the watch thread looks whether it was asked to stop
+POLL_S = 0.2  # how often the watch thread looks whether it was asked to stop
 
 
 class Watch:
-    def __init__(self, etcd: EtcdClient, key: str, *, prefix: bool,
-                 on_reset: Callable[[list, int], None], on_events: Callable[[list], None],
-                 name: str):
+    def __init__(
+        self,
+        etcd: EtcdClient,
+        key: str,
+        *,
+        prefix: bool,
+        on_reset: Callable[[list, int], None],
+        on_events: Callable[[list], None],
+        name: str,
+    ):
         """``key``: the key followed, or with ``prefix`` the prefix of those followed;
         ``name``: what it follows, for its thread and log lines."""
         self.etcd = etcd
         self.key, self.prefix, self.name = key, prefix, name
         self.on_reset, self.on_events = on_reset, on_events
-        self.failing = False          # the last read or watch failed (until one works)
+        self.failing = False  # the last read or watch failed (until one works)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
 
@@ -58,8 +65,9 @@ class Watch:
                 self.on_reset(kvs, cluster)
                 arrived: queue.Queue = queue.Queue()
                 extra = {"range_end": prefix_end(self.key.encode())} if self.prefix else {}
-                watch_id = self.etcd.add_watch_callback(self.key, arrived.put,
-                                                        start_revision=revision + 1, **extra)
+                watch_id = self.etcd.add_watch_callback(
+                    self.key, arrived.put, start_revision=revision + 1, **extra
+                )
                 if self.failing:
                     log.info("watching again", what=self.name)
                     self.failing = False

@@ -16,15 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def generate(out_root: Path = ROOT) -> None:
     (out_root / "protos").mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
-    rc = protoc.main([
-        "protoc",
-        f"-I{ROOT}",
-        f"-I{include}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        "protos/keel.proto",
-    ])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{ROOT}",
+            f"-I{include}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            "protos/keel.proto",
+        ]
+    )
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
 

@@ -41,8 +41,10 @@ def _unit_tests_start_no_processes(request, monkeypatch):
     """A test not marked integration that starts a process fails, saying where it
     belongs."""
     if request.node.get_closest_marker("integration") is None:
+
         def refuse(*args, **kwargs):
             raise AssertionError("a unit test starts no process; move it to tests/integration")
+
         monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
@@ -65,11 +67,15 @@ def enable_etcd_auth(ctl: list[str]) -> None:
     """Turns on authentication in the etcd that ``ctl`` (see ``etcdctl``) reaches: user
     ``root`` (password ``root-pw``) with the root role, and user ``keel`` (password
     ``keel-pw``) whose role may read and write only keys under /keel/."""
-    for command in (["user", "add", "root:root-pw"], ["user", "grant-role", "root", "root"],
-                    ["role", "add", "keel"],
-                    ["role", "grant-permission", "keel", "--prefix=true", "readwrite", "/keel/"],
-                    ["user", "add", "keel:keel-pw"], ["user", "grant-role", "keel", "keel"],
-                    ["auth", "enable"]):
+    for command in (
+        ["user", "add", "root:root-pw"],
+        ["user", "grant-role", "root", "root"],
+        ["role", "add", "keel"],
+        ["role", "grant-permission", "keel", "--prefix=true", "readwrite", "/keel/"],
+        ["user", "add", "keel:keel-pw"],
+        ["user", "grant-role", "keel", "keel"],
+        ["auth", "enable"],
+    ):
         subprocess.run([*ctl, *command], check=True, capture_output=True)
 
 
@@ -89,8 +95,10 @@ def processes_mentioning(text: str) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes() or \
-                    needle in (entry / "environ").read_bytes():
+            if (
+                needle in (entry / "cmdline").read_bytes()
+                or needle in (entry / "environ").read_bytes()
+            ):
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state != "Z":
                     found.append(int(entry.name))
@@ -114,13 +122,19 @@ def no_leaks(tmp_path):
 
 def keel(*args: str, timeout_s: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run the keel CLI as a user would, capturing its output."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
-def torchrun(nproc: int, *command: str, env: dict | None = None,
-             timeout_s: float = 240) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *command: str, env: dict | None = None, timeout_s: float = 240
+) -> subprocess.CompletedProcess:
     """Runs ``command`` (``"-m", "trainer.train", ...`` or a script and its arguments)
     under torchrun with ``nproc`` ranks on this host, from the repository root, without
     the caller's ``KEEL_*`` variables, plus ``env``.
@@ -134,9 +148,20 @@ def torchrun(nproc: int, *command: str, env: dict | None = None,
     full_env["KEEL_TEST_LAUNCH"] = marker
     try:
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-             *command],
-            cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                *command,
+            ],
+            cwd=REPO,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
     finally:
         for pid in processes_mentioning(f"KEEL_TEST_LAUNCH={marker}"):
@@ -166,19 +191,27 @@ def step_events(stderr: str) -> dict[int, dict]:
     return events
 
 
-def step_losses(run: subprocess.CompletedProcess, check: bool = True, only_steps: bool = False) -> dict[int, float]:
+def step_losses(
+    run: subprocess.CompletedProcess, check: bool = True, only_steps: bool = False
+) -> dict[int, float]:
     """step → loss from rank 0's ``step`` events on stderr (``step_events``). ``check``:
     the launch must have succeeded; ``only_steps``: stdout must be empty (the trainer
     says everything in log lines)."""
     if check:
-        assert run.returncode == 0, f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+        assert run.returncode == 0, (
+            f"trainer failed ({run.returncode}):\n{run.stdout}\n{run.stderr[-4000:]}"
+        )
     assert not (only_steps and run.stdout), f"unexpected stdout {run.stdout[:2000]!r}"
     return {step: float(event["loss"]) for step, event in step_events(run.stderr).items()}
 
 
 def committed_steps(ckpt: Path) -> list[int]:
     """The steps of the checkpoints committed in ``ckpt`` (its ``step_N`` directories)."""
-    return sorted(int(path.name.removeprefix("step_")) for path in ckpt.iterdir() if path.name.startswith("step_"))
+    return sorted(
+        int(path.name.removeprefix("step_"))
+        for path in ckpt.iterdir()
+        if path.name.startswith("step_")
+    )
 
 
 class AgentRecorder:
@@ -193,8 +226,9 @@ class AgentRecorder:
     ``ask_from_step``, once, in the ack of the first call that reports step
     ``ask_from_step`` or later."""
 
-    def __init__(self, ask_from_step: int | None = None,
-                 ask: Callable[[int, list], bool] | None = None) -> None:
+    def __init__(
+        self, ask_from_step: int | None = None, ask: Callable[[int, list], bool] | None = None
+    ) -> None:
         self.lock = threading.Lock()
         self.events: list[tuple[str, object]] = []
         self.calls: list[tuple[int, list[keel_pb2.StepReport]]] = []
@@ -212,24 +246,26 @@ class AgentRecorder:
         """A rank token (KEEL_RANK_TOKEN) for every rank of one torchrun launch (its
         ranks share one environment), in ``generation``."""
         token = secrets.token_urlsafe(16)
-        self.identities[token] = RankIdentity(job=job, generation=generation,
-                                              ranks=frozenset(range(world_size)),
-                                              checkpoint_dir=str(checkpoint_dir))
+        self.identities[token] = RankIdentity(
+            job=job,
+            generation=generation,
+            ranks=frozenset(range(world_size)),
+            checkpoint_dir=str(checkpoint_dir),
+        )
         return token
 
     def on_steps(self, generation: int, reports: list) -> int | None:
         """The agent's answer: a checkpoint of a step after the newest reported, or
         None."""
         if not reports:
-            return None   # a rank's ping: the agent answers, nothing to record
+            return None  # a rank's ping: the agent answers, nothing to record
         with self.lock:
             self.calls.append((generation, list(reports)))
             self.events.extend(("step", report) for report in reports)
             newest = max(report.step for report in reports)
             if self._ask is not None and self._ask(len(self.calls), reports):
                 return newest
-            if (self._ask_from_step is not None and not self.asked
-                    and newest >= self._ask_from_step):
+            if self._ask_from_step is not None and not self.asked and newest >= self._ask_from_step:
                 self.asked = True
                 return newest
             return None
@@ -262,7 +298,9 @@ class AgentRecorder:
     def steps(self) -> list[tuple[int, keel_pb2.StepReport]]:
         """(generation, report) for every step report so far."""
         with self.lock:
-            return [(generation, report) for generation, reports in self.calls for report in reports]
+            return [
+                (generation, report) for generation, reports in self.calls for report in reports
+            ]
 
 
 @pytest.fixture
@@ -284,11 +322,19 @@ def local_agent(recorder):
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     directory = tempfile.mkdtemp(prefix="keel-agent-")
     socket_path = os.path.join(directory, "agent.sock")
-    server = serve(socket_path, AgentLocalService(
-        recorder.identities.get, recorder.on_steps, recorder.on_checkpoint,
-        getattr(recorder, "on_preflight", lambda _report: None), on_attach=recorder.on_attach,
-        leaving=recorder.leaving_tokens.__contains__, on_park=recorder.on_park,
-        next_generation=recorder.answers.get))
+    server = serve(
+        socket_path,
+        AgentLocalService(
+            recorder.identities.get,
+            recorder.on_steps,
+            recorder.on_checkpoint,
+            getattr(recorder, "on_preflight", lambda _report: None),
+            on_attach=recorder.on_attach,
+            leaving=recorder.leaving_tokens.__contains__,
+            on_park=recorder.on_park,
+            next_generation=recorder.answers.get,
+        ),
+    )
     try:
         yield socket_path
     finally:
@@ -307,20 +353,23 @@ def _from_debian_prometheus(name: str) -> str:
         apt_env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
         try:
-            result = subprocess.run(install, env=apt_env, capture_output=True, text=True,
-                                    timeout=600)
-            if result.returncode != 0:   # a fresh machine may have no package lists yet
-                subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True,
-                               timeout=600)
-                result = subprocess.run(install, env=apt_env, capture_output=True,
-                                        text=True, timeout=600)
+            result = subprocess.run(
+                install, env=apt_env, capture_output=True, text=True, timeout=600
+            )
+            if result.returncode != 0:  # a fresh machine may have no package lists yet
+                subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True, timeout=600)
+                result = subprocess.run(
+                    install, env=apt_env, capture_output=True, text=True, timeout=600
+                )
             why = f" (apt-get install prometheus: {result.stderr.strip()[-300:] or 'done'})"
         except subprocess.TimeoutExpired:
             why = " (apt-get install prometheus took over 600 s)"
         found = shutil.which(name, path=search)
     if found is None:
-        pytest.skip(f"{name} not found{why}: install Debian's prometheus package "
-                    f"(apt-get install prometheus), which provides {name}")
+        pytest.skip(
+            f"{name} not found{why}: install Debian's prometheus package "
+            f"(apt-get install prometheus), which provides {name}"
+        )
     return found
 
 

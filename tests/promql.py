@@ -13,8 +13,12 @@ import yaml
 # Grafana's global variables, by what a valid query may put in their place: the
 # interval ones stand where PromQL wants a duration, the numeric ones a number.
 GRAFANA_GLOBALS = {
-    "__rate_interval": "5m", "__interval": "1m", "__range": "1h",
-    "__interval_ms": "60000", "__range_ms": "3600000", "__range_s": "3600",
+    "__rate_interval": "5m",
+    "__interval": "1m",
+    "__range": "1h",
+    "__interval_ms": "60000",
+    "__range_ms": "3600000",
+    "__range_s": "3600",
 }
 # $name, ${name}, ${name:format} and [[name]], the forms Grafana substitutes.
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
@@ -68,8 +72,10 @@ def _selector_names(selector, expr: str) -> set[str]:
             if matcher.name != "__name__":
                 continue
             if matcher.op != promql_parser.MatchOp.Equal:
-                raise ValueError(f"{expr!r}: selector {selector} picks metrics by "
-                                 f"{matcher}; name them with __name__=\"...\"")
+                raise ValueError(
+                    f"{expr!r}: selector {selector} picks metrics by "
+                    f'{matcher}; name them with __name__="..."'
+                )
             found.add(matcher.value)
     return found
 
@@ -78,9 +84,11 @@ def substitute_variables(expr: str) -> str:
     """``expr`` with Grafana's variables replaced by valid PromQL: its interval and range
     globals by durations (numbers for the _ms and _s forms), any other variable by
     ``placeholder``."""
+
     def replace(match: re.Match) -> str:
         name = next(group for group in match.groups() if group is not None)
         return GRAFANA_GLOBALS.get(name, PLACEHOLDER)
+
     return VARIABLE.sub(replace, expr)
 
 
@@ -99,10 +107,17 @@ def dashboard_exprs(path: Path | str) -> list[str]:
     nested rows' panels included, and its annotation queries), with Grafana's variables
     substituted (``substitute_variables``)."""
     dashboard = json.loads(Path(path).read_text())
-    exprs = [target["expr"] for panel in dashboard_panels(dashboard)
-             for target in panel.get("targets", []) if "expr" in target]
-    exprs += [annotation["expr"] for annotation in dashboard.get("annotations", {}).get("list", [])
-              if "expr" in annotation]
+    exprs = [
+        target["expr"]
+        for panel in dashboard_panels(dashboard)
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+    exprs += [
+        annotation["expr"]
+        for annotation in dashboard.get("annotations", {}).get("list", [])
+        if "expr" in annotation
+    ]
     return [substitute_variables(expr) for expr in exprs]
 
 
@@ -110,5 +125,8 @@ def rule_exprs(path: Path | str) -> list[tuple[str, str]]:
     """(name, expression) for every rule of the Prometheus rule file at ``path``: a
     recording rule by the series it records, an alerting rule by its alert name."""
     groups = yaml.safe_load(Path(path).read_text())["groups"]
-    return [(rule.get("record") or rule["alert"], rule["expr"])
-            for group in groups for rule in group["rules"]]
+    return [
+        (rule.get("record") or rule["alert"], rule["expr"])
+        for group in groups
+        for rule in group["rules"]
+    ]

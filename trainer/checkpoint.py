@@ -71,8 +71,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import fence, manifest
-from trainer.checkpoint_dir import (committed_path, committed_steps, expired, fsync_dir,
-                                    fsync_file, staging_path)
+from trainer.checkpoint_dir import (
+    committed_path,
+    committed_steps,
+    expired,
+    fsync_dir,
+    fsync_file,
+    staging_path,
+)
 from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.runtime import Runtime
 
@@ -119,7 +125,9 @@ class TrainerState:
         )
 
 
-def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer: TrainerState) -> dict:
+def state_dict(
+    parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer: TrainerState
+) -> dict:
     """What a checkpoint holds: ``model`` and ``optim`` keyed by global parameter name
     over this rank's model ``parts`` (pipeline stages, or the one whole model) and
     their ``optimizers`` (one per part), and ``trainer``."""
@@ -127,32 +135,47 @@ def state_dict(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], 
     optimizer_state: dict = {}
     for part, optimizer in zip(parts, optimizers):
         model_state.update(get_model_state_dict(part, options=STATE_DICT_OPTIONS))
-        optimizer_state.update(get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS))
+        optimizer_state.update(
+            get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS)
+        )
     return {"model": model_state, "optim": optimizer_state, "trainer": trainer.to_state_dict()}
 
 
-def load(path: str, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-         template: TrainerState) -> TrainerState:
+def load(
+    path: str,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    template: TrainerState,
+) -> TrainerState:
     """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
     resharding to the current layout, and returns its trainer state (``template``
     gives its shape: the current scheduler's state dict and RNG state). Collective."""
     per_part = [
-        (get_model_state_dict(part, options=STATE_DICT_OPTIONS),
-         get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS))
+        (
+            get_model_state_dict(part, options=STATE_DICT_OPTIONS),
+            get_optimizer_state_dict(part, optimizer, options=STATE_DICT_OPTIONS),
+        )
         for part, optimizer in zip(parts, optimizers)
     ]
     target = {
         "model": {key: value for model_state, _ in per_part for key, value in model_state.items()},
-        "optim": {key: value for _, optimizer_state in per_part for key, value in optimizer_state.items()},
+        "optim": {
+            key: value for _, optimizer_state in per_part for key, value in optimizer_state.items()
+        },
         "trainer": template.to_state_dict(),
     }
     dcp.load(target, checkpoint_id=path)
     # DCP fills tensors in place but replaces other values (learning rates, step
     # counts kept as numbers), so each part takes its keys back from the loaded dict.
     for (part, optimizer), (model_state, optimizer_state) in zip(zip(parts, optimizers), per_part):
-        set_model_state_dict(part, {key: target["model"][key] for key in model_state}, options=STATE_DICT_OPTIONS)
+        set_model_state_dict(
+            part, {key: target["model"][key] for key in model_state}, options=STATE_DICT_OPTIONS
+        )
         set_optimizer_state_dict(
-            part, optimizer, {key: target["optim"][key] for key in optimizer_state}, options=STATE_DICT_OPTIONS
+            part,
+            optimizer,
+            {key: target["optim"][key] for key in optimizer_state},
+            options=STATE_DICT_OPTIONS,
         )
     return TrainerState.from_state_dict(target["trainer"])
 
@@ -165,7 +188,7 @@ class _Pending:
     samples: int
     staging: str
     future: Future
-    started: float               # perf_counter seconds, when its save began
+    started: float  # perf_counter seconds, when its save began
 
 
 class Checkpointer:
@@ -189,8 +212,15 @@ class Checkpointer:
     recorded (``Runtime.recorded_step``). ``take_blocked_s`` says how long ``save`` and
     ``poll`` held up the caller, for the step reports."""
 
-    def __init__(self, checkpoint_dir: str, runtime: Runtime, *, use_async: bool, keep: int,
-                 restored_from: str | None) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        runtime: Runtime,
+        *,
+        use_async: bool,
+        keep: int,
+        restored_from: str | None,
+    ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.runtime = runtime
         self.use_async = use_async
@@ -217,9 +247,18 @@ class Checkpointer:
         # One stager for the run: it keeps the CPU copy it staged into and reuses it on
         # the next save (pinned on a GPU, for fast copies), where a stager per save
         # would allocate and fault in the whole state again each time.
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=False)) if use_async else None
+        self._stager = (
+            DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+            if use_async
+            else None
+        )
 
     def save(self, step: int, samples: int, state: dict, ledger: Ledger, global_batch: int) -> None:
         """Starts the checkpoint of step ``step`` (``samples``: global data position
@@ -240,8 +279,9 @@ class Checkpointer:
             ledger.write(staging, global_batch, step)
         dist.barrier()
         if self.use_async:
-            future = dcp.async_save(state, checkpoint_id=staging, process_group=self._group,
-                                    async_stager=self._stager)
+            future = dcp.async_save(
+                state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager
+            )
             pending = _Pending(step, samples, staging, future, started)
             if self._rank == 0:
                 # Committed as soon as it is written, by the committer thread: not when
@@ -249,9 +289,9 @@ class Checkpointer:
                 # a hung peer while the checkpoint is as good as done.
                 if self._committer is None:
                     self._committer = ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="keel-checkpoint-commit")
-                self._commit_future = self._committer.submit(self._commit_when_written,
-                                                             pending)
+                        max_workers=1, thread_name_prefix="keel-checkpoint-commit"
+                    )
+                self._commit_future = self._committer.submit(self._commit_when_written, pending)
             else:
                 self._pending = pending
         else:
@@ -295,8 +335,11 @@ class Checkpointer:
         logged, not raised); whether all did. A rank whose threads did not end may not
         restart in place: they would go on writing as this generation."""
         deadline = time.monotonic() + timeout_s
-        pending = [f for f in (self._pending.future if self._pending else None,
-                               self._commit_future) if f is not None]
+        pending = [
+            f
+            for f in (self._pending.future if self._pending else None, self._commit_future)
+            if f is not None
+        ]
         with self._deletions_lock:
             pending += self._deletions
         for future in pending:
@@ -304,15 +347,17 @@ class Checkpointer:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 return False
-            except BaseException as error:   # CheckpointException is one
-                self.runtime.log(f"a checkpoint operation failed with the run: "
-                                 f"{type(error).__name__}: {str(error)[:200]}")
+            except BaseException as error:  # CheckpointException is one
+                self.runtime.log(
+                    f"a checkpoint operation failed with the run: "
+                    f"{type(error).__name__}: {str(error)[:200]}"
+                )
         self._pending = self._commit_future = None
         for pool in (self._committer, self._deleter):
             if pool is not None:
                 pool.shutdown(wait=False)
         if self._stager is not None:
-            self._stager.close()      # its copy of the state goes with the generation
+            self._stager.close()  # its copy of the state goes with the generation
         return True
 
     def _written(self) -> None:
@@ -339,8 +384,10 @@ class Checkpointer:
             if owner <= self.generation or self.generation == 0:
                 raise
             refused = fence.Superseded(self.checkpoint_dir, self.generation, owner)
-            self.runtime.log(f"refusing to change checkpoint step {step}: {refused} (its write "
-                             f"failed: {type(error).__name__})")
+            self.runtime.log(
+                f"refusing to change checkpoint step {step}: {refused} (its write "
+                f"failed: {type(error).__name__})"
+            )
             self.runtime.report_checkpoint_problem(step, staging, "stale_commit", str(refused))
             raise refused from error
 
@@ -384,14 +431,16 @@ class Checkpointer:
                 self._remove(final, step, "discarded")
             os.rename(staging, final)
             fsync_dir(self.checkpoint_dir)
-        self.runtime.report_checkpoint(step, os.path.abspath(final), samples,
-                                       save_s=time.perf_counter() - started, size=size)
+        self.runtime.report_checkpoint(
+            step, os.path.abspath(final), samples, save_s=time.perf_counter() - started, size=size
+        )
         self._retain(step)
 
     def _retain(self, committed_step: int) -> None:
         found = committed_steps(self.checkpoint_dir)
         protected = {committed_step, self.runtime.recorded_step} | {
-            step for step, path in found.items() if os.path.abspath(path) == self.restored_from}
+            step for step, path in found.items() if os.path.abspath(path) == self.restored_from
+        }
         doomed = expired(list(found), self.keep, protected)
         if not doomed:
             return
@@ -413,5 +462,7 @@ class Checkpointer:
         fsync_dir(self.checkpoint_dir)
         with self._deletions_lock:
             if self._deleter is None:
-                self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-checkpoint-delete")
+                self._deleter = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="keel-checkpoint-delete"
+                )
             self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))

@@ -58,7 +58,7 @@ def discard_staging(checkpoint_dir: str | None, generation: int) -> list[str]:
         return []
     fence.claim(checkpoint_dir, generation)
     if not os.path.isdir(checkpoint_dir):
-        return []   # a first run outside Keel: nothing was ever saved there
+        return []  # a first run outside Keel: nothing was ever saved there
     removed = []
     with fence.held(checkpoint_dir, generation):
         for name in os.listdir(checkpoint_dir):

@@ -36,7 +36,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> floa
     at most ``max_norm``; returns that norm before clipping. Collective over all ranks."""
     parameters = [p for p in parameters if p.grad is not None]
     if not all(isinstance(p.grad, DTensor) for p in parameters):
-        raise TypeError("clip_grad_norm_ needs DTensor gradients; apply FSDP2 (trainer.parallelize) first")
+        raise TypeError(
+            "clip_grad_norm_ needs DTensor gradients; apply FSDP2 (trainer.parallelize) first"
+        )
     device = parameters[0].grad.device if parameters else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in parameters:

@@ -31,8 +31,10 @@ class Superseded(RuntimeError):
     """A newer generation owns the checkpoint directory; ``owner`` is its number."""
 
     def __init__(self, directory: str, generation: int, owner: int):
-        super().__init__(f"generation {owner} owns {directory}; generation {generation} is "
-                         f"superseded and may not change anything there")
+        super().__init__(
+            f"generation {owner} owns {directory}; generation {generation} is "
+            f"superseded and may not change anything there"
+        )
         self.owner = owner
 
 
@@ -53,7 +55,7 @@ def _locked(directory: str) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)   # releases the lock
+        os.close(fd)  # releases the lock
 
 
 def claim(directory: str, generation: int) -> None:

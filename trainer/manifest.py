@@ -51,8 +51,10 @@ def write(directory: str, step: int) -> int:
     """Write ``directory``'s manifest (fsynced); return the bytes of the files it lists."""
     names = _files(directory)
     sums = _crc32s([os.path.join(directory, name) for name in names])
-    files = {name: {"bytes": os.path.getsize(os.path.join(directory, name)), "crc32": crc}
-             for name, crc in zip(names, sums)}
+    files = {
+        name: {"bytes": os.path.getsize(os.path.join(directory, name)), "crc32": crc}
+        for name, crc in zip(names, sums)
+    }
     path = os.path.join(directory, MANIFEST_FILE)
     with open(path, "w") as out:
         json.dump({"step": step, "files": files}, out)

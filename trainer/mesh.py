@@ -38,8 +38,16 @@ class BatchPlan:
     virtual_stages: int = 1
 
     @classmethod
-    def for_layout(cls, layout: Layout, *, global_batch: int, grad_accum: int, microbatches: int | None,
-                   pp_schedule: str, virtual_stages: int) -> BatchPlan:
+    def for_layout(
+        cls,
+        layout: Layout,
+        *,
+        global_batch: int,
+        grad_accum: int,
+        microbatches: int | None,
+        pp_schedule: str,
+        virtual_stages: int,
+    ) -> BatchPlan:
         """The plan the command line asks for, under ``layout``: the pipeline settings
         apply only with ``pp`` > 1, so the same command line runs under any layout the
         controller picks; ``microbatches`` None means one per pipeline stage rank."""
@@ -78,7 +86,9 @@ def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: i
             f"use a sequence length that is a multiple of {layout.tp}"
         )
     if plan.pp_schedule not in PP_SCHEDULES:
-        raise ValueError(f"pipeline schedule {plan.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        raise ValueError(
+            f"pipeline schedule {plan.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}"
+        )
     if plan.grad_accum < 1 or plan.microbatches < 1 or plan.virtual_stages < 1:
         raise ValueError(
             f"grad_accum {plan.grad_accum}, microbatches {plan.microbatches} and virtual stages "
@@ -91,7 +101,11 @@ def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: i
             f"model has {config.layers} layers; use at most {config.layers} stages (lower pp or --virtual-stages, "
             f"or add layers)"
         )
-    if layout.pp > 1 and plan.pp_schedule in ("1f1b", "interleaved_1f1b") and plan.microbatches < layout.pp:
+    if (
+        layout.pp > 1
+        and plan.pp_schedule in ("1f1b", "interleaved_1f1b")
+        and plan.microbatches < layout.pp
+    ):
         raise ValueError(
             f"{plan.pp_schedule} needs at least one micro-batch per pipeline rank: --microbatches "
             f"{plan.microbatches} < pp={layout.pp}; use --microbatches {layout.pp} or more"

@@ -63,7 +63,9 @@ class ModelConfig:
         return 16 * math.ceil(8 * self.dim / 3 / 16)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each ``[max_seq_len, head_dim]`` (the
     ``head_dim / 2`` frequencies repeated for both halves of the channel vector)."""
     frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)

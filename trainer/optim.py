@@ -34,8 +34,18 @@ class Optimizers:
     rank runs several pipeline stages under interleaved schedules), driven as one.
     ``lr`` is the peak learning rate; ``lr_factor`` shapes it over the steps."""
 
-    def __init__(self, parts: list[nn.Module], *, lr: float, warmup_steps: int, total_steps: int, schedule: str) -> None:
-        factor = partial(lr_factor, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        *,
+        lr: float,
+        warmup_steps: int,
+        total_steps: int,
+        schedule: str,
+    ) -> None:
+        factor = partial(
+            lr_factor, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule
+        )
         self.optimizers = [torch.optim.AdamW(part.parameters(), lr=lr) for part in parts]
         self.schedulers = [LambdaLR(optimizer, factor) for optimizer in self.optimizers]
 

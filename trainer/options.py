@@ -35,12 +35,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     run = parser.add_argument_group("run")
     run.add_argument(
-        "--steps", type=int, required=True, help="target number of optimizer steps in total, counting those before a resume"
+        "--steps",
+        type=int,
+        required=True,
+        help="target number of optimizer steps in total, counting those before a resume",
     )
     run.add_argument(
-        "--global-batch", type=int, default=16,
+        "--global-batch",
+        type=int,
+        default=16,
         help="samples per optimizer step over all ranks; must divide by data-parallel ranks × --grad-accum "
-             "(× --microbatches with pipeline parallelism)",
+        "(× --microbatches with pipeline parallelism)",
     )
     run.add_argument("--seq-len", type=int, default=64, help="tokens per sample; must divide by tp")
     run.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
@@ -52,39 +57,82 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--vocab", type=int, default=256, help="vocabulary size")
 
     optimizer = parser.add_argument_group("optimizer")
-    optimizer.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (a resume keeps the checkpoint's)")
-    optimizer.add_argument("--lr-schedule", choices=optim.LR_SCHEDULES, default="constant",
-                           help=f"after warm-up: constant, or cosine decay to {optim.COSINE_FLOOR:g}×lr at --steps")
-    optimizer.add_argument("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up")
-    optimizer.add_argument("--grad-accum", type=int, default=1,
-                           help="forward/backward passes per optimizer step, each on 1/N of the rank's samples")
-    optimizer.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
-                           help="clip gradients to this global L2 norm (over every rank and stage); default no clipping")
+    optimizer.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="peak AdamW learning rate (a resume keeps the checkpoint's)",
+    )
+    optimizer.add_argument(
+        "--lr-schedule",
+        choices=optim.LR_SCHEDULES,
+        default="constant",
+        help=f"after warm-up: constant, or cosine decay to {optim.COSINE_FLOOR:g}×lr at --steps",
+    )
+    optimizer.add_argument(
+        "--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up"
+    )
+    optimizer.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="forward/backward passes per optimizer step, each on 1/N of the rank's samples",
+    )
+    optimizer.add_argument(
+        "--clip-grad",
+        type=float,
+        default=None,
+        metavar="NORM",
+        help="clip gradients to this global L2 norm (over every rank and stage); default no clipping",
+    )
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument(
-        "--layout", default=None,
+        "--layout",
+        default=None,
         help="ranks per mesh axis, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 or tp=2,pp=2 "
-             "(axes dp_replicate, dp_shard, tp, pp; omitted ones are 1); default $KEEL_MESH, else dp_shard over all ranks",
+        "(axes dp_replicate, dp_shard, tp, pp; omitted ones are 1); default $KEEL_MESH, else dp_shard over all ranks",
     )
-    parallel.add_argument("--pp-schedule", choices=mesh.PP_SCHEDULES, default="1f1b",
-                          help="pipeline schedule (with pp > 1)")
-    parallel.add_argument("--microbatches", type=int, default=None,
-                          help="pipeline micro-batches per pass (with pp > 1; at least pp for 1f1b schedules); default pp")
-    parallel.add_argument("--virtual-stages", type=int, default=2,
-                          help="pipeline stages per rank for interleaved_1f1b")
     parallel.add_argument(
-        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-        help="FSDP2: free each block's gathered parameters after its forward and gather again for the backward; "
-             "default on without pipeline parallelism, off with it (every micro-batch would gather again)",
+        "--pp-schedule",
+        choices=mesh.PP_SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule (with pp > 1)",
     )
-    parallel.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
-                          help="recompute each block's activations in the backward pass instead of keeping them")
+    parallel.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches per pass (with pp > 1; at least pp for 1f1b schedules); default pp",
+    )
+    parallel.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="pipeline stages per rank for interleaved_1f1b",
+    )
+    parallel.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="FSDP2: free each block's gathered parameters after its forward and gather again for the backward; "
+        "default on without pipeline parallelism, off with it (every micro-batch would gather again)",
+    )
+    parallel.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="recompute each block's activations in the backward pass instead of keeping them",
+    )
 
-    run.add_argument("--restart-in-place", action=argparse.BooleanOptionalAction, default=True,
-                     help="under a Keel agent, when a generation ends under this rank (a peer died, or "
-                          "the generation is being stopped) stay alive and become the next generation's "
-                          "rank in this process instead of exiting")
+    run.add_argument(
+        "--restart-in-place",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under a Keel agent, when a generation ends under this rank (a peer died, or "
+        "the generation is being stopped) stay alive and become the next generation's "
+        "rank in this process instead of exiting",
+    )
 
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument(
@@ -93,37 +141,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where checkpoints live; default $KEEL_CHECKPOINT_DIR, else no checkpoints",
     )
     ckpt.add_argument(
-        "--checkpoint-every", type=int, default=10, help="checkpoint at every multiple of this many steps (and at the last step)"
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="checkpoint at every multiple of this many steps (and at the last step)",
     )
-    ckpt.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=True,
-                      help="write checkpoints in the background; training waits only while the state is copied")
-    ckpt.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
-                      help="after each commit keep the newest K committed checkpoints (and the one resumed from); 0 keeps all")
+    ckpt.add_argument(
+        "--async-checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write checkpoints in the background; training waits only while the state is copied",
+    )
+    ckpt.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="K",
+        help="after each commit keep the newest K committed checkpoints (and the one resumed from); 0 keeps all",
+    )
 
     health = parser.add_argument_group("health")
     health.add_argument(
-        "--startup-timeout-s", type=float, default=None,
+        "--startup-timeout-s",
+        type=float,
+        default=None,
         help="collective timeout until the first step is done: rendezvous, start barrier, preflight, "
-             f"checkpoint load, first step; default ${keel_runtime.env.DEADLINES['startup_timeout_s']} "
-             f"(the job's deadline chain under Keel), else {STARTUP_TIMEOUT_S:g}",
+        f"checkpoint load, first step; default ${keel_runtime.env.DEADLINES['startup_timeout_s']} "
+        f"(the job's deadline chain under Keel), else {STARTUP_TIMEOUT_S:g}",
     )
     health.add_argument(
-        "--collective-timeout-s", type=float, default=None,
+        "--collective-timeout-s",
+        type=float,
+        default=None,
         help="collective timeout after the first step; a rank stuck in a collective fails after this long. "
-             "It must exceed the agent's hang floor plus its stop grace, so the agent names the hung rank first "
-             "(checked under Keel), and rank 0's checkpoint commit (fsync, then up to "
-             f"{COMMIT_REPORT_S:g} s reporting it), which its peers wait out; default "
-             f"${keel_runtime.env.DEADLINES['collective_timeout_s']}, else {COLLECTIVE_TIMEOUT_S:g}",
+        "It must exceed the agent's hang floor plus its stop grace, so the agent names the hung rank first "
+        "(checked under Keel), and rank 0's checkpoint commit (fsync, then up to "
+        f"{COMMIT_REPORT_S:g} s reporting it), which its peers wait out; default "
+        f"${keel_runtime.env.DEADLINES['collective_timeout_s']}, else {COLLECTIVE_TIMEOUT_S:g}",
     )
     health.add_argument(
-        "--preflight", action=argparse.BooleanOptionalAction, default=os.environ.get(keel_runtime.env.PREFLIGHT, "1") != "0",
+        "--preflight",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(keel_runtime.env.PREFLIGHT, "1") != "0",
         help="time all_reduce, all_gather and reduce_scatter over all ranks before the first step and report "
-             "the bandwidths to the agent; default on unless $KEEL_PREFLIGHT=0. Skipped on one rank",
+        "the bandwidths to the agent; default on unless $KEEL_PREFLIGHT=0. Skipped on one rank",
     )
-    health.add_argument("--preflight-sizes-mb", default=",".join(f"{size:g}" for size in preflight.DEFAULT_SIZES_MB),
-                        help="comma-separated buffer sizes in MiB to time each collective at (the job's bucket sizes)")
-    health.add_argument("--preflight-budget-s", type=float, default=preflight.DEFAULT_BUDGET_S,
-                        help="stop the preflight sweep once it has taken this long (checked between measurements)")
+    health.add_argument(
+        "--preflight-sizes-mb",
+        default=",".join(f"{size:g}" for size in preflight.DEFAULT_SIZES_MB),
+        help="comma-separated buffer sizes in MiB to time each collective at (the job's bucket sizes)",
+    )
+    health.add_argument(
+        "--preflight-budget-s",
+        type=float,
+        default=preflight.DEFAULT_BUDGET_S,
+        help="stop the preflight sweep once it has taken this long (checked between measurements)",
+    )
     args = parser.parse_args(argv)
     try:
         chain = keel_runtime.job_deadlines(os.environ)
@@ -133,8 +206,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.collective_timeout_s = chain.get("collective_timeout_s", COLLECTIVE_TIMEOUT_S)
     if args.startup_timeout_s is None:
         args.startup_timeout_s = chain.get("startup_timeout_s", STARTUP_TIMEOUT_S)
-    problems = keel_runtime.deadline_problems(os.environ, collective_timeout_s=args.collective_timeout_s,
-                                              startup_timeout_s=args.startup_timeout_s)
+    problems = keel_runtime.deadline_problems(
+        os.environ,
+        collective_timeout_s=args.collective_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+    )
     if problems:
         parser.error("the job's deadlines: " + "; ".join(problems))
     for name in ("steps", "checkpoint_every", "global_batch", "grad_accum", "virtual_stages"):
@@ -153,8 +229,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.preflight_sizes_mb = [float(size) for size in args.preflight_sizes_mb.split(",")]
     except ValueError:
-        parser.error(f"--preflight-sizes-mb {args.preflight_sizes_mb!r} is not a comma-separated list of numbers, "
-                     f"e.g. 1,8")
+        parser.error(
+            f"--preflight-sizes-mb {args.preflight_sizes_mb!r} is not a comma-separated list of numbers, "
+            f"e.g. 1,8"
+        )
     if min(args.preflight_sizes_mb) <= 0:
         parser.error("--preflight-sizes-mb must all be positive")
     if args.preflight_budget_s <= 0:

@@ -38,7 +38,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Splits ``model``'s weights over ``tp_mesh`` (see the module docstring)."""
     root_plan = {}
     if model.tok_embeddings is not None:
-        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        root_plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1)
+        )
     if model.norm is not None:
         root_plan["norm"] = SequenceParallel()
         root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
@@ -77,7 +79,9 @@ def apply_activation_checkpointing(model: Transformer) -> None:
         model.layers[name] = checkpoint_wrapper(block)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, device_type: str, reshard_after_forward: bool) -> None:
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, device_type: str, reshard_after_forward: bool
+) -> None:
     """FSDP2 over ``dp_mesh`` (1-D: ZeRO-3; 2-D ``(dp_replicate, dp_shard)``: HSDP):
     each block is one unit, gathered just in time; the root unit holds whatever else the
     part owns. On GPU, parameters compute in bf16 and gradients reduce in fp32; on CPU
@@ -87,7 +91,9 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, device_type: str, reshar
     else:
         mp_policy = MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
     # The root's parameters are needed again at once by the backward pass.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
 

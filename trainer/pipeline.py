@@ -53,7 +53,9 @@ def stage_layers(layers: int, stages: int) -> list[range]:
     least one block, the rest placed where they raise the most expensive stage the
     least (stage 0 also pays ``EMBEDDING_COST``, the last ``HEAD_COST``). Pure."""
     if not 1 <= stages <= layers:
-        raise ValueError(f"cannot split {layers} layers into {stages} pipeline stages; use 1 to {layers} stages")
+        raise ValueError(
+            f"cannot split {layers} layers into {stages} pipeline stages; use 1 to {layers} stages"
+        )
     counts = [1] * stages
     extra = [0] * stages
     extra[0] += EMBEDDING_COST
@@ -101,15 +103,25 @@ def build_schedule(
     of the mean."""
     # Imported here, not with the module: torch.distributed.pipelining brings in
     # torch._dynamo, most of a second of every rank's start, and only pp > 1 needs it.
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     pipeline_stages = [
         PipelineStage(part, index, stages.num_stages, device, group=stages.group)
         for part, index in zip(parts, stages.indices)
     ]
     if stages.schedule == "gpipe":
-        return ScheduleGPipe(pipeline_stages[0], stages.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleGPipe(
+            pipeline_stages[0], stages.microbatches, loss_fn=loss_fn, scale_grads=False
+        )
     if stages.schedule == "1f1b":
-        return Schedule1F1B(pipeline_stages[0], stages.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return ScheduleInterleaved1F1B(pipeline_stages, stages.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return Schedule1F1B(
+            pipeline_stages[0], stages.microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+    return ScheduleInterleaved1F1B(
+        pipeline_stages, stages.microbatches, loss_fn=loss_fn, scale_grads=False
+    )

@@ -62,7 +62,11 @@ def bus_bandwidth(collective: str, size_bytes: int, time_s: float, n: int) -> tu
     """``(algbw, busbw)`` in GB/s (1e9 bytes per second) of ``collective`` moving
     ``size_bytes`` in ``time_s`` seconds over ``n`` ranks, as nccl-tests computes
     them. Pure."""
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+    }
     if collective not in factors:
         raise ValueError(f"unknown collective {collective!r}; one of {', '.join(COLLECTIVES)}")
     algbw = size_bytes / time_s / GB
@@ -91,7 +95,9 @@ def run(sizes_mb: Sequence[float], budget_s: float, device: torch.device) -> Swe
         for _ in range(WARMUP_CALLS):
             _timed(call, device)
         time_s = statistics.median(_timed(call, device) for _ in range(TIMED_CALLS))
-        results.append(Result(collective, size, time_s, *bus_bandwidth(collective, size, time_s, n)))
+        results.append(
+            Result(collective, size, time_s, *bus_bandwidth(collective, size, time_s, n))
+        )
     return Sweep(results, time.perf_counter() - started, skipped=0)
 
 
@@ -99,14 +105,19 @@ def summary(sweep: Sweep, world_size: int, budget_s: float) -> str:
     """One line for the log: busbw per collective at each size."""
     parts = []
     for collective in COLLECTIVES:
-        figures = [f"{r.busbw_gbps:.3g} GB/s @ {r.size_bytes / MIB:.3g} MiB" for r in sweep.results
-                   if r.collective == collective]
+        figures = [
+            f"{r.busbw_gbps:.3g} GB/s @ {r.size_bytes / MIB:.3g} MiB"
+            for r in sweep.results
+            if r.collective == collective
+        ]
         if figures:
             parts.append(f"{collective} {', '.join(figures)}")
     line = f"preflight over {world_size} ranks in {sweep.wall_s:.2f} s, busbw: {'; '.join(parts) or 'nothing measured'}"
     if sweep.skipped:
-        line += (f" (stopped early: the {budget_s:g} s budget ran out with {sweep.skipped} of "
-                 f"{sweep.skipped + len(sweep.results)} measurements left; raise --preflight-budget-s)")
+        line += (
+            f" (stopped early: the {budget_s:g} s budget ran out with {sweep.skipped} of "
+            f"{sweep.skipped + len(sweep.results)} measurements left; raise --preflight-budget-s)"
+        )
     return line
 
 

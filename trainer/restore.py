@@ -79,13 +79,19 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> str | None:
                 break
             problems.append(f"{path}: {problem}")
             # What lies outside the job's directory is not the job's to rename.
-            aside = None if outside else quarantine(checkpoint_dir or os.path.dirname(path),
-                                                    path, runtime.generation)
-            runtime.log(f"quarantined checkpoint {path}: {problem}"
-                        + (f"; moved to {aside}" if aside else ""))
+            aside = (
+                None
+                if outside
+                else quarantine(checkpoint_dir or os.path.dirname(path), path, runtime.generation)
+            )
+            runtime.log(
+                f"quarantined checkpoint {path}: {problem}"
+                + (f"; moved to {aside}" if aside else "")
+            )
             match = _STEP.search(os.path.basename(os.path.normpath(path)))
-            runtime.report_checkpoint_problem(int(match.group(1)) if match else 0, path,
-                                              "quarantined", problem)
+            runtime.report_checkpoint_problem(
+                int(match.group(1)) if match else 0, path, "quarantined", problem
+            )
         decided = [chosen, problems, bool(tried)]
     dist.broadcast_object_list(decided, src=0)
     chosen, problems, had_candidates = decided

@@ -58,7 +58,10 @@ class TrainStep:
         if stages is not None:
             scale = grad_accum * stages.microbatches
             self.schedule = pipeline.build_schedule(
-                parts, stages, lambda logits, targets: cross_entropy(logits, targets) / scale, device
+                parts,
+                stages,
+                lambda logits, targets: cross_entropy(logits, targets) / scale,
+                device,
             )
 
     @property
@@ -66,25 +69,33 @@ class TrainStep:
         """Whether this rank computes the loss (without a pipeline, every rank)."""
         return self.stages is None or self.stages.is_last
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer | None = None) -> float | None:
+    def __call__(
+        self, inputs: torch.Tensor, targets: torch.Tensor, timer: PhaseTimer | None = None
+    ) -> float | None:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         loss = torch.zeros((), device=self.device)
         passes = zip(inputs.chunk(self.grad_accum), targets.chunk(self.grad_accum))
         for index, (pass_inputs, pass_targets) in enumerate(passes):
             if self.schedule is None:
-                loss += self._forward_backward(pass_inputs, pass_targets, last=index == self.grad_accum - 1)
+                loss += self._forward_backward(
+                    pass_inputs, pass_targets, last=index == self.grad_accum - 1
+                )
             else:
                 loss += self._pipeline_pass(pass_inputs, pass_targets)
         if timer is not None:
             timer.lap("compute_s")
         if self.clip_grad is not None:
-            self.grad_norm = clip_grad_norm_([p for part in self.parts for p in part.parameters()], self.clip_grad)
+            self.grad_norm = clip_grad_norm_(
+                [p for part in self.parts for p in part.parameters()], self.clip_grad
+            )
         self.optimizers.step()
         if timer is not None:
             timer.lap("optimizer_s")
         return loss.item() if self.holds_loss else None
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+    def _forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, last: bool
+    ) -> torch.Tensor:
         (model,) = self.parts
         if isinstance(model, FSDPModule):
             # Gradients of earlier passes stay unreduced and accumulate locally; the

@@ -47,8 +47,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import (checkpoint, checkpoint_dir, mesh, optim, parallelize, pipeline, preflight,
-                     restore as restore_from, runtime as keel_runtime, watchdog)
+from trainer import (
+    checkpoint,
+    checkpoint_dir,
+    mesh,
+    optim,
+    parallelize,
+    pipeline,
+    preflight,
+    restore as restore_from,
+    runtime as keel_runtime,
+    watchdog,
+)
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.mesh import BatchPlan, Layout
@@ -57,7 +67,16 @@ from trainer.options import parse_args
 from trainer.phases import PhaseTimer
 from trainer.step import TrainStep
 
-__all__ = ["Setup", "exchange", "exchange_step", "main", "parse_args", "run_generation", "setup", "train"]
+__all__ = [
+    "Setup",
+    "exchange",
+    "exchange_step",
+    "main",
+    "parse_args",
+    "run_generation",
+    "setup",
+    "train",
+]
 
 # How long a failed rank waits for its checkpoint saves to end before it may restart in
 # place; past it the rank exits instead.
@@ -86,7 +105,13 @@ def resolve_layout(args: argparse.Namespace, rt: keel_runtime.Runtime) -> Layout
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, max_seq_len=args.seq_len)
+    return ModelConfig(
+        vocab=args.vocab,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        max_seq_len=args.seq_len,
+    )
 
 
 def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Setup:
@@ -94,8 +119,12 @@ def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Set
     builds the mesh, the model parts, parallelized, and the optimizer. Collective."""
     config = model_config(args)
     plan = BatchPlan.for_layout(
-        layout, global_batch=args.global_batch, grad_accum=args.grad_accum, microbatches=args.microbatches,
-        pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+        layout,
+        global_batch=args.global_batch,
+        grad_accum=args.grad_accum,
+        microbatches=args.microbatches,
+        pp_schedule=args.pp_schedule,
+        virtual_stages=args.virtual_stages,
     )
     mesh.validate(layout, config, plan, dist.get_world_size())
     device_mesh = mesh.build(layout, device.type)
@@ -106,13 +135,25 @@ def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Set
     if layout.pp > 1:
         num_stages = layout.pp * plan.virtual_stages
         owned = pipeline.stage_layers(config.layers, num_stages)
-        indices = pipeline.local_stage_indices(device_mesh.get_local_rank("pp"), layout.pp, plan.virtual_stages)
-        parts = [pipeline.stage_module(model, owned[index], index == 0, index == num_stages - 1) for index in indices]
-        stages = pipeline.Stages(tuple(indices), num_stages, plan.pp_schedule, plan.microbatches,
-                                 device_mesh.get_group("pp"))
+        indices = pipeline.local_stage_indices(
+            device_mesh.get_local_rank("pp"), layout.pp, plan.virtual_stages
+        )
+        parts = [
+            pipeline.stage_module(model, owned[index], index == 0, index == num_stages - 1)
+            for index in indices
+        ]
+        stages = pipeline.Stages(
+            tuple(indices),
+            num_stages,
+            plan.pp_schedule,
+            plan.microbatches,
+            device_mesh.get_group("pp"),
+        )
     else:
         parts = [model]
-    reshard_after_forward = args.reshard_after_forward if args.reshard_after_forward is not None else layout.pp == 1
+    reshard_after_forward = (
+        args.reshard_after_forward if args.reshard_after_forward is not None else layout.pp == 1
+    )
     for part in parts:
         part.to(device)
         parallelize.parallelize(
@@ -124,10 +165,20 @@ def setup(args: argparse.Namespace, layout: Layout, device: torch.device) -> Set
             reshard_after_forward=reshard_after_forward,
         )
     optimizers = optim.Optimizers(
-        parts, lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps, schedule=args.lr_schedule
+        parts,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.steps,
+        schedule=args.lr_schedule,
     )
-    step = TrainStep(parts, optimizers, grad_accum=args.grad_accum, clip_grad=args.clip_grad, device=device,
-                     stages=stages)
+    step = TrainStep(
+        parts,
+        optimizers,
+        grad_accum=args.grad_accum,
+        clip_grad=args.clip_grad,
+        device=device,
+        stages=stages,
+    )
     return Setup(layout, device_mesh, parts, optimizers, step)
 
 
@@ -144,8 +195,15 @@ class Exchanged:
     leave_requested: bool = False
 
 
-def exchange_step(loss: float | None, first: int, count: int, represents: bool, checkpoint_requested: bool,
-                  device: torch.device, leave_requested: bool = False) -> Exchanged:
+def exchange_step(
+    loss: float | None,
+    first: int,
+    count: int,
+    represents: bool,
+    checkpoint_requested: bool,
+    device: torch.device,
+    leave_requested: bool = False,
+) -> Exchanged:
     """One all-gather per step for what every rank needs to know: the mean loss over
     the global batch (the mean over ranks that hold a loss — all of them, or the last
     pipeline stage's; each covers the same number of samples), the ``(first, count)``
@@ -155,9 +213,16 @@ def exchange_step(loss: float | None, first: int, count: int, represents: bool, 
     all save after the same step, or to leave the generation (``leave_requested``), so
     that all leave after the same step."""
     mine = torch.tensor(
-        [loss or 0.0, 1.0 if loss is not None else 0.0, first, count if represents else 0, float(checkpoint_requested),
-         float(leave_requested)],
-        dtype=torch.float64, device=device,
+        [
+            loss or 0.0,
+            1.0 if loss is not None else 0.0,
+            first,
+            count if represents else 0,
+            float(checkpoint_requested),
+            float(leave_requested),
+        ],
+        dtype=torch.float64,
+        device=device,
     )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -168,8 +233,9 @@ def exchange_step(loss: float | None, first: int, count: int, represents: bool, 
     return Exchanged(mean_loss, consumed, bool(table[:, 4].any()), bool(table[:, 5].any()))
 
 
-def exchange(loss: float | None, first: int, count: int, represents: bool, device: torch.device
-             ) -> tuple[float, list[tuple[int, int]]]:
+def exchange(
+    loss: float | None, first: int, count: int, represents: bool, device: torch.device
+) -> tuple[float, list[tuple[int, int]]]:
     """``exchange_step`` for loops without checkpoint requests: the mean loss and the
     consumed samples."""
     shared = exchange_step(loss, first, count, represents, False, device)
@@ -207,8 +273,12 @@ class Background:
         return False
 
 
-def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device,
-          current: Background | None = None) -> Setup:
+def train(
+    args: argparse.Namespace,
+    rt: keel_runtime.Runtime,
+    device: torch.device,
+    current: Background | None = None,
+) -> Setup:
     """Trains until ``args.steps`` optimizer steps are done, starting fresh or from the
     checkpoint ``trainer.restore.choose`` names, and returns what it trained (with
     the last checkpoint committed). ``current`` is told of the checkpointer."""
@@ -219,7 +289,12 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
     run = setup(args, layout, device)
     data = SyntheticTokens(args.vocab, args.seq_len, args.seed)
 
-    state = TrainerState(step=0, samples=0, scheduler=run.optimizers.scheduler_state(), rng_state=torch.get_rng_state())
+    state = TrainerState(
+        step=0,
+        samples=0,
+        scheduler=run.optimizers.scheduler_state(),
+        rng_state=torch.get_rng_state(),
+    )
     if rank == 0:
         for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation):
             rt.log(f"removed {name}, left by a rank that died while saving")
@@ -230,17 +305,26 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         run.optimizers.load_scheduler_state(state.scheduler)
         torch.set_rng_state(state.rng_state)
         if rank == 0:
-            rt.log(f"resumed from {restore} at step={state.step} samples={state.samples} on {world_size} ranks as {layout}")
+            rt.log(
+                f"resumed from {restore} at step={state.step} samples={state.samples} on {world_size} ranks as {layout}"
+            )
             if run.optimizers.peak_lr != args.lr:
-                rt.log(f"keeping the checkpoint's lr={run.optimizers.peak_lr:g}, not --lr {args.lr:g}")
+                rt.log(
+                    f"keeping the checkpoint's lr={run.optimizers.peak_lr:g}, not --lr {args.lr:g}"
+                )
     elif rank == 0:
         rt.log(f"fresh start on {world_size} ranks as {layout}")
     # Choosing (verifying) and loading the checkpoint; reported with the first step.
     restore_s = time.perf_counter() - restoring if restore else 0.0
     checkpointer = None
     if args.checkpoint_dir:
-        checkpointer = Checkpointer(args.checkpoint_dir, rt, use_async=args.async_checkpoint,
-                                    keep=args.keep_checkpoints, restored_from=restore)
+        checkpointer = Checkpointer(
+            args.checkpoint_dir,
+            rt,
+            use_async=args.async_checkpoint,
+            keep=args.keep_checkpoints,
+            restored_from=restore,
+        )
 
     if current is not None:
         current.checkpointer = checkpointer
@@ -250,9 +334,16 @@ def train(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
     return run
 
 
-def _loop(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.device, run: Setup,
-          data: SyntheticTokens, state: TrainerState, checkpointer: Checkpointer | None,
-          restore_s: float) -> None:
+def _loop(
+    args: argparse.Namespace,
+    rt: keel_runtime.Runtime,
+    device: torch.device,
+    run: Setup,
+    data: SyntheticTokens,
+    state: TrainerState,
+    checkpointer: Checkpointer | None,
+    restore_s: float,
+) -> None:
     """The steps from ``state`` to ``args.steps``, checkpointed as asked; raises
     ``GenerationEnded`` after a step in which any rank was asked to leave."""
     rank = dist.get_rank()
@@ -275,33 +366,59 @@ def _loop(args: argparse.Namespace, rt: keel_runtime.Runtime, device: torch.devi
         # slowest, this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
         busy_s += rt.after_step(busy_s)
-        shared = exchange_step(loss, first, count, represents, rt.take_checkpoint_request(), device,
-                               rt.leave_requested())
+        shared = exchange_step(
+            loss,
+            first,
+            count,
+            represents,
+            rt.take_checkpoint_request(),
+            device,
+            rt.leave_requested(),
+        )
         step, samples = step + 1, samples + args.global_batch
         ledger.record(step, shared.consumed)
         if step == first_step:
             watchdog.set_collective_timeout(
-                args.collective_timeout_s, [run.device_mesh.get_group(name) for name in mesh.MESH_DIM_NAMES]
+                args.collective_timeout_s,
+                [run.device_mesh.get_group(name) for name in mesh.MESH_DIM_NAMES],
             )
         save = checkpointer is not None and checkpoint_due(step, args, shared.checkpoint_requested)
         # Sent before the save starts, so the agent's hang detector gives it the
         # checkpoint's budget; the time it blocks is in the next step's report.
-        rt.report_step(step, shared.mean_loss, count * args.seq_len, busy_s, **timer.seconds(), checkpointing=save,
-                       checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0,
-                       restore_s=restore_s if step == first_step else 0.0)
+        rt.report_step(
+            step,
+            shared.mean_loss,
+            count * args.seq_len,
+            busy_s,
+            **timer.seconds(),
+            checkpointing=save,
+            checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0,
+            restore_s=restore_s if step == first_step else 0.0,
+        )
         if rank == 0:
             tokens_per_s = args.global_batch * args.seq_len / (time.perf_counter() - started)
             rt.log("step", step=step, loss=shared.mean_loss, tokens_per_s=round(tokens_per_s))
             if shared.checkpoint_requested:
-                rt.log(f"the agent asked for a checkpoint: saving after step {step}" if checkpointer
-                       else "the agent asked for a checkpoint, but there is no --checkpoint-dir: not saving")
+                rt.log(
+                    f"the agent asked for a checkpoint: saving after step {step}"
+                    if checkpointer
+                    else "the agent asked for a checkpoint, but there is no --checkpoint-dir: not saving"
+                )
         if save:
-            saved = TrainerState(step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger)
-            checkpointer.save(step, samples, checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
-                              ledger, args.global_batch)
+            saved = TrainerState(
+                step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger
+            )
+            checkpointer.save(
+                step,
+                samples,
+                checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
+                ledger,
+                args.global_batch,
+            )
         if shared.leave_requested:
-            raise keel_runtime.GenerationEnded(f"the agent asked to leave generation {rt.generation} "
-                                               f"after step {step}")
+            raise keel_runtime.GenerationEnded(
+                f"the agent asked to leave generation {rt.generation} after step {step}"
+            )
 
 
 @record
@@ -334,7 +451,9 @@ def run_generation(args: argparse.Namespace, rt: keel_runtime.Runtime) -> bool:
     current = Background()
     try:
         # monitored_barrier is gloo's; a GPU job's default group is NCCL's.
-        watchdog.start_barrier(args.startup_timeout_s, None if device.type == "cpu" else dist.new_group(backend="gloo"))
+        watchdog.start_barrier(
+            args.startup_timeout_s, None if device.type == "cpu" else dist.new_group(backend="gloo")
+        )
         train(args, rt, device, current)
         return True
     except BaseException as error:
@@ -347,6 +466,7 @@ def run_generation(args: argparse.Namespace, rt: keel_runtime.Runtime) -> bool:
             current.checkpointer = None
             shut_down_process_group()
             return settled
+
         if rt.next_generation(error, teardown):
             return False
         raise

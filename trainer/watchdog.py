@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
+
 # Private, but the one way to change a live group's timeout (gloo and NCCL alike); it
 # is in every torch this package allows (>= 2.13).
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -99,7 +100,9 @@ def start_barrier_message(rank: int, world_size: int, timeout_s: float, error_te
     missing = missing_ranks(error_text)
     if missing is not None:
         arrived = world_size - len(missing)
-        who, they, their = ("ranks", "they", "their logs") if len(missing) > 1 else ("rank", "it", "its log")
+        who, they, their = (
+            ("ranks", "they", "their logs") if len(missing) > 1 else ("rank", "it", "its log")
+        )
         return (
             f"generation start: {who} {', '.join(map(str, missing))} did not reach the start barrier within "
             f"{timeout_s:g} s ({arrived}/{world_size} ranks arrived): {they} died, hung, or started too slowly "
@@ -118,5 +121,7 @@ def start_barrier(timeout_s: float, group: dist.ProcessGroup | None = None) -> N
     try:
         dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     except RuntimeError as error:
-        message = start_barrier_message(dist.get_rank(), dist.get_world_size(group), timeout_s, str(error))
+        message = start_barrier_message(
+            dist.get_rank(), dist.get_world_size(group), timeout_s, str(error)
+        )
         raise StartBarrierError(message) from error

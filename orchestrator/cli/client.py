@@ -32,24 +32,35 @@ class NoController(Exception):
     """No controller could be found: etcd did not answer (``etcd_error`` is the gRPC
     error it answered with, if it did), or none is published there (``unpublished``)."""
 
-    def __init__(self, message: str, etcd_error: grpc.RpcError | None = None,
-                 unpublished: bool = False):
+    def __init__(
+        self, message: str, etcd_error: grpc.RpcError | None = None, unpublished: bool = False
+    ):
         super().__init__(message)
         self.etcd_error = etcd_error
         self.unpublished = unpublished
 
 
 class ControllerClient:
-    def __init__(self, token: str, *, etcd_endpoints: list[str] | None = None,
-                 controller: str | None = None, tls_files: TlsFiles | None = None,
-                 etcd_credentials: EtcdCredentials | None = None, wait_s: float = 60.0,
-                 rpc_timeout_s: float = RPC_TIMEOUT_S):
+    def __init__(
+        self,
+        token: str,
+        *,
+        etcd_endpoints: list[str] | None = None,
+        controller: str | None = None,
+        tls_files: TlsFiles | None = None,
+        etcd_credentials: EtcdCredentials | None = None,
+        wait_s: float = 60.0,
+        rpc_timeout_s: float = RPC_TIMEOUT_S,
+    ):
         """``controller`` (host:port) pins the address; otherwise the leader is read
         from etcd at ``etcd_endpoints`` (one of the two must be given)."""
         if not controller and not etcd_endpoints:
             raise ValueError("give --controller HOST:PORT, or --etcd-endpoints to find the leader")
-        self.store = Store(connect(etcd_endpoints, rpc_timeout_s, etcd_credentials)) \
-            if etcd_endpoints else None
+        self.store = (
+            Store(connect(etcd_endpoints, rpc_timeout_s, etcd_credentials))
+            if etcd_endpoints
+            else None
+        )
         self.fixed = controller
         self.metadata = call_metadata(token)
         self.tls_files = tls_files
@@ -57,16 +68,16 @@ class ControllerClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.address: str | None = None
         self.channel: grpc.Channel | None = None
-        self.leaders: list[str] = []     # every leader seen, by id, in order
+        self.leaders: list[str] = []  # every leader seen, by id, in order
 
     def _stub(self) -> keel_pb2_grpc.ControllerStub:
         address = self.fixed
         if address is None:
             try:
                 leader = self.store.leader()
-            except grpc.RpcError as exc:   # e.g. PERMISSION_DENIED: etcd user or password
+            except grpc.RpcError as exc:  # e.g. PERMISSION_DENIED: etcd user or password
                 raise NoController(f"{exc.code().name}: {exc.details()}", exc) from None
-            except Exception as exc:       # etcd3's ConnectionFailedError and kin
+            except Exception as exc:  # etcd3's ConnectionFailedError and kin
                 raise NoController(str(exc)) from None
             if leader is None:
                 raise NoController("no controller is published in etcd", unpublished=True)
@@ -87,12 +98,13 @@ class ControllerClient:
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
-                return getattr(self._stub(), method)(request, metadata=self.metadata,
-                                                     timeout=self.rpc_timeout_s)
+                return getattr(self._stub(), method)(
+                    request, metadata=self.metadata, timeout=self.rpc_timeout_s
+                )
             except grpc.RpcError as exc:
                 retry = exc.code() is grpc.StatusCode.UNAVAILABLE or (
-                    exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                    and method not in NOT_REPEATABLE)
+                    exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and method not in NOT_REPEATABLE
+                )
                 if not retry or time.monotonic() > deadline:
                     raise
             except NoController as exc:

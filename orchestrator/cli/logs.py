@@ -27,7 +27,7 @@ READS_PER_PULL = 16
 
 @dataclass
 class _Cursor:
-    out: int = 0                 # bytes of each stream read so far
+    out: int = 0  # bytes of each stream read so far
     err: int = 0
     # The tail of each stream after its last newline, held until the line ends.
     pending: dict[str, bytes] = field(default_factory=lambda: {"out": b"", "err": b""})
@@ -51,12 +51,19 @@ class RankOutput:
         cursor (``running``: whether the rank still runs)."""
         cursor = self.cursors.setdefault((generation, rank), _Cursor())
         for _ in range(READS_PER_PULL):
-            reply = self.call("ReadLog", keel_pb2.ReadLogRequest(
-                job=self.job, generation=generation, rank=rank,
-                out_offset=cursor.out, err_offset=cursor.err))
+            reply = self.call(
+                "ReadLog",
+                keel_pb2.ReadLogRequest(
+                    job=self.job,
+                    generation=generation,
+                    rank=rank,
+                    out_offset=cursor.out,
+                    err_offset=cursor.err,
+                ),
+            )
             cursor.running, cursor.node = reply.running, reply.node
             if reply.out_offset < cursor.out or reply.err_offset < cursor.err:
-                cursor.out = cursor.err = 0    # the files were replaced: start again
+                cursor.out = cursor.err = 0  # the files were replaced: start again
             cursor.out, cursor.err = reply.out_offset, reply.err_offset
             self._write(rank, cursor, "out", reply.out)
             self._write(rank, cursor, "err", reply.err)
@@ -102,8 +109,9 @@ def _last_words(output: RankOutput, generation: int, rank: int) -> None:
     try:
         output.pull(generation, rank)
     except grpc.RpcError as err:
-        click.echo(f"keel logs: the end of generation {generation}'s output: "
-                   f"{_rpc_problem(err)}", err=True)
+        click.echo(
+            f"keel logs: the end of generation {generation}'s output: {_rpc_problem(err)}", err=True
+        )
 
 
 def _rpc_problem(err: grpc.RpcError) -> str:
@@ -113,15 +121,21 @@ def _rpc_problem(err: grpc.RpcError) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("job")
 @click.option("--rank", type=int, default=0, show_default=True, help="Whose output.")
-@click.option("--generation", type=int, default=0,
-              help="Of this generation (default: the current or last one; with -f, each "
-                   "new generation's in turn).")
-@click.option("-f", "--follow", is_flag=True,
-              help="Keep printing as the rank writes, into the generations after it, until "
-                   "the job ends.")
+@click.option(
+    "--generation",
+    type=int,
+    default=0,
+    help="Of this generation (default: the current or last one; with -f, each "
+    "new generation's in turn).",
+)
+@click.option(
+    "-f",
+    "--follow",
+    is_flag=True,
+    help="Keep printing as the rank writes, into the generations after it, until the job ends.",
+)
 @connection_options(with_json=False)
-def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file,
-         **security):
+def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file, **security):
     """Print a rank's output (stdout to stdout, stderr to stderr), read from the node
     that ran it through the controller."""
     client = Client(controller, etcd_endpoints, token_file, **security)
@@ -135,8 +149,10 @@ def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file,
         except grpc.RpcError as err:
             # Following: a rank not started yet, or a node out of reach for now, is
             # waited for (said once); anything else, or either without -f, ends it.
-            waitable = err.code() in (grpc.StatusCode.NOT_FOUND,
-                                      grpc.StatusCode.FAILED_PRECONDITION)
+            waitable = err.code() in (
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
             if not (follow and waitable) or JobState(status.state).terminal:
                 raise click.ClickException(_rpc_problem(err)) from None
             if err.details() != said:
@@ -148,7 +164,7 @@ def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file,
         status = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
         if not generation and status.generation > current:
             if cursor is not None:
-                _last_words(output, current, rank)   # then the next generation's
+                _last_words(output, current, rank)  # then the next generation's
             current = status.generation
             click.echo(f"--- {job} generation {current} ---", err=True)
             continue

@@ -30,42 +30,57 @@ def connection_options(command=None, *, with_json: bool = True):
     if command is None:
         return lambda command: connection_options(command, with_json=with_json)
     command = click.option(
-        "--controller", envvar=env.CONTROLLER, default=None,
-        help="Controller host:port (env KEEL_CONTROLLER); default: the leader "
-             "published in etcd.")(command)
+        "--controller",
+        envvar=env.CONTROLLER,
+        default=None,
+        help="Controller host:port (env KEEL_CONTROLLER); default: the leader published in etcd.",
+    )(command)
     command = click.option(
-        "--etcd-endpoints", envvar=env.ETCD_ENDPOINTS, default=None,
-        help="etcd host:port list to find the controller in (env KEEL_ETCD_ENDPOINTS).")(command)
+        "--etcd-endpoints",
+        envvar=env.ETCD_ENDPOINTS,
+        default=None,
+        help="etcd host:port list to find the controller in (env KEEL_ETCD_ENDPOINTS).",
+    )(command)
     command = click.option(
-        "--token-file", type=click.Path(exists=True, dir_okay=False), default=None,
+        "--token-file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
         help="File holding your token: the operator or reader token, or the controller's "
-             "only one (else --tls-dir's operator.token or reader.token, else env "
-             "KEEL_TOKEN).")(command)
-    command = flags.tls_options("operator (or reader)",
-                              "ca.pem and operator.pem/.key/.token, or if it has none, "
-                              "reader.pem/.key/.token")(command)
+        "only one (else --tls-dir's operator.token or reader.token, else env "
+        "KEEL_TOKEN).",
+    )(command)
+    command = flags.tls_options(
+        "operator (or reader)",
+        "ca.pem and operator.pem/.key/.token, or if it has none, reader.pem/.key/.token",
+    )(command)
     command = flags.etcd_options(command)
     if not with_json:
         return command
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print JSON instead of a table.")(command)
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(
+        command
+    )
 
 
 class Client:
     """The operator's ``ControllerClient``: a failover in progress is waited out for up
     to ``RPC_TIMEOUT_S``; every error ends the command with what to check."""
 
-    def __init__(self, controller: str | None, etcd_endpoints: str | None,
-                 token_file: str | None, **security):
+    def __init__(
+        self, controller: str | None, etcd_endpoints: str | None, token_file: str | None, **security
+    ):
         try:
             token, tls_files, etcd_credentials = tls.client_settings(token_file, security)
             if not token:
                 raise ValueError("give --token-file, --tls-dir or set KEEL_TOKEN")
             self.etcd_endpoints = etcd_endpoints
             self.client = ControllerClient(
-                token, controller=controller, tls_files=tls_files,
+                token,
+                controller=controller,
+                tls_files=tls_files,
                 etcd_endpoints=[e.strip() for e in (etcd_endpoints or "").split(",") if e.strip()],
-                etcd_credentials=etcd_credentials, wait_s=RPC_TIMEOUT_S)
+                etcd_credentials=etcd_credentials,
+                wait_s=RPC_TIMEOUT_S,
+            )
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
 
@@ -81,14 +96,17 @@ class Client:
             if exc.etcd_error is not None:
                 raise click.ClickException(f"{where}: {exc}") from None
             if exc.unpublished:
-                raise click.ClickException(f"no controller is published in {where}; is one "
-                                           f"running?") from None
-            raise click.ClickException(f"{where}: {exc}; check --etcd-endpoints and the "
-                                       f"--etcd-* credentials") from None
+                raise click.ClickException(
+                    f"no controller is published in {where}; is one running?"
+                ) from None
+            raise click.ClickException(
+                f"{where}: {exc}; check --etcd-endpoints and the --etcd-* credentials"
+            ) from None
         except grpc.RpcError as err:
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise click.ClickException(f"controller at {self.address} did not answer "
-                                           f"within {RPC_TIMEOUT_S:.0f} s") from None
+                raise click.ClickException(
+                    f"controller at {self.address} did not answer within {RPC_TIMEOUT_S:.0f} s"
+                ) from None
             raise click.ClickException(f"{err.code().name}: {err.details()}") from None
 
 
@@ -100,32 +118,55 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _dict(message) -> dict:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
+    return json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def _job_row(job: keel_pb2.JobStatus) -> list[str]:
     generation = job.generation
-    stragglers = sorted({e.node for e in job.events
-                         if e.kind == "straggler" and e.generation == generation})
-    return [job.job, job.state, str(generation), str(job.world_size), job.mesh or "-",
-            f"{job.step}/{job.target_steps}" if job.target_steps else str(job.step),
-            f"{job.loss:.4f}" if job.has_loss else "-",
-            f"{job.step_time_s * 1000:.0f} ms" if job.step_time_s else "-",
-            f"{job.tokens_per_s:,.0f}",
-            str(job.restarts), ",".join(stragglers) or "-",
-            str(job.last_checkpoint.step) if job.HasField("last_checkpoint") else "-"]
+    stragglers = sorted(
+        {e.node for e in job.events if e.kind == "straggler" and e.generation == generation}
+    )
+    return [
+        job.job,
+        job.state,
+        str(generation),
+        str(job.world_size),
+        job.mesh or "-",
+        f"{job.step}/{job.target_steps}" if job.target_steps else str(job.step),
+        f"{job.loss:.4f}" if job.has_loss else "-",
+        f"{job.step_time_s * 1000:.0f} ms" if job.step_time_s else "-",
+        f"{job.tokens_per_s:,.0f}",
+        str(job.restarts),
+        ",".join(stragglers) or "-",
+        str(job.last_checkpoint.step) if job.HasField("last_checkpoint") else "-",
+    ]
 
 
-JOB_HEADERS = ["JOB", "STATE", "GEN", "WORLD", "LAYOUT", "STEP", "LOSS", "STEP TIME", "TOK/S",
-               "RESTARTS", "STRAGGLERS", "CHECKPOINT"]
+JOB_HEADERS = [
+    "JOB",
+    "STATE",
+    "GEN",
+    "WORLD",
+    "LAYOUT",
+    "STEP",
+    "LOSS",
+    "STEP TIME",
+    "TOK/S",
+    "RESTARTS",
+    "STRAGGLERS",
+    "CHECKPOINT",
+]
 
 
 def _event_line(event: keel_pb2.Event) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event.at))
     rank = f" rank {event.rank}" if event.HasField("rank") else ""
-    return (f"{when}  gen {event.generation}  {event.kind:<9} {event.node or '-'}{rank} "
-            f"step {event.step}: {event.reason}")
+    return (
+        f"{when}  gen {event.generation}  {event.kind:<9} {event.node or '-'}{rank} "
+        f"step {event.step}: {event.reason}"
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -136,15 +177,23 @@ def status(controller, etcd_endpoints, token_file, as_json, **security):
     nodes = client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
     jobs = client.call("ListJobs", keel_pb2.ListJobsRequest()).jobs
     if as_json:
-        click.echo(json.dumps({"controller": client.address,
-                               "nodes": [_dict(n) for n in nodes],
-                               "jobs": [_dict(j) for j in jobs]}))
+        click.echo(
+            json.dumps(
+                {
+                    "controller": client.address,
+                    "nodes": [_dict(n) for n in nodes],
+                    "jobs": [_dict(j) for j in jobs],
+                }
+            )
+        )
         return
     connected = sum(1 for n in nodes if n.connected)
     held = collections.Counter(n.state for n in nodes if n.state != "ready")
-    click.echo(f"controller {client.address}: {connected}/{len(nodes)} nodes connected, "
-               f"{sum(n.slots for n in nodes if n.connected)} slots, {len(jobs)} job(s)"
-               + "".join(f", {count} {state}" for state, count in sorted(held.items())))
+    click.echo(
+        f"controller {client.address}: {connected}/{len(nodes)} nodes connected, "
+        f"{sum(n.slots for n in nodes if n.connected)} slots, {len(jobs)} job(s)"
+        + "".join(f", {count} {state}" for state, count in sorted(held.items()))
+    )
     if jobs:
         click.echo(_table(JOB_HEADERS, [_job_row(j) for j in jobs]))
 
@@ -159,10 +208,24 @@ def nodes(controller, etcd_endpoints, token_file, as_json, **security):
     if as_json:
         click.echo(json.dumps([_dict(n) for n in found]))
         return
-    click.echo(_table(["NODE", "HOST", "SLOTS", "CONNECTED", "STATE", "JOB", "LEASE", "WHY"],
-                      [[n.node, n.host or "-", str(n.slots), "yes" if n.connected else "no",
-                        n.state, n.job or "-", f"{n.lease_id:x}" if n.lease_id else "-",
-                        n.cordon_reason or "-"] for n in found]))
+    click.echo(
+        _table(
+            ["NODE", "HOST", "SLOTS", "CONNECTED", "STATE", "JOB", "LEASE", "WHY"],
+            [
+                [
+                    n.node,
+                    n.host or "-",
+                    str(n.slots),
+                    "yes" if n.connected else "no",
+                    n.state,
+                    n.job or "-",
+                    f"{n.lease_id:x}" if n.lease_id else "-",
+                    n.cordon_reason or "-",
+                ]
+                for n in found
+            ],
+        )
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -180,14 +243,15 @@ def jobs(controller, etcd_endpoints, token_file, as_json, **security):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("job")
-@click.option("--follow", "-f", is_flag=True,
-              help="Keep printing new events until the job ends (or Ctrl-C).")
+@click.option(
+    "--follow", "-f", is_flag=True, help="Keep printing new events until the job ends (or Ctrl-C)."
+)
 @connection_options
 def events(job, follow, controller, etcd_endpoints, token_file, as_json, **security):
     """A job's detections and actions (crash, hang, straggler, node_lost,
     agent_restarted, replaced, excluded, cordoned, alert, operator), oldest first."""
     client = Client(controller, etcd_endpoints, token_file, **security)
-    shown = 0   # the last event's seq
+    shown = 0  # the last event's seq
     while True:
         status_ = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
         for event in status_.events:
@@ -208,8 +272,10 @@ def _wait(what: str, timeout_s: float, check):
         if found:
             return found
         if time.monotonic() > deadline:
-            raise click.ClickException(f"gave up waiting for {what} after {timeout_s:.0f} s "
-                                       f"(it goes on; `keel status` shows where it is)")
+            raise click.ClickException(
+                f"gave up waiting for {what} after {timeout_s:.0f} s "
+                f"(it goes on; `keel status` shows where it is)"
+            )
         time.sleep(FOLLOW_POLL_S)
 
 
@@ -218,8 +284,13 @@ def _node_reply(reply: keel_pb2.NodeReply, as_json: bool) -> None:
 
 
 wait_option = click.option("--wait", is_flag=True, help="Return only once it is done.")
-timeout_option = click.option("--timeout-s", type=float, default=600, show_default=True,
-                              help="With --wait: give up after this long.")
+timeout_option = click.option(
+    "--timeout-s",
+    type=float,
+    default=600,
+    show_default=True,
+    help="With --wait: give up after this long.",
+)
 reason_option = click.option("--reason", default="", help="Why; recorded and shown.")
 
 
@@ -230,8 +301,7 @@ reason_option = click.option("--reason", default="", help="Why; recorded and sho
 def cordon(node, reason, controller, etcd_endpoints, token_file, as_json, **security):
     """Place no new generation on NODE; what runs there keeps running."""
     client = Client(controller, etcd_endpoints, token_file, **security)
-    _node_reply(client.call("CordonNode", keel_pb2.NodeRequest(node=node, reason=reason)),
-                as_json)
+    _node_reply(client.call("CordonNode", keel_pb2.NodeRequest(node=node, reason=reason)), as_json)
 
 
 @click.command(context_settings=CONTEXT)
@@ -249,8 +319,9 @@ def uncordon(node, controller, etcd_endpoints, token_file, as_json, **security):
 @wait_option
 @timeout_option
 @connection_options
-def drain(node, reason, wait, timeout_s, controller, etcd_endpoints, token_file, as_json,
-          **security):
+def drain(
+    node, reason, wait, timeout_s, controller, etcd_endpoints, token_file, as_json, **security
+):
     """Move every job off NODE gracefully and keep new ones off it: cordon, checkpoint
     now, and the next generation runs on a free node (or on a re-planned smaller
     layout if the job's min_nodes allows). NODE is drained once nothing runs there."""
@@ -261,30 +332,42 @@ def drain(node, reason, wait, timeout_s, controller, etcd_endpoints, token_file,
             click.echo(reply.message)
 
         def drained():
-            found = [n for n in client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
-                     if n.node == node]
+            found = [
+                n
+                for n in client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
+                if n.node == node
+            ]
             if found and found[0].state == "draining":
                 return None
             return found or [keel_pb2.NodeInfo(node=node, state="gone")]
+
         info = _wait(f"{node} to drain", timeout_s, drained)[0]
         if info.state != "drained":
-            raise click.ClickException(f"{node} is {info.state}, not drained (uncordoned "
-                                       f"while draining?)")
+            raise click.ClickException(
+                f"{node} is {info.state}, not drained (uncordoned while draining?)"
+            )
         reply = keel_pb2.NodeReply(node=info, message=f"{node} drained")
     _node_reply(reply, as_json)
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("node")
-@click.option("--with", "with_node", default="", metavar="NODE",
-              help="The free node to take its place (default: any free node).")
+@click.option(
+    "--with",
+    "with_node",
+    default="",
+    metavar="NODE",
+    help="The free node to take its place (default: any free node).",
+)
 @connection_options
 def replace(node, with_node, controller, etcd_endpoints, token_file, as_json, **security):
     """Checkpoint the job on NODE now, then run its next generation with NODE replaced
     (by --with NODE, or any free node). NODE is not cordoned."""
     client = Client(controller, etcd_endpoints, token_file, **security)
-    _node_reply(client.call("ReplaceNode", keel_pb2.ReplaceNodeRequest(
-        node=node, with_node=with_node)), as_json)
+    _node_reply(
+        client.call("ReplaceNode", keel_pb2.ReplaceNodeRequest(node=node, with_node=with_node)),
+        as_json,
+    )
 
 
 @click.command(context_settings=CONTEXT)
@@ -292,14 +375,16 @@ def replace(node, with_node, controller, etcd_endpoints, token_file, as_json, **
 @wait_option
 @timeout_option
 @connection_options
-def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_json,
-               **security):
+def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_json, **security):
     """Ask JOB (default: the only running job) for a checkpoint at its next step."""
     client = Client(controller, etcd_endpoints, token_file, **security)
     reply = client.call("CheckpointJob", keel_pb2.CheckpointJobRequest(job=job))
     if not wait:
-        click.echo(json.dumps(_dict(reply)) if as_json else
-                   f"job {reply.job} checkpoints after step {reply.after_step}")
+        click.echo(
+            json.dumps(_dict(reply))
+            if as_json
+            else f"job {reply.job} checkpoints after step {reply.after_step}"
+        )
         return
 
     def committed():
@@ -308,19 +393,28 @@ def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_
         if status_.HasField("last_checkpoint") and ck.step > reply.after_step:
             return ck
         if JobState(status_.state).terminal or status_.generation != reply.generation:
-            raise click.ClickException(f"job {reply.job} is {status_.state} in generation "
-                                       f"{status_.generation}; no checkpoint after step "
-                                       f"{reply.after_step} was committed")
+            raise click.ClickException(
+                f"job {reply.job} is {status_.state} in generation "
+                f"{status_.generation}; no checkpoint after step "
+                f"{reply.after_step} was committed"
+            )
         return None
+
     ck = _wait(f"job {reply.job}'s checkpoint", timeout_s, committed)
-    click.echo(json.dumps(_dict(ck)) if as_json else
-               f"job {reply.job}: checkpoint committed at step {ck.step}: {ck.path}")
+    click.echo(
+        json.dumps(_dict(ck))
+        if as_json
+        else f"job {reply.job}: checkpoint committed at step {ck.step}: {ck.path}"
+    )
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("spec_file", metavar="SPEC", type=click.Path(dir_okay=False))
-@click.option("--check", is_flag=True,
-              help="Only validate SPEC and print the job spec; contact no controller.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Only validate SPEC and print the job spec; contact no controller.",
+)
 @connection_options
 def submit(spec_file, check, controller, etcd_endpoints, token_file, as_json, **security):
     """Submit the job described in SPEC, a TOML or YAML file of JobSpec fields (name,
@@ -333,14 +427,20 @@ def submit(spec_file, check, controller, etcd_endpoints, token_file, as_json, **
     except SpecFileError as exc:
         raise click.ClickException(f"{spec_file} is not a valid job spec:\n{exc}") from None
     if check:
-        click.echo(json.dumps(_dict(spec)) if as_json else
-                   f"{spec_file}: valid; job {spec.name} on {spec.world_size} rank(s)")
+        click.echo(
+            json.dumps(_dict(spec))
+            if as_json
+            else f"{spec_file}: valid; job {spec.name} on {spec.world_size} rank(s)"
+        )
         return
     client = Client(controller, etcd_endpoints, token_file, **security)
     reply = client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
-    click.echo(json.dumps(_dict(reply)) if as_json else
-               f"submitted job {reply.job} ({spec.world_size} ranks); follow it with "
-               f"`keel events -f {reply.job}`")
+    click.echo(
+        json.dumps(_dict(reply))
+        if as_json
+        else f"submitted job {reply.job} ({spec.world_size} ranks); follow it with "
+        f"`keel events -f {reply.job}`"
+    )
 
 
 @click.command(context_settings=CONTEXT)
@@ -350,8 +450,9 @@ def submit(spec_file, check, controller, etcd_endpoints, token_file, as_json, **
 @wait_option
 @timeout_option
 @connection_options
-def stop(job, now, reason, wait, timeout_s, controller, etcd_endpoints, token_file, as_json,
-         **security):
+def stop(
+    job, now, reason, wait, timeout_s, controller, etcd_endpoints, token_file, as_json, **security
+):
     """Stop JOB for good: checkpoint now (unless --now), stop every rank, and end the
     job CANCELLED."""
     client = Client(controller, etcd_endpoints, token_file, **security)
@@ -363,9 +464,11 @@ def stop(job, now, reason, wait, timeout_s, controller, etcd_endpoints, token_fi
         def ended():
             found = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
             return found if JobState(found.state).terminal else None
+
         status_ = _wait(f"job {job} to stop", timeout_s, ended)
-        reply = keel_pb2.StopJobReply(job=job, state=status_.state,
-                                      message=f"job {job} {status_.state}: {status_.reason}")
+        reply = keel_pb2.StopJobReply(
+            job=job, state=status_.state, message=f"job {job} {status_.state}: {status_.reason}"
+        )
     click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
 
 

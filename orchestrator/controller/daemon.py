@@ -44,8 +44,12 @@ log = structlog.get_logger()
 class Controller(keel_pb2_grpc.ControllerServicer):
     def __init__(self, config: ControllerConfig):
         self.config = config
-        self.state = ControllerState(config, Store(connect(
-            list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials)))
+        self.state = ControllerState(
+            config,
+            Store(
+                connect(list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials)
+            ),
+        )
         self.leadership = Leadership(self.state, self._lead)
         self.executor = Executor(self.state)
         self.agents = AgentService(self.state, self.leadership)
@@ -56,9 +60,14 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         # The node records, kept in the state as etcd has them (a standby's too, so a
         # new leader knows them at once): no tick reads them.
-        self.node_records = Watch(self.state.store.client, keys.NODES, prefix=True,
-                                  on_reset=self.state.nodes_read,
-                                  on_events=self.state.nodes_changed, name="the node records")
+        self.node_records = Watch(
+            self.state.store.client,
+            keys.NODES,
+            prefix=True,
+            on_reset=self.state.nodes_read,
+            on_events=self.state.nodes_changed,
+            name="the node records",
+        )
         # The gRPC methods of the Controller service: Connect is the agents', the rest
         # the operators'.
         self.Connect = self.agents.connect
@@ -87,28 +96,39 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         if config.metrics_listen is not None:
             self.collector = metrics.register(self.state)
             self.metrics_server = common_metrics.serve(
-                listen_address(config.metrics_listen, config.advertise_host), config.tls)
+                listen_address(config.metrics_listen, config.advertise_host), config.tls
+            )
             if config.metrics_address_file:
-                write_address(config.metrics_address_file,
-                              f"{config.advertise_host}:{self.metrics_server.server_port}")
+                write_address(
+                    config.metrics_address_file,
+                    f"{config.advertise_host}:{self.metrics_server.server_port}",
+                )
         # Last: whoever waits for the address finds the metrics address there too.
         if config.address_file:
             write_address(config.address_file, self.state.address)
         self.node_records.start()
         self.leadership.start()
-        threading.Thread(target=self.reconciler.loop, args=(time.monotonic,), name="reconcile",
-                         daemon=True).start()
-        threading.Thread(target=self.reconciler.score_loop, name="straggler-scoring",
-                         daemon=True).start()
-        log.info("controller serving", address=self.state.address, controller_id=self.state.id,
-                 mutual_tls=config.tls is not None, role_tokens=config.tokens is not None)
+        threading.Thread(
+            target=self.reconciler.loop, args=(time.monotonic,), name="reconcile", daemon=True
+        ).start()
+        threading.Thread(
+            target=self.reconciler.score_loop, name="straggler-scoring", daemon=True
+        ).start()
+        log.info(
+            "controller serving",
+            address=self.state.address,
+            controller_id=self.state.id,
+            mutual_tls=config.tls is not None,
+            role_tokens=config.tokens is not None,
+        )
         return self.state.address
 
     async def _start_server(self) -> int:
         """Make, bind and start the server on its loop; the port."""
         config = self.config
-        self.server = rpc.aio_server(OPERATOR_THREADS,
-                                     [AioTokenInterceptor(config.tokens or config.token)])
+        self.server = rpc.aio_server(
+            OPERATOR_THREADS, [AioTokenInterceptor(config.tokens or config.token)]
+        )
         keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
         port = rpc.add_port(self.server, config.listen, config.tls)
         if port == 0:
@@ -130,7 +150,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 session.close()
         if self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(
-                grace_s + 10)
+                grace_s + 10
+            )
             self.loop.call_soon_threadsafe(self.loop.stop)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

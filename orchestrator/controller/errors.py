@@ -6,7 +6,7 @@ tried again after a back-off that doubles up to ``RETRY_MAX_S``, and said once."
 from __future__ import annotations
 
 RETRY_FIRST_S = 0.2
-RETRY_MAX_S = 2.0   # short: an etcd that is back should be used within a couple of ticks
+RETRY_MAX_S = 2.0  # short: an etcd that is back should be used within a couple of ticks
 
 
 class Terminal(Exception):

@@ -37,7 +37,7 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-WAIT_LOG_S = 5.0    # a wait reason that only counts changes is logged this often at most
+WAIT_LOG_S = 5.0  # a wait reason that only counts changes is logged this often at most
 _DIGITS = re.compile(r"\d+")
 
 # Older recorded checkpoints a generation may fall back to if its restore point fails
@@ -52,9 +52,16 @@ class Executor:
         self.records = CheckpointRecords(state)
 
     # ================================================================ lifecycle
-    def transition(self, job: JobRuntime, target: JobState, reason: str, now: float,
-                   plan: dict | None = None, restore_step: int | None = None,
-                   **changes) -> None:
+    def transition(
+        self,
+        job: JobRuntime,
+        target: JobState,
+        reason: str,
+        now: float,
+        plan: dict | None = None,
+        restore_step: int | None = None,
+        **changes,
+    ) -> None:
         """Persist the new state and ``changes`` (generation, restarts; the end time of
         a job that ends) in one revision-guarded write, and only then adopt them. A
         STARTING ``plan`` restores the checkpoint of ``restore_step`` (None: none)."""
@@ -65,26 +72,38 @@ class Executor:
             changes["ended_at"] = wall
         # The accounting moves with the state, in the same write.
         goodput = job.goodput.copy()
-        goodput.on_state(wall, target, stop_requested=bool(job.stop_requested),
-                         generation=changes.get("generation", job.generation),
-                         world_size=(plan or {}).get("world_size", job.world_size),
-                         restore_step=restore_step)
+        goodput.on_state(
+            wall,
+            target,
+            stop_requested=bool(job.stop_requested),
+            generation=changes.get("generation", job.generation),
+            world_size=(plan or {}).get("world_size", job.world_size),
+            restore_step=restore_step,
+        )
         state_seconds = dict(job.state_seconds)
-        state_seconds[previous.value] = (state_seconds.get(previous.value, 0.0)
-                                         + max(0.0, wall - job.state_entered_at))
-        accounting = {"goodput": goodput.record(), "state_seconds": state_seconds,
-                      "state_entered_at": wall}
-        record = job.record() | changes | accounting | {"state": target.value,
-                                                         "reason": reason}
+        state_seconds[previous.value] = state_seconds.get(previous.value, 0.0) + max(
+            0.0, wall - job.state_entered_at
+        )
+        accounting = {
+            "goodput": goodput.record(),
+            "state_seconds": state_seconds,
+            "state_entered_at": wall,
+        }
+        record = job.record() | changes | accounting | {"state": target.value, "reason": reason}
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
         for name, value in changes.items():
             setattr(job, name, value)
         job.goodput, job.state_seconds, job.state_entered_at = goodput, state_seconds, wall
         job.state, job.reason, job.state_since = target, reason, now
         self._track_recovery(job, target, wall)
-        log.info("job state", job=job.name, generation=job.generation,
-                 **{"from": previous.value, "to": target.value}, reason=reason,
-                 restarts=job.restarts)
+        log.info(
+            "job state",
+            job=job.name,
+            generation=job.generation,
+            **{"from": previous.value, "to": target.value},
+            reason=reason,
+            restarts=job.restarts,
+        )
 
     @staticmethod
     def _track_recovery(job: JobRuntime, target: JobState, wall: float) -> None:
@@ -103,24 +122,36 @@ class Executor:
     def apply(self, job: JobRuntime, decision: Decision, now: float) -> None:
         """Carry out a lifecycle decision of ``policy.job.decide``."""
         if job.state is JobState.PENDING:
-            job.goodput.waiting(time.time(), decision.action is Action.WAIT
-                                and decision.awaits_capacity)
+            job.goodput.waiting(
+                time.time(), decision.action is Action.WAIT and decision.awaits_capacity
+            )
         if decision.action is Action.WAIT:
             # A new reason is logged; one that differs only in its numbers (slots free
             # while a cluster connects, nodes still stopping) at most every WAIT_LOG_S.
             shape = _DIGITS.sub("#", decision.reason)
             if decision.reason != job.last_wait_reason and (
-                    shape != _DIGITS.sub("#", job.last_wait_reason)
-                    or now - job.last_wait_logged >= WAIT_LOG_S):
+                shape != _DIGITS.sub("#", job.last_wait_reason)
+                or now - job.last_wait_logged >= WAIT_LOG_S
+            ):
                 job.last_wait_reason, job.last_wait_logged = decision.reason, now
-                log.info("waiting", job=job.name, generation=job.generation,
-                         state=job.state.value, reason=decision.reason)
+                log.info(
+                    "waiting",
+                    job=job.name,
+                    generation=job.generation,
+                    state=job.state.value,
+                    reason=decision.reason,
+                )
             return
         job.last_wait_reason = ""
-        handler = {Action.PREPARE: self._prepare, Action.START: self._start,
-                   Action.STOP: self._stop, Action.RESTART: self._restart,
-                   Action.SUCCEED: self._finish, Action.FAIL: self._finish,
-                   Action.CANCEL: self._finish}[decision.action]
+        handler = {
+            Action.PREPARE: self._prepare,
+            Action.START: self._start,
+            Action.STOP: self._stop,
+            Action.RESTART: self._restart,
+            Action.SUCCEED: self._finish,
+            Action.FAIL: self._finish,
+            Action.CANCEL: self._finish,
+        }[decision.action]
         handler(job, decision, now)
 
     def fail(self, job: JobRuntime, reason: str, now: float) -> None:
@@ -134,17 +165,23 @@ class Executor:
         health = job.health
         avoid = observe.suspects(job) - frozenset(decision.use_suspects)
         planned = job.operation if job.planned_stop else None
-        target = operations.target(planned, observe.free_slots(self.state, job, avoid),
-                                   decision.shrink, job.nodes, job.world_size,
-                                   job.spec.world_size,
-                                   job.ranks_on(planned.node) if planned and planned.node else 0)
+        target = operations.target(
+            planned,
+            observe.free_slots(self.state, job, avoid),
+            decision.shrink,
+            job.nodes,
+            job.world_size,
+            job.spec.world_size,
+            job.ranks_on(planned.node) if planned and planned.node else 0,
+        )
         if decision.alert:
             health.event("alert", decision.alert, node=decision.use_suspects[0])
         if target.alert:
             health.event("alert", target.alert, node=target.alert_node)
         try:
-            world_size, mesh = size_and_layout(job.spec, target.free_slots, target.shrink,
-                                               target.ceiling)
+            world_size, mesh = size_and_layout(
+                job.spec, target.free_slots, target.shrink, target.ceiling
+            )
         except ValueError as exc:
             raise Terminal(f"no layout can run: {exc}") from None
         placement = place(world_size, target.free_slots)
@@ -152,33 +189,54 @@ class Executor:
         reason = decision.reason
         if target.shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
-        out = sorted((frozenset(job.lost_nodes) if decision.use_suspects else
-                      observe.suspects(job)) & job.nodes)
+        out = sorted(
+            (frozenset(job.lost_nodes) if decision.use_suspects else observe.suspects(job))
+            & job.nodes
+        )
         good = [r for r in self.store.checkpoints(job.name) if not r.get("quarantined")]
         plan = dict(
-            generation=job.generation + 1, placement=placement, world_size=world_size,
-            mesh=mesh, deadlines=chain, rendezvous=None,
+            generation=job.generation + 1,
+            placement=placement,
+            world_size=world_size,
+            mesh=mesh,
+            deadlines=chain,
+            rendezvous=None,
             placed_agents={p.node: self.state.sessions[p.node].pid for p in placement},
             restore_from=good[-1] if good else None,
-            restore_fallbacks=[r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS])
+            restore_fallbacks=[r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS],
+        )
         restore = plan["restore_from"]
-        self.transition(job, JobState.STARTING, reason, now, plan_record(job, **plan),
-                        restore_step=restore.get("step") if restore else None,
-                        generation=plan["generation"], planned_stop=False)
+        self.transition(
+            job,
+            JobState.STARTING,
+            reason,
+            now,
+            plan_record(job, **plan),
+            restore_step=restore.get("step") if restore else None,
+            generation=plan["generation"],
+            planned_stop=False,
+        )
         previous = job.nodes
         for name, value in plan.items():
             setattr(job, name, value)
-        out = [node for node in out if node not in job.nodes]   # a suspect used again is not out
+        out = [node for node in out if node not in job.nodes]  # a suspect used again is not out
         if out:
             newcomers = sorted(job.nodes - previous)
             health.replacement_times.append(now)
             if newcomers and not target.shrink:
-                health.event("replaced", f"{', '.join(out)} replaced by "
-                                         f"{', '.join(newcomers)}", node=out[0], step=job.step)
+                health.event(
+                    "replaced",
+                    f"{', '.join(out)} replaced by {', '.join(newcomers)}",
+                    node=out[0],
+                    step=job.step,
+                )
             else:
-                health.event("excluded", f"{', '.join(out)} excluded; re-planned to "
-                                         f"{mesh} at world size {world_size}", node=out[0],
-                             step=job.step)
+                health.event(
+                    "excluded",
+                    f"{', '.join(out)} excluded; re-planned to {mesh} at world size {world_size}",
+                    node=out[0],
+                    step=job.step,
+                )
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
         job.placed_at = now
@@ -191,20 +249,32 @@ class Executor:
         job.lost_nodes.clear()
         job.vanished.clear()
         self._drop_intents(job)
-        self.state.send(placement[0].node, keel_pb2.ControllerMessage(
-            prepare_rendezvous=keel_pb2.PrepareRendezvous(job=job.name,
-                                                          generation=job.generation)))
+        self.state.send(
+            placement[0].node,
+            keel_pb2.ControllerMessage(
+                prepare_rendezvous=keel_pb2.PrepareRendezvous(
+                    job=job.name, generation=job.generation
+                )
+            ),
+        )
 
     def _deadlines(self, job: JobRuntime, placement: list[NodeRanks]) -> keel_pb2.Deadlines:
         """The job's deadline chain on this controller and the agents of ``placement``
         (their largest heartbeat, lease and reconnect back-off)."""
         config = self.state.config
-        agents = [agent_deadlines(self.state.sessions[p.node].hello) for p in placement
-                  if p.node in self.state.sessions]
+        agents = [
+            agent_deadlines(self.state.sessions[p.node].hello)
+            for p in placement
+            if p.node in self.state.sessions
+        ]
         widest = {name: max(a[name] for a in agents) for name in agents[0]} if agents else {}
         try:
-            chain = job_deadlines(job.health.spec, node_lost_grace_s=config.node_lost_grace_s,
-                                  leader_ttl_s=config.leader_ttl_s, **widest)
+            chain = job_deadlines(
+                job.health.spec,
+                node_lost_grace_s=config.node_lost_grace_s,
+                leader_ttl_s=config.leader_ttl_s,
+                **widest,
+            )
         except DeadlineError as exc:
             raise Terminal(f"the job's deadlines do not fit its nodes': {exc}") from None
         return keel_pb2.Deadlines(**vars(chain))
@@ -212,10 +282,17 @@ class Executor:
     def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
         job.deadlines = job.deadlines or self._deadlines(job, job.placement)
         restore = job.restore_from
-        reason = (f"generation {job.generation}: {job.world_size} ranks on "
-                  f"{len(job.placement)} nodes as {job.mesh}, "
-                  + ("fresh start" if not restore else f"restoring step {restore['step']}"
-                     if "step" in restore else f"restoring {restore['path']}"))
+        reason = (
+            f"generation {job.generation}: {job.world_size} ranks on "
+            f"{len(job.placement)} nodes as {job.mesh}, "
+            + (
+                "fresh start"
+                if not restore
+                else f"restoring step {restore['step']}"
+                if "step" in restore
+                else f"restoring {restore['path']}"
+            )
+        )
         # Now with the rendezvous endpoint: everything a new leader (or this one, after
         # a write whose reply it lost) needs to start this generation's ranks again.
         plan = plan_record(job)
@@ -227,16 +304,27 @@ class Executor:
     def _send_start(self, job: JobRuntime, part: NodeRanks, now: float) -> None:
         host, port = job.rendezvous
         start = keel_pb2.StartGeneration(
-            job=job.name, generation=job.generation, world_size=job.world_size,
-            local_world_size=part.local_world_size, master_addr=host, master_port=port,
-            command=list(job.spec.command), env=dict(job.spec.env),
-            restart_count=job.restarts, checkpoint_dir=job.spec.checkpoint_dir,
-            restore_from=job.restore_from["path"] if job.restore_from else "", mesh=job.mesh,
-            health=job.health.spec, deadlines=job.deadlines,
+            job=job.name,
+            generation=job.generation,
+            world_size=job.world_size,
+            local_world_size=part.local_world_size,
+            master_addr=host,
+            master_port=port,
+            command=list(job.spec.command),
+            env=dict(job.spec.env),
+            restart_count=job.restarts,
+            checkpoint_dir=job.spec.checkpoint_dir,
+            restore_from=job.restore_from["path"] if job.restore_from else "",
+            mesh=job.mesh,
+            health=job.health.spec,
+            deadlines=job.deadlines,
             restore_fallbacks=job.restore_fallbacks,
-            group_rank=job.group_rank(part), group_world_size=len(job.placement),
-            max_restarts=job.spec.max_restarts, working_dir=job.spec.working_dir,
-            cold_start=job.spec.cold_start)
+            group_rank=job.group_rank(part),
+            group_world_size=len(job.placement),
+            max_restarts=job.spec.max_restarts,
+            working_dir=job.spec.working_dir,
+            cold_start=job.spec.cold_start,
+        )
         if job.health.spec.preflight_off:
             start.env[env.PREFLIGHT] = "0"
         for local_rank, rank in enumerate(part.ranks):
@@ -251,30 +339,48 @@ class Executor:
 
     def fix(self, session: AgentSession, fixing: Fixing, now: float) -> None:
         """Carry out ``convergence.converge``'s decision about ``session``'s node."""
-        job = self.state.jobs.get(fixing.job)   # (the reconcile tick logs what it fixed)
+        job = self.state.jobs.get(fixing.job)  # (the reconcile tick logs what it fixed)
         if fixing.fix is Fix.START:
             self._send_start(job, job.part_on(session.node), now)
             return
-        session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
-            job=fixing.job, generation=fixing.generation, reason=fixing.reason)))
+        session.send(
+            keel_pb2.ControllerMessage(
+                stop_generation=keel_pb2.StopGeneration(
+                    job=fixing.job, generation=fixing.generation, reason=fixing.reason
+                )
+            )
+        )
         session.fixed_at = now
 
     def _stop(self, job: JobRuntime, decision: Decision, now: float) -> None:
         cause = decision.root_cause
         if cause is not None:
-            job.failures.append({
-                "generation": job.generation, "node": cause.node, "rank": cause.rank,
-                "pid": cause.pid, "exitCode": cause.exit_code, "signal": cause.signal,
-                "traceback": cause.traceback[-8000:], "stderrTail": cause.stderr_tail[-4000:],
-                "exitedAt": cause.exited_at, "lastStep": cause.last_step})
+            job.failures.append(
+                {
+                    "generation": job.generation,
+                    "node": cause.node,
+                    "rank": cause.rank,
+                    "pid": cause.pid,
+                    "exitCode": cause.exit_code,
+                    "signal": cause.signal,
+                    "traceback": cause.traceback[-8000:],
+                    "stderrTail": cause.stderr_tail[-4000:],
+                    "exitedAt": cause.exited_at,
+                    "lastStep": cause.last_step,
+                }
+            )
             del job.failures[:-MAX_FAILURES]
             job.health.event(
-                "crash", decision.reason, node=cause.node, rank=cause.rank,
+                "crash",
+                decision.reason,
+                node=cause.node,
+                rank=cause.rank,
                 step=cause.last_step,
                 # From the process's exit (reaped within one agent tick of it) to the
                 # controller knowing, traceback included.
                 detected_after_s=max(0.0, cause.reported_at - (cause.reaped_at or cause.exited_at)),
-                root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:])
+                root_cause=cause.traceback[-8000:] or cause.stderr_tail[-2000:],
+            )
         counts = dict(job.restarts_by_cause)
         if decision.cause:
             counts[decision.cause] = counts.get(decision.cause, 0) + 1
@@ -284,24 +390,50 @@ class Executor:
             # between this stop and the placement. A drain's is otherwise derived from
             # the cordons only while the job runs.
             self.store.put_operation(job.name, job.operation.record())
-        self.transition(job, JobState.STOPPING, decision.reason, now,
-                        planned_stop=decision.replacement, restarts_by_cause=counts)
+        self.transition(
+            job,
+            JobState.STOPPING,
+            decision.reason,
+            now,
+            planned_stop=decision.replacement,
+            restarts_by_cause=counts,
+        )
         job.recovery = None
         if decision.cause:
             detected = job.state_entered_at
             kind = {"agent_restart": "agent_restarted"}.get(decision.cause, decision.cause)
-            fault = next((e for e in reversed(job.health.events)
-                          if e.kind == kind and e.generation == job.generation), None)
-            job.recovery = {"cause": decision.cause, "detected_at": detected,
-                            "fault_at": (min(detected, fault.at - fault.detected_after_s)
-                                         if fault is not None else detected)}
+            fault = next(
+                (
+                    e
+                    for e in reversed(job.health.events)
+                    if e.kind == kind and e.generation == job.generation
+                ),
+                None,
+            )
+            job.recovery = {
+                "cause": decision.cause,
+                "detected_at": detected,
+                "fault_at": (
+                    min(detected, fault.at - fault.detected_after_s)
+                    if fault is not None
+                    else detected
+                ),
+            }
         # Lost nodes too, if they are still connected: a node whose lease expired may
         # well be running.
         for node in job.nodes:
             self._fixed(node, now)
-            self.state.send(node, keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
-                job=job.name, generation=job.generation, reason=decision.reason,
-                collect_stacks=decision.collect_stacks)))
+            self.state.send(
+                node,
+                keel_pb2.ControllerMessage(
+                    stop_generation=keel_pb2.StopGeneration(
+                        job=job.name,
+                        generation=job.generation,
+                        reason=decision.reason,
+                        collect_stacks=decision.collect_stacks,
+                    )
+                ),
+            )
 
     def _restart(self, job: JobRuntime, decision: Decision, now: float) -> None:
         if decision.replacement:
@@ -312,12 +444,16 @@ class Executor:
         # A failure after a healthy stretch (or the job's first) restarts at once; each
         # one after it in a row waits longer (the back-off observe.observed gives).
         job.repeated_failures = repeated_failures(
-            job.repeated_failures if job.placed_at else 0, now - job.placed_at)
+            job.repeated_failures if job.placed_at else 0, now - job.placed_at
+        )
         self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
-        target = {Action.SUCCEED: JobState.SUCCEEDED, Action.FAIL: JobState.FAILED,
-                  Action.CANCEL: JobState.CANCELLED}[decision.action]
+        target = {
+            Action.SUCCEED: JobState.SUCCEEDED,
+            Action.FAIL: JobState.FAILED,
+            Action.CANCEL: JobState.CANCELLED,
+        }[decision.action]
         self.transition(job, target, decision.reason, now)
 
     def forget(self, job: JobRuntime, why: str) -> None:
@@ -329,30 +465,44 @@ class Executor:
     # ==================================================================== nodes
     def mark_lost(self, job: JobRuntime, node: str, down_for_s: float) -> None:
         job.lost_nodes.add(node)
-        job.health.event("node_lost", f"{node}: agent stream down {down_for_s:.1f}s "
-                                      f"or its etcd lease expired", node=node,
-                         step=job.step, detected_after_s=down_for_s)
+        job.health.event(
+            "node_lost",
+            f"{node}: agent stream down {down_for_s:.1f}s or its etcd lease expired",
+            node=node,
+            step=job.step,
+            detected_after_s=down_for_s,
+        )
 
     def flag_slow(self, job: JobRuntime, flag: SlowFlag, now: float) -> list[float]:
         """Record that ``flag.node`` was found slow; every flag time of it so far."""
-        job.health.event("straggler", flag.reason, node=flag.node, step=flag.step,
-                         detected_after_steps=flag.after_steps)
+        job.health.event(
+            "straggler",
+            flag.reason,
+            node=flag.node,
+            step=flag.step,
+            detected_after_steps=flag.after_steps,
+        )
         return job.health.note_flag(flag.node, now)
 
-    def remedy(self, job: JobRuntime, node: str, decision: SlowNodeDecision,
-               now: float) -> None:
+    def remedy(self, job: JobRuntime, node: str, decision: SlowNodeDecision, now: float) -> None:
         """Carry out ``remediation.slow_node``'s decision about ``node``."""
         if decision.cordon:
             try:
                 self.cordon(node, decision.cordon, by="straggler detector", drain=False)
-                job.health.event("cordoned", f"{node} {decision.cordon}; no new generation "
-                                             f"will be placed on it until `keel uncordon "
-                                             f"{node}`", node=node, step=job.step)
+                job.health.event(
+                    "cordoned",
+                    f"{node} {decision.cordon}; no new generation "
+                    f"will be placed on it until `keel uncordon "
+                    f"{node}`",
+                    node=node,
+                    step=job.step,
+                )
             except Deposed:
                 raise
             except Exception as exc:
-                job.health.event("alert", f"could not cordon {node} ({decision.cordon}): "
-                                          f"{exc}", node=node)
+                job.health.event(
+                    "alert", f"could not cordon {node} ({decision.cordon}): {exc}", node=node
+                )
         if decision.remedy is Remedy.ALERT:
             job.health.event("alert", decision.reason, node=node, step=job.step)
         elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
@@ -378,14 +528,14 @@ class Executor:
 
     def agent_cordon(self, session: AgentSession) -> None:
         """Carry out ``operations.agent_cordon`` for ``session``'s node."""
-        change = operations.agent_cordon(session.leaving, session.pid,
-                                         self.state.cordons.get(session.node))
+        change = operations.agent_cordon(
+            session.leaving, session.pid, self.state.cordons.get(session.node)
+        )
         if change is None:
             return
         what, reason = change
         if what == "drain":
-            self.cordon(session.node, reason, by=operations.BY_AGENT, drain=True,
-                        pid=session.pid)
+            self.cordon(session.node, reason, by=operations.BY_AGENT, drain=True, pid=session.pid)
         else:
             self.uncordon(session.node, reason)
 
@@ -400,8 +550,9 @@ class Executor:
             job.operation = None
             job.health.event("operator", decision.reason, node=node, step=job.step)
 
-    def begin(self, job: JobRuntime, operation: Operation, now: float,
-              persist: bool = False) -> None:
+    def begin(
+        self, job: JobRuntime, operation: Operation, now: float, persist: bool = False
+    ) -> None:
         """Start a checkpoint-then-stop: ask every rank for a checkpoint now (unless the
         operation skips it); the lifecycle policy stops the generation once it is
         committed. ``persist``: record it in etcd first (an operation that cannot be
@@ -418,17 +569,28 @@ class Executor:
         nodes hear it at different steps; a rank that hears it after a save of a later
         step began (one its peers started on hearing it first) knows it is met."""
         for part in job.placement:
-            self.state.send(part.node, keel_pb2.ControllerMessage(
-                checkpoint_now=keel_pb2.CheckpointNow(job=job.name, generation=job.generation,
-                                                      reason=reason, after_step=after_step)))
+            self.state.send(
+                part.node,
+                keel_pb2.ControllerMessage(
+                    checkpoint_now=keel_pb2.CheckpointNow(
+                        job=job.name,
+                        generation=job.generation,
+                        reason=reason,
+                        after_step=after_step,
+                    )
+                ),
+            )
 
     def pass_on_checkpoint_request(self, job: JobRuntime) -> None:
         """An operator's checkpoint request goes to the agents once per leadership, and
         is dropped once a checkpoint after its step is committed."""
         request = job.checkpoint_request
         checkpoint = job.last_checkpoint
-        if checkpoint and checkpoint["step"] > request["after_step"] \
-                and checkpoint["generation"] == request["generation"]:
+        if (
+            checkpoint
+            and checkpoint["step"] > request["after_step"]
+            and checkpoint["generation"] == request["generation"]
+        ):
             self.store.delete_checkpoint_request(job.name)
             job.checkpoint_request, job.checkpoint_request_sent = None, False
         elif not job.checkpoint_request_sent:
@@ -450,28 +612,52 @@ class Executor:
         for decision in decisions:
             job = self.state.jobs.get(decision.job)
             if decision.action is Account.RESEND_RENDEZVOUS:
-                session.send(keel_pb2.ControllerMessage(
-                    prepare_rendezvous=keel_pb2.PrepareRendezvous(
-                        job=decision.job, generation=decision.generation)))
+                session.send(
+                    keel_pb2.ControllerMessage(
+                        prepare_rendezvous=keel_pb2.PrepareRendezvous(
+                            job=decision.job, generation=decision.generation
+                        )
+                    )
+                )
             elif decision.action is Account.STOPPED:
                 job.stopped_nodes.add(session.node)
             elif decision.action is Account.VANISHED:
                 job.vanished[session.node] = list(decision.ranks)
-                job.health.event("agent_restarted", decision.reason, node=session.node,
-                                 step=job.step)
+                job.health.event(
+                    "agent_restarted", decision.reason, node=session.node, step=job.step
+                )
             elif decision.action is Account.ADOPT:
-                log.info("adopted running ranks", job=decision.job, node=session.node,
-                         generation=decision.generation, ranks=list(decision.ranks))
+                log.info(
+                    "adopted running ranks",
+                    job=decision.job,
+                    node=session.node,
+                    generation=decision.generation,
+                    ranks=list(decision.ranks),
+                )
                 if job.last_checkpoint:
-                    session.send(keel_pb2.ControllerMessage(
-                        checkpoint_recorded=keel_pb2.CheckpointRecorded(
-                            job=job.name, generation=job.generation,
-                            step=job.last_checkpoint["step"])))
+                    session.send(
+                        keel_pb2.ControllerMessage(
+                            checkpoint_recorded=keel_pb2.CheckpointRecorded(
+                                job=job.name,
+                                generation=job.generation,
+                                step=job.last_checkpoint["step"],
+                            )
+                        )
+                    )
             else:
-                log.info("stopping stale ranks", job=decision.job, node=session.node,
-                         generation=decision.generation)
-                session.send(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
-                    job=decision.job, generation=decision.generation, reason=decision.reason)))
+                log.info(
+                    "stopping stale ranks",
+                    job=decision.job,
+                    node=session.node,
+                    generation=decision.generation,
+                )
+                session.send(
+                    keel_pb2.ControllerMessage(
+                        stop_generation=keel_pb2.StopGeneration(
+                            job=decision.job, generation=decision.generation, reason=decision.reason
+                        )
+                    )
+                )
         session.accounted = True
 
     # ============================================================ bookkeeping
@@ -492,8 +678,9 @@ class Executor:
             unsaved = list(health.unsaved.items())
             if unsaved:
                 # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
-                self.store.put_events(job.name, [(seq, json_format.MessageToDict(event))
-                                                 for seq, event in unsaved])
+                self.store.put_events(
+                    job.name, [(seq, json_format.MessageToDict(event)) for seq, event in unsaved]
+                )
                 for seq, event in unsaved:
                     if health.unsaved.get(seq) is event:
                         del health.unsaved[seq]

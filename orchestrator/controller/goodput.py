@@ -36,10 +36,19 @@ import statistics
 
 from orchestrator.policy.lifecycle import JobState
 
-BUCKETS = ("productive", "waiting", "startup", "preflight", "restart", "recompute",
-           "checkpoint", "straggler", "shutdown")
+BUCKETS = (
+    "productive",
+    "waiting",
+    "startup",
+    "preflight",
+    "restart",
+    "recompute",
+    "checkpoint",
+    "straggler",
+    "shutdown",
+)
 BADPUT = BUCKETS[1:]
-RUNNING = "running"          # the phase while steps flow: steps attribute the open time
+RUNNING = "running"  # the phase while steps flow: steps attribute the open time
 # At-risk entries kept before the oldest are merged (a merged entry settles only when a
 # checkpoint covers its last step): bounded, in memory and in etcd.
 MAX_AT_RISK = 128
@@ -53,17 +62,17 @@ class Goodput:
         self.start = submitted_at
         self.cursor = submitted_at
         self.seconds = dict.fromkeys(BUCKETS, 0.0)
-        self.phase = "startup"        # bucket of the open time (or RUNNING)
-        self.ran = False              # a step was accounted: downtime is a restart now
+        self.phase = "startup"  # bucket of the open time (or RUNNING)
+        self.ran = False  # a step was accounted: downtime is a restart now
         self.ended = False
-        self.at_risk: list[list[float]] = []   # [last step, productive seconds], oldest first
+        self.at_risk: list[list[float]] = []  # [last step, productive seconds], oldest first
         self.generation = 0
         self.world_size = 0
-        self.last_step = 0            # newest step closed in this generation
-        self.preflight_s = 0.0        # this generation's sweep, seconds
-        self.first_step: dict | None = None   # this generation's first step, once closed
+        self.last_step = 0  # newest step closed in this generation
+        self.preflight_s = 0.0  # this generation's sweep, seconds
+        self.first_step: dict | None = None  # this generation's first step, once closed
         self.slowdown = straggler_slowdown
-        self._pending: dict[int, dict] = {}   # step -> what its reports said so far
+        self._pending: dict[int, dict] = {}  # step -> what its reports said so far
 
     # ------------------------------------------------------------------ reading
     @property
@@ -92,9 +101,16 @@ class Goodput:
         self.seconds[bucket] += t - self.cursor
         self.cursor = t
 
-    def on_state(self, t: float, state: JobState, *, stop_requested: bool = False,
-                 generation: int = 0, world_size: int = 0,
-                 restore_step: int | None = None) -> None:
+    def on_state(
+        self,
+        t: float,
+        state: JobState,
+        *,
+        stop_requested: bool = False,
+        generation: int = 0,
+        world_size: int = 0,
+        restore_step: int | None = None,
+    ) -> None:
         """The job entered ``state`` at ``t``. STARTING also gives the new generation,
         its world size and the step it restores from (None: none, a fresh start)."""
         if self.ended:
@@ -119,13 +135,16 @@ class Goodput:
         if state.terminal:
             self._end(keep=state is JobState.SUCCEEDED)
             return
-        self.phase = "shutdown" if state is JobState.STOPPING and stop_requested else (
-            bucket if state is JobState.STOPPING else self._down)
+        self.phase = (
+            "shutdown"
+            if state is JobState.STOPPING and stop_requested
+            else (bucket if state is JobState.STOPPING else self._down)
+        )
 
     def waiting(self, t: float, for_capacity: bool) -> None:
         """A pending job's latest decision at ``t``: it waits for free slots, or not
         (backing off after a failure, placing)."""
-        if self.ended or self.phase == RUNNING:   # steps account for a running job
+        if self.ended or self.phase == RUNNING:  # steps account for a running job
             return
         target = "waiting" if for_capacity else self._down
         if target != self.phase:
@@ -172,16 +191,21 @@ class Goodput:
         if self.ended or generation != self.generation:
             return
         pending, last = self._pending, self.last_step
-        for tally in tallies:   # per node step: 4,000 a second at scale, 8 ranks each
+        for tally in tallies:  # per node step: 4,000 a second at scale, 8 ranks each
             step = tally.step
             if step <= last:
                 continue
             facts = pending.get(step)
             if facts is None:
-                facts = pending[step] = {"end": 0.0, "own": [], "checkpoint": 0.0,
-                                         "restore": 0.0, "ranks": set()}
+                facts = pending[step] = {
+                    "end": 0.0,
+                    "own": [],
+                    "checkpoint": 0.0,
+                    "restore": 0.0,
+                    "ranks": set(),
+                }
             ranks, times = facts["ranks"], tally.step_times
-            if not ranks.isdisjoint(tally.ranks):   # a rank's step sent again
+            if not ranks.isdisjoint(tally.ranks):  # a rank's step sent again
                 times = [t for r, t in zip(tally.ranks, times) if r not in ranks]
                 if not times:
                     continue
@@ -195,8 +219,10 @@ class Goodput:
                 facts["restore"] = tally.restore_s
         while self._pending:
             step = min(self._pending)
-            complete = (len(self._pending[step]["ranks"]) >= self.world_size
-                        or max(self._pending) >= step + LOST_REPORT_STEPS)
+            complete = (
+                len(self._pending[step]["ranks"]) >= self.world_size
+                or max(self._pending) >= step + LOST_REPORT_STEPS
+            )
             if not complete:
                 break
             self._close_step(step, now)
@@ -218,8 +244,12 @@ class Goodput:
             self._advance(started - sweep, self._down)
             self._advance(started, "preflight")
             self.phase, self.ran = RUNNING, True
-            self.first_step = {"step": step, "started_at": started, "end": end,
-                               "restore_s": facts["restore"]}
+            self.first_step = {
+                "step": step,
+                "started_at": started,
+                "end": end,
+                "restore_s": facts["restore"],
+            }
         interval = end - self.cursor
         blocked = min(interval, facts["checkpoint"])
         excess = 0.0
@@ -242,10 +272,18 @@ class Goodput:
     # ------------------------------------------------------------------ storage
     def record(self) -> dict:
         """What etcd keeps (with the job's state, at each transition)."""
-        return {"start": self.start, "cursor": self.cursor, "seconds": dict(self.seconds),
-                "phase": self.phase, "ran": self.ran, "ended": self.ended,
-                "at_risk": [list(e) for e in self.at_risk], "generation": self.generation,
-                "world_size": self.world_size, "last_step": self.last_step}
+        return {
+            "start": self.start,
+            "cursor": self.cursor,
+            "seconds": dict(self.seconds),
+            "phase": self.phase,
+            "ran": self.ran,
+            "ended": self.ended,
+            "at_risk": [list(e) for e in self.at_risk],
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "last_step": self.last_step,
+        }
 
     @classmethod
     def from_record(cls, record: dict, straggler_slowdown: float) -> Goodput:

@@ -15,8 +15,7 @@ import structlog
 
 from orchestrator.controller import metrics
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
-from orchestrator.policy.straggler import (Flag, StepBlock, StragglerConfig, evaluate,
-                                           initial_state)
+from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -38,6 +37,7 @@ PREFLIGHT_SLOW_REASON = "preflight: collective bus bandwidth below half of its p
 @dataclass(frozen=True)
 class SlowFlag:
     """A node found slow: at ``step``, ``after_steps`` steps after it became slow."""
+
     node: str
     step: int
     after_steps: int
@@ -47,47 +47,63 @@ class SlowFlag:
 @dataclass(eq=False)
 class JobHealth:
     job: str
-    spec: keel_pb2.HealthSpec                       # resolved, no zeros
+    spec: keel_pb2.HealthSpec  # resolved, no zeros
     events: list[keel_pb2.Event] = field(default_factory=list)
     next_seq: int = 1
     unsaved: dict[int, keel_pb2.Event] = field(default_factory=dict)  # seq -> to (re)write
-    dropped: list[int] = field(default_factory=list)   # seqs trimmed here, still in etcd
-    event_bytes: dict[int, int] = field(default_factory=dict)   # seq -> serialized size
+    dropped: list[int] = field(default_factory=list)  # seqs trimmed here, still in etcd
+    event_bytes: dict[int, int] = field(default_factory=dict)  # seq -> serialized size
     rank_nodes: dict[int, str] = field(default_factory=dict)
     generation: int = 0
     straggler_state: object = field(default_factory=initial_state)
     samples: list[tuple[str, list]] = field(default_factory=list)  # (node, tallies) not yet scored
-    latest: dict[int, int] = field(default_factory=dict)      # rank -> newest step reported
+    latest: dict[int, int] = field(default_factory=dict)  # rank -> newest step reported
     node_latest: dict[str, int] = field(default_factory=dict)  # node -> its ranks' newest
     found_flags: list[SlowFlag] = field(default_factory=list)  # scored, for the next tick
-    epoch: int = 0          # counts new generations: a score of an earlier one is dropped
+    epoch: int = 0  # counts new generations: a score of an earlier one is dropped
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
     hang_event: keel_pb2.Event | None = None
     hang_waiting: dict[int, bool] = field(default_factory=dict)  # rank -> waits in a collective
-    hang_stack_chars: int = 0                       # of the stacks the hang event keeps
+    hang_stack_chars: int = 0  # of the stacks the hang event keeps
     preflight: dict[str, dict[tuple[str, int], keel_pb2.CollectiveResult]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
     preflight_flagged: set[str] = field(default_factory=set)
-    preflight_flags: list[SlowFlag] = field(default_factory=list)   # for the next tick
+    preflight_flags: list[SlowFlag] = field(default_factory=list)  # for the next tick
 
     @property
     def straggler_config(self) -> StragglerConfig:
-        return StragglerConfig(slowdown=self.spec.straggler_slowdown,
-                               window=self.spec.straggler_window,
-                               patience=self.spec.straggler_patience)
+        return StragglerConfig(
+            slowdown=self.spec.straggler_slowdown,
+            window=self.spec.straggler_window,
+            patience=self.spec.straggler_patience,
+        )
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, reason: str, **fields) -> keel_pb2.Event:
-        event = keel_pb2.Event(kind=kind, reason=reason, generation=self.generation,
-                               at=time.time(), seq=self.next_seq, **fields)
+        event = keel_pb2.Event(
+            kind=kind,
+            reason=reason,
+            generation=self.generation,
+            at=time.time(),
+            seq=self.next_seq,
+            **fields,
+        )
         self.next_seq += 1
         self.events.append(event)
         self.changed(event)
         metrics.detected(self.job, kind, event.detected_after_s, event.detected_after_steps)
-        log.info("event", job=self.job, generation=self.generation, kind=kind,
-                 node=event.node, rank=event.rank if event.HasField("rank") else None,
-                 step=event.step, reason=reason)
+        log.info(
+            "event",
+            job=self.job,
+            generation=self.generation,
+            kind=kind,
+            node=event.node,
+            rank=event.rank if event.HasField("rank") else None,
+            step=event.step,
+            reason=reason,
+        )
         return event
 
     def changed(self, event: keel_pb2.Event) -> None:
@@ -112,11 +128,11 @@ class JobHealth:
             if keep == MAX_EVENTS or (keep and total > MAX_EVENT_BYTES):
                 break
             keep += 1
-        for old in self.events[:len(self.events) - keep]:
+        for old in self.events[: len(self.events) - keep]:
             self.unsaved.pop(old.seq, None)
             self.event_bytes.pop(old.seq, None)
             self.dropped.append(old.seq)
-        del self.events[:len(self.events) - keep]
+        del self.events[: len(self.events) - keep]
 
     # ------------------------------------------------------------- generations
     def new_generation(self, generation: int, rank_nodes: dict[int, str]) -> None:
@@ -191,8 +207,9 @@ class JobHealth:
         the samples are scored once per window, not once per tick)."""
         if not self.samples or not self.latest:
             return False
-        return min(self.latest.values()) >= (self.straggler_state.last_step
-                                             + self.spec.straggler_window)
+        return min(self.latest.values()) >= (
+            self.straggler_state.last_step + self.spec.straggler_window
+        )
 
     def take_scoring(self) -> tuple[int, object, Iterator[StepBlock], StragglerConfig]:
         """What the scorer scores; the samples are made as it reads them, off the lock."""
@@ -202,7 +219,7 @@ class JobHealth:
     def settle_scoring(self, epoch: int, state, found: list[Flag], cleared: list[str]) -> bool:
         """Keep a score of this generation's samples; whether it flagged a node."""
         if epoch != self.epoch:
-            return False   # a new generation began meanwhile
+            return False  # a new generation began meanwhile
         self.straggler_state = state
         for node in cleared:
             log.info("straggler cleared", job=self.job, node=node)
@@ -261,10 +278,15 @@ class JobHealth:
 
     def preflight_status(self) -> list[keel_pb2.NodePreflight]:
         slow = self.slow_preflight_nodes()
-        return [keel_pb2.NodePreflight(node=node, generation=self.generation,
-                                       results=[results[k] for k in sorted(results)],
-                                       slow=node in slow)
-                for node, results in sorted(self.preflight.items())]
+        return [
+            keel_pb2.NodePreflight(
+                node=node,
+                generation=self.generation,
+                results=[results[k] for k in sorted(results)],
+                slow=node in slow,
+            )
+            for node, results in sorted(self.preflight.items())
+        ]
 
 
 def _samples(taken: list[tuple[str, list]]) -> Iterator[StepBlock]:
@@ -283,5 +305,6 @@ def _samples(taken: list[tuple[str, list]]) -> Iterator[StepBlock]:
 
 
 def _flag(flag: Flag) -> SlowFlag:
-    return SlowFlag(flag.node, flag.flagged_at_step, flag.flagged_at_step - flag.slow_since_step,
-                    flag.reason)
+    return SlowFlag(
+        flag.node, flag.flagged_at_step, flag.flagged_at_step - flag.slow_since_step, flag.reason
+    )

@@ -24,8 +24,8 @@ MAX_FAILURES = 20
 PLACEMENTS_KEPT = 64
 
 
-RECENT_STEPS = 5         # a rank's latest own step times its series is the median of
-TOKENS_WINDOW_S = 10.0   # the tokens/s figure is over the reports of this long
+RECENT_STEPS = 5  # a rank's latest own step times its series is the median of
+TOKENS_WINDOW_S = 10.0  # the tokens/s figure is over the reports of this long
 
 
 class TokenRate:
@@ -35,7 +35,7 @@ class TokenRate:
 
     def __init__(self, window_s: float):
         self.window_s = window_s
-        self._batches: collections.deque = collections.deque()   # (at, tokens)
+        self._batches: collections.deque = collections.deque()  # (at, tokens)
         self._total = 0
 
     def add(self, at: float, tokens: int) -> None:
@@ -63,16 +63,18 @@ class JobRuntime:
     reason: str = ""
     failures: list[dict] = field(default_factory=list)
     placement: list[NodeRanks] = field(default_factory=list)
-    world_size: int = 0          # of the current generation (the spec's until one starts)
-    mesh: str = ""               # layout of the current generation
+    world_size: int = 0  # of the current generation (the spec's until one starts)
+    mesh: str = ""  # layout of the current generation
     rendezvous: tuple[str, int] | None = None
-    deadlines: keel_pb2.Deadlines | None = None   # of the current generation, once placed
+    deadlines: keel_pb2.Deadlines | None = None  # of the current generation, once placed
     restore_from: dict | None = None
-    restore_fallbacks: list[str] = field(default_factory=list)   # paths, newest first
+    restore_fallbacks: list[str] = field(default_factory=list)  # paths, newest first
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)
     lost_nodes: set[str] = field(default_factory=set)
-    vanished: dict[str, list[int]] = field(default_factory=dict)  # node -> ranks gone with its agent
+    vanished: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # node -> ranks gone with its agent
     # progress, from step reports: rank 0's latest step in the current generation (the
     # step it restored until it reports one)
     step: int = 0
@@ -82,19 +84,20 @@ class JobRuntime:
     tokens: int = 0
     token_window: TokenRate = field(default_factory=lambda: TokenRate(TOKENS_WINDOW_S))
     step_times: collections.deque = field(  # the latest reported step times, seconds
-        default_factory=lambda: collections.deque(maxlen=64))
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
     last_checkpoint: dict | None = None
-    last_wait_reason: str = ""          # logged last (executor.apply), and when:
+    last_wait_reason: str = ""  # logged last (executor.apply), and when:
     last_wait_logged: float = 0.0
     health: JobHealth | None = None
     initial_loss_stored: bool = False
-    unrecorded: list[dict] = field(default_factory=list)   # commits not yet recorded in etcd
+    unrecorded: list[dict] = field(default_factory=list)  # commits not yet recorded in etcd
     # Checkpoints ranks would not use (refused stale commits, failed verifications),
     # for the reconcile loop to record.
     checkpoint_problems: list = field(default_factory=list)
-    stop_requested: str = ""     # the operator's stop, with their reason (persisted)
-    stop_now: bool = False       # ... without a final checkpoint
-    planned_stop: bool = False   # the current generation was stopped on purpose (persisted)
+    stop_requested: str = ""  # the operator's stop, with their reason (persisted)
+    stop_now: bool = False  # ... without a final checkpoint
+    planned_stop: bool = False  # the current generation was stopped on purpose (persisted)
     # The checkpoint-then-stop under way (persisted when it cannot be derived again from
     # the cordons and the stop request: a replacement, an exclusion).
     operation: Operation | None = None
@@ -211,8 +214,11 @@ class JobRuntime:
 
     def node_of(self, generation: int, rank: int) -> str | None:
         """The node that ran (or runs) ``rank`` in ``generation``, if known here."""
-        ranks = self.rank_nodes if generation == self.generation else \
-            self.placements.get(generation, {})
+        ranks = (
+            self.rank_nodes
+            if generation == self.generation
+            else self.placements.get(generation, {})
+        )
         return ranks.get(rank)
 
     def tokens_per_s(self) -> float:
@@ -225,14 +231,22 @@ class JobRuntime:
 
     def record(self) -> dict:
         """The job state as stored in etcd."""
-        return {"state": self.state.value, "generation": self.generation,
-                "restarts": self.restarts, "reason": self.reason,
-                "failures": self.failures,
-                "initial_loss": self.initial_loss if self.has_loss else None,
-                "stop_requested": self.stop_requested, "stop_now": self.stop_now,
-                "planned_stop": self.planned_stop, "ended_at": self.ended_at,
-                "goodput": self.goodput.record(), "restarts_by_cause": self.restarts_by_cause,
-                "checkpoint_problems": self.checkpoint_problem_counts,
-                "state_seconds": self.state_seconds,
-                "state_entered_at": self.state_entered_at, "tokens": self.tokens,
-                "step": self.step}
+        return {
+            "state": self.state.value,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "reason": self.reason,
+            "failures": self.failures,
+            "initial_loss": self.initial_loss if self.has_loss else None,
+            "stop_requested": self.stop_requested,
+            "stop_now": self.stop_now,
+            "planned_stop": self.planned_stop,
+            "ended_at": self.ended_at,
+            "goodput": self.goodput.record(),
+            "restarts_by_cause": self.restarts_by_cause,
+            "checkpoint_problems": self.checkpoint_problem_counts,
+            "state_seconds": self.state_seconds,
+            "state_entered_at": self.state_entered_at,
+            "tokens": self.tokens,
+            "step": self.step,
+        }

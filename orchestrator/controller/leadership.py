@@ -38,10 +38,10 @@ class Leadership:
         self.state = state
         self.on_lead = on_lead
         self.lease = None
-        self.refreshed_at = 0.0     # monotonic: the lease was last refreshed
-        self.refreshes = 0          # how many times the keeper refreshed it
-        self._lapsed = None         # a lease etcd said had expired
-        self.leader = LeaderWatch(state.store.client)   # who leads, as etcd says
+        self.refreshed_at = 0.0  # monotonic: the lease was last refreshed
+        self.refreshes = 0  # how many times the keeper refreshed it
+        self._lapsed = None  # a lease etcd said had expired
+        self.leader = LeaderWatch(state.store.client)  # who leads, as etcd says
 
     def start(self) -> None:
         """Keep whatever lease this controller holds alive, every third of a TTL, on a
@@ -66,15 +66,18 @@ class Leadership:
             try:
                 ttl = lease.refresh()[0].TTL
                 problem = None
-            except Exception as exc:   # ``keep`` decides once a whole TTL passed
+            except Exception as exc:  # ``keep`` decides once a whole TTL passed
                 ttl, problem = None, f"{type(exc).__name__}: {exc}"
             now = time.monotonic()
             took = now - began
             if (problem or took > ttl_s / 3) and now - warned_at >= ttl_s:
                 warned_at = now
-                log.warning("leader lease refresh slow or failed", took_s=round(took, 3),
-                            since_refreshed_s=round(now - self.refreshed_at, 3),
-                            error=problem)
+                log.warning(
+                    "leader lease refresh slow or failed",
+                    took_s=round(took, 3),
+                    since_refreshed_s=round(now - self.refreshed_at, 3),
+                    error=problem,
+                )
             if ttl is None:
                 wait = ttl_s / 12
                 continue
@@ -107,8 +110,13 @@ class Leadership:
         metrics.LEADER.set(1)
         metrics.TERM.set(term)
         metrics.LEADER_CHANGES.inc()
-        log.info("leading", controller_id=state.id, address=state.address, term=term,
-                 jobs=len(state.jobs))
+        log.info(
+            "leading",
+            controller_id=state.id,
+            address=state.address,
+            term=term,
+            jobs=len(state.jobs),
+        )
         return True
 
     def keep(self, now: float) -> bool:
@@ -129,7 +137,7 @@ class Leadership:
         state = self.state
         with state.lock:
             if not state.is_leader and state.store.term is None:
-                return   # down already (every caller that finds the lead gone says so)
+                return  # down already (every caller that finds the lead gone says so)
             was = state.store.term
             state.is_leader = False
             state.store.term = None
@@ -147,7 +155,7 @@ class Leadership:
         message names the leader), or None."""
         if self.state.is_leader:
             return None
-        leader = self.leader.current     # from the watch: no etcd read per refusal
+        leader = self.leader.current  # from the watch: no etcd read per refusal
         return f"standby controller; the leader is at {leader.address if leader else 'unknown'}"
 
     def require(self, context) -> None:

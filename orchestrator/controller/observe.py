@@ -36,8 +36,9 @@ def taking_over(state: ControllerState, now: float) -> bool:
     thousands of nodes the reconnect storm outlasts one grace on a busy leader, and
     counting its tail lost would restart a healthy job), up to TAKEOVER_GRACES graces."""
     grace, since = state.config.node_lost_grace_s, now - state.leader_since
-    return since < grace or (since < TAKEOVER_GRACES * grace
-                             and now - state.agent_knocked_at < grace / 2)
+    return since < grace or (
+        since < TAKEOVER_GRACES * grace and now - state.agent_knocked_at < grace / 2
+    )
 
 
 def down_for(state: ControllerState, node: str, now: float) -> float:
@@ -51,13 +52,15 @@ def newly_lost(state: ControllerState, job: JobRuntime, now: float) -> list[str]
     Only those that may not be are judged (no record, no stream, or one that is down),
     found with set operations: a tick does not walk every node of a large job."""
     nodes = job.nodes - job.lost_nodes
-    maybe = ((nodes - state.registered.keys()) | (nodes & state.down)
-             | (nodes - state.sessions.keys()))
+    maybe = (
+        (nodes - state.registered.keys()) | (nodes & state.down) | (nodes - state.sessions.keys())
+    )
     return sorted(n for n in maybe if not node_usable(state, n, now))
 
 
-def free_slots(state: ControllerState, job: JobRuntime,
-               exclude: frozenset[str] = frozenset()) -> dict[str, int]:
+def free_slots(
+    state: ControllerState, job: JobRuntime, exclude: frozenset[str] = frozenset()
+) -> dict[str, int]:
     """Slots of connected, registered, uncordoned nodes that no other job holds, bar
     ``exclude``; at most the job's ranks per node (torchrun's --nproc-per-node) each."""
     busy = set(state.cordons) | exclude
@@ -65,8 +68,11 @@ def free_slots(state: ControllerState, job: JobRuntime,
         if other is not job and other.state.holds_nodes:
             busy |= other.nodes
     cap = job.spec.ranks_per_node
-    return {name: min(s.slots, cap) if cap else s.slots for name, s in state.sessions.items()
-            if s.connected and name in state.registered and name not in busy}
+    return {
+        name: min(s.slots, cap) if cap else s.slots
+        for name, s in state.sessions.items()
+        if s.connected and name in state.registered and name not in busy
+    }
 
 
 def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:
@@ -76,8 +82,9 @@ def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:
 
 def suspects(job: JobRuntime) -> frozenset[str]:
     """The nodes the job's next generation stays off if it can."""
-    return remediation.suspects(frozenset(job.lost_nodes), job.health.hung_node,
-                                job.operation if job.planned_stop else None)
+    return remediation.suspects(
+        frozenset(job.lost_nodes), job.health.hung_node, job.operation if job.planned_stop else None
+    )
 
 
 def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
@@ -87,34 +94,57 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
     avoid = suspects(job) if job.state is JobState.PENDING else frozenset()
     free = free_slots(state, job) if job.state is JobState.PENDING else {}
     hang = job.health.hang_event
-    hang_reason = (hang.reason + (f"; {hang.root_cause}" if hang.root_cause else "")
-                   if hang is not None and job.state is JobState.RUNNING else "")
+    hang_reason = (
+        hang.reason + (f"; {hang.root_cause}" if hang.root_cause else "")
+        if hang is not None and job.state is JobState.RUNNING
+        else ""
+    )
     checkpoint = job.last_checkpoint or {}
-    ready = (operations.ready(now, job.operation, checkpoint.get("step"),
-                              checkpoint.get("generation", 0), job.generation)
-             if job.state is JobState.RUNNING else "")
+    ready = (
+        operations.ready(
+            now,
+            job.operation,
+            checkpoint.get("step"),
+            checkpoint.get("generation", 0),
+            job.generation,
+        )
+        if job.state is JobState.RUNNING
+        else ""
+    )
     return Observed(
-        state=job.state, state_since=job.state_since, restarts=job.restarts,
-        generation=job.generation, generation_world_size=job.world_size,
+        state=job.state,
+        state_since=job.state_since,
+        restarts=job.restarts,
+        generation=job.generation,
+        generation_world_size=job.world_size,
         free_slots={n: s for n, s in free.items() if n not in avoid},
         # Suspects that are connected and registered again, lost nodes that came back
         # among them: used only when nothing else can run the job.
         suspect_slots={n: s for n, s in free.items() if n in avoid},
-        generation_nodes=job.nodes, rendezvous_ready=job.rendezvous is not None,
-        exits=tuple(job.exits.values()), lost_nodes=frozenset(job.lost_nodes),
+        generation_nodes=job.nodes,
+        rendezvous_ready=job.rendezvous is not None,
+        exits=tuple(job.exits.values()),
+        lost_nodes=frozenset(job.lost_nodes),
         vanished_nodes=frozenset(job.vanished),
         # state.down: the nodes whose agent's stream is down (a set kept as they go).
         unreachable_nodes=frozenset((job.nodes - job.lost_nodes) & state.down),
-        stopped_nodes=frozenset(job.stopped_nodes), hang=hang_reason, replace=ready,
+        stopped_nodes=frozenset(job.stopped_nodes),
+        hang=hang_reason,
+        replace=ready,
         replace_origin=job.operation.origin if job.operation else "operator",
         backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.repeated_failures),
-        stop_requested=job.stop_requested, planned_stop=job.planned_stop)
+        stop_requested=job.stop_requested,
+        planned_stop=job.planned_stop,
+    )
 
 
 def spec(state: ControllerState, job: JobRuntime) -> Spec:
-    return Spec(world_size=job.spec.world_size, max_restarts=job.spec.max_restarts,
-                rendezvous_timeout_s=state.config.rendezvous_timeout_s,
-                min_nodes=job.spec.min_nodes)
+    return Spec(
+        world_size=job.spec.world_size,
+        max_restarts=job.spec.max_restarts,
+        rendezvous_timeout_s=state.config.rendezvous_timeout_s,
+        min_nodes=job.spec.min_nodes,
+    )
 
 
 def draining(state: ControllerState, job: JobRuntime) -> tuple[str, ...]:
@@ -127,37 +157,61 @@ def node_runs(session: AgentSession) -> convergence.NodeRuns | None:
     status = session.status
     if status is None:
         return None
-    return convergence.NodeRuns(node=session.node, pid=session.pid, job=status.job,
-                                generation=status.generation, phase=status.phase,
-                                started_job=status.started_job,
-                                started_generation=status.started_generation,
-                                received_at=session.status_at)
+    return convergence.NodeRuns(
+        node=session.node,
+        pid=session.pid,
+        job=status.job,
+        generation=status.generation,
+        phase=status.phase,
+        started_job=status.started_job,
+        started_generation=status.started_generation,
+        received_at=session.status_at,
+    )
 
 
 def plans_on(state: ControllerState, node: str) -> list[convergence.PlanOnNode]:
     """What every job's plan says of ``node``."""
-    return [convergence.PlanOnNode(
-        job=job.name, state=job.state, generation=job.generation, placed=node in job.nodes,
-        placed_agent=job.placed_agents.get(node, 0),
-        confirmed_stopped=node in job.stopped_nodes,
-        lost=node in job.lost_nodes or node in job.vanished) for job in state.jobs.values()]
+    return [
+        convergence.PlanOnNode(
+            job=job.name,
+            state=job.state,
+            generation=job.generation,
+            placed=node in job.nodes,
+            placed_agent=job.placed_agents.get(node, 0),
+            confirmed_stopped=node in job.stopped_nodes,
+            lost=node in job.lost_nodes or node in job.vanished,
+        )
+        for job in state.jobs.values()
+    ]
 
 
 def agent_runs(session: AgentSession) -> adoption.AgentRuns:
     """What the agent runs: its latest status, else its Hello."""
     said = session.status if session.status is not None else session.hello
-    job, generation = ((said.job, said.generation) if session.status is not None
-                       else (said.running_job, said.running_generation))
-    return adoption.AgentRuns(node=session.node, pid=session.pid, job=job,
-                              generation=generation,
-                              live_ranks=tuple(r.rank for r in said.running))
+    job, generation = (
+        (said.job, said.generation)
+        if session.status is not None
+        else (said.running_job, said.running_generation)
+    )
+    return adoption.AgentRuns(
+        node=session.node,
+        pid=session.pid,
+        job=job,
+        generation=generation,
+        live_ranks=tuple(r.rank for r in said.running),
+    )
 
 
 def job_on_node(job: JobRuntime, node: str) -> adoption.JobOnNode:
     return adoption.JobOnNode(
-        job=job.name, state=job.state, generation=job.generation, on_node=node in job.nodes,
+        job=job.name,
+        state=job.state,
+        generation=job.generation,
+        on_node=node in job.nodes,
         first_node=bool(job.placement) and job.placement[0].node == node,
         rendezvous_known=job.rendezvous is not None,
-        planned_ranks=tuple(sorted(job.ranks_on_node(node))),   # (indexed: no walk per Hello)
-        exited_ranks=frozenset(job.exits), vanished=node in job.vanished,
-        placed_agent=job.placed_agents.get(node, 0))
+        planned_ranks=tuple(sorted(job.ranks_on_node(node))),  # (indexed: no walk per Hello)
+        exited_ranks=frozenset(job.exits),
+        vanished=node in job.vanished,
+        placed_agent=job.placed_agents.get(node, 0),
+    )

@@ -54,8 +54,10 @@ class OperatorService:
         refused because another controller leads ends this leadership too."""
         if isinstance(exc, Deposed):
             self.leadership.step_down(f"deposed: {exc}")
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; "
-                                                       "nothing changed: ask the leader")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "this controller no longer leads; nothing changed: ask the leader",
+            )
         context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable, nothing changed: {exc}")
 
     def SubmitJob(self, request, context):
@@ -68,23 +70,36 @@ class OperatorService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid job spec: {exc}")
         with self.lock:
             if spec.name in self.state.jobs:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"job {spec.name!r} exists; choose another name")
-            job = JobRuntime(spec=spec, state=JobState.PENDING, state_rev=0,
-                             state_since=time.monotonic(), reason="submitted",
-                             health=JobHealth(spec.name, resolve_health(spec.health)))
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} exists; choose another name"
+                )
+            job = JobRuntime(
+                spec=spec,
+                state=JobState.PENDING,
+                state_rev=0,
+                state_since=time.monotonic(),
+                reason="submitted",
+                health=JobHealth(spec.name, resolve_health(spec.health)),
+            )
             try:
                 revision = self.store.create_job(
-                    spec.name, json_format.MessageToDict(spec), job.record())
+                    spec.name, json_format.MessageToDict(spec), job.record()
+                )
             except Exception as exc:
                 self._unrecorded(exc, context)
             if not revision:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"job {spec.name!r} exists in etcd; choose another name")
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"job {spec.name!r} exists in etcd; choose another name",
+                )
             job.state_rev = revision
             self.state.jobs[spec.name] = job
-        log.info("job submitted", job=spec.name, world_size=spec.world_size,
-                 max_restarts=spec.max_restarts)
+        log.info(
+            "job submitted",
+            job=spec.name,
+            world_size=spec.world_size,
+            max_restarts=spec.max_restarts,
+        )
         self.state.wake.set()
         return keel_pb2.SubmitJobReply(job=spec.name)
 
@@ -99,30 +114,51 @@ class OperatorService:
     def ListJobs(self, request, context):
         self._require_leader(context)
         with self.lock:
-            return keel_pb2.ListJobsReply(jobs=[self._status(job) for _, job in
-                                                sorted(self.state.jobs.items())])
+            return keel_pb2.ListJobsReply(
+                jobs=[self._status(job) for _, job in sorted(self.state.jobs.items())]
+            )
 
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
         status = keel_pb2.JobStatus(
-            job=job.name, state=job.state.value, reason=job.reason,
-            generation=job.generation, world_size=job.world_size or job.spec.world_size,
-            mesh=job.mesh, restarts=job.restarts, step=job.step, target_steps=job.spec.steps,
-            loss=job.loss, initial_loss=job.initial_loss, has_loss=job.has_loss,
-            tokens_per_s=job.tokens_per_s(), tokens=job.tokens,
-            step_time_s=statistics.median(job.step_times) if job.step_times else 0.0)
+            job=job.name,
+            state=job.state.value,
+            reason=job.reason,
+            generation=job.generation,
+            world_size=job.world_size or job.spec.world_size,
+            mesh=job.mesh,
+            restarts=job.restarts,
+            step=job.step,
+            target_steps=job.spec.steps,
+            loss=job.loss,
+            initial_loss=job.initial_loss,
+            has_loss=job.has_loss,
+            tokens_per_s=job.tokens_per_s(),
+            tokens=job.tokens,
+            step_time_s=statistics.median(job.step_times) if job.step_times else 0.0,
+        )
         if job.last_checkpoint:
             ck = job.last_checkpoint
-            status.last_checkpoint.CopyFrom(keel_pb2.CommittedCheckpoint(
-                step=ck["step"], path=ck["path"], generation=ck["generation"],
-                samples=ck["samples"]))
+            status.last_checkpoint.CopyFrom(
+                keel_pb2.CommittedCheckpoint(
+                    step=ck["step"],
+                    path=ck["path"],
+                    generation=ck["generation"],
+                    samples=ck["samples"],
+                )
+            )
         for failure in job.failures:
             status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
         status.events.extend(job.health.events)
         status.preflight.extend(job.health.preflight_status())
         goodput = job.goodput
-        status.goodput.CopyFrom(keel_pb2.Goodput(
-            ratio=goodput.ratio() or 0.0, accounted_s=goodput.accounted_s,
-            seconds=goodput.seconds, at_risk_s=goodput.at_risk_s))
+        status.goodput.CopyFrom(
+            keel_pb2.Goodput(
+                ratio=goodput.ratio() or 0.0,
+                accounted_s=goodput.accounted_s,
+                seconds=goodput.seconds,
+                at_risk_s=goodput.at_risk_s,
+            )
+        )
         status.submitted_at, status.ended_at = goodput.start, job.ended_at or 0.0
         return status
 
@@ -132,12 +168,16 @@ class OperatorService:
         with self.lock:
             # Built again only when what it shows changed: the node tables, or which
             # job holds which nodes (at 4,000 nodes a build is about 40 ms of the lock).
-            key = (state.nodes_version(),
-                   tuple((job.name, job.state, job.nodes) for job in state.jobs.values()))
+            key = (
+                state.nodes_version(),
+                tuple((job.name, job.state, job.nodes) for job in state.jobs.values()),
+            )
             if self._nodes_reply is None or self._nodes_reply[0] != key:
                 names = set(state.registered) | set(state.sessions) | set(state.cordons)
-                self._nodes_reply = (key, keel_pb2.ListNodesReply(
-                    nodes=[self._node_info(n) for n in sorted(names)]))
+                self._nodes_reply = (
+                    key,
+                    keel_pb2.ListNodesReply(nodes=[self._node_info(n) for n in sorted(names)]),
+                )
             return self._nodes_reply[1]
 
     # ------------------------------------------------------------------ helpers
@@ -147,37 +187,52 @@ class OperatorService:
         cordon = self.state.cordons.get(name)
         job = self.state.job_on(name)
         return keel_pb2.NodeInfo(
-            node=name, host=record.get("host", session.host if session else ""),
+            node=name,
+            host=record.get("host", session.host if session else ""),
             slots=record.get("slots", session.slots if session else 0),
             connected=bool(session and session.connected),
-            lease_id=record.get("lease_id", 0), state=self.state.node_state(name),
-            cordon_reason=("" if cordon is None else cordon["reason"] if cordon["by"] == "operator"
-                           else f"{cordon['reason']} (by the {cordon['by']})"),
-            job=job.name if job is not None else "")
+            lease_id=record.get("lease_id", 0),
+            state=self.state.node_state(name),
+            cordon_reason=(
+                ""
+                if cordon is None
+                else cordon["reason"]
+                if cordon["by"] == "operator"
+                else f"{cordon['reason']} (by the {cordon['by']})"
+            ),
+            job=job.name if job is not None else "",
+        )
 
     @staticmethod
     def _short_reason(reason: str, context) -> None:
         """An operator's reason is stored with the cordon or the job's state, and
         repeated in its events: keep it a sentence."""
         if len(reason) > MAX_REASON_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"reason: {len(reason)} characters; keep it under "
-                          f"{MAX_REASON_CHARS}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"reason: {len(reason)} characters; keep it under {MAX_REASON_CHARS}",
+            )
 
     def _known_node(self, name: str, context) -> None:
         if not name:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node: give the node's name")
         state = self.state
-        if not (name in state.registered or name in state.sessions or name in state.cordons
-                or state.job_on(name) is not None):
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no node named {name!r}; `keel nodes` lists them")
+        if not (
+            name in state.registered
+            or name in state.sessions
+            or name in state.cordons
+            or state.job_on(name) is not None
+        ):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no node named {name!r}; `keel nodes` lists them"
+            )
 
     def _job_named(self, name: str, context) -> JobRuntime:
         job = self.state.jobs.get(name)
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no job named {name!r}; `keel jobs` lists them")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no job named {name!r}; `keel jobs` lists them"
+            )
         return job
 
     def _persist_cordon(self, node: str, reason: str, drain: bool, context) -> None:
@@ -188,8 +243,9 @@ class OperatorService:
 
     def _where_it_goes(self, job: JobRuntime, node: str) -> str:
         """How the job will do without ``node``, judged from the free nodes now."""
-        return operations.without_node(job.ranks_on(node), observe.spare_slots(self.state, job),
-                                       job.spec.min_nodes)
+        return operations.without_node(
+            job.ranks_on(node), observe.spare_slots(self.state, job), job.spec.min_nodes
+        )
 
     # -------------------------------------------------------------------- nodes
     def CordonNode(self, request, context):
@@ -199,11 +255,15 @@ class OperatorService:
             self._known_node(request.node, context)
             existing = self.state.cordons.get(request.node)
             if existing is None:
-                self._persist_cordon(request.node, request.reason or "cordoned by the operator",
-                                     False, context)
+                self._persist_cordon(
+                    request.node, request.reason or "cordoned by the operator", False, context
+                )
             job = self.state.job_on(request.node)
-            message = (f"{request.node} was already {'draining' if existing['drain'] else 'cordoned'}"
-                       if existing else f"{request.node} cordoned: no new generation goes there")
+            message = (
+                f"{request.node} was already {'draining' if existing['drain'] else 'cordoned'}"
+                if existing
+                else f"{request.node} cordoned: no new generation goes there"
+            )
             if job is not None:
                 message += f"; job {job.name} keeps running on it (`keel drain` moves it)"
             return keel_pb2.NodeReply(node=self._node_info(request.node), message=message)
@@ -213,8 +273,9 @@ class OperatorService:
         with self.lock:
             self._known_node(request.node, context)
             if request.node not in self.state.cordons:
-                return keel_pb2.NodeReply(node=self._node_info(request.node),
-                                          message=f"{request.node} was not cordoned")
+                return keel_pb2.NodeReply(
+                    node=self._node_info(request.node), message=f"{request.node} was not cordoned"
+                )
             try:
                 self.executor.uncordon(request.node, "the operator uncordoned it")
             except Exception as exc:
@@ -232,17 +293,26 @@ class OperatorService:
         self._short_reason(request.reason, context)
         with self.lock:
             self._known_node(request.node, context)
-            self._persist_cordon(request.node, request.reason or "drained by the operator",
-                                 True, context)
+            self._persist_cordon(
+                request.node, request.reason or "drained by the operator", True, context
+            )
             job = self.state.job_on(request.node)
             if job is None:
-                message = f"{request.node} drained: it runs nothing, and no new generation goes there"
+                message = (
+                    f"{request.node} drained: it runs nothing, and no new generation goes there"
+                )
             else:
-                job.health.event("operator", f"drain of {request.node} requested",
-                                 node=request.node, step=job.step)
-                message = (f"draining {request.node}: job {job.name} checkpoints now, then "
-                           f"its next generation runs without it "
-                           f"{self._where_it_goes(job, request.node)}")
+                job.health.event(
+                    "operator",
+                    f"drain of {request.node} requested",
+                    node=request.node,
+                    step=job.step,
+                )
+                message = (
+                    f"draining {request.node}: job {job.name} checkpoints now, then "
+                    f"its next generation runs without it "
+                    f"{self._where_it_goes(job, request.node)}"
+                )
             return keel_pb2.NodeReply(node=self._node_info(request.node), message=message)
 
     def ReplaceNode(self, request, context):
@@ -251,35 +321,54 @@ class OperatorService:
             self._known_node(request.node, context)
             job = self.state.job_on(request.node)
             if job is None or job.state is not JobState.RUNNING:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{request.node} runs no running job; nothing to replace")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{request.node} runs no running job; nothing to replace",
+                )
             if job.operation is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job.name} is already under way to "
-                              f"{job.operation.reason}; wait for its next generation")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {job.name} is already under way to "
+                    f"{job.operation.reason}; wait for its next generation",
+                )
             if request.with_node:
                 self._known_node(request.with_node, context)
             problem = operations.replace_problem(
-                request.node, request.with_node, job.name, job.nodes, job.ranks_on(request.node),
-                observe.spare_slots(self.state, job), frozenset(self.state.cordons))
+                request.node,
+                request.with_node,
+                job.name,
+                job.nodes,
+                job.ranks_on(request.node),
+                observe.spare_slots(self.state, job),
+                frozenset(self.state.cordons),
+            )
             if problem:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             into = request.with_node or "a free node"
-            operation = Operation(node=request.node, policy="replace", generation=job.generation,
-                                  reason=f"operator: replace {request.node} with {into}",
-                                  with_node=request.with_node)
+            operation = Operation(
+                node=request.node,
+                policy="replace",
+                generation=job.generation,
+                reason=f"operator: replace {request.node} with {into}",
+                with_node=request.with_node,
+            )
             try:
                 self.store.put_operation(job.name, operation.record())
             except Exception as exc:
                 self._unrecorded(exc, context)
-            job.operation = operation   # the reconcile loop begins it
+            job.operation = operation  # the reconcile loop begins it
             self.state.wake.set()
-            job.health.event("operator", f"replacement of {request.node} with {into} requested",
-                             node=request.node, step=job.step)
+            job.health.event(
+                "operator",
+                f"replacement of {request.node} with {into} requested",
+                node=request.node,
+                step=job.step,
+            )
             return keel_pb2.NodeReply(
                 node=self._node_info(request.node),
                 message=f"job {job.name} checkpoints now, then its next generation runs with "
-                        f"{request.node} replaced by {into}")
+                f"{request.node} replaced by {into}",
+            )
 
     # --------------------------------------------------------------------- jobs
     def CheckpointJob(self, request, context):
@@ -290,16 +379,22 @@ class OperatorService:
             else:
                 running = [j for j in self.state.jobs.values() if j.state is JobState.RUNNING]
                 if len(running) != 1:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "job: name the job to checkpoint; running: "
-                                  + (", ".join(sorted(j.name for j in running)) or "none"))
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "job: name the job to checkpoint; running: "
+                        + (", ".join(sorted(j.name for j in running)) or "none"),
+                    )
                 job = running[0]
             if job.state is not JobState.RUNNING:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job.name} is {job.state.value}; only a running job can "
-                              f"checkpoint")
-            request_ = {"generation": job.generation, "after_step": job.step,
-                        "reason": "requested by the operator"}
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {job.name} is {job.state.value}; only a running job can checkpoint",
+                )
+            request_ = {
+                "generation": job.generation,
+                "after_step": job.step,
+                "reason": "requested by the operator",
+            }
             try:
                 self.store.put_checkpoint_request(job.name, request_)
             except Exception as exc:
@@ -307,10 +402,12 @@ class OperatorService:
             # The reconcile loop passes it on to the agents.
             job.checkpoint_request, job.checkpoint_request_sent = request_, False
             self.state.wake.set()
-            job.health.event("operator", f"checkpoint requested after step {job.step}",
-                             step=job.step)
-            return keel_pb2.CheckpointJobReply(job=job.name, generation=job.generation,
-                                               after_step=job.step)
+            job.health.event(
+                "operator", f"checkpoint requested after step {job.step}", step=job.step
+            )
+            return keel_pb2.CheckpointJobReply(
+                job=job.name, generation=job.generation, after_step=job.step
+            )
 
     def DeleteJob(self, request, context):
         """Forget a job that has ended: its spec, state, plans, events and checkpoint
@@ -319,15 +416,20 @@ class OperatorService:
         with self.lock:
             job = self._job_named(request.job, context)
             if not job.state.terminal:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job.name} is {job.state.value}; stop it first "
-                              f"(`keel stop {job.name}`), then delete it")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {job.name} is {job.state.value}; stop it first "
+                    f"(`keel stop {job.name}`), then delete it",
+                )
             try:
                 self.executor.forget(job, "deleted by the operator")
             except Exception as exc:
                 self._unrecorded(exc, context)
-        where = f"; its checkpoints stay in {job.spec.checkpoint_dir}" \
-            if job.spec.checkpoint_dir else ""
+        where = (
+            f"; its checkpoints stay in {job.spec.checkpoint_dir}"
+            if job.spec.checkpoint_dir
+            else ""
+        )
         return keel_pb2.DeleteJobReply(job=job.name, message=f"job {job.name} deleted{where}")
 
     def StopJob(self, request, context):
@@ -336,16 +438,20 @@ class OperatorService:
         with self.lock:
             job = self._job_named(request.job, context)
             if job.state.terminal:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job.name} already ended {job.state.value}")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {job.name} already ended {job.state.value}",
+                )
             if not job.stop_requested:
-                reason = "stopped by the operator" + (f": {request.reason}" if request.reason
-                                                      else "")
+                reason = "stopped by the operator" + (
+                    f": {request.reason}" if request.reason else ""
+                )
                 before = job.stop_requested, job.stop_now
                 job.stop_requested, job.stop_now = reason, request.now
                 try:
-                    job.state_rev = self.store.update_job_state(job.name, job.record(),
-                                                                job.state_rev)
+                    job.state_rev = self.store.update_job_state(
+                        job.name, job.record(), job.state_rev
+                    )
                 except Exception as exc:
                     job.stop_requested, job.stop_now = before
                     self._unrecorded(exc, context)
@@ -366,46 +472,79 @@ class OperatorService:
             job = self._job_named(request.job, context)
             generation = request.generation or job.generation
             if generation == 0:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"job {job.name} has not started a generation yet "
-                              f"({job.state.value}: {job.reason}); no rank has output")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"job {job.name} has not started a generation yet "
+                    f"({job.state.value}: {job.reason}); no rank has output",
+                )
             node = job.node_of(generation, request.rank)
             if node is None:
                 where = f"under {job.name}/gen{generation}/ in the run directory of its agent"
                 if generation > job.generation:
-                    problem = (f"generation {generation} of job {job.name} has not started "
-                               f"(it is at generation {job.generation})")
+                    problem = (
+                        f"generation {generation} of job {job.name} has not started "
+                        f"(it is at generation {job.generation})"
+                    )
                 elif generation == job.generation or generation in job.placements:
-                    ranks = job.world_size if generation == job.generation else \
-                        len(job.placements[generation])
-                    problem = (f"generation {generation} of job {job.name} has no rank "
-                               f"{request.rank} (ranks 0-{ranks - 1})")
+                    ranks = (
+                        job.world_size
+                        if generation == job.generation
+                        else len(job.placements[generation])
+                    )
+                    problem = (
+                        f"generation {generation} of job {job.name} has no rank "
+                        f"{request.rank} (ranks 0-{ranks - 1})"
+                    )
                 else:
-                    problem = (f"generation {generation} of job {job.name} was placed before "
-                               f"this controller led, so which node ran rank "
-                               f"{request.rank} is not known here; its output is {where}")
+                    problem = (
+                        f"generation {generation} of job {job.name} was placed before "
+                        f"this controller led, so which node ran rank "
+                        f"{request.rank} is not known here; its output is {where}"
+                    )
                 context.abort(grpc.StatusCode.NOT_FOUND, problem)
             request_id, answer = self.state.replies.expect()
-            sent = self.state.send(node, keel_pb2.ControllerMessage(read_log=keel_pb2.ReadLog(
-                request_id=request_id, job=job.name, generation=generation,
-                rank=request.rank, out_offset=request.out_offset,
-                err_offset=request.err_offset, max_bytes=request.max_bytes)))
+            sent = self.state.send(
+                node,
+                keel_pb2.ControllerMessage(
+                    read_log=keel_pb2.ReadLog(
+                        request_id=request_id,
+                        job=job.name,
+                        generation=generation,
+                        rank=request.rank,
+                        out_offset=request.out_offset,
+                        err_offset=request.err_offset,
+                        max_bytes=request.max_bytes,
+                    )
+                ),
+            )
         if not sent:
             self.state.replies.forget(request_id)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"node {node}, which ran rank {request.rank} of generation "
-                          f"{generation}, is not connected; its output stays on that node "
-                          f"under {job.name}/gen{generation}/ in its agent's run directory")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {node}, which ran rank {request.rank} of generation "
+                f"{generation}, is not connected; its output stays on that node "
+                f"under {job.name}/gen{generation}/ in its agent's run directory",
+            )
         try:
             _, chunk = answer.result(timeout=LOG_READ_TIMEOUT_S)
         except TimeoutError:
             self.state.replies.forget(request_id)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"node {node} did not send rank {request.rank}'s output within "
-                          f"{LOG_READ_TIMEOUT_S:.0f} s; try again")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"node {node} did not send rank {request.rank}'s output within "
+                f"{LOG_READ_TIMEOUT_S:.0f} s; try again",
+            )
         if chunk.error:
             context.abort(grpc.StatusCode.NOT_FOUND, chunk.error)
         return keel_pb2.ReadLogReply(
-            job=job.name, generation=generation, rank=request.rank, node=node,
-            out=chunk.out, err=chunk.err, out_offset=chunk.out_offset,
-            err_offset=chunk.err_offset, running=chunk.running, path=chunk.path)
+            job=job.name,
+            generation=generation,
+            rank=request.rank,
+            node=node,
+            out=chunk.out,
+            err=chunk.err,
+            out_offset=chunk.out_offset,
+            err_offset=chunk.err_offset,
+            running=chunk.running,
+            path=chunk.path,
+        )

@@ -20,25 +20,43 @@ def plan_record(job: JobRuntime, **fields) -> dict:
     world_size, mesh, placement, placed_agents, deadlines, restore_from,
     restore_fallbacks, rendezvous) in place of the job's own: a plan is written before
     the job in memory adopts it."""
+
     def get(name):
         return fields[name] if name in fields else getattr(job, name)
-    unknown = fields.keys() - {"generation", "world_size", "mesh", "placement",
-                               "placed_agents", "deadlines", "restore_from",
-                               "restore_fallbacks", "rendezvous"}
+
+    unknown = fields.keys() - {
+        "generation",
+        "world_size",
+        "mesh",
+        "placement",
+        "placed_agents",
+        "deadlines",
+        "restore_from",
+        "restore_fallbacks",
+        "rendezvous",
+    }
     if unknown:
         raise TypeError(f"plan_record: no plan field {', '.join(sorted(unknown))}")
     host, port = get("rendezvous") or ("", 0)
     restore, deadlines = get("restore_from"), get("deadlines")
-    return {"generation": get("generation"), "world_size": get("world_size"),
-            "master_addr": host, "master_port": port,
-            "nodes": {p.node: list(p.ranks) for p in get("placement")},
-            "restore_from": restore["path"] if restore else "",
-            "restore_fallbacks": list(get("restore_fallbacks")),
-            "command": list(job.spec.command), "mesh": get("mesh"),
-            "agents": dict(get("placed_agents")),
-            "deadlines": (json_format.MessageToDict(deadlines, preserving_proto_field_name=True)
-                          if deadlines is not None else {}),
-            "created_at": time.time()}
+    return {
+        "generation": get("generation"),
+        "world_size": get("world_size"),
+        "master_addr": host,
+        "master_port": port,
+        "nodes": {p.node: list(p.ranks) for p in get("placement")},
+        "restore_from": restore["path"] if restore else "",
+        "restore_fallbacks": list(get("restore_fallbacks")),
+        "command": list(job.spec.command),
+        "mesh": get("mesh"),
+        "agents": dict(get("placed_agents")),
+        "deadlines": (
+            json_format.MessageToDict(deadlines, preserving_proto_field_name=True)
+            if deadlines is not None
+            else {}
+        ),
+        "created_at": time.time(),
+    }
 
 
 def adopt_plan(job: JobRuntime, plan: dict, records: list[dict]) -> None:
@@ -52,8 +70,10 @@ def adopt_plan(job: JobRuntime, plan: dict, records: list[dict]) -> None:
         job.rendezvous = (plan["master_addr"], plan["master_port"])
     job.placed_agents = plan.get("agents", {})
     if plan.get("restore_from"):
-        job.restore_from = next((r for r in records if r["path"] == plan["restore_from"]),
-                                {"path": plan["restore_from"]})
+        job.restore_from = next(
+            (r for r in records if r["path"] == plan["restore_from"]),
+            {"path": plan["restore_from"]},
+        )
     job.restore_fallbacks = plan.get("restore_fallbacks", [])
     if plan.get("deadlines"):
         job.deadlines = json_format.ParseDict(plan["deadlines"], keel_pb2.Deadlines())

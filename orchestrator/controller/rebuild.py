@@ -31,8 +31,11 @@ def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
         try:
             job = load_job(store, name, now)
         except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
-            log.error("cannot read the job's records in etcd; not managing it",
-                      job=name, error=f"{type(exc).__name__}: {exc}")
+            log.error(
+                "cannot read the job's records in etcd; not managing it",
+                job=name,
+                error=f"{type(exc).__name__}: {exc}",
+            )
             continue
         if job is not None:
             jobs[name] = job
@@ -52,25 +55,30 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     if spec_dict is None or state.value is None:
         return None
     spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
-    job = JobRuntime(spec=spec, state=JobState(state.value["state"]),
-                     health=JobHealth(name, resolve_health(spec.health)),
-                     state_rev=state.mod_revision, state_since=now,
-                     generation=state.value["generation"],
-                     restarts=state.value["restarts"],
-                     reason=state.value.get("reason", ""),
-                     failures=state.value.get("failures", []),
-                     stop_requested=state.value.get("stop_requested", ""),
-                     stop_now=state.value.get("stop_now", False),
-                     planned_stop=state.value.get("planned_stop", False),
-                     ended_at=state.value.get("ended_at"),
-                     restarts_by_cause=state.value.get("restarts_by_cause", {}),
-                     checkpoint_problem_counts=state.value.get("checkpoint_problems", {}),
-                     state_seconds=state.value.get("state_seconds", {}),
-                     state_entered_at=state.value.get("state_entered_at", time.time()),
-                     tokens=state.value.get("tokens", 0))
+    job = JobRuntime(
+        spec=spec,
+        state=JobState(state.value["state"]),
+        health=JobHealth(name, resolve_health(spec.health)),
+        state_rev=state.mod_revision,
+        state_since=now,
+        generation=state.value["generation"],
+        restarts=state.value["restarts"],
+        reason=state.value.get("reason", ""),
+        failures=state.value.get("failures", []),
+        stop_requested=state.value.get("stop_requested", ""),
+        stop_now=state.value.get("stop_now", False),
+        planned_stop=state.value.get("planned_stop", False),
+        ended_at=state.value.get("ended_at"),
+        restarts_by_cause=state.value.get("restarts_by_cause", {}),
+        checkpoint_problem_counts=state.value.get("checkpoint_problems", {}),
+        state_seconds=state.value.get("state_seconds", {}),
+        state_entered_at=state.value.get("state_entered_at", time.time()),
+        tokens=state.value.get("tokens", 0),
+    )
     if state.value.get("goodput"):
-        job.goodput = Goodput.from_record(state.value["goodput"],
-                                          job.health.spec.straggler_slowdown)
+        job.goodput = Goodput.from_record(
+            state.value["goodput"], job.health.spec.straggler_slowdown
+        )
     records = store.checkpoints(name)
     plan = store.plan(name, job.generation) if job.generation else None
     if plan:
@@ -82,14 +90,19 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     job.last_checkpoint = newest_good(records)
     # The step as of the last transition, or the newest checkpoint's if later: what a
     # new leader exports until the agents' replays tell it the step they are at.
-    job.step = max(state.value.get("step", 0),
-                   job.last_checkpoint["step"] if job.last_checkpoint else 0)
+    job.step = max(
+        state.value.get("step", 0), job.last_checkpoint["step"] if job.last_checkpoint else 0
+    )
     if state.value.get("initial_loss") is not None:
         job.initial_loss = job.loss = state.value["initial_loss"]
         job.has_loss = job.initial_loss_stored = True
     job.health.new_generation(job.generation, job.rank_nodes)
-    job.health.restore([json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
-                        for e in store.events(name)])
+    job.health.restore(
+        [
+            json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
+            for e in store.events(name)
+        ]
+    )
     if not job.state.terminal:
         # Intents of an earlier generation no longer apply; the reconcile loop deletes them.
         operation = store.operation(name)
@@ -108,9 +121,20 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
     not hold: the job's progress and health record always, and what its agents
     reported of the generation if etcd's is still the one they reported on."""
     fresh.health = old.health
-    for name in ("step", "loss", "initial_loss", "has_loss", "initial_loss_stored", "tokens",
-                 "token_window", "step_times", "unrecorded", "checkpoint_problems",
-                 "recovery", "node_step_times"):
+    for name in (
+        "step",
+        "loss",
+        "initial_loss",
+        "has_loss",
+        "initial_loss_stored",
+        "tokens",
+        "token_window",
+        "step_times",
+        "unrecorded",
+        "checkpoint_problems",
+        "recovery",
+        "node_step_times",
+    ):
         setattr(fresh, name, getattr(old, name))
     if fresh.state is old.state and fresh.generation == old.generation:
         # No transition happened that this controller missed: its accounting is ahead

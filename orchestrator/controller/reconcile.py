@@ -41,7 +41,7 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-SWEEP_S = 10.0   # every node is squared with the plan at least this often
+SWEEP_S = 10.0  # every node is squared with the plan at least this often
 
 
 class Reconciler:
@@ -49,7 +49,7 @@ class Reconciler:
         self.state = state
         self.leadership = leadership
         self.executor = executor
-        self.spent: dict[str, float] = {}   # this tick's seconds, by what took them
+        self.spent: dict[str, float] = {}  # this tick's seconds, by what took them
         # Per job, its plan's shape when last looked at, and its nodes then.
         self.shapes: dict[str, tuple[tuple, frozenset[str]]] = {}
         self.next_sweep = 0.0
@@ -94,9 +94,11 @@ class Reconciler:
         state = self.state
         while not state.stopping.wait(state.config.tick_s):
             with state.lock:
-                work = [(job.name, job.health, job.health.take_scoring())
-                        for job in state.jobs.values()
-                        if job.state is JobState.RUNNING and job.health.scoring_due()]
+                work = [
+                    (job.name, job.health, job.health.take_scoring())
+                    for job in state.jobs.values()
+                    if job.state is JobState.RUNNING and job.health.scoring_due()
+                ]
             for name, health, (epoch, scored, samples, config) in work:
                 try:
                     result = evaluate(scored, samples, config)
@@ -113,8 +115,9 @@ class Reconciler:
         with self.state.lock:
             for session in self.state.sessions.values():
                 if session.connected:
-                    session.send(keel_pb2.ControllerMessage(
-                        etcd_unreachable=keel_pb2.EtcdUnreachable()))
+                    session.send(
+                        keel_pb2.ControllerMessage(etcd_unreachable=keel_pb2.EtcdUnreachable())
+                    )
 
     def tick(self, now: float) -> None:
         """One pass over everything; a write that finds another controller leading
@@ -132,8 +135,12 @@ class Reconciler:
         budget = self.state.config.leader_ttl_s / 3
         if took > budget:
             slowest = sorted(self.spent.items(), key=lambda item: -item[1])[:3]
-            log.warning("reconcile tick over its budget", took_s=round(took, 3), budget_s=budget,
-                        slowest=", ".join(f"{what} {seconds:.3f} s" for what, seconds in slowest))
+            log.warning(
+                "reconcile tick over its budget",
+                took_s=round(took, 3),
+                budget_s=budget,
+                slowest=", ".join(f"{what} {seconds:.3f} s" for what, seconds in slowest),
+            )
 
     def _spend(self, what: str, since: float) -> None:
         self.spent[what] = self.spent.get(what, 0.0) + time.monotonic() - since
@@ -154,10 +161,10 @@ class Reconciler:
                 if session is None or not session.connected:
                     continue
                 if not session.accounted:
-                    jobs = [observe.job_on_node(job, session.node)
-                            for job in state.jobs.values()]
-                    self.executor.account(session, adoption.account(
-                        observe.agent_runs(session), jobs))
+                    jobs = [observe.job_on_node(job, session.node) for job in state.jobs.values()]
+                    self.executor.account(
+                        session, adoption.account(observe.agent_runs(session), jobs)
+                    )
                 self._guarded(self.executor.agent_cordon, session)
             self._pace()
             self._spend("agents' Hellos and cordons", began)
@@ -167,13 +174,13 @@ class Reconciler:
                 if not job.state.terminal and now >= job.retry_at:
                     before = job.state
                     self._attempt(job, now)
-                    job = state.jobs[job.name]   # rebuilt from etcd, perhaps
+                    job = state.jobs[job.name]  # rebuilt from etcd, perhaps
                     if job.state is not before:
                         # The next step may be due at once (a stop confirmed: restart;
                         # restarted: place): no tick's wait between them.
                         state.wake.set()
                 self.executor.save_events(job)
-                if not job.records_pruned:   # just read from etcd: it may hold too many
+                if not job.records_pruned:  # just read from etcd: it may hold too many
                     self._guarded(self.executor.records.prune, job)
                 if job.state in (JobState.PENDING, JobState.STOPPING):
                     job.goodput.commit_open(wall)
@@ -190,15 +197,21 @@ class Reconciler:
                 runs = observe.node_runs(session) if session and session.connected else None
                 if runs is None:
                     continue
-                fixing = convergence.converge(now, runs, observe.plans_on(state, node),
-                                              session.fixed_at)
+                fixing = convergence.converge(
+                    now, runs, observe.plans_on(state, node), session.fixed_at
+                )
                 if fixing is not None:
                     self.executor.fix(session, fixing, now)
                     fixes.append((node, fixing))
-                if (fixing is not None or now - session.fixed_at < convergence.RESEND_S
-                        or not session.accounted or operations.agent_cordon(
-                            session.leaving, session.pid, state.cordons.get(node))):
-                    state.unsettled.add(node)   # to be looked at again until it agrees
+                if (
+                    fixing is not None
+                    or now - session.fixed_at < convergence.RESEND_S
+                    or not session.accounted
+                    or operations.agent_cordon(
+                        session.leaving, session.pid, state.cordons.get(node)
+                    )
+                ):
+                    state.unsettled.add(node)  # to be looked at again until it agrees
             _log_fixes(fixes)
             self._spend("converging the nodes", began)
 
@@ -207,17 +220,23 @@ class Reconciler:
         number of agents calls for it (``policy.pacing``; a new Hello is told in its
         Welcome). O(1) a tick, O(agents) on the few ticks it changes."""
         state = self.state
-        interval = pacing.report_interval_s(state.streams, state.config.report_messages_per_s,
-                                            state.report_interval_s)
+        interval = pacing.report_interval_s(
+            state.streams, state.config.report_messages_per_s, state.report_interval_s
+        )
         if interval == state.report_interval_s:
             return
-        log.info("asking the agents to batch their step reports", interval_s=interval,
-                 was_s=state.report_interval_s, agents=state.streams)
+        log.info(
+            "asking the agents to batch their step reports",
+            interval_s=interval,
+            was_s=state.report_interval_s,
+            agents=state.streams,
+        )
         state.report_interval_s = interval
         for session in state.sessions.values():
             if session.connected:
-                session.send(keel_pb2.ControllerMessage(
-                    report_pace=keel_pb2.ReportPace(interval_s=interval)))
+                session.send(
+                    keel_pb2.ControllerMessage(report_pace=keel_pb2.ReportPace(interval_s=interval))
+                )
 
     def _unsettle_moved_jobs(self) -> None:
         """The nodes of a job whose plan moved (a new state, generation or placement,
@@ -225,8 +244,15 @@ class Reconciler:
         should run changed. O(jobs): a job's shape is made of sizes and identities."""
         state = self.state
         for job in state.jobs.values():
-            shape = (job.state, job.generation, id(job.placement), id(job.placed_agents),
-                     len(job.lost_nodes), len(job.stopped_nodes), len(job.vanished))
+            shape = (
+                job.state,
+                job.generation,
+                id(job.placement),
+                id(job.placed_agents),
+                len(job.lost_nodes),
+                len(job.stopped_nodes),
+                len(job.vanished),
+            )
             known = self.shapes.get(job.name)
             if known is None or known[0] != shape:
                 state.unsettled.update(job.nodes)
@@ -237,8 +263,11 @@ class Reconciler:
             state.unsettled.update(self.shapes.pop(name)[1])
 
     def _forget(self, job: JobRuntime) -> None:
-        self._guarded(self.executor.forget, job, f"ended {job.state.value} more than "
-                                                 f"{self.state.config.finished_job_ttl_s:g} s ago")
+        self._guarded(
+            self.executor.forget,
+            job,
+            f"ended {job.state.value} more than {self.state.config.finished_job_ttl_s:g} s ago",
+        )
 
     def _guarded(self, bookkeeping, subject: JobRuntime | AgentSession, *args) -> None:
         """Run ``bookkeeping(subject, *args)`` (a job's, or an agent's node's), a write
@@ -248,10 +277,15 @@ class Reconciler:
         except Deposed:
             raise
         except Exception as exc:
-            whose = ({"job": subject.name} if isinstance(subject, JobRuntime)
-                     else {"node": subject.node})
-            log.warning("etcd did not take a write; will retry", **whose,
-                        write=bookkeeping.__name__, error=str(exc))
+            whose = (
+                {"job": subject.name} if isinstance(subject, JobRuntime) else {"node": subject.node}
+            )
+            log.warning(
+                "etcd did not take a write; will retry",
+                **whose,
+                write=bookkeeping.__name__,
+                error=str(exc),
+            )
 
     def _attempt(self, job: JobRuntime, now: float) -> None:
         """``reconcile`` the job, handling its failure by kind (see ``errors``). After
@@ -265,8 +299,9 @@ class Reconciler:
         except Terminal as exc:
             self.executor.fail(job, str(exc), now)
         except StaleRevision as exc:
-            log.error("job state changed under us; rebuilding it from etcd", job=job.name,
-                      error=str(exc))
+            log.error(
+                "job state changed under us; rebuilding it from etcd", job=job.name, error=str(exc)
+            )
             job.rebuild = True
         except Deposed:
             raise
@@ -275,11 +310,16 @@ class Reconciler:
             job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
             job.retry_at = now + job.retry_backoff_s
             if job.retry_backoff_s == next_backoff_s(0):
-                log.exception("reconcile failed; rebuilding from etcd after a back-off",
-                              job=job.name)
+                log.exception(
+                    "reconcile failed; rebuilding from etcd after a back-off", job=job.name
+                )
             else:
-                log.warning("reconcile failed again", job=job.name, error=str(exc),
-                            retry_in_s=job.retry_backoff_s)
+                log.warning(
+                    "reconcile failed again",
+                    job=job.name,
+                    error=str(exc),
+                    retry_in_s=job.retry_backoff_s,
+                )
         else:
             job.retry_backoff_s, job.retry_at = 0.0, 0.0
 
@@ -299,8 +339,12 @@ class Reconciler:
                 session.accounted = False
                 state.unsettled.add(node)
                 session.send(keel_pb2.ControllerMessage(resync=keel_pb2.Resync()))
-        log.info("job rebuilt from etcd", job=fresh.name, state=fresh.state.value,
-                 generation=fresh.generation)
+        log.info(
+            "job rebuilt from etcd",
+            job=fresh.name,
+            state=fresh.state.value,
+            generation=fresh.generation,
+        )
         return fresh
 
     def reconcile(self, job: JobRuntime, now: float) -> None:
@@ -314,21 +358,42 @@ class Reconciler:
             health = job.health
             for flag in health.slow_flags():
                 times = executor.flag_slow(job, flag, now)
-                executor.remedy(job, flag.node, remediation.slow_node(
-                    now, flag.node, job.name, job.state, job.generation,
-                    health.spec.straggler_policy, times, flag.node in state.cordons,
-                    job.operation is not None, health.replacement_times,
-                    health.spec.max_replacements_per_hour), now)
-            executor.operate(job, operations.ensure(
-                job.operation, job.generation, job.stop_requested, job.stop_now,
-                observe.draining(state, job)), now)
+                executor.remedy(
+                    job,
+                    flag.node,
+                    remediation.slow_node(
+                        now,
+                        flag.node,
+                        job.name,
+                        job.state,
+                        job.generation,
+                        health.spec.straggler_policy,
+                        times,
+                        flag.node in state.cordons,
+                        job.operation is not None,
+                        health.replacement_times,
+                        health.spec.max_replacements_per_hour,
+                    ),
+                    now,
+                )
+            executor.operate(
+                job,
+                operations.ensure(
+                    job.operation,
+                    job.generation,
+                    job.stop_requested,
+                    job.stop_now,
+                    observe.draining(state, job),
+                ),
+                now,
+            )
             if job.checkpoint_request is not None:
                 executor.pass_on_checkpoint_request(job)
         decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
         executor.apply(job, decision, now)
 
 
-FIXES_LOGGED = 5   # nodes a tick's convergence names one by one; past it, one line
+FIXES_LOGGED = 5  # nodes a tick's convergence names one by one; past it, one line
 
 
 def _log_fixes(fixes: list) -> None:
@@ -337,14 +402,25 @@ def _log_fixes(fixes: list) -> None:
     thousands at once: a line each was most of the tick's time at 4,000 nodes)."""
     if len(fixes) <= FIXES_LOGGED:
         for node, fixing in fixes:
-            log.warning("converging", node=node, job=fixing.job,
-                        generation=fixing.generation, fix=fixing.fix.value,
-                        reason=fixing.reason)
+            log.warning(
+                "converging",
+                node=node,
+                job=fixing.job,
+                generation=fixing.generation,
+                fix=fixing.fix.value,
+                reason=fixing.reason,
+            )
         return
     counts: dict[str, int] = {}
     for _, fixing in fixes:
         counts[fixing.fix.value] = counts.get(fixing.fix.value, 0) + 1
     _, first = fixes[0]
-    log.warning("converging", nodes=len(fixes), fixes=counts,
-                first_nodes=sorted(n for n, _ in fixes)[:FIXES_LOGGED],
-                job=first.job, generation=first.generation, reason=first.reason)
+    log.warning(
+        "converging",
+        nodes=len(fixes),
+        fixes=counts,
+        first_nodes=sorted(n for n, _ in fixes)[:FIXES_LOGGED],
+        job=first.job,
+        generation=first.generation,
+        reason=first.reason,
+    )

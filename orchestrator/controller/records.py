@@ -35,16 +35,25 @@ class CheckpointRecords:
             except Deposed:
                 raise
             except Exception as exc:
-                log.warning("could not record checkpoint; will retry", job=job.name,
-                            step=record["step"], error=str(exc))
+                log.warning(
+                    "could not record checkpoint; will retry",
+                    job=job.name,
+                    step=record["step"],
+                    error=str(exc),
+                )
                 continue
             job.unrecorded.remove(record)
             job.goodput.settle(record["step"])
             if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
                 continue  # a late retry of an older one
             job.last_checkpoint = record
-            log.info("checkpoint committed", job=job.name, generation=record["generation"],
-                     step=record["step"], path=record["path"])
+            log.info(
+                "checkpoint committed",
+                job=job.name,
+                generation=record["generation"],
+                step=record["step"],
+                path=record["path"],
+            )
             self.announce(job)
             self.prune(job)
 
@@ -54,23 +63,32 @@ class CheckpointRecords:
         if not job.last_checkpoint:
             return
         for node in job.nodes:
-            self.state.send(node, keel_pb2.ControllerMessage(
-                checkpoint_recorded=keel_pb2.CheckpointRecorded(
-                    job=job.name, generation=job.generation,
-                    step=job.last_checkpoint["step"])))
+            self.state.send(
+                node,
+                keel_pb2.ControllerMessage(
+                    checkpoint_recorded=keel_pb2.CheckpointRecorded(
+                        job=job.name, generation=job.generation, step=job.last_checkpoint["step"]
+                    )
+                ),
+            )
 
     def prune(self, job: JobRuntime) -> None:
         """Keep the newest RECORDS_KEPT records, the restore point in use and its
         fallbacks."""
         records = self.store.checkpoints(job.name)
         keep = {r["step"] for r in records[-RECORDS_KEPT:]}
-        needed = set(job.restore_fallbacks) | ({job.restore_from["path"]} if job.restore_from
-                                               else set())
+        needed = set(job.restore_fallbacks) | (
+            {job.restore_from["path"]} if job.restore_from else set()
+        )
         doomed = [r["step"] for r in records if r["step"] not in keep and r["path"] not in needed]
         if doomed:
             self.store.delete_checkpoints(job.name, doomed)
-            log.info("checkpoint records pruned", job=job.name, deleted=len(doomed),
-                     kept=len(records) - len(doomed))
+            log.info(
+                "checkpoint records pruned",
+                job=job.name,
+                deleted=len(doomed),
+                kept=len(records) - len(doomed),
+            )
         job.records_pruned = True
 
     def problems(self, job: JobRuntime) -> None:
@@ -82,20 +100,30 @@ class CheckpointRecords:
                 records = {r["step"]: r for r in self.store.checkpoints(job.name)}
                 record = records.get(problem.step)
                 if record is not None and record["path"] != problem.path:
-                    record = None   # not the checkpoint etcd records for that step
+                    record = None  # not the checkpoint etcd records for that step
                 if record is not None and not record.get("quarantined"):
-                    self.store.update_checkpoint(job.name, record | {
-                        "quarantined": True, "quarantine_reason": problem.reason})
+                    self.store.update_checkpoint(
+                        job.name,
+                        record | {"quarantined": True, "quarantine_reason": problem.reason},
+                    )
                     records[problem.step] = record | {"quarantined": True}
                 job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
-                job.health.event("quarantined", f"checkpoint of step {problem.step} failed "
-                                                f"verification and was set aside: "
-                                                f"{problem.reason}", step=problem.step)
+                job.health.event(
+                    "quarantined",
+                    f"checkpoint of step {problem.step} failed "
+                    f"verification and was set aside: "
+                    f"{problem.reason}",
+                    step=problem.step,
+                )
             else:
-                job.health.event("checkpoint_refused", f"generation {problem.generation}'s "
-                                                       f"commit of step {problem.step} was "
-                                                       f"refused: {problem.reason}",
-                                 step=problem.step)
-            job.checkpoint_problem_counts[problem.kind] = \
+                job.health.event(
+                    "checkpoint_refused",
+                    f"generation {problem.generation}'s "
+                    f"commit of step {problem.step} was "
+                    f"refused: {problem.reason}",
+                    step=problem.step,
+                )
+            job.checkpoint_problem_counts[problem.kind] = (
                 job.checkpoint_problem_counts.get(problem.kind, 0) + 1
+            )
             job.checkpoint_problems.pop(0)

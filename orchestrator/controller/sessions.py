@@ -38,8 +38,7 @@ from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
-from orchestrator.policy.authority import (NodeAuthority, checkpoint_refusal,
-                                           rank_refusal)
+from orchestrator.policy.authority import NodeAuthority, checkpoint_refusal, rank_refusal
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -48,11 +47,11 @@ from protos import keel_pb2
 
 log = structlog.get_logger()
 
-MAX_AGENTS = 16384        # agents one controller serves (see benchmarks.control_plane)
-OPERATOR_THREADS = 64     # threads for the operators' calls
-ADMITTING = 8             # Hellos checked against etcd at once
-ADMISSION_QUEUE = 256     # Hellos waiting for that, past which Connect is refused
-INGEST_BATCH = 1024       # agent messages recorded per hold of the state lock, at most
+MAX_AGENTS = 16384  # agents one controller serves (see benchmarks.control_plane)
+OPERATOR_THREADS = 64  # threads for the operators' calls
+ADMITTING = 8  # Hellos checked against etcd at once
+ADMISSION_QUEUE = 256  # Hellos waiting for that, past which Connect is refused
+INGEST_BATCH = 1024  # agent messages recorded per hold of the state lock, at most
 # After the first message of a batch, how long the recorder lets more gather: at
 # thousands of agents, a batch a message costs a thread wake-up and a pass of the GIL
 # each (a sixth of the recorder's CPU at 2,000 agents, benchmarks.control_plane); a
@@ -64,11 +63,11 @@ class AgentService:
     def __init__(self, state: ControllerState, leadership: Leadership):
         self.state = state
         self.leadership = leadership
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (session, message | None)
-        self._post: LoopPost | None = None       # to the streams' outboxes (_post_on)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (session, message | None)
+        self._post: LoopPost | None = None  # to the streams' outboxes (_post_on)
         self.admitting = ThreadPoolExecutor(ADMITTING, thread_name_prefix="admit")
-        self.waiting = 0      # Hellos being admitted or waiting to be (on the loop only)
-        self.refused = 0      # Connects refused for want of room in the admission queue
+        self.waiting = 0  # Hellos being admitted or waiting to be (on the loop only)
+        self.refused = 0  # Connects refused for want of room in the admission queue
         threading.Thread(target=self._ingest, name="agent-messages", daemon=True).start()
 
     # ================================================================== Connect
@@ -78,8 +77,10 @@ class AgentService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message on an agent stream must be a Hello")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the first message on an agent stream must be a Hello",
+            )
         hello = first.hello
         problem = check_hello(hello)
         if problem:
@@ -94,21 +95,28 @@ class AgentService:
             self.state.agent_knocked_at = time.monotonic()
             self.refused += 1
             metrics.AGENTS_DEFERRED.inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.waiting} agents are being admitted; back off and "
-                                f"connect again")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.waiting} agents are being admitted; back off and connect again",
+            )
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
             session, refusal = await loop.run_in_executor(
-                self.admitting, self._admit, hello, LoopOutbox(self._post_on(loop)))
+                self.admitting, self._admit, hello, LoopOutbox(self._post_on(loop))
+            )
         finally:
             self.waiting -= 1
         if refusal is not None:
             await context.abort(*refusal)
         self.state.agent_knocked_at = time.monotonic()
-        log.info("agent connected", node=hello.node, slots=hello.slots, host=hello.host,
-                 agents=self.state.connected())
+        log.info(
+            "agent connected",
+            node=hello.node,
+            slots=hello.slots,
+            host=hello.host,
+            agents=self.state.connected(),
+        )
         reader = asyncio.ensure_future(self._read(session, context))
         try:
             while True:
@@ -118,20 +126,27 @@ class AgentService:
                 await context.write(message)
         finally:
             reader.cancel()
-            self.inbox.put((session, None))   # after every message it read
+            self.inbox.put((session, None))  # after every message it read
 
-    def _admit(self, hello: keel_pb2.Hello, outbox: LoopOutbox
-               ) -> tuple[AgentSession | None, tuple[grpc.StatusCode, str] | None]:
+    def _admit(
+        self, hello: keel_pb2.Hello, outbox: LoopOutbox
+    ) -> tuple[AgentSession | None, tuple[grpc.StatusCode, str] | None]:
         """Check the Hello's lease and put its node record (on an admission thread);
         the new session, or why the Connect is refused."""
         state = self.state
         with state.lock:
             current = state.sessions.get(hello.node)
             if state.streams >= MAX_AGENTS and not (current is not None and current.connected):
-                return None, (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"this controller serves at most {MAX_AGENTS} agents")
-        record = {"host": hello.host, "slots": hello.slots, "pid": hello.pid,
-                  "lease_id": hello.lease_id}
+                return None, (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this controller serves at most {MAX_AGENTS} agents",
+                )
+        record = {
+            "host": hello.host,
+            "slots": hello.slots,
+            "pid": hello.pid,
+            "lease_id": hello.lease_id,
+        }
         with state.lock:
             # An agent reconnecting on the lease its record is on (after a failover, say):
             # the record is alive (it goes with its lease, and the watch says so), and
@@ -143,28 +158,45 @@ class AgentService:
                 state.store.put_node(hello.node, record, hello.lease_id)
         except Deposed as exc:
             self.leadership.step_down(str(exc))
-            return None, (grpc.StatusCode.UNAVAILABLE, "this controller no longer leads; "
-                                                       "find the leader in etcd")
+            return None, (
+                grpc.StatusCode.UNAVAILABLE,
+                "this controller no longer leads; find the leader in etcd",
+            )
         except Exception as exc:
             return None, (grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         if not lease_alive:
-            return None, (grpc.StatusCode.FAILED_PRECONDITION,
-                          f"etcd lease {hello.lease_id} of node {hello.node} is not alive; "
-                          f"grant a new lease and reconnect")
+            return None, (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"etcd lease {hello.lease_id} of node {hello.node} is not alive; "
+                f"grant a new lease and reconnect",
+            )
         with state.lock:
-            if not state.is_leader:   # since the check on entry
-                return None, (grpc.StatusCode.UNAVAILABLE,
-                              "this controller stopped leading; find the leader in etcd")
-            session = AgentSession(node=hello.node, host=hello.host, slots=hello.slots,
-                                   lease_id=hello.lease_id, pid=hello.pid, hello=hello,
-                                   term=state.term or 0, outbox=outbox)
+            if not state.is_leader:  # since the check on entry
+                return None, (
+                    grpc.StatusCode.UNAVAILABLE,
+                    "this controller stopped leading; find the leader in etcd",
+                )
+            session = AgentSession(
+                node=hello.node,
+                host=hello.host,
+                slots=hello.slots,
+                lease_id=hello.lease_id,
+                pid=hello.pid,
+                hello=hello,
+                term=state.term or 0,
+                outbox=outbox,
+            )
             state.attach(session)
             # As put: the watch of the node records brings the same a moment later.
             state.registered[hello.node] = record
-            session.send(keel_pb2.ControllerMessage(
-                welcome=keel_pb2.Welcome(controller_id=state.id,
-                                         report_interval_s=state.report_interval_s)))
-        state.wake.set()   # the reconcile loop squares its Hello with the plan
+            session.send(
+                keel_pb2.ControllerMessage(
+                    welcome=keel_pb2.Welcome(
+                        controller_id=state.id, report_interval_s=state.report_interval_s
+                    )
+                )
+            )
+        state.wake.set()  # the reconcile loop squares its Hello with the plan
         return session, None
 
     def _post_on(self, loop: asyncio.AbstractEventLoop) -> LoopPost:
@@ -207,8 +239,7 @@ class AgentService:
                     except Exception:
                         # A message we could not handle: end this stream (the agent
                         # reconnects and replays), never the controller.
-                        log.exception("agent message failed; closing its stream",
-                                      node=session.node)
+                        log.exception("agent message failed; closing its stream", node=session.node)
                         session.close()
 
     def _disconnected(self, session: AgentSession) -> None:
@@ -233,8 +264,7 @@ class AgentService:
         """Log and count a message the node may not send (``refusal`` says why); False
         if there is no refusal."""
         if refusal:
-            log.warning("refusing an agent message", node=session.node, kind=kind,
-                        reason=refusal)
+            log.warning("refusing an agent message", node=session.node, kind=kind, reason=refusal)
             metrics.AGENT_MESSAGES_REFUSED.labels(kind=kind).inc()
         return bool(refusal)
 
@@ -251,9 +281,12 @@ class AgentService:
             else:
                 reports, invalid, theirs = _checked_steps(body, mine)
             if invalid:
-                log.warning("ignoring step reports numbered below 1 or with a step time "
-                            "that is not a finite number of seconds", node=session.node,
-                            count=invalid)
+                log.warning(
+                    "ignoring step reports numbered below 1 or with a step time "
+                    "that is not a finite number of seconds",
+                    node=session.node,
+                    count=invalid,
+                )
             if job is None:
                 return
             if theirs is not None:
@@ -268,32 +301,59 @@ class AgentService:
             session.status, session.status_at = body, time.monotonic()
         elif kind == "rendezvous_ready":
             job = self._job_for(body.job, body.generation)
-            if (job and job.state is JobState.STARTING and job.placement
-                    and job.placement[0].node == session.node and 0 < body.port < 65536):
+            if (
+                job
+                and job.state is JobState.STARTING
+                and job.placement
+                and job.placement[0].node == session.node
+                and 0 < body.port < 65536
+            ):
                 job.rendezvous = (body.host, body.port)
                 wake.set()
         elif kind == "rank_exited":
             job = self._job_for(body.job, body.generation)
-            if job is None or self._refused(session, kind, rank_refusal(
-                    authority(job, session.node), body.rank)):
+            if job is None or self._refused(
+                session, kind, rank_refusal(authority(job, session.node), body.rank)
+            ):
                 return
             job.exits[body.rank] = RankExit(
-                node=session.node, rank=body.rank, pid=body.pid, exit_code=body.exit_code,
-                signal=body.signal, exited_at=body.exited_at,
-                stopped_by_agent=body.stopped_by_agent, traceback=body.traceback,
-                stderr_tail=body.stderr_tail, last_step=body.last_step,
-                reported_at=time.time(), reaped_at=body.reaped_at)
-            log.info("rank exited", job=job.name, generation=job.generation,
-                     node=session.node, rank=body.rank, exit_code=body.exit_code,
-                     signal=body.signal, stopped_by_agent=body.stopped_by_agent)
+                node=session.node,
+                rank=body.rank,
+                pid=body.pid,
+                exit_code=body.exit_code,
+                signal=body.signal,
+                exited_at=body.exited_at,
+                stopped_by_agent=body.stopped_by_agent,
+                traceback=body.traceback,
+                stderr_tail=body.stderr_tail,
+                last_step=body.last_step,
+                reported_at=time.time(),
+                reaped_at=body.reaped_at,
+            )
+            log.info(
+                "rank exited",
+                job=job.name,
+                generation=job.generation,
+                node=session.node,
+                rank=body.rank,
+                exit_code=body.exit_code,
+                signal=body.signal,
+                stopped_by_agent=body.stopped_by_agent,
+            )
             wake.set()
         elif kind == "checkpoint_saved":
             job = self._job_for(body.job, body.generation)
             # A generation being stopped still commits what it saved before the stop.
-            if (job is not None and job.state in (JobState.RUNNING, JobState.STOPPING)
-                    and not self._refused(session, kind, checkpoint_refusal(
-                        authority(job, session.node), body.step, body.path))
-                    and _queue_commit(job, body)):
+            if (
+                job is not None
+                and job.state in (JobState.RUNNING, JobState.STOPPING)
+                and not self._refused(
+                    session,
+                    kind,
+                    checkpoint_refusal(authority(job, session.node), body.step, body.path),
+                )
+                and _queue_commit(job, body)
+            ):
                 wake.set()
         elif kind == "checkpoint_problem":
             # Any generation's: a refused commit comes from a superseded one.
@@ -302,11 +362,16 @@ class AgentService:
                 return
             # Marking a checkpoint quarantined changes what restores: only the current
             # generation's rank 0, which verified it, may.
-            if body.kind == "quarantined" and self._refused(session, kind, (
-                    "" if body.generation == job.generation
-                    and authority(job, session.node).commits else
-                    f"{session.node} reported a quarantine, but does not host rank 0 of "
-                    f"generation {job.generation}")):
+            if body.kind == "quarantined" and self._refused(
+                session,
+                kind,
+                (
+                    ""
+                    if body.generation == job.generation and authority(job, session.node).commits
+                    else f"{session.node} reported a quarantine, but does not host rank 0 of "
+                    f"generation {job.generation}"
+                ),
+            ):
                 return
             job.checkpoint_problems.append(body)
             wake.set()
@@ -328,8 +393,9 @@ class AgentService:
                     wake.set()
         elif kind == "preflight":
             job = self._job_for(body.job, body.generation)
-            if job is not None and not self._refused(session, kind, rank_refusal(
-                    authority(job, session.node), body.rank)):
+            if job is not None and not self._refused(
+                session, kind, rank_refusal(authority(job, session.node), body.rank)
+            ):
                 job.health.add_preflight(session.node, body, job.step)
                 job.goodput.preflight(body.generation, body.wall_s)
                 wake.set()
@@ -359,15 +425,21 @@ def check_hello(hello: keel_pb2.Hello) -> str:
 
 def agent_deadlines(hello: keel_pb2.Hello) -> dict[str, float]:
     """The deadlines an agent's Hello states (those it leaves 0 take the defaults)."""
-    return {"heartbeat_s": hello.heartbeat_s, "reconnect_max_s": hello.reconnect_max_s,
-            "lease_ttl_s": hello.lease_ttl_s}
+    return {
+        "heartbeat_s": hello.heartbeat_s,
+        "reconnect_max_s": hello.reconnect_max_s,
+        "lease_ttl_s": hello.lease_ttl_s,
+    }
 
 
 def deadline_misfit(hello: keel_pb2.Hello, config: ControllerConfig) -> str:
     """Why the agent's deadlines do not fit this controller's, or ""."""
     try:
-        deadlines.resolve(**agent_deadlines(hello), node_lost_grace_s=config.node_lost_grace_s,
-                          leader_ttl_s=config.leader_ttl_s)
+        deadlines.resolve(
+            **agent_deadlines(hello),
+            node_lost_grace_s=config.node_lost_grace_s,
+            leader_ttl_s=config.leader_ttl_s,
+        )
     except deadlines.DeadlineError as exc:
         return f"the deadlines of agent {hello.node} do not fit this controller's: {exc}"
     return ""
@@ -376,21 +448,32 @@ def deadline_misfit(hello: keel_pb2.Hello, config: ControllerConfig) -> str:
 def authority(job: JobRuntime, node: str) -> NodeAuthority:
     """What the plan of ``job``'s current generation lets ``node`` report."""
     ranks = job.ranks_on_node(node)
-    return NodeAuthority(node=node, generation=job.generation, ranks=ranks,
-                         commits=0 in ranks, checkpoint_dir=job.spec.checkpoint_dir)
+    return NodeAuthority(
+        node=node,
+        generation=job.generation,
+        ranks=ranks,
+        commits=0 in ranks,
+        checkpoint_dir=job.spec.checkpoint_dir,
+    )
 
 
-class StepTally(collections.namedtuple(
-        "StepTally", "step ranks step_times tokens at checkpoint_s restore_s loss")):
+class StepTally(
+    collections.namedtuple(
+        "StepTally", "step ranks step_times tokens at checkpoint_s restore_s loss"
+    )
+):
     """What the controller keeps of a ``NodeStep`` (one step of a node's ranks), read
     off the message once: a tuple, whose fields cost a fraction of a protobuf
     attribute's to read again (the job's progress, its health and its goodput each
     read them); ``ranks`` and ``step_times`` are tuples, in the same order."""
+
     __slots__ = ()
 
 
-def _checked_steps(body: keel_pb2.StepReportBatch, mine: frozenset[int],
-                   ) -> tuple[list[StepTally], int, int | None]:
+def _checked_steps(
+    body: keel_pb2.StepReportBatch,
+    mine: frozenset[int],
+) -> tuple[list[StepTally], int, int | None]:
     """The batch's steps (its ``NodeStep``s, and its per-rank ``reports`` summed up the
     same way) of ``mine`` (the ranks the node hosts), numbered from 1 with finite step
     times, as ``StepTally``; how many rank reports were not (the comparisons are false
@@ -401,9 +484,14 @@ def _checked_steps(body: keel_pb2.StepReportBatch, mine: frozenset[int],
     for entry in itertools.chain(body.node_steps, node_steps):
         ranks, times = tuple(entry.ranks), tuple(entry.step_time_s)
         count = len(ranks)
-        if not (entry.step >= 1 and count and len(times) == count
-                and min(times) >= 0 and max(times) < math.inf
-                and not any(map(math.isnan, times))):
+        if not (
+            entry.step >= 1
+            and count
+            and len(times) == count
+            and min(times) >= 0
+            and max(times) < math.inf
+            and not any(map(math.isnan, times))
+        ):
             invalid += count or 1
             continue
         if not mine.issuperset(ranks) or len(set(ranks)) != count:
@@ -412,8 +500,18 @@ def _checked_steps(body: keel_pb2.StepReportBatch, mine: frozenset[int],
                 theirs = other
             if not ranks:
                 continue
-        checked.append(StepTally(entry.step, ranks, times, entry.tokens, entry.at,
-                                 entry.checkpoint_s, entry.restore_s, entry.loss))
+        checked.append(
+            StepTally(
+                entry.step,
+                ranks,
+                times,
+                entry.tokens,
+                entry.at,
+                entry.checkpoint_s,
+                entry.restore_s,
+                entry.loss,
+            )
+        )
     return checked, invalid, theirs
 
 
@@ -460,7 +558,7 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     recent = job.node_step_times.get(node)
     if recent is None:
         recent = job.node_step_times[node] = collections.deque(maxlen=RECENT_STEPS)
-    for tally in tallies:   # per node step: 4,000 a second at scale, 8 ranks each
+    for tally in tallies:  # per node step: 4,000 a second at scale, 8 ranks each
         tokens += tally.tokens
         if tally.at > latest:
             latest = tally.at
@@ -486,9 +584,15 @@ def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:
         return False  # a replay after a reconnect
     if any(r["step"] == saved.step for r in job.unrecorded):
         return False  # a replay of one already queued
-    job.unrecorded.append({"step": saved.step, "path": saved.path,
-                           "generation": saved.generation, "samples": saved.samples,
-                           "recorded_at": time.time()})
+    job.unrecorded.append(
+        {
+            "step": saved.step,
+            "path": saved.path,
+            "generation": saved.generation,
+            "samples": saved.samples,
+            "recorded_at": time.time(),
+        }
+    )
     return True
 
 
@@ -499,10 +603,16 @@ def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
         if not report.phase:
             return  # stacks for a stop that was not a hang
         health.hang_event = health.event(
-            "hang", "", node=node, rank=report.rank, step=report.last_step,
-            detected_after_s=report.stalled_for_s)
+            "hang",
+            "",
+            node=node,
+            rank=report.rank,
+            step=report.last_step,
+            detected_after_s=report.stalled_for_s,
+        )
         health.hang_event.reason = (
             f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
             f"{report.stalled_for_s:.1f}s after step {report.last_step} "
-            f"(timeout {report.timeout_s:.1f}s, {report.phase})")
+            f"(timeout {report.timeout_s:.1f}s, {report.phase})"
+        )
     health.add_stacks(report.stacks)

@@ -28,6 +28,7 @@ class CountedDict(dict):
     """A dict that counts its changes on its owner (``ControllerState.nodes_version``),
     read at a dict's speed: what is built from the node tables (``ListNodes``) is kept
     while none of them changed, however they were changed."""
+
     __slots__ = ("_owner",)
 
     def __init__(self, owner: "ControllerState", *args, **kwargs):
@@ -78,7 +79,7 @@ class LoopPost:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._pending: collections.deque = collections.deque()   # (queue, message)
+        self._pending: collections.deque = collections.deque()  # (queue, message)
         self._lock = threading.Lock()
         self._scheduled = False
 
@@ -86,16 +87,16 @@ class LoopPost:
         self._pending.append((queue, message))
         with self._lock:
             if self._scheduled:
-                return   # a drain is due: it takes this one too
+                return  # a drain is due: it takes this one too
             self._scheduled = True
         try:
             self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:
-            pass   # the loop is closed: the controller is stopping
+            pass  # the loop is closed: the controller is stopping
 
     def _drain(self) -> None:
         with self._lock:
-            self._scheduled = False   # (before taking: a later post schedules again)
+            self._scheduled = False  # (before taking: a later post schedules again)
         pending = self._pending
         while pending:
             queue, message = pending.popleft()
@@ -120,22 +121,23 @@ class LoopOutbox:
 @dataclass(eq=False)
 class AgentSession:
     """One agent's stream: what its Hello said, and the messages queued for it."""
+
     node: str
     host: str
     slots: int
     lease_id: int
     pid: int
     hello: keel_pb2.Hello
-    term: int                  # of the leadership the stream was accepted under
+    term: int  # of the leadership the stream was accepted under
     outbox: queue.Queue | LoopOutbox = field(default_factory=queue.Queue)
     connected: bool = True
     disconnected_at: float = 0.0
     # Its Hello has been squared with the plan (adoption); the reconcile loop does it.
     accounted: bool = False
-    status: keel_pb2.AgentStatus | None = None   # what it said it runs, last
-    status_at: float = 0.0     # monotonic: when that status arrived
-    fixed_at: float = 0.0      # monotonic: it was last sent a start or a stop
-    leaving: str = ""          # the agent asked for its node to be drained: why
+    status: keel_pb2.AgentStatus | None = None  # what it said it runs, last
+    status_at: float = 0.0  # monotonic: when that status arrived
+    fixed_at: float = 0.0  # monotonic: it was last sent a start or a stop
+    leaving: str = ""  # the agent asked for its node to be drained: why
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
         message.term = self.term
@@ -184,22 +186,22 @@ class ControllerState:
         self.id = uuid.uuid4().hex[:12]
         self.address = ""
         self.lock = threading.RLock()
-        self._nodes_version = 0   # changes to sessions, registered, cordons (CountedDict)
-        self.wake = threading.Event()       # set to run a reconcile tick now
+        self._nodes_version = 0  # changes to sessions, registered, cordons (CountedDict)
+        self.wake = threading.Event()  # set to run a reconcile tick now
         self.stopping = threading.Event()
         self.sessions = {}
         self.jobs: dict[str, JobRuntime] = {}
-        self.registered = {}   # node records, as etcd has them (a watch)
+        self.registered = {}  # node records, as etcd has them (a watch)
         # Agents whose stream is up; and nodes whose agent said something the reconcile
         # loop has to square with the plan (a new status, a Hello), or which it is
         # still squaring: per tick, the loop looks only at these.
         self.streams = 0
         self.unsettled: set[str] = set()
-        self.down: set[str] = set()   # nodes whose agent's stream is down
+        self.down: set[str] = set()  # nodes whose agent's stream is down
         self.report_interval_s = 0.0  # asked of the agents (orchestrator.policy.pacing)
-        self.cordons = {}      # as in etcd; written only by the leader
+        self.cordons = {}  # as in etcd; written only by the leader
         self.is_leader = False
-        self.leader_since = 0.0                 # monotonic
+        self.leader_since = 0.0  # monotonic
         # Monotonic: an agent was last let in, or told to back off and connect again
         # (a cluster still reconnecting to a new leader: ``observe.taking_over``).
         self.agent_knocked_at = 0.0
@@ -250,8 +252,9 @@ class ControllerState:
     def job_on(self, node: str) -> JobRuntime | None:
         """The job whose current generation runs (or is being started or stopped) on
         ``node``."""
-        return next((j for j in self.jobs.values()
-                     if j.state.holds_nodes and node in j.nodes), None)
+        return next(
+            (j for j in self.jobs.values() if j.state.holds_nodes and node in j.nodes), None
+        )
 
     def node_state(self, node: str) -> str:
         """``ready``, ``cordoned``, ``draining`` (cordoned, a job still on it) or
@@ -295,7 +298,7 @@ class ControllerState:
         for session in self.sessions.values():
             session.connected = False
             session.close()
-        self.sessions.clear()   # (counted)
+        self.sessions.clear()  # (counted)
         self.streams = 0
         self.unsettled.clear()
         self.down.clear()

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from common import keys
 from common.etcd import EtcdClient, prefix_end, read_prefix
 
-TXN_OPS = 100   # etcd refuses transactions of more than 128 operations by default
-TXN_BYTES = 1 << 20   # and requests over 1.5 MiB
+TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
+TXN_BYTES = 1 << 20  # and requests over 1.5 MiB
 
 
 class StaleRevision(Exception):
@@ -39,6 +39,7 @@ class Deposed(Exception):
 @dataclass(frozen=True)
 class Versioned:
     """A decoded value with the mod revision it was read at (0 = absent)."""
+
     value: dict | None
     mod_revision: int
 
@@ -46,7 +47,7 @@ class Versioned:
 class Store:
     def __init__(self, client: EtcdClient):
         self.client = client
-        self.term: int | None = None   # while leading: the create revision of our leader key
+        self.term: int | None = None  # while leading: the create revision of our leader key
 
     # ------------------------------------------------------------------ helpers
     def _get(self, key: str) -> Versioned:
@@ -68,21 +69,25 @@ class Store:
             raise Deposed("this controller does not lead")
         tx = self.client.transactions
         ok, responses = self.client.transaction(
-            compare=[tx.create(keys.LEADER) == self.term, *compare], success=success,
-            failure=[tx.get(keys.LEADER)])
+            compare=[tx.create(keys.LEADER) == self.term, *compare],
+            success=success,
+            failure=[tx.get(keys.LEADER)],
+        )
         if not ok:
             leader = responses[0]
             if not leader or leader[0][1].create_revision != self.term:
                 held = json.loads(leader[0][0]) if leader else None
-                raise Deposed(f"the leader key is now {held or 'gone'}; our term {self.term} "
-                              f"is over")
+                raise Deposed(
+                    f"the leader key is now {held or 'gone'}; our term {self.term} is over"
+                )
         return ok, responses
 
     # -------------------------------------------------------------------- nodes
     def put_node(self, node: str, record: dict, lease_id: int) -> None:
         """Write a node record on the agent's lease, so it vanishes with the agent."""
-        self._write([self.client.transactions.put(keys.node(node), json.dumps(record),
-                                                  lease=lease_id)])
+        self._write(
+            [self.client.transactions.put(keys.node(node), json.dumps(record), lease=lease_id)]
+        )
 
     def probe(self) -> None:
         """One small read (the leader key), raising if etcd does not answer it."""
@@ -117,8 +122,10 @@ class Store:
         tx = self.client.transactions
         for held in (tx.version(key) == 0, tx.value(key) == value):
             ok, responses = self.client.transaction(
-                compare=[held], success=[tx.put(key, value, lease=lease_id), tx.get(key)],
-                failure=[])
+                compare=[held],
+                success=[tx.put(key, value, lease=lease_id), tx.get(key)],
+                failure=[],
+            )
             if ok:
                 self.term = responses[1][0][1].create_revision
                 return self.term
@@ -143,7 +150,8 @@ class Store:
         tx = self.client.transactions
         ok, responses = self._write(
             [tx.put(spec_key, json.dumps(spec)), tx.put(keys.job_state(name), json.dumps(state))],
-            (tx.version(spec_key) == 0,))
+            (tx.version(spec_key) == 0,),
+        )
         return responses[1].response_put.header.revision if ok else 0
 
     def job_spec(self, name: str) -> dict | None:
@@ -154,11 +162,13 @@ class Store:
 
     def job_names(self) -> list[str]:
         # Keys only: the values under a job (plans, checkpoints, events) can be large.
-        return sorted({keys.job_of(k) for k in self._prefix(keys.JOBS, keys_only=True)
-                       if k.endswith("/spec")})
+        return sorted(
+            {keys.job_of(k) for k in self._prefix(keys.JOBS, keys_only=True) if k.endswith("/spec")}
+        )
 
-    def update_job_state(self, name: str, state: dict, read_revision: int,
-                         plan: dict | None = None) -> int:
+    def update_job_state(
+        self, name: str, state: dict, read_revision: int, plan: dict | None = None
+    ) -> int:
         """Write a new job state (and a generation plan) if the state is unchanged
         since ``read_revision``; return the new revision, raise StaleRevision otherwise."""
         state_key = keys.job_state(name)
@@ -212,8 +222,13 @@ class Store:
 
     def update_checkpoint(self, name: str, record: dict) -> None:
         """Rewrite a checkpoint's record (a quarantined one is marked so, and kept)."""
-        self._write([self.client.transactions.put(keys.checkpoint(name, record["step"]),
-                                                  json.dumps(record))])
+        self._write(
+            [
+                self.client.transactions.put(
+                    keys.checkpoint(name, record["step"]), json.dumps(record)
+                )
+            ]
+        )
 
     def delete_checkpoints(self, name: str, steps: list[int]) -> None:
         self._delete_each([keys.checkpoint(name, step) for step in steps])
@@ -221,7 +236,7 @@ class Store:
     def _delete_each(self, doomed: list[str]) -> None:
         tx = self.client.transactions
         for i in range(0, len(doomed), TXN_OPS):
-            self._write([tx.delete(key) for key in doomed[i:i + TXN_OPS]])
+            self._write([tx.delete(key) for key in doomed[i : i + TXN_OPS]])
 
     def checkpoints(self, name: str) -> list[dict]:
         """Committed checkpoint records, oldest step first."""
@@ -240,8 +255,9 @@ class Store:
 
     def put_checkpoint_request(self, name: str, request: dict) -> None:
         """An operator's request for a checkpoint of job ``name`` after a step."""
-        self._write([self.client.transactions.put(keys.checkpoint_request(name),
-                                                  json.dumps(request))])
+        self._write(
+            [self.client.transactions.put(keys.checkpoint_request(name), json.dumps(request))]
+        )
 
     def checkpoint_request(self, name: str) -> dict | None:
         return self._get(keys.checkpoint_request(name)).value

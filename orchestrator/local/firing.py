@@ -18,12 +18,13 @@ from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.faults import CLUSTER_FAULTS
 from protos import keel_pb2
 
-ETCD_DOWN_S = 2.0    # restart_etcd: how long etcd stays down unless its down= says
+ETCD_DOWN_S = 2.0  # restart_etcd: how long etcd stays down unless its down= says
 
 
 @dataclass(frozen=True)
 class Fired:
     """A fault fired: ``kind`` (a ``Fault.kind``), at ``step``, described by ``message``."""
+
     kind: str
     step: int
     message: str
@@ -36,11 +37,12 @@ class ClusterFaults:
     ``kill_leader`` SIGKILLs the leading controller, ``restart_etcd`` crashes etcd and
     starts it again on its data after its ``down_s`` (``ETCD_DOWN_S`` by default), and
     ``kill_agent`` SIGKILLs an agent and starts it again."""
+
     pending: list[keel_pb2.Fault]
-    lost: set[int] = field(default_factory=set)              # agent indexes
+    lost: set[int] = field(default_factory=set)  # agent indexes
     killed_controllers: set[int] = field(default_factory=set)
-    undo: list[threading.Timer] = field(default_factory=list)   # stalls, partitions
-    stopped: set[int] = field(default_factory=set)           # pids SIGSTOPped now
+    undo: list[threading.Timer] = field(default_factory=list)  # stalls, partitions
+    stopped: set[int] = field(default_factory=set)  # pids SIGSTOPped now
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -59,43 +61,57 @@ class ClusterFaults:
                 agent = cluster.agents[fault.node]
                 os.killpg(agent.pid, signal.SIGKILL)
                 self.lost.add(fault.node)
-                message = (f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
-                           f"ranks killed) at step {step}")
+                message = (
+                    f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
+                    f"ranks killed) at step {step}"
+                )
             elif fault.kind == "kill_agent":
                 agent = cluster.agents[fault.node]
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
                 cluster.agents[fault.node] = cluster.start_agent(fault.node)
-                message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed at "
-                           f"step {step} and started again (pid "
-                           f"{cluster.agents[fault.node].pid})")
+                message = (
+                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed at "
+                    f"step {step} and started again (pid "
+                    f"{cluster.agents[fault.node].pid})"
+                )
             elif fault.kind == "term_agent":
                 agent = cluster.agents[fault.node]
                 agent.send_signal(signal.SIGTERM)
-                self.lost.add(fault.node)   # it exits once its node is drained
-                message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
-                           f"SIGTERM at step {step}: its node drains")
+                self.lost.add(fault.node)  # it exits once its node is drained
+                message = (
+                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
+                    f"SIGTERM at step {step}: its node drains"
+                )
             elif fault.kind == "restart_etcd":
                 down_s = fault.down_s or ETCD_DOWN_S
                 cluster.etcd.restart(down_s=down_s)
-                message = f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
+                message = (
+                    f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
+                )
             elif fault.kind == "stall_agent":
                 agent = cluster.agents[fault.node]
                 self._stall([agent.pid], fault.for_s)
-                message = (f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
-                           f"step {step} for {fault.for_s:g} s; its ranks run on")
+                message = (
+                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
+                    f"step {step} for {fault.for_s:g} s; its ranks run on"
+                )
             elif fault.kind == "stall_node":
                 agent = cluster.agents[fault.node]
                 stalled = [agent.pid, *procs.descendants(agent.pid)]
                 self._stall(stalled, fault.for_s)
-                message = (f"injected: node-{fault.node} frozen at step {step} for "
-                           f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
-                           f"processes under it stopped)")
+                message = (
+                    f"injected: node-{fault.node} frozen at step {step} for "
+                    f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
+                    f"processes under it stopped)"
+                )
             elif fault.kind == "partition_node":
                 cluster.proxies[fault.node].cut()
                 self._later(fault.for_s, cluster.proxies[fault.node].heal)
-                message = (f"injected: node-{fault.node} cut from etcd and the controllers at "
-                           f"step {step} for {fault.for_s:g} s; it runs on")
+                message = (
+                    f"injected: node-{fault.node} cut from etcd and the controllers at "
+                    f"step {step} for {fault.for_s:g} s; it runs on"
+                )
             elif leader in cluster.addresses:
                 index = cluster.addresses.index(leader)
                 if fault.kind == "kill_leader":
@@ -105,12 +121,16 @@ class ClusterFaults:
                 elif fault.kind == "term_leader":
                     cluster.controllers[index].send_signal(signal.SIGTERM)
                     self.killed_controllers.add(index)
-                    message = (f"injected: leader controller {leader} sent SIGTERM at step "
-                               f"{step}: it hands the lead over")
+                    message = (
+                        f"injected: leader controller {leader} sent SIGTERM at step "
+                        f"{step}: it hands the lead over"
+                    )
                 else:
                     self._stall([cluster.controllers[index].pid], fault.for_s)
-                    message = (f"injected: leader controller {leader} stopped at step {step} "
-                               f"for {fault.for_s:g} s")
+                    message = (
+                        f"injected: leader controller {leader} stopped at step {step} "
+                        f"for {fault.for_s:g} s"
+                    )
             else:
                 continue  # no leader right now: fire once one leads
             self.pending.remove(fault)

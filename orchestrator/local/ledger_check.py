@@ -35,8 +35,12 @@ def audit(ranges: list[list[int]], expected_samples: int) -> dict[str, int]:
             covered += max(0, hi - lo)
         depth += events[point]
         previous = point
-    return {"expected": expected_samples, "consumed": consumed, "duplicates": duplicates,
-            "missing": expected_samples - covered}
+    return {
+        "expected": expected_samples,
+        "consumed": consumed,
+        "duplicates": duplicates,
+        "missing": expected_samples - covered,
+    }
 
 
 def audit_checkpoint(checkpoint: Path) -> dict[str, int]:

@@ -25,15 +25,13 @@ from protos import keel_pb2
 JOB_NAME = "keel-up"
 # The reference trainer's model and batch, passed to it explicitly so that the shape the
 # controller validates and plans with is the one that trains.
-REFERENCE = {"dim": 64, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 64,
-             "global_batch": 16}
+REFERENCE = {"dim": 64, "layers": 2, "heads": 4, "vocab": 256, "seq_len": 64, "global_batch": 16}
 
 
 def reference_global_batch(world_size: int) -> int:
     """The reference trainer's samples per step at ``world_size``: the smallest multiple
     of its 16 that the world size divides (every rank data-parallel: 48 for 3 ranks)."""
-    return REFERENCE["global_batch"] * world_size // math.gcd(REFERENCE["global_batch"],
-                                                              world_size)
+    return REFERENCE["global_batch"] * world_size // math.gcd(REFERENCE["global_batch"], world_size)
 
 
 @dataclass(frozen=True)
@@ -45,14 +43,14 @@ class UpOptions:
     script: str | None = None
     script_args: tuple[str, ...] = ()
     inject: tuple[str, ...] = ()
-    layout: str | None = None        # None: dp_shard over every rank; "auto": the planner's
-    min_nodes: int = 1               # after losing nodes, shrink down to this many
-    spares: int = 0                  # extra agents that wait as hot spares
-    controllers: int = 1             # more than one: standbys take over from the leader
+    layout: str | None = None  # None: dp_shard over every rank; "auto": the planner's
+    min_nodes: int = 1  # after losing nodes, shrink down to this many
+    spares: int = 0  # extra agents that wait as hot spares
+    controllers: int = 1  # more than one: standbys take over from the leader
     straggler_policy: str = "replace"
-    hang_floor_s: float = 30.0       # the hang timeout's floor (k x median step above it)
-    first_step_timeout_s: float = 0.0   # 0: 120 s, or the floor if longer
-    collective_timeout_s: float = 0.0   # 0: derived from the floor (common.deadlines)
+    hang_floor_s: float = 30.0  # the hang timeout's floor (k x median step above it)
+    first_step_timeout_s: float = 0.0  # 0: 120 s, or the floor if longer
+    collective_timeout_s: float = 0.0  # 0: derived from the floor (common.deadlines)
     preflight: bool = True
     max_restarts: int = 3
     etcd_endpoints: tuple[str, ...] = ()
@@ -60,10 +58,10 @@ class UpOptions:
     timeout_s: float = 3600.0
     lease_ttl_s: float = 5.0
     stop_grace_s: float = 5.0
-    tls: bool = False                # mutual TLS and role tokens, from <workdir>/tls
+    tls: bool = False  # mutual TLS and role tokens, from <workdir>/tls
     etcd_credentials: EtcdCredentials | None = None  # of the --etcd-endpoints cluster
     json: bool = False
-    log_format: str = "json"         # of the daemons and ranks (common.logs)
+    log_format: str = "json"  # of the daemons and ranks (common.logs)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -84,8 +82,10 @@ class UpOptions:
         if self.controllers < 1:
             raise ValueError("--controllers must be at least 1")
         if self.etcd_credentials and not self.etcd_endpoints:
-            raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user are for the etcd "
-                             "of --etcd-endpoints; the embedded one needs none")
+            raise ValueError(
+                "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user are for the etcd "
+                "of --etcd-endpoints; the embedded one needs none"
+            )
         for endpoint in self.etcd_endpoints:
             host_port(endpoint)
 
@@ -101,40 +101,71 @@ def _slot_memory_gb(slots: int) -> float:
 
 def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
     """The job `keel up` submits; raises InvalidSpec or BadFault before anything starts."""
-    spec = keel_pb2.JobSpec(name=JOB_NAME, world_size=options.world_size,
-                            max_restarts=options.max_restarts, min_nodes=options.min_nodes,
-                            checkpoint_dir=str(checkpoint_dir),
-                            mesh=options.layout or f"dp_shard={options.world_size}")
+    spec = keel_pb2.JobSpec(
+        name=JOB_NAME,
+        world_size=options.world_size,
+        max_restarts=options.max_restarts,
+        min_nodes=options.min_nodes,
+        checkpoint_dir=str(checkpoint_dir),
+        mesh=options.layout or f"dp_shard={options.world_size}",
+    )
     if options.script:
-        spec.command.extend([sys.executable, "-u", str(Path(options.script).resolve()),
-                             *options.script_args])
+        spec.command.extend(
+            [sys.executable, "-u", str(Path(options.script).resolve()), *options.script_args]
+        )
     else:
         reference = REFERENCE | {"global_batch": reference_global_batch(options.world_size)}
-        argv = ["--steps", str(options.steps), "--checkpoint-every", str(options.checkpoint_every),
-                *(f"--{k.replace('_', '-')}={v}" for k, v in reference.items())]
+        argv = [
+            "--steps",
+            str(options.steps),
+            "--checkpoint-every",
+            str(options.checkpoint_every),
+            *(f"--{k.replace('_', '-')}={v}" for k, v in reference.items()),
+        ]
         if options.script_args:
             reference = _with_trainer_args(reference, argv, options.script_args)
-        spec.command.extend([sys.executable, "-u", "-m", "trainer.train", *argv,
-                             *options.script_args])
+        spec.command.extend(
+            [sys.executable, "-u", "-m", "trainer.train", *argv, *options.script_args]
+        )
         spec.steps = options.steps
-        shape = planner.ModelShape.from_dims(layers=reference["layers"],
-                                             hidden=reference["dim"],
-                                             heads=reference["heads"], vocab=reference["vocab"])
-        spec.model.CopyFrom(keel_pb2.ModelShape(
-            params=shape.params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
-            vocab=shape.vocab))
-        spec.training.CopyFrom(keel_pb2.TrainingShape(
-            seq_len=reference["seq_len"], micro_batch=1,
-            global_batch=reference["global_batch"], precision="fp32",
-            gpu_memory_gb=_slot_memory_gb(options.world_size)))
-    spec.health.CopyFrom(keel_pb2.HealthSpec(
-        straggler_policy=options.straggler_policy, hang_floor_s=options.hang_floor_s,
-        first_step_timeout_s=options.first_step_timeout_s or max(options.hang_floor_s, 120.0),
-        checkpoint_timeout_s=max(options.hang_floor_s, 120.0), stop_grace_s=options.stop_grace_s,
-        collective_timeout_s=options.collective_timeout_s,
-        preflight_off=not options.preflight))
-    schedule = parse_schedule(list(options.inject), options.world_size,
-                              options.nodes + options.spares)
+        shape = planner.ModelShape.from_dims(
+            layers=reference["layers"],
+            hidden=reference["dim"],
+            heads=reference["heads"],
+            vocab=reference["vocab"],
+        )
+        spec.model.CopyFrom(
+            keel_pb2.ModelShape(
+                params=shape.params,
+                layers=shape.layers,
+                hidden=shape.hidden,
+                heads=shape.heads,
+                vocab=shape.vocab,
+            )
+        )
+        spec.training.CopyFrom(
+            keel_pb2.TrainingShape(
+                seq_len=reference["seq_len"],
+                micro_batch=1,
+                global_batch=reference["global_batch"],
+                precision="fp32",
+                gpu_memory_gb=_slot_memory_gb(options.world_size),
+            )
+        )
+    spec.health.CopyFrom(
+        keel_pb2.HealthSpec(
+            straggler_policy=options.straggler_policy,
+            hang_floor_s=options.hang_floor_s,
+            first_step_timeout_s=options.first_step_timeout_s or max(options.hang_floor_s, 120.0),
+            checkpoint_timeout_s=max(options.hang_floor_s, 120.0),
+            stop_grace_s=options.stop_grace_s,
+            collective_timeout_s=options.collective_timeout_s,
+            preflight_off=not options.preflight,
+        )
+    )
+    schedule = parse_schedule(
+        list(options.inject), options.world_size, options.nodes + options.spares
+    )
     _check_cluster_can_fire(schedule, options)
     if schedule.faults:
         spec.env[env.FAULTS] = json_format.MessageToJson(schedule, indent=None)
@@ -143,14 +174,17 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
     return spec
 
 
-
 # The reference trainer's flags keel up sets from its own options (or the job's
 # environment): passed after `--` they would contradict what the controller plans.
-OWNED_TRAINER_FLAGS = {"--steps": "--steps", "--checkpoint-every": "--checkpoint-every",
-                       "--checkpoint-dir": "--workdir", "--layout": "--layout",
-                       "--collective-timeout-s": "--collective-timeout-s",
-                       "--preflight": "--no-preflight",
-                       "--no-preflight": "--no-preflight"}
+OWNED_TRAINER_FLAGS = {
+    "--steps": "--steps",
+    "--checkpoint-every": "--checkpoint-every",
+    "--checkpoint-dir": "--workdir",
+    "--layout": "--layout",
+    "--collective-timeout-s": "--collective-timeout-s",
+    "--preflight": "--no-preflight",
+    "--no-preflight": "--no-preflight",
+}
 
 
 def _with_trainer_args(reference: dict, argv: list[str], extra: tuple[str, ...]) -> dict:
@@ -160,16 +194,23 @@ def _with_trainer_args(reference: dict, argv: list[str], extra: tuple[str, ...])
     for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_TRAINER_FLAGS:
-            raise ValueError(f"{flag} after --: keel up sets it; give keel up "
-                             f"{OWNED_TRAINER_FLAGS[flag]} instead")
-    checked = subprocess.run([sys.executable, "-m", "trainer.check_args", *argv, *extra],
-                             capture_output=True, text=True, timeout=120,
-                             env={k: v for k, v in os.environ.items()
-                                  if not k.startswith("KEEL_")})
+            raise ValueError(
+                f"{flag} after --: keel up sets it; give keel up "
+                f"{OWNED_TRAINER_FLAGS[flag]} instead"
+            )
+    checked = subprocess.run(
+        [sys.executable, "-m", "trainer.check_args", *argv, *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KEEL_")},
+    )
     if checked.returncode != 0:
         problem = checked.stderr.strip().splitlines()[-1:] or ["invalid arguments"]
-        raise ValueError(f"the reference trainer's arguments after --: "
-                         f"{problem[0].partition('error: ')[2] or problem[0]}")
+        raise ValueError(
+            f"the reference trainer's arguments after --: "
+            f"{problem[0].partition('error: ')[2] or problem[0]}"
+        )
     resolved = json.loads(checked.stdout)
     return {key: resolved[key] for key in reference}
 
@@ -181,22 +222,35 @@ def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions
     if not options.script:
         late = [f for f in faults if f.step > options.steps]
         if late:
-            raise ValueError(f"{late[0].kind} at step {late[0].step} would never fire: the "
-                             f"job runs --steps {options.steps}")
+            raise ValueError(
+                f"{late[0].kind} at step {late[0].step} would never fire: the "
+                f"job runs --steps {options.steps}"
+            )
     if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in faults):
-        raise ValueError("restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
-                         "(and unset KEEL_ETCD_ENDPOINTS)")
+        raise ValueError(
+            "restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
+            "(and unset KEEL_ETCD_ENDPOINTS)"
+        )
     leader_kills = sum(1 for f in faults if f.kind in ("kill_leader", "term_leader"))
     if leader_kills >= options.controllers:
-        raise ValueError(f"{leader_kills} kill_leader/term_leader fault(s) need as many "
-                         f"standbys: give --controllers {leader_kills + 1}")
+        raise ValueError(
+            f"{leader_kills} kill_leader/term_leader fault(s) need as many "
+            f"standbys: give --controllers {leader_kills + 1}"
+        )
     lost = [f.node for f in faults if f.kind in ("lose_node", "term_agent")]
     twice = sorted({n for n in lost if lost.count(n) > 1})
     if twice:
-        raise ValueError(f"node {twice[0]} is lost twice; lose_node and term_agent end its "
-                         f"agent for good")
-    touched = [f for f in faults if f.kind in ("kill_agent", "stall_agent", "stall_node",
-                                                "partition_node") and f.node in set(lost)]
+        raise ValueError(
+            f"node {twice[0]} is lost twice; lose_node and term_agent end its agent for good"
+        )
+    touched = [
+        f
+        for f in faults
+        if f.kind in ("kill_agent", "stall_agent", "stall_node", "partition_node")
+        and f.node in set(lost)
+    ]
     if touched:
-        raise ValueError(f"node {touched[0].node} is lost by lose_node or term_agent; "
-                         f"{touched[0].kind} cannot also act on it")
+        raise ValueError(
+            f"node {touched[0].node} is lost by lose_node or term_agent; "
+            f"{touched[0].kind} cannot also act on it"
+        )

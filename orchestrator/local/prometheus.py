@@ -21,9 +21,11 @@ SCRAPE_INTERVAL_S = 2
 
 def targets(controllers: list[str], agents: list[str]) -> list[dict]:
     """The ``file_sd`` target groups: label ``keel_kind`` says the daemon kind."""
-    return [{"targets": sorted(addresses), "labels": {"keel_kind": kind}}
-            for kind, addresses in (("controller", controllers), ("agent", agents))
-            if addresses]
+    return [
+        {"targets": sorted(addresses), "labels": {"keel_kind": kind}}
+        for kind, addresses in (("controller", controllers), ("agent", agents))
+        if addresses
+    ]
 
 
 def write_targets(directory: Path, controllers: list[str], agents: list[str]) -> bool:
@@ -48,11 +50,16 @@ def config(targets_file: Path, tls: TlsFiles | None, rules: Path | None = RULES)
     }
     if tls is not None:
         scrape["scheme"] = "https"
-        scrape["tls_config"] = {"ca_file": str(tls.ca), "cert_file": str(tls.cert),
-                                "key_file": str(tls.key)}
+        scrape["tls_config"] = {
+            "ca_file": str(tls.ca),
+            "cert_file": str(tls.cert),
+            "key_file": str(tls.key),
+        }
     document: dict = {
-        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s",
-                   "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
+        "global": {
+            "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+            "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+        },
         "scrape_configs": [scrape],
     }
     if rules is not None and rules.is_file():

@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator.local.ledger_check import audit_checkpoint
 from protos import keel_pb2
 
+
 class Progress:
     """Live progress on stderr: one rewritten line on a terminal, else a line per change."""
 
@@ -18,30 +19,45 @@ class Progress:
         self.last = ""
         # Both lists are bounded (the oldest go): what is new is told by generation
         # (one root cause each) and by sequence number.
-        self.failures_shown = 0   # generation
-        self.events_shown = 0     # seq
+        self.failures_shown = 0  # generation
+        self.events_shown = 0  # seq
 
     def show(self, status: keel_pb2.JobStatus) -> None:
         for failure in [f for f in status.failures if f.generation > self.failures_shown]:
-            self._line(f"generation {failure.generation} failed: rank {failure.rank} on "
-                       f"{failure.node} " + (f"killed by signal {failure.signal}"
-                                             if failure.signal else
-                                             f"exited {failure.exit_code}")
-                       + f" after step {failure.last_step}"
-                       + (f" — {failure.traceback.strip().splitlines()[-1]}"
-                          if failure.traceback.strip() else ""))
+            self._line(
+                f"generation {failure.generation} failed: rank {failure.rank} on "
+                f"{failure.node} "
+                + (
+                    f"killed by signal {failure.signal}"
+                    if failure.signal
+                    else f"exited {failure.exit_code}"
+                )
+                + f" after step {failure.last_step}"
+                + (
+                    f" — {failure.traceback.strip().splitlines()[-1]}"
+                    if failure.traceback.strip()
+                    else ""
+                )
+            )
         self.failures_shown = max([self.failures_shown, *(f.generation for f in status.failures)])
         for event in [e for e in status.events if e.seq > self.events_shown]:
             if event.kind != "crash":  # crashes are shown above with their traceback
-                self._line(f"event: {event.kind} {event.node} — {event.reason}"
-                           + (f"; {event.root_cause.splitlines()[0]}"
-                              if event.kind == "hang" and event.root_cause else ""))
+                self._line(
+                    f"event: {event.kind} {event.node} — {event.reason}"
+                    + (
+                        f"; {event.root_cause.splitlines()[0]}"
+                        if event.kind == "hang" and event.root_cause
+                        else ""
+                    )
+                )
         self.events_shown = max([self.events_shown, *(e.seq for e in status.events)])
         target = f"/{status.target_steps}" if status.target_steps else ""
         loss = f"{status.loss:.4f}" if status.has_loss else "-"
-        text = (f"{status.state:<9} gen {status.generation} world {status.world_size} "
-                f"step {status.step}{target} loss {loss} "
-                f"{status.tokens_per_s:,.0f} tok/s restarts {status.restarts}")
+        text = (
+            f"{status.state:<9} gen {status.generation} world {status.world_size} "
+            f"step {status.step}{target} loss {loss} "
+            f"{status.tokens_per_s:,.0f} tok/s restarts {status.restarts}"
+        )
         if self.tty:
             sys.stderr.write("\r\033[K" + text)
             sys.stderr.flush()
@@ -74,48 +90,101 @@ class Progress:
             sys.stderr.flush()
 
 
-def summarize(status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path,
-              error: str = "") -> dict:
+def summarize(
+    status: keel_pb2.JobStatus | None, wall_s: float, workdir: Path, error: str = ""
+) -> dict:
     if status is None:
-        return {"state": "NOT_STARTED", "reason": error, "steps": 0, "initial_loss": None,
-                "final_loss": None, "world_size": 0, "layout": "", "generations": 0,
-                "restarts": 0, "data": None, "events": [], "preflight": [], "goodput": None,
-                "wall_s": round(wall_s, 2), "workdir": str(workdir), "failures": []}
+        return {
+            "state": "NOT_STARTED",
+            "reason": error,
+            "steps": 0,
+            "initial_loss": None,
+            "final_loss": None,
+            "world_size": 0,
+            "layout": "",
+            "generations": 0,
+            "restarts": 0,
+            "data": None,
+            "events": [],
+            "preflight": [],
+            "goodput": None,
+            "wall_s": round(wall_s, 2),
+            "workdir": str(workdir),
+            "failures": [],
+        }
     return {
-        "job": status.job, "state": status.state, "reason": error or status.reason,
-        "steps": status.step, "target_steps": status.target_steps,
+        "job": status.job,
+        "state": status.state,
+        "reason": error or status.reason,
+        "steps": status.step,
+        "target_steps": status.target_steps,
         "initial_loss": status.initial_loss if status.has_loss else None,
         "final_loss": status.loss if status.has_loss else None,
-        "world_size": status.world_size, "layout": status.mesh,
+        "world_size": status.world_size,
+        "layout": status.mesh,
         "generations": status.generation,
-        "restarts": status.restarts, "tokens": status.tokens, "wall_s": round(wall_s, 2),
-        "last_checkpoint": ({"step": status.last_checkpoint.step,
-                             "path": status.last_checkpoint.path}
-                            if status.HasField("last_checkpoint") else None),
-        "failures": [{"generation": f.generation, "node": f.node, "rank": f.rank,
-                      "pid": f.pid, "exit_code": f.exit_code, "signal": f.signal,
-                      "last_step": f.last_step, "traceback": f.traceback}
-                     for f in status.failures],
+        "restarts": status.restarts,
+        "tokens": status.tokens,
+        "wall_s": round(wall_s, 2),
+        "last_checkpoint": (
+            {"step": status.last_checkpoint.step, "path": status.last_checkpoint.path}
+            if status.HasField("last_checkpoint")
+            else None
+        ),
+        "failures": [
+            {
+                "generation": f.generation,
+                "node": f.node,
+                "rank": f.rank,
+                "pid": f.pid,
+                "exit_code": f.exit_code,
+                "signal": f.signal,
+                "last_step": f.last_step,
+                "traceback": f.traceback,
+            }
+            for f in status.failures
+        ],
         "data": _data_audit(status),
-        "goodput": {"ratio": round(status.goodput.ratio, 4),
-                    "wall_s": round(status.goodput.accounted_s, 3),
-                    "at_risk_s": round(status.goodput.at_risk_s, 3),
-                    "submitted_at": status.submitted_at, "ended_at": status.ended_at,
-                    "seconds": {k: round(v, 3) for k, v in sorted(status.goodput.seconds.items())}},
+        "goodput": {
+            "ratio": round(status.goodput.ratio, 4),
+            "wall_s": round(status.goodput.accounted_s, 3),
+            "at_risk_s": round(status.goodput.at_risk_s, 3),
+            "submitted_at": status.submitted_at,
+            "ended_at": status.ended_at,
+            "seconds": {k: round(v, 3) for k, v in sorted(status.goodput.seconds.items())},
+        },
         "events": [_event_json(e) for e in status.events],
-        "preflight": [{"node": p.node, "generation": p.generation, "slow": p.slow,
-                       "results": [{"collective": r.collective, "size_bytes": r.size_bytes,
-                                    "time_s": r.time_s, "algbw_gbps": r.algbw_gbps,
-                                    "busbw_gbps": r.busbw_gbps} for r in p.results]}
-                      for p in status.preflight],
+        "preflight": [
+            {
+                "node": p.node,
+                "generation": p.generation,
+                "slow": p.slow,
+                "results": [
+                    {
+                        "collective": r.collective,
+                        "size_bytes": r.size_bytes,
+                        "time_s": r.time_s,
+                        "algbw_gbps": r.algbw_gbps,
+                        "busbw_gbps": r.busbw_gbps,
+                    }
+                    for r in p.results
+                ],
+            }
+            for p in status.preflight
+        ],
         "workdir": str(workdir),
     }
 
 
 def _event_json(event: keel_pb2.Event) -> dict:
-    out = {"kind": event.kind, "node": event.node,
-           "rank": event.rank if event.HasField("rank") else None, "step": event.step,
-           "generation": event.generation, "reason": event.reason}
+    out = {
+        "kind": event.kind,
+        "node": event.node,
+        "rank": event.rank if event.HasField("rank") else None,
+        "step": event.step,
+        "generation": event.generation,
+        "reason": event.reason,
+    }
     if event.kind in ("crash", "hang", "node_lost"):
         out["detected_after_s"] = round(event.detected_after_s, 3)
     if event.kind == "straggler":
@@ -148,27 +217,40 @@ def print_summary(summary: dict, as_json: bool) -> None:
     loss = ""
     if summary["initial_loss"] is not None:
         loss = f", loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}"
-    print(f"{summary['state']}: {summary['steps']} steps at world size "
-          f"{summary['world_size']} ({summary.get('layout') or '-'}){loss}; "
-          f"{summary['generations']} generation(s), {summary['restarts']} restart(s), "
-          f"{summary['wall_s']:.1f} s")
+    print(
+        f"{summary['state']}: {summary['steps']} steps at world size "
+        f"{summary['world_size']} ({summary.get('layout') or '-'}){loss}; "
+        f"{summary['generations']} generation(s), {summary['restarts']} restart(s), "
+        f"{summary['wall_s']:.1f} s"
+    )
     if summary.get("goodput") and summary["goodput"]["wall_s"] > 0:
         goodput = summary["goodput"]
-        lost = ", ".join(f"{cause} {seconds:.1f} s" for cause, seconds in
-                         sorted(goodput["seconds"].items(), key=lambda kv: -kv[1])
-                         if cause != "productive" and seconds >= 0.05)
-        print(f"  goodput: {goodput['ratio']:.1%} of {goodput['wall_s']:.1f} s"
-              + (f"; lost to {lost}" if lost else ""))
+        lost = ", ".join(
+            f"{cause} {seconds:.1f} s"
+            for cause, seconds in sorted(goodput["seconds"].items(), key=lambda kv: -kv[1])
+            if cause != "productive" and seconds >= 0.05
+        )
+        print(
+            f"  goodput: {goodput['ratio']:.1%} of {goodput['wall_s']:.1f} s"
+            + (f"; lost to {lost}" if lost else "")
+        )
     if summary.get("data"):
         data = summary["data"]
-        print(f"  data: {data['consumed']}/{data['expected']} samples consumed, "
-              f"{data['duplicates']} duplicated, {data['missing']} missing")
+        print(
+            f"  data: {data['consumed']}/{data['expected']} samples consumed, "
+            f"{data['duplicates']} duplicated, {data['missing']} missing"
+        )
     for failure in summary["failures"]:
-        how = (f"signal {failure['signal']}" if failure["signal"]
-               else f"exit code {failure['exit_code']}")
-        print(f"  generation {failure['generation']}: rank {failure['rank']} on "
-              f"{failure['node']} (pid {failure['pid']}) {how} after step "
-              f"{failure['last_step']}")
+        how = (
+            f"signal {failure['signal']}"
+            if failure["signal"]
+            else f"exit code {failure['exit_code']}"
+        )
+        print(
+            f"  generation {failure['generation']}: rank {failure['rank']} on "
+            f"{failure['node']} (pid {failure['pid']}) {how} after step "
+            f"{failure['last_step']}"
+        )
     if summary.get("reason"):
         print(f"  reason: {summary['reason']}")
     print(f"  logs and checkpoints: {summary['workdir']}")

@@ -29,16 +29,19 @@ from protos import keel_pb2
 POLL_S = 0.5
 
 
-def wait_for_agents(client: ControllerClient, count: int, workdir: Path,
-                     timeout_s: float = 60.0) -> None:
+def wait_for_agents(
+    client: ControllerClient, count: int, workdir: Path, timeout_s: float = 60.0
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         nodes = client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
         if sum(1 for n in nodes if n.connected) >= count:
             return
         time.sleep(0.1)
-    raise RuntimeError(f"only {sum(1 for n in nodes if n.connected)}/{count} agents joined "
-                       f"within {timeout_s:.0f} s; see {workdir / 'logs'}")
+    raise RuntimeError(
+        f"only {sum(1 for n in nodes if n.connected)}/{count} agents joined "
+        f"within {timeout_s:.0f} s; see {workdir / 'logs'}"
+    )
 
 
 def up(options: UpOptions) -> int:
@@ -47,31 +50,46 @@ def up(options: UpOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
     faults = ClusterFaults.of(spec)
-    cluster = LocalCluster(options, workdir,
-                           proxied=any(f.kind == "partition_node" for f in faults.pending))
+    cluster = LocalCluster(
+        options, workdir, proxied=any(f.kind == "partition_node" for f in faults.pending)
+    )
     status, error, leader_changes = None, "", 0
-    failovers_s: list[float] = []     # from killing or stalling a leader to its successor answering
+    failovers_s: list[float] = []  # from killing or stalling a leader to its successor answering
     struck_at = None
     stop = []
-    previous = {sig: signal.signal(sig, lambda *_: stop.append(1))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.append(1))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     progress = Progress()
     try:
         cluster.start()
-        client = ControllerClient(cluster.token, etcd_endpoints=cluster.endpoints.split(","),
-                                  tls_files=cluster.client_tls,
-                                  etcd_credentials=cluster.etcd_credentials)
+        client = ControllerClient(
+            cluster.token,
+            etcd_endpoints=cluster.endpoints.split(","),
+            tls_files=cluster.client_tls,
+            etcd_credentials=cluster.etcd_credentials,
+        )
         try:
             # Every agent joins before the job is submitted, so the placement is by node
             # name and the spares are the last nodes, whatever order they started in.
             wait_for_agents(client, options.nodes + options.spares, workdir)
             scrape = cluster.write_prometheus()
             client.call("SubmitJob", keel_pb2.SubmitJobRequest(spec=spec))
-            credentials = " ".join([*(["--tls-dir", str(workdir / "tls")] if options.tls
-                                      else ["--token-file", str(workdir / "token")]),
-                                    *etcd_flags(cluster.etcd_credentials)])
-            progress.note(f"job {spec.name} submitted; from another shell: keel status "
-                          f"--etcd-endpoints {cluster.endpoints} {credentials}")
+            credentials = " ".join(
+                [
+                    *(
+                        ["--tls-dir", str(workdir / "tls")]
+                        if options.tls
+                        else ["--token-file", str(workdir / "token")]
+                    ),
+                    *etcd_flags(cluster.etcd_credentials),
+                ]
+            )
+            progress.note(
+                f"job {spec.name} submitted; from another shell: keel status "
+                f"--etcd-endpoints {cluster.endpoints} {credentials}"
+            )
             progress.note(f"metrics: prometheus --config.file {scrape}")
             deadline = time.monotonic() + options.timeout_s
 
@@ -102,10 +120,15 @@ def up(options: UpOptions) -> int:
                 if time.monotonic() > deadline:
                     error = f"timed out after {options.timeout_s:.0f} s"
                     break
-                if any(a.poll() is not None for i, a in enumerate(cluster.agents)
-                       if i not in faults.lost) or \
-                        any(c.poll() is not None for i, c in enumerate(cluster.controllers)
-                            if i not in faults.killed_controllers):
+                if any(
+                    a.poll() is not None
+                    for i, a in enumerate(cluster.agents)
+                    if i not in faults.lost
+                ) or any(
+                    c.poll() is not None
+                    for i, c in enumerate(cluster.controllers)
+                    if i not in faults.killed_controllers
+                ):
                     error = f"a daemon exited unexpectedly; see {workdir / 'logs'}"
                     break
                 time.sleep(POLL_S)

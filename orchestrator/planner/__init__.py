@@ -40,14 +40,38 @@ Rooms: ``shapes`` (what it is told), ``memory`` (the memory and bubble model),
 from __future__ import annotations
 
 from common.layout import Layout, LayoutError
-from orchestrator.planner.memory import (activation_bytes_per_layer, pipeline_bubble,
-                                         zero_memory_per_gpu_bytes)
-from orchestrator.planner.ranking import (Candidate, MemoryBreakdown, NoFit, best, candidates,
-                                          validate_layout)
+from orchestrator.planner.memory import (
+    activation_bytes_per_layer,
+    pipeline_bubble,
+    zero_memory_per_gpu_bytes,
+)
+from orchestrator.planner.ranking import (
+    Candidate,
+    MemoryBreakdown,
+    NoFit,
+    best,
+    candidates,
+    validate_layout,
+)
 from orchestrator.planner.report import table, to_json
 from orchestrator.planner.shapes import GB, Cluster, ModelShape, Training
 
-__all__ = ["GB", "Candidate", "Cluster", "Layout", "LayoutError", "MemoryBreakdown",
-           "ModelShape", "NoFit", "Training", "activation_bytes_per_layer", "best",
-           "candidates", "pipeline_bubble", "table", "to_json", "validate_layout",
-           "zero_memory_per_gpu_bytes"]
+__all__ = [
+    "GB",
+    "Candidate",
+    "Cluster",
+    "Layout",
+    "LayoutError",
+    "MemoryBreakdown",
+    "ModelShape",
+    "NoFit",
+    "Training",
+    "activation_bytes_per_layer",
+    "best",
+    "candidates",
+    "pipeline_bubble",
+    "table",
+    "to_json",
+    "validate_layout",
+    "zero_memory_per_gpu_bytes",
+]

@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.planner.shapes import (ACTIVATION_BYTES, NETWORK_BYTES_PER_S,
-                                         NVLINK_BYTES_PER_S, STATE_BYTES_PER_PARAM, ModelShape,
-                                         Training)
+from orchestrator.planner.shapes import (
+    ACTIVATION_BYTES,
+    NETWORK_BYTES_PER_S,
+    NVLINK_BYTES_PER_S,
+    STATE_BYTES_PER_PARAM,
+    ModelShape,
+    Training,
+)
 
 
-def state_bytes_per_gpu(params: float, shard: int, stage: int,
-                 precision: str) -> tuple[float, float, float]:
+def state_bytes_per_gpu(
+    params: float, shard: int, stage: int, precision: str
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per GPU for ``params`` parameters under ZeRO
     ``stage`` over a shard group of ``shard`` GPUs: stage 1 shards the optimizer state,
     2 also the gradients, 3 also the weights."""
     weight_b, grad_b, optim_b = STATE_BYTES_PER_PARAM[precision]
-    return (params * weight_b / (shard if stage >= 3 else 1),
-            params * grad_b / (shard if stage >= 2 else 1),
-            params * optim_b / (shard if stage >= 1 else 1))
+    return (
+        params * weight_b / (shard if stage >= 3 else 1),
+        params * grad_b / (shard if stage >= 2 else 1),
+        params * optim_b / (shard if stage >= 1 else 1),
+    )
 
 
-def zero_memory_per_gpu_bytes(params: float, dp: int, stage: int,
-                              precision: str = "bf16") -> float:
+def zero_memory_per_gpu_bytes(params: float, dp: int, stage: int, precision: str = "bf16") -> float:
     """Bytes of weights, gradients and Adam state per GPU for ``params`` parameters under
     ZeRO ``stage`` over ``dp`` GPUs. For bf16 (Ψ = params): stage 0 (DDP) 16Ψ, 1
     4Ψ + 12Ψ/dp, 2 2Ψ + 14Ψ/dp, 3 (FSDP) 16Ψ/dp; fp32 splits the 16 as 4 + 4 + 8."""
@@ -43,15 +50,18 @@ def pipeline_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
     (bubble time over ideal time, which it approaches for v·m ≫ p). 0 without a
     pipeline."""
     if pp < 1 or microbatches < 1 or virtual_stages < 1:
-        raise ValueError(f"pp={pp}, microbatches={microbatches}, "
-                         f"virtual_stages={virtual_stages}: each must be at least 1")
+        raise ValueError(
+            f"pp={pp}, microbatches={microbatches}, "
+            f"virtual_stages={virtual_stages}: each must be at least 1"
+        )
     if virtual_stages == 1:
         return (pp - 1) / (microbatches + pp - 1)
     return (pp - 1) / (virtual_stages * microbatches)
 
 
-def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
-                               tp: int = 1, checkpointed: bool = False) -> float:
+def activation_bytes_per_layer(
+    seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, checkpointed: bool = False
+) -> float:
     """Activation bytes one transformer layer keeps for backward, per micro-batch per GPU.
 
     Korthikanti et al. 2022, 16-bit activations, no recomputation:
@@ -93,7 +103,7 @@ def activation_bytes(model: ModelShape, training: Training, tp: int, pp: int) ->
     else:
         first, last = pp * stage_layers * (1 + (pp - 1) / (pp * v)), stage_layers
     logits = 4 * s * b * model.vocab / tp
-    recompute = (activation_bytes_per_layer(s, b, h, a, tp) * scale if checkpointed else 0.0)
+    recompute = activation_bytes_per_layer(s, b, h, a, tp) * scale if checkpointed else 0.0
     return max(kept_per_layer * first, kept_per_layer * last + logits) + recompute
 
 

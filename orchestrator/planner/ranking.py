@@ -7,12 +7,23 @@ import math
 from dataclasses import dataclass
 
 from common.layout import Layout, LayoutError
-from orchestrator.planner.memory import (activation_bytes, gather_buffer_bytes,
-                                         group_bytes_per_s, pipeline_bubble,
-                                         state_bytes_per_gpu)
-from orchestrator.planner.shapes import (ACTIVATION_BYTES, GB, NOMINAL_FLOP_PER_S,
-                                         NVLINK_BYTES_PER_S, STATE_BYTES_PER_PARAM, Cluster,
-                                         ModelShape, Training)
+from orchestrator.planner.memory import (
+    activation_bytes,
+    gather_buffer_bytes,
+    group_bytes_per_s,
+    pipeline_bubble,
+    state_bytes_per_gpu,
+)
+from orchestrator.planner.shapes import (
+    ACTIVATION_BYTES,
+    GB,
+    NOMINAL_FLOP_PER_S,
+    NVLINK_BYTES_PER_S,
+    STATE_BYTES_PER_PARAM,
+    Cluster,
+    ModelShape,
+    Training,
+)
 
 
 class NoFit(ValueError):
@@ -32,8 +43,14 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> float:
-        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
-                + self.activations_bytes + self.buffers_bytes + self.headroom_bytes)
+        return (
+            self.weights_bytes
+            + self.gradients_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+            + self.buffers_bytes
+            + self.headroom_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -52,55 +69,74 @@ class Candidate:
     reason: str
 
 
-def _problems(layout: Layout, model: ModelShape, cluster: Cluster,
-              training: Training) -> list[str]:
+def _problems(layout: Layout, model: ModelShape, cluster: Cluster, training: Training) -> list[str]:
     """Everything that keeps ``layout`` from running, each with its fix."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
     tp, pp, dp = layout.tp, layout.pp, layout.dp_size
     problems = []
     if layout.world_size != world:
         keep = tp * pp
-        example = (Layout(dp_shard=world // keep, tp=tp, pp=pp) if world % keep == 0
-                   else Layout(dp_shard=world))
-        problems.append(f"it spans {layout.world_size} GPUs but world_size is {world}; "
-                        f"make dp_replicate×dp_shard×tp×pp = {world}, e.g. {example}")
+        example = (
+            Layout(dp_shard=world // keep, tp=tp, pp=pp)
+            if world % keep == 0
+            else Layout(dp_shard=world)
+        )
+        problems.append(
+            f"it spans {layout.world_size} GPUs but world_size is {world}; "
+            f"make dp_replicate×dp_shard×tp×pp = {world}, e.g. {example}"
+        )
     node_tps = [t for t in range(1, per_node + 1) if per_node % t == 0]
     if tp not in node_tps:
-        problems.append(f"tp={tp} must divide gpus_per_node={per_node} so each tensor-"
-                        f"parallel group stays on one node's NVLink; use tp in {node_tps}")
+        problems.append(
+            f"tp={tp} must divide gpus_per_node={per_node} so each tensor-"
+            f"parallel group stays on one node's NVLink; use tp in {node_tps}"
+        )
     if model.has_shape:
         fit = [t for t in node_tps if model.heads % t == 0 and model.hidden % t == 0]
         if model.heads % tp:
-            problems.append(f"tp={tp} does not divide heads={model.heads}; each tensor-"
-                            f"parallel rank needs whole heads: use tp in {fit}")
+            problems.append(
+                f"tp={tp} does not divide heads={model.heads}; each tensor-"
+                f"parallel rank needs whole heads: use tp in {fit}"
+            )
         if model.hidden % tp:
-            problems.append(f"tp={tp} does not divide hidden={model.hidden}; each tensor-"
-                            f"parallel rank takes hidden/tp columns: use tp in {fit}")
+            problems.append(
+                f"tp={tp} does not divide hidden={model.hidden}; each tensor-"
+                f"parallel rank takes hidden/tp columns: use tp in {fit}"
+            )
         if pp > model.layers:
-            problems.append(f"pp={pp} is more than layers={model.layers}; each pipeline "
-                            f"stage needs at least one layer: use pp <= {model.layers}")
+            problems.append(
+                f"pp={pp} is more than layers={model.layers}; each pipeline "
+                f"stage needs at least one layer: use pp <= {model.layers}"
+            )
         v = training.virtual_stages_used
         if pp > 1 and v > 1 and model.layers % (pp * v):
-            problems.append(f"layers={model.layers} is not divisible by pp×virtual_stages="
-                            f"{pp}×{v}={pp * v}; interleaved 1F1B gives every rank {v} "
-                            f"equal chunks: pick pp and virtual_stages whose product "
-                            f"divides {model.layers}, or pp_schedule='1f1b'")
+            problems.append(
+                f"layers={model.layers} is not divisible by pp×virtual_stages="
+                f"{pp}×{v}={pp * v}; interleaved 1F1B gives every rank {v} "
+                f"equal chunks: pick pp and virtual_stages whose product "
+                f"divides {model.layers}, or pp_schedule='1f1b'"
+            )
     if pp > 1 and training.pp_schedule != "gpipe" and training.microbatches < pp:
-        problems.append(f"microbatches={training.microbatches} is fewer than pp={pp}; 1F1B "
-                        f"needs at least one micro-batch per stage to fill the pipeline: "
-                        f"use microbatches >= {pp}, and more to shrink the bubble "
-                        f"(p-1)/(m+p-1)")
+        problems.append(
+            f"microbatches={training.microbatches} is fewer than pp={pp}; 1F1B "
+            f"needs at least one micro-batch per stage to fill the pipeline: "
+            f"use microbatches >= {pp}, and more to shrink the bubble "
+            f"(p-1)/(m+p-1)"
+        )
     if training.global_batch is not None and training.global_batch % dp:
-        problems.append(f"global_batch={training.global_batch} does not divide by the data-"
-                        f"parallel size dp_replicate×dp_shard={dp}; every data-parallel "
-                        f"rank takes the same number of samples: use a global_batch that "
-                        f"is a multiple of {dp}, or a layout whose data-parallel size "
-                        f"divides {training.global_batch}")
+        problems.append(
+            f"global_batch={training.global_batch} does not divide by the data-"
+            f"parallel size dp_replicate×dp_shard={dp}; every data-parallel "
+            f"rank takes the same number of samples: use a global_batch that "
+            f"is a multiple of {dp}, or a layout whose data-parallel size "
+            f"divides {training.global_batch}"
+        )
     return problems
 
 
-def validate_layout(layout: Layout, model: ModelShape, cluster: Cluster,
-                    training: Training) -> None:
+def validate_layout(
+    layout: Layout, model: ModelShape, cluster: Cluster, training: Training
+) -> None:
     """Raises ``LayoutError`` listing every reason ``layout`` cannot run, each with its
     fix: the GPU count, tp inside a node and dividing heads and hidden, pp at most the
     layer count, interleaved chunks dividing the layers, 1F1B's micro-batches filling the
@@ -118,10 +154,10 @@ class _Priced:
     comm_bytes_per_step: float
     bubble: float
     fits: bool
-    compute_s: float     # this GPU's arithmetic per step at the nominal FLOP/s
-    comm_s: float        # all its communication per step at the nominal bandwidths
-    step_s: float        # the estimated step: see _price
-    sample_s: float      # step_s per sample the whole job trains in that step
+    compute_s: float  # this GPU's arithmetic per step at the nominal FLOP/s
+    comm_s: float  # all its communication per step at the nominal bandwidths
+    step_s: float  # the estimated step: see _price
+    sample_s: float  # step_s per sample the whole job trains in that step
 
 
 def _price(layout: Layout, model: ModelShape, cluster: Cluster, training: Training) -> _Priced:
@@ -168,31 +204,42 @@ def _price(layout: Layout, model: ModelShape, cluster: Cluster, training: Traini
         sbh_bytes = s * b * model.hidden * act_b
         if tp > 1:
             collectives = 6 if checkpointed else 4
-            tp_bytes = (collectives * 2 * (tp - 1) / tp * sbh_bytes
-                        * math.ceil(model.layers / pp) * m)
+            tp_bytes = (
+                collectives * 2 * (tp - 1) / tp * sbh_bytes * math.ceil(model.layers / pp) * m
+            )
         if pp > 1:
             pp_bytes = 2 * sbh_bytes / tp * m * v
     used = weights + gradients + optimizer + activations + buffers
-    memory = MemoryBreakdown(weights, gradients, optimizer, activations, buffers,
-                             training.headroom * used)
+    memory = MemoryBreakdown(
+        weights, gradients, optimizer, activations, buffers, training.headroom * used
+    )
 
     if zero_stage == 0:
         shard_bytes, replica_bytes = 0.0, 2 * (r - 1) / r * grad_b * shard_params
     else:
         shard_bytes = (n - 1) / n * (2 * weight_b + grad_b) * shard_params
         replica_bytes = 2 * (r - 1) / r * grad_b * shard_params / n
-    dp_s = (shard_bytes / group_bytes_per_s(n * tp, per_node)
-            + replica_bytes / group_bytes_per_s(r * n * tp, per_node))
+    dp_s = shard_bytes / group_bytes_per_s(n * tp, per_node) + replica_bytes / group_bytes_per_s(
+        r * n * tp, per_node
+    )
     tp_s = tp_bytes / NVLINK_BYTES_PER_S
     pp_s = pp_bytes / group_bytes_per_s(cluster.world_size, per_node)
     flops_per_token = (8 if checkpointed else 6) * model.params
     compute_s = flops_per_token * m * b * s / (tp * pp) / NOMINAL_FLOP_PER_S
     bubble = pipeline_bubble(pp, m, v)
     step_s = (compute_s + tp_s + pp_s) / (1 - bubble) + max(0.0, dp_s - compute_s)
-    return _Priced(layout, zero_stage, memory,
-                   shard_bytes + replica_bytes + tp_bytes + pp_bytes, bubble,
-                   memory.total_bytes <= cluster.gpu_memory_gb * GB,
-                   compute_s, dp_s + tp_s + pp_s, step_s, step_s / (layout.dp_size * m * b))
+    return _Priced(
+        layout,
+        zero_stage,
+        memory,
+        shard_bytes + replica_bytes + tp_bytes + pp_bytes,
+        bubble,
+        memory.total_bytes <= cluster.gpu_memory_gb * GB,
+        compute_s,
+        dp_s + tp_s + pp_s,
+        step_s,
+        step_s / (layout.dp_size * m * b),
+    )
 
 
 def _layouts(world_size: int) -> list[Layout]:
@@ -223,8 +270,13 @@ _PART_NAMES = ("weights", "gradients", "optimizer state", "activations", "buffer
 
 
 def _largest_part(memory: MemoryBreakdown) -> tuple[str, float]:
-    parts = (memory.weights_bytes, memory.gradients_bytes, memory.optimizer_bytes,
-             memory.activations_bytes, memory.buffers_bytes)
+    parts = (
+        memory.weights_bytes,
+        memory.gradients_bytes,
+        memory.optimizer_bytes,
+        memory.activations_bytes,
+        memory.buffers_bytes,
+    )
     i = max(range(len(parts)), key=lambda k: parts[k])
     return _PART_NAMES[i], parts[i]
 
@@ -234,11 +286,11 @@ def _describe(p: _Priced) -> list[str]:
     lay = p.layout
     said = []
     if lay.dp_shard > 1 and lay.dp_replicate == 1:
-        said.append(f"FSDP shards weights, gradients and optimizer state over "
-                    f"{lay.dp_shard} GPUs")
+        said.append(f"FSDP shards weights, gradients and optimizer state over {lay.dp_shard} GPUs")
     elif lay.dp_shard > 1:
-        said.append(f"HSDP shards the state over {lay.dp_shard} GPUs and replicates it "
-                    f"{lay.dp_replicate}×")
+        said.append(
+            f"HSDP shards the state over {lay.dp_shard} GPUs and replicates it {lay.dp_replicate}×"
+        )
     elif lay.dp_replicate > 1:
         said.append(f"DDP keeps the full state on each of {lay.dp_replicate} replicas")
     if lay.tp > 1:
@@ -250,22 +302,27 @@ def _describe(p: _Priced) -> list[str]:
     return said
 
 
-def _reason(p: _Priced, best_sample_s: float | None, model: ModelShape, cluster: Cluster,
-            training: Training) -> str:
+def _reason(
+    p: _Priced, best_sample_s: float | None, model: ModelShape, cluster: Cluster, training: Training
+) -> str:
     total_gb, capacity_gb = p.memory.total_bytes / GB, cluster.gpu_memory_gb
     if p.fits:
         said = [f"fits: {total_gb:,.1f} of {capacity_gb:,.1f} GB"] + _describe(p)
         exposed = (p.step_s - p.compute_s / (1 - p.bubble)) / p.step_s
-        said.append(f"est. {p.sample_s / best_sample_s:.2f}× the best time per sample, "
-                    f"{exposed:.0%} of the step waiting on communication")
+        said.append(
+            f"est. {p.sample_s / best_sample_s:.2f}× the best time per sample, "
+            f"{exposed:.0%} of the step waiting on communication"
+        )
     else:
         said = [f"does not fit: needs {total_gb:,.1f} GB > {capacity_gb:,.1f} GB"]
         said += _describe(p)
         part, part_bytes = _largest_part(p.memory)
         if part == "activations":
-            fix = ("turn on activation_checkpointing or raise tp"
-                   if not training.activation_checkpointing
-                   else "raise tp, or lower seq_len or micro_batch")
+            fix = (
+                "turn on activation_checkpointing or raise tp"
+                if not training.activation_checkpointing
+                else "raise tp, or lower seq_len or micro_batch"
+            )
         elif part == "buffers":
             fix = "raise tp to split each layer"
         elif p.layout.dp_shard == 1:
@@ -294,17 +351,39 @@ def candidates(model: ModelShape, cluster: Cluster, training: Training) -> list[
     memory and finally the layout's text, so the order is deterministic. Meshes that do
     not fit follow, the closest to fitting (least memory) first.
     """
-    priced = [_price(layout, model, cluster, training) for layout in _layouts(cluster.world_size)
-              if not _problems(layout, model, cluster, training)]
-    fitting = sorted((p for p in priced if p.fits), key=lambda p: (
-        p.sample_s, p.layout.tp * p.layout.pp, p.comm_s, p.layout.pp, p.layout.tp,
-        p.memory.total_bytes, str(p.layout)))
-    too_big = sorted((p for p in priced if not p.fits),
-                     key=lambda p: (p.memory.total_bytes, str(p.layout)))
+    priced = [
+        _price(layout, model, cluster, training)
+        for layout in _layouts(cluster.world_size)
+        if not _problems(layout, model, cluster, training)
+    ]
+    fitting = sorted(
+        (p for p in priced if p.fits),
+        key=lambda p: (
+            p.sample_s,
+            p.layout.tp * p.layout.pp,
+            p.comm_s,
+            p.layout.pp,
+            p.layout.tp,
+            p.memory.total_bytes,
+            str(p.layout),
+        ),
+    )
+    too_big = sorted(
+        (p for p in priced if not p.fits), key=lambda p: (p.memory.total_bytes, str(p.layout))
+    )
     best_sample_s = fitting[0].sample_s if fitting else None
-    return [Candidate(p.layout, p.zero_stage, p.memory, p.comm_bytes_per_step, p.bubble,
-                      p.fits, _reason(p, best_sample_s, model, cluster, training))
-            for p in fitting + too_big]
+    return [
+        Candidate(
+            p.layout,
+            p.zero_stage,
+            p.memory,
+            p.comm_bytes_per_step,
+            p.bubble,
+            p.fits,
+            _reason(p, best_sample_s, model, cluster, training),
+        )
+        for p in fitting + too_big
+    ]
 
 
 def best(model: ModelShape, cluster: Cluster, training: Training) -> Candidate:
@@ -327,21 +406,22 @@ def best(model: ModelShape, cluster: Cluster, training: Training) -> Candidate:
     if part == "activations":
         if not training.activation_checkpointing:
             fixes.append("turn on activation_checkpointing")
-        fixes.append(f"lower seq_len ({training.seq_len}) or micro_batch "
-                     f"({training.micro_batch})")
+        fixes.append(f"lower seq_len ({training.seq_len}) or micro_batch ({training.micro_batch})")
     else:
         state_bytes = sum(STATE_BYTES_PER_PARAM[training.precision]) * model.params
-        gpus = math.ceil(state_bytes * (1 + training.headroom)
-                         / (cluster.gpu_memory_gb * GB))
+        gpus = math.ceil(state_bytes * (1 + training.headroom) / (cluster.gpu_memory_gb * GB))
         if gpus > world:
-            fixes.append(f"use at least {gpus} GPUs (the {state_bytes / GB:,.1f} GB of "
-                         f"weights, gradients and optimizer state alone need that many, "
-                         f"fully sharded with headroom)")
+            fixes.append(
+                f"use at least {gpus} GPUs (the {state_bytes / GB:,.1f} GB of "
+                f"weights, gradients and optimizer state alone need that many, "
+                f"fully sharded with headroom)"
+            )
         else:
             fixes.append("use more GPUs to shard the state further")
     fixes.append(f"use GPUs with at least {need_gb:,.1f} GB")
-    raise NoFit(f"no layout of {world} GPUs fits {_count(model.params)} parameters in "
-                f"{cluster.gpu_memory_gb:,.1f} GB per GPU: the smallest, {smallest.layout}, "
-                f"needs {need_gb:,.1f} GB (incl. {training.headroom:.0%} headroom), "
-                f"largest part {part} {part_bytes / GB:,.1f} GB. To fit: "
-                + "; or ".join(fixes))
+    raise NoFit(
+        f"no layout of {world} GPUs fits {_count(model.params)} parameters in "
+        f"{cluster.gpu_memory_gb:,.1f} GB per GPU: the smallest, {smallest.layout}, "
+        f"needs {need_gb:,.1f} GB (incl. {training.headroom:.0%} headroom), "
+        f"largest part {part} {part_bytes / GB:,.1f} GB. To fit: " + "; or ".join(fixes)
+    )

@@ -21,12 +21,12 @@ HEADROOM_MIN, HEADROOM_MAX = 0.10, 0.20
 
 # Nominal H100/H200-class figures. They only weigh communication against compute and the
 # bubble when ranking meshes, so what matters is their ratio, not their exact values.
-NOMINAL_FLOP_PER_S = 400e12   # bf16 at about 40 % of an H100's dense peak
-NVLINK_BYTES_PER_S = 450e9    # per GPU and direction, inside a node
-NETWORK_BYTES_PER_S = 50e9    # one 400 Gb/s NIC per GPU, between nodes
+NOMINAL_FLOP_PER_S = 400e12  # bf16 at about 40 % of an H100's dense peak
+NVLINK_BYTES_PER_S = 450e9  # per GPU and direction, inside a node
+NETWORK_BYTES_PER_S = 50e9  # one 400 Gb/s NIC per GPU, between nodes
 
 
-MAX_PARAMS = 1e15   # beyond any model; bounds the planner's arithmetic
+MAX_PARAMS = 1e15  # beyond any model; bounds the planner's arithmetic
 
 
 @dataclass(frozen=True)
@@ -45,23 +45,34 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if not 0 < self.params <= MAX_PARAMS:  # also refuses NaN and infinity
-            raise ValueError(f"ModelShape params={self.params!r}: give the parameter count "
-                             f"(at most {MAX_PARAMS:g}), e.g. params=7e9, or build it with ModelShape.from_dims(...)")
-        shape = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads,
-                 "vocab": self.vocab}
+            raise ValueError(
+                f"ModelShape params={self.params!r}: give the parameter count "
+                f"(at most {MAX_PARAMS:g}), e.g. params=7e9, or build it with ModelShape.from_dims(...)"
+            )
+        shape = {
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "vocab": self.vocab,
+        }
         negative = [f"{k}={v}" for k, v in shape.items() if v < 0]
         if negative:
-            raise ValueError(f"ModelShape {', '.join(negative)}: sizes cannot be negative; "
-                             f"use 0 for unknown")
+            raise ValueError(
+                f"ModelShape {', '.join(negative)}: sizes cannot be negative; use 0 for unknown"
+            )
         dims = (self.layers, self.hidden, self.heads)
         if any(dims) and not all(dims):
-            raise ValueError(f"ModelShape layers={self.layers}, hidden={self.hidden}, "
-                             f"heads={self.heads}: give all three (activation memory needs "
-                             f"each) or none of them")
+            raise ValueError(
+                f"ModelShape layers={self.layers}, hidden={self.hidden}, "
+                f"heads={self.heads}: give all three (activation memory needs "
+                f"each) or none of them"
+            )
         if self.heads and self.hidden % self.heads:
-            raise ValueError(f"ModelShape hidden={self.hidden} is not divisible by "
-                             f"heads={self.heads}; each head is hidden/heads wide, so check "
-                             f"the model's config")
+            raise ValueError(
+                f"ModelShape hidden={self.hidden} is not divisible by "
+                f"heads={self.heads}; each head is hidden/heads wide, so check "
+                f"the model's config"
+            )
 
     @property
     def has_shape(self) -> bool:
@@ -69,8 +80,9 @@ class ModelShape:
         return self.layers > 0
 
     @classmethod
-    def from_dims(cls, layers: int, hidden: int, heads: int, vocab: int,
-                  ffn_hidden: int | None = None) -> ModelShape:
+    def from_dims(
+        cls, layers: int, hidden: int, heads: int, vocab: int, ffn_hidden: int | None = None
+    ) -> ModelShape:
         """A model from its dimensions, with params ≈ L·(4·h² + MLP) + 2·V·h.
 
         Attention is 4·h² per layer (Q, K, V, output). The MLP is 8·h² (GPT's two
@@ -82,8 +94,7 @@ class ModelShape:
         """
         mlp = 8 * hidden * hidden if ffn_hidden is None else 3 * hidden * ffn_hidden
         params = layers * (4 * hidden * hidden + mlp) + 2 * vocab * hidden
-        return cls(params=float(params), layers=layers, hidden=hidden, heads=heads,
-                   vocab=vocab)
+        return cls(params=float(params), layers=layers, hidden=hidden, heads=heads, vocab=vocab)
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,10 @@ class Cluster:
         if self.gpus_per_node < 1:
             raise ValueError(f"Cluster gpus_per_node={self.gpus_per_node}: need at least 1")
         if not (math.isfinite(self.gpu_memory_gb) and self.gpu_memory_gb > 0):
-            raise ValueError(f"Cluster gpu_memory_gb={self.gpu_memory_gb!r}: give each GPU's "
-                             f"memory in GB of 1e9 bytes, e.g. 80 for an H100")
+            raise ValueError(
+                f"Cluster gpu_memory_gb={self.gpu_memory_gb!r}: give each GPU's "
+                f"memory in GB of 1e9 bytes, e.g. 80 for an H100"
+            )
 
 
 @dataclass(frozen=True)
@@ -136,28 +149,38 @@ class Training:
             if getattr(self, name) < 1:
                 raise ValueError(f"Training {name}={getattr(self, name)}: must be at least 1")
         if self.global_batch is not None and self.global_batch < 1:
-            raise ValueError(f"Training global_batch={self.global_batch}: give a positive "
-                             f"sample count, or None to leave it unchecked")
+            raise ValueError(
+                f"Training global_batch={self.global_batch}: give a positive "
+                f"sample count, or None to leave it unchecked"
+            )
         if self.precision not in STATE_BYTES_PER_PARAM:
-            raise ValueError(f"Training precision={self.precision!r}: use 'bf16' (mixed "
-                             f"precision on GPUs) or 'fp32'")
+            raise ValueError(
+                f"Training precision={self.precision!r}: use 'bf16' (mixed "
+                f"precision on GPUs) or 'fp32'"
+            )
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"Training optimizer={self.optimizer!r}: the planner prices "
-                             f"Adam's state (two fp32 moments per parameter); use 'adam' or "
-                             f"'adamw'")
+            raise ValueError(
+                f"Training optimizer={self.optimizer!r}: the planner prices "
+                f"Adam's state (two fp32 moments per parameter); use 'adam' or "
+                f"'adamw'"
+            )
         if not HEADROOM_MIN <= self.headroom <= HEADROOM_MAX:
-            raise ValueError(f"Training headroom={self.headroom}: give a fraction between "
-                             f"{HEADROOM_MIN} and {HEADROOM_MAX} of the estimate (default "
-                             f"0.15)")
+            raise ValueError(
+                f"Training headroom={self.headroom}: give a fraction between "
+                f"{HEADROOM_MIN} and {HEADROOM_MAX} of the estimate (default "
+                f"0.15)"
+            )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"Training pp_schedule={self.pp_schedule!r}: use one of "
-                             f"{', '.join(PP_SCHEDULES)}")
+            raise ValueError(
+                f"Training pp_schedule={self.pp_schedule!r}: use one of {', '.join(PP_SCHEDULES)}"
+            )
         if self.virtual_stages < 1:
-            raise ValueError(f"Training virtual_stages={self.virtual_stages}: must be at "
-                             f"least 1")
+            raise ValueError(f"Training virtual_stages={self.virtual_stages}: must be at least 1")
         if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
-            raise ValueError("Training virtual_stages=1 with pp_schedule='interleaved_1f1b' "
-                             "is plain 1F1B: use pp_schedule='1f1b', or virtual_stages >= 2")
+            raise ValueError(
+                "Training virtual_stages=1 with pp_schedule='interleaved_1f1b' "
+                "is plain 1F1B: use pp_schedule='1f1b', or virtual_stages >= 2"
+            )
 
     @property
     def virtual_stages_used(self) -> int:

@@ -10,25 +10,34 @@ from protos import keel_pb2
 
 def model_shape(spec: keel_pb2.JobSpec) -> ModelShape:
     m = spec.model
-    return ModelShape(params=m.params, layers=m.layers, hidden=m.hidden, heads=m.heads,
-                      vocab=m.vocab)
+    return ModelShape(
+        params=m.params, layers=m.layers, hidden=m.hidden, heads=m.heads, vocab=m.vocab
+    )
 
 
 def training_shape(spec: keel_pb2.JobSpec) -> Training:
     t = spec.training
-    fields = {"seq_len": t.seq_len, "micro_batch": t.micro_batch,
-              "global_batch": t.global_batch or None, "microbatches": t.microbatches,
-              "precision": t.precision}
+    fields = {
+        "seq_len": t.seq_len,
+        "micro_batch": t.micro_batch,
+        "global_batch": t.global_batch or None,
+        "microbatches": t.microbatches,
+        "precision": t.precision,
+    }
     return Training(**{k: v for k, v in fields.items() if v})
 
 
 def cluster_for(spec: keel_pb2.JobSpec, world_size: int, gpus_per_node: int) -> Cluster:
-    return Cluster(world_size=world_size, gpus_per_node=gpus_per_node,
-                   gpu_memory_gb=spec.training.gpu_memory_gb or 80.0)
+    return Cluster(
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_gb=spec.training.gpu_memory_gb or 80.0,
+    )
 
 
-def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
-                    shrink: bool, max_world_size: int = 0) -> tuple[int, str]:
+def size_and_layout(
+    spec: keel_pb2.JobSpec, free_slots: dict[str, int], shrink: bool, max_world_size: int = 0
+) -> tuple[int, str]:
     """The world size and layout of the next generation. Pure.
 
     The spec's own size and layout when it is not shrinking; the planner's best layout
@@ -48,9 +57,11 @@ def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
             # Nothing is known of the model: plain data parallel is all that is safe.
             return world_size, f"dp_shard={world_size}"
         try:
-            chosen = best(model_shape(spec),
-                          cluster_for(spec, world_size, min(node_slots, world_size)),
-                          training_shape(spec))
+            chosen = best(
+                model_shape(spec),
+                cluster_for(spec, world_size, min(node_slots, world_size)),
+                training_shape(spec),
+            )
         except ValueError as exc:
             problems.append(f"world size {world_size}: {exc}")
             continue
@@ -60,5 +71,7 @@ def size_and_layout(spec: keel_pb2.JobSpec, free_slots: dict[str, int],
     # The largest size's problem says what to fix; thousands of smaller sizes' would
     # bloat the job's reason (kept in etcd) without saying more.
     smaller = len(problems) - 1
-    raise ValueError(problems[0] + (f"; no layout at the {smaller} smaller world size(s) "
-                                    f"either" if smaller else ""))
+    raise ValueError(
+        problems[0]
+        + (f"; no layout at the {smaller} smaller world size(s) either" if smaller else "")
+    )

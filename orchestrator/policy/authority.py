@@ -14,17 +14,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class NodeAuthority:
     """What the plan lets ``node`` speak for in one job's current generation."""
+
     node: str
     generation: int
-    ranks: frozenset[int]        # the generation's ranks planned on the node
-    commits: bool                # the node hosts rank 0, the one that commits
-    checkpoint_dir: str          # the job's ("" if it has none)
+    ranks: frozenset[int]  # the generation's ranks planned on the node
+    commits: bool  # the node hosts rank 0, the one that commits
+    checkpoint_dir: str  # the job's ("" if it has none)
 
 
 def rank_refusal(authority: NodeAuthority, rank: int) -> str:
     if rank not in authority.ranks:
-        return (f"{authority.node} reported rank {rank} of generation {authority.generation}, "
-                f"which it does not host (its ranks: {sorted(authority.ranks)})")
+        return (
+            f"{authority.node} reported rank {rank} of generation {authority.generation}, "
+            f"which it does not host (its ranks: {sorted(authority.ranks)})"
+        )
     return ""
 
 
@@ -32,14 +35,18 @@ def checkpoint_refusal(authority: NodeAuthority, step: int, path: str) -> str:
     """A commit is recorded only from rank 0's node, at a step of at least 1, for a
     directory inside the job's checkpoint directory."""
     if not authority.commits:
-        return (f"{authority.node} reported a checkpoint commit, but rank 0 of generation "
-                f"{authority.generation} (the committing rank) is not on it")
+        return (
+            f"{authority.node} reported a checkpoint commit, but rank 0 of generation "
+            f"{authority.generation} (the committing rank) is not on it"
+        )
     if step < 1:
         return f"{authority.node} reported a checkpoint of step {step}: steps count from 1"
     if not within(path, authority.checkpoint_dir):
         where = authority.checkpoint_dir or "nowhere (the job has no checkpoint_dir)"
-        return (f"{authority.node} reported a checkpoint at {path!r}, outside the job's "
-                f"checkpoint directory {where}")
+        return (
+            f"{authority.node} reported a checkpoint at {path!r}, outside the job's "
+            f"checkpoint directory {where}"
+        )
     return ""
 
 

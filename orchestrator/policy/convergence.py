@@ -25,33 +25,35 @@ RESEND_S = 2.0
 
 
 class Fix(str, enum.Enum):
-    START = "START"   # send the generation's StartGeneration again
-    STOP = "STOP"     # send StopGeneration for the generation the agent runs
+    START = "START"  # send the generation's StartGeneration again
+    STOP = "STOP"  # send StopGeneration for the generation the agent runs
 
 
 @dataclass(frozen=True)
 class NodeRuns:
     """An agent's latest status."""
+
     node: str
-    pid: int                       # of the agent incarnation the status came from
-    job: str                       # the generation it runs or stops; "" = none
+    pid: int  # of the agent incarnation the status came from
+    job: str  # the generation it runs or stops; "" = none
     generation: int
-    phase: str                     # IDLE, RUNNING or STOPPING
-    started_job: str               # the newest StartGeneration it was given
+    phase: str  # IDLE, RUNNING or STOPPING
+    started_job: str  # the newest StartGeneration it was given
     started_generation: int
-    received_at: float             # monotonic: when the controller got the status
+    received_at: float  # monotonic: when the controller got the status
 
 
 @dataclass(frozen=True)
 class PlanOnNode:
     """What one job's plan says of the node."""
+
     job: str
     state: JobState
     generation: int
-    placed: bool                   # the generation has ranks on the node
-    placed_agent: int              # the pid of the agent its ranks were planned for
-    confirmed_stopped: bool        # the node confirmed the generation stopped
-    lost: bool                     # counted lost, or its agent came back without its ranks
+    placed: bool  # the generation has ranks on the node
+    placed_agent: int  # the pid of the agent its ranks were planned for
+    confirmed_stopped: bool  # the node confirmed the generation stopped
+    lost: bool  # counted lost, or its agent came back without its ranks
 
 
 @dataclass(frozen=True)
@@ -62,34 +64,51 @@ class Fixing:
     reason: str
 
 
-def converge(now: float, runs: NodeRuns, plans: list[PlanOnNode],
-             last_fix_at: float) -> Fixing | None:
+def converge(
+    now: float, runs: NodeRuns, plans: list[PlanOnNode], last_fix_at: float
+) -> Fixing | None:
     """What to send ``runs.node`` so that it runs what the plans say, or None."""
-    if last_fix_at and (now - last_fix_at < RESEND_S
-                        or runs.received_at < last_fix_at + RESEND_S):
-        return None   # told just now, or not heard from since it could have acted
+    if last_fix_at and (now - last_fix_at < RESEND_S or runs.received_at < last_fix_at + RESEND_S):
+        return None  # told just now, or not heard from since it could have acted
     # A generation that is not current goes first: a new one may not start beside it.
     if runs.job and runs.phase == "RUNNING":
         current = next((p for p in plans if p.job == runs.job), None)
-        if current is None or current.generation != runs.generation or not current.placed \
-                or current.state not in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING):
-            return Fixing(Fix.STOP, runs.job, runs.generation,
-                          f"{runs.node} runs generation {runs.generation} of {runs.job}, which "
-                          f"is not that job's generation there")
+        if (
+            current is None
+            or current.generation != runs.generation
+            or not current.placed
+            or current.state not in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+        ):
+            return Fixing(
+                Fix.STOP,
+                runs.job,
+                runs.generation,
+                f"{runs.node} runs generation {runs.generation} of {runs.job}, which "
+                f"is not that job's generation there",
+            )
     for plan in plans:
         if not plan.placed or plan.lost:
             continue
         started = (runs.started_job, runs.started_generation) == (plan.job, plan.generation)
         # Only the incarnation the ranks were planned for may still start them: a
         # restarted agent's ranks died with its predecessor (adoption ends that).
-        if (plan.state is JobState.RUNNING and not started
-                and plan.placed_agent == runs.pid):
-            return Fixing(Fix.START, plan.job, plan.generation,
-                          f"{runs.node} never got the start of generation {plan.generation}")
-        if (plan.state is JobState.STOPPING and not plan.confirmed_stopped
-                and (runs.job, runs.generation) == (plan.job, plan.generation)
-                and runs.phase == "RUNNING"):
-            return Fixing(Fix.STOP, plan.job, plan.generation,
-                          f"{runs.node} still runs generation {plan.generation}, which is "
-                          f"being stopped")
+        if plan.state is JobState.RUNNING and not started and plan.placed_agent == runs.pid:
+            return Fixing(
+                Fix.START,
+                plan.job,
+                plan.generation,
+                f"{runs.node} never got the start of generation {plan.generation}",
+            )
+        if (
+            plan.state is JobState.STOPPING
+            and not plan.confirmed_stopped
+            and (runs.job, runs.generation) == (plan.job, plan.generation)
+            and runs.phase == "RUNNING"
+        ):
+            return Fixing(
+                Fix.STOP,
+                plan.job,
+                plan.generation,
+                f"{runs.node} still runs generation {plan.generation}, which is being stopped",
+            )
     return None

@@ -10,9 +10,20 @@ verdicts and the first lines are all the rest needs. Pure.
 from __future__ import annotations
 
 # Frames that mean "blocked in communication with peers".
-COLLECTIVE_MARKERS = ("distributed_c10d", "all_reduce", "all_gather", "reduce_scatter",
-                      "broadcast", "barrier", "/pipelining/", "_wait", "wait (",
-                      "in wait", "recv", "send")
+COLLECTIVE_MARKERS = (
+    "distributed_c10d",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "/pipelining/",
+    "_wait",
+    "wait (",
+    "in wait",
+    "recv",
+    "send",
+)
 
 
 def waiting_in_collective(stack: str) -> bool:
@@ -48,6 +59,8 @@ def summarize(where: dict[int, str], waiting: dict[int, bool]) -> str:
     else:
         parts.append("every reporting rank was waiting in a collective")
     if waiters:
-        parts.append(f"rank{'s' if len(waiters) > 1 else ''} "
-                     f"{', '.join(map(str, waiters))} waiting in collectives")
+        parts.append(
+            f"rank{'s' if len(waiters) > 1 else ''} "
+            f"{', '.join(map(str, waiters))} waiting in collectives"
+        )
     return "; ".join(parts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 HOUR_S = 3600.0
-CORDON_AFTER_FLAGS = 2          # a node flagged this often within an hour is cordoned
+CORDON_AFTER_FLAGS = 2  # a node flagged this often within an hour is cordoned
 MAX_BACKOFF_S = 30.0
 
 
@@ -16,8 +16,7 @@ def should_cordon(flag_times: Sequence[float], now: float) -> bool:
     return sum(1 for t in flag_times if now - t <= HOUR_S) >= CORDON_AFTER_FLAGS
 
 
-def replacement_allowed(replacement_times: Sequence[float], now: float,
-                        per_hour: int) -> bool:
+def replacement_allowed(replacement_times: Sequence[float], now: float, per_hour: int) -> bool:
     """False once ``per_hour`` replacements happened in the last hour: beyond that the
     cause is likelier the job or the cluster than one node, and a person should look."""
     return sum(1 for t in replacement_times if now - t <= HOUR_S) < per_hour

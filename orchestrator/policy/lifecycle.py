@@ -6,12 +6,12 @@ import enum
 
 
 class JobState(str, enum.Enum):
-    PENDING = "PENDING"      # waiting for enough free slots for the next generation
-    STARTING = "STARTING"    # nodes chosen, waiting for the rendezvous endpoint
-    RUNNING = "RUNNING"      # plan written to etcd, ranks started
-    STOPPING = "STOPPING"    # a generation is being torn down after a failure
+    PENDING = "PENDING"  # waiting for enough free slots for the next generation
+    STARTING = "STARTING"  # nodes chosen, waiting for the rendezvous endpoint
+    RUNNING = "RUNNING"  # plan written to etcd, ranks started
+    STOPPING = "STOPPING"  # a generation is being torn down after a failure
     SUCCEEDED = "SUCCEEDED"  # every rank of a generation exited 0
-    FAILED = "FAILED"        # restarts exhausted or the spec cannot be run
+    FAILED = "FAILED"  # restarts exhausted or the spec cannot be run
     CANCELLED = "CANCELLED"  # stopped by an operator
 
     @property

@@ -25,11 +25,12 @@ class Operation:
     ``requested_at`` (monotonic seconds) are set once the leader has begun it (asked
     for the checkpoint); an operation restored from etcd after a failover, or just
     recorded by an operator's call, has not begun."""
-    node: str                # the node leaving the job; "" for a job stop
+
+    node: str  # the node leaving the job; "" for a job stop
     reason: str
-    policy: str              # one of POLICIES
+    policy: str  # one of POLICIES
     generation: int = 0
-    with_node: str = ""      # replace: the node to take its place ("" = any free one)
+    with_node: str = ""  # replace: the node to take its place ("" = any free one)
     checkpoint: bool = True  # False: stop at once from the last committed checkpoint
     origin: str = "operator"  # who asked: "operator" or "straggler" (a slow node's remedy)
     after_step: int | None = None
@@ -44,16 +45,27 @@ class Operation:
 
     def record(self) -> dict:
         """What etcd keeps of it: the intent, not this leader's progress on it."""
-        return {"node": self.node, "reason": self.reason, "policy": self.policy,
-                "generation": self.generation, "with_node": self.with_node,
-                "checkpoint": self.checkpoint, "origin": self.origin}
+        return {
+            "node": self.node,
+            "reason": self.reason,
+            "policy": self.policy,
+            "generation": self.generation,
+            "with_node": self.with_node,
+            "checkpoint": self.checkpoint,
+            "origin": self.origin,
+        }
 
     @classmethod
     def from_record(cls, record: dict) -> Operation:
-        return cls(node=record["node"], reason=record["reason"], policy=record["policy"],
-                   generation=record["generation"], with_node=record.get("with_node", ""),
-                   checkpoint=record.get("checkpoint", True),
-                   origin=record.get("origin", "operator"))
+        return cls(
+            node=record["node"],
+            reason=record["reason"],
+            policy=record["policy"],
+            generation=record["generation"],
+            with_node=record.get("with_node", ""),
+            checkpoint=record.get("checkpoint", True),
+            origin=record.get("origin", "operator"),
+        )
 
 
 # Who cordons a node whose agent drains it on its way out (SIGTERM).
@@ -75,8 +87,8 @@ def agent_cordon(leaving: str, pid: int, cordon: dict | None) -> tuple[str, str]
 
 class Change(str, enum.Enum):
     NONE = "NONE"
-    BEGIN = "BEGIN"          # ask for the checkpoint now; ``operation`` is what to begin
-    CALL_OFF = "CALL_OFF"    # the operation no longer applies; ``reason`` says why
+    BEGIN = "BEGIN"  # ask for the checkpoint now; ``operation`` is what to begin
+    CALL_OFF = "CALL_OFF"  # the operation no longer applies; ``reason`` says why
 
 
 @dataclass(frozen=True)
@@ -86,31 +98,52 @@ class OperationDecision:
     operation: Operation | None = None
 
 
-def ensure(pending: Operation | None, generation: int, stop_requested: str, stop_now: bool,
-           draining: tuple[str, ...]) -> OperationDecision:
+def ensure(
+    pending: Operation | None,
+    generation: int,
+    stop_requested: str,
+    stop_now: bool,
+    draining: tuple[str, ...],
+) -> OperationDecision:
     """Level-based, for a running job: what to do so that the operation its state calls
     for is under way. ``pending``: the operation known now; ``stop_requested``: the
     operator's stop reason, if any (``stop_now``: without a final checkpoint);
     ``draining``: the job's nodes that are being drained, sorted."""
     if stop_requested:
         if pending is None or pending.policy != "stop":
-            return OperationDecision(Change.BEGIN, stop_requested, Operation(
-                node="", reason=stop_requested, policy="stop", generation=generation,
-                checkpoint=not stop_now))
+            return OperationDecision(
+                Change.BEGIN,
+                stop_requested,
+                Operation(
+                    node="",
+                    reason=stop_requested,
+                    policy="stop",
+                    generation=generation,
+                    checkpoint=not stop_now,
+                ),
+            )
         return OperationDecision(Change.NONE)
     if pending is not None and pending.policy == "drain" and pending.node not in draining:
         return OperationDecision(Change.CALL_OFF, f"drain of {pending.node} called off")
     if pending is None and draining:
         reason = f"drain {', '.join(draining)}"
-        return OperationDecision(Change.BEGIN, reason, Operation(
-            node=draining[0], reason=reason, policy="drain", generation=generation))
+        return OperationDecision(
+            Change.BEGIN,
+            reason,
+            Operation(node=draining[0], reason=reason, policy="drain", generation=generation),
+        )
     if pending is not None and not pending.begun:
         return OperationDecision(Change.BEGIN, pending.reason, pending)
     return OperationDecision(Change.NONE)
 
 
-def ready(now: float, pending: Operation | None, last_checkpoint_step: int | None,
-          last_checkpoint_generation: int, generation: int) -> str:
+def ready(
+    now: float,
+    pending: Operation | None,
+    last_checkpoint_step: int | None,
+    last_checkpoint_generation: int,
+    generation: int,
+) -> str:
     """The reason to stop the generation for ``pending`` now, or "" while it waits for
     its checkpoint: one after the step it was begun at, committed by this generation
     (or waiting took longer than ``CHECKPOINT_WAIT_S``, or it asked for none)."""
@@ -118,12 +151,17 @@ def ready(now: float, pending: Operation | None, last_checkpoint_step: int | Non
         return ""
     if not pending.checkpoint:
         return f"{pending.reason}, without a final checkpoint"
-    if (last_checkpoint_step is not None and last_checkpoint_step > pending.after_step
-            and last_checkpoint_generation == generation):
+    if (
+        last_checkpoint_step is not None
+        and last_checkpoint_step > pending.after_step
+        and last_checkpoint_generation == generation
+    ):
         return f"{pending.reason} after checkpoint at step {last_checkpoint_step}"
     if now - pending.requested_at > CHECKPOINT_WAIT_S:
-        return (f"{pending.reason}; no checkpoint within {CHECKPOINT_WAIT_S:.0f}s, "
-                f"restoring the last committed one")
+        return (
+            f"{pending.reason}; no checkpoint within {CHECKPOINT_WAIT_S:.0f}s, "
+            f"restoring the last committed one"
+        )
     return ""
 
 
@@ -133,6 +171,7 @@ class Target:
     whether it must be re-planned smaller (``shrink``, to at most ``ceiling`` ranks
     when that is not 0), and an ``alert`` (about ``alert_node``) when the operation
     cannot be carried out as asked."""
+
     free_slots: dict[str, int]
     shrink: bool
     ceiling: int = 0
@@ -140,9 +179,15 @@ class Target:
     alert_node: str = ""
 
 
-def target(pending: Operation | None, free_slots: dict[str, int], shrink: bool,
-           job_nodes: frozenset[str], world_size: int, spec_world_size: int,
-           ranks_on_node: int) -> Target:
+def target(
+    pending: Operation | None,
+    free_slots: dict[str, int],
+    shrink: bool,
+    job_nodes: frozenset[str],
+    world_size: int,
+    spec_world_size: int,
+    ranks_on_node: int,
+) -> Target:
     """The placement the next generation is planned on, for a job whose generation
     ``pending`` stopped on purpose (None: it did not). ``job_nodes``, ``world_size``:
     the stopped generation's; ``ranks_on_node``: how many of its ranks ran on
@@ -163,15 +208,23 @@ def target(pending: Operation | None, free_slots: dict[str, int], shrink: bool,
     return Target(free_slots, shrink, 0, alert, pending.node)
 
 
-def replace_problem(node: str, with_node: str, job: str, job_nodes: frozenset[str],
-                    ranks_on_node: int, spare_slots: dict[str, int],
-                    cordoned: frozenset[str]) -> str:
+def replace_problem(
+    node: str,
+    with_node: str,
+    job: str,
+    job_nodes: frozenset[str],
+    ranks_on_node: int,
+    spare_slots: dict[str, int],
+    cordoned: frozenset[str],
+) -> str:
     """Why ``node`` of job ``job`` cannot be replaced now (by ``with_node``, or by any
     node with ``spare_slots``: free slots outside the job), or "" if it can."""
     if not with_node:
         if sum(spare_slots.values()) < ranks_on_node:
-            return (f"no free node can take {node}'s {ranks_on_node} rank(s); add a node, "
-                    f"or `keel drain {node}` to re-plan smaller")
+            return (
+                f"no free node can take {node}'s {ranks_on_node} rank(s); add a node, "
+                f"or `keel drain {node}` to re-plan smaller"
+            )
         return ""
     problem = ""
     if with_node in job_nodes:
@@ -192,7 +245,11 @@ def without_node(ranks_on_node: int, spare_slots: dict[str, int], min_nodes: int
     if free >= ranks_on_node:
         return f"on free nodes ({free} slot(s) free, {ranks_on_node} needed)"
     if min_nodes:
-        return (f"on a re-planned smaller layout (no free node for its {ranks_on_node} "
-                f"rank(s); min_nodes {min_nodes})")
-    return (f"once {ranks_on_node} slot(s) are free: the job may not shrink (min_nodes 0) and "
-            f"no free node can take its {ranks_on_node} rank(s)")
+        return (
+            f"on a re-planned smaller layout (no free node for its {ranks_on_node} "
+            f"rank(s); min_nodes {min_nodes})"
+        )
+    return (
+        f"once {ranks_on_node} slot(s) are free: the job may not shrink (min_nodes 0) and "
+        f"no free node can take its {ranks_on_node} rank(s)"
+    )

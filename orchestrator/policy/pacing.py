@@ -14,8 +14,8 @@ from __future__ import annotations
 # 0: the agent's own pace. Powers of two, so that a cluster that grows through a
 # connect storm is told a new interval only a few times.
 REPORT_INTERVALS_S = (0.0, 1.0, 2.0, 4.0, 8.0)
-AGENT_PACE_S = 0.5          # the agent's own batching (agent.config report_flush_s)
-LOWER_MARGIN = 0.8          # lower the interval only with this much room to spare
+AGENT_PACE_S = 0.5  # the agent's own batching (agent.config report_flush_s)
+LOWER_MARGIN = 0.8  # lower the interval only with this much room to spare
 
 
 def report_interval_s(agents: int, messages_per_s: float, current: float) -> float:
@@ -26,15 +26,16 @@ def report_interval_s(agents: int, messages_per_s: float, current: float) -> flo
     hovering at a boundary is not told a new interval every tick (each change is a
     message to every agent)."""
     if messages_per_s <= 0:
-        raise ValueError(f"messages_per_s={messages_per_s}: give the step messages a "
-                         f"second the controller should take, e.g. 1000")
-    needed_s = agents / messages_per_s      # each agent's interval at the budget
+        raise ValueError(
+            f"messages_per_s={messages_per_s}: give the step messages a "
+            f"second the controller should take, e.g. 1000"
+        )
+    needed_s = agents / messages_per_s  # each agent's interval at the budget
 
     def pace(interval_s: float) -> float:
         return interval_s or AGENT_PACE_S
 
-    wanted = next((i for i in REPORT_INTERVALS_S if pace(i) >= needed_s),
-                  REPORT_INTERVALS_S[-1])
+    wanted = next((i for i in REPORT_INTERVALS_S if pace(i) >= needed_s), REPORT_INTERVALS_S[-1])
     if pace(wanted) < pace(current) and needed_s > LOWER_MARGIN * pace(wanted):
         return current
     return wanted

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class NodeRanks:
     node: str
-    ranks: tuple[int, ...]   # global ranks, contiguous
+    ranks: tuple[int, ...]  # global ranks, contiguous
 
     @property
     def local_world_size(self) -> int:
@@ -32,8 +32,7 @@ def place(world_size: int, free_slots: dict[str, int]) -> list[NodeRanks]:
         raise NotEnoughSlots(f"{total}/{world_size} slots free, need {world_size}")
     # Largest nodes first keeps the rank count per node even on uniform clusters and
     # uses the fewest nodes otherwise; ties break by name.
-    order = sorted((n for n, s in free_slots.items() if s > 0),
-                   key=lambda n: (-free_slots[n], n))
+    order = sorted((n for n, s in free_slots.items() if s > 0), key=lambda n: (-free_slots[n], n))
     placed, next_rank = [], 0
     for node in order:
         if next_rank == world_size:

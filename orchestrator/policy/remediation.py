@@ -15,24 +15,33 @@ from orchestrator.policy.operations import Operation
 
 
 class Remedy(str, enum.Enum):
-    NOTHING = "NOTHING"    # the policy is alert-only, or the job is busy with another move
-    ALERT = "ALERT"        # a person should look; the reason says why nothing more is done
-    REPLACE = "REPLACE"    # checkpoint, then the next generation runs with a spare instead
-    EXCLUDE = "EXCLUDE"    # checkpoint, then the job is re-planned smaller without the node
+    NOTHING = "NOTHING"  # the policy is alert-only, or the job is busy with another move
+    ALERT = "ALERT"  # a person should look; the reason says why nothing more is done
+    REPLACE = "REPLACE"  # checkpoint, then the next generation runs with a spare instead
+    EXCLUDE = "EXCLUDE"  # checkpoint, then the job is re-planned smaller without the node
 
 
 @dataclass(frozen=True)
 class SlowNodeDecision:
     remedy: Remedy
     reason: str
-    cordon: str = ""       # also cordon the node cluster-wide, for this reason
-    operation: Operation | None = None   # REPLACE, EXCLUDE: the checkpoint-then-stop
+    cordon: str = ""  # also cordon the node cluster-wide, for this reason
+    operation: Operation | None = None  # REPLACE, EXCLUDE: the checkpoint-then-stop
 
 
-def slow_node(now: float, node: str, job: str, state: JobState, generation: int,
-              policy: str, flag_times: Sequence[float], cordoned: bool,
-              operation_under_way: bool, replacement_times: Sequence[float],
-              max_replacements_per_hour: int) -> SlowNodeDecision:
+def slow_node(
+    now: float,
+    node: str,
+    job: str,
+    state: JobState,
+    generation: int,
+    policy: str,
+    flag_times: Sequence[float],
+    cordoned: bool,
+    operation_under_way: bool,
+    replacement_times: Sequence[float],
+    max_replacements_per_hour: int,
+) -> SlowNodeDecision:
     """A node of ``job`` was just flagged slow. ``flag_times``: every flag of the node so
     far, this one included; ``policy``: the job's straggler policy (replace, exclude,
     alert); ``replacement_times``: the job's replacements so far."""
@@ -42,16 +51,30 @@ def slow_node(now: float, node: str, job: str, state: JobState, generation: int,
     if policy == "alert":
         return SlowNodeDecision(Remedy.NOTHING, f"{job}'s straggler policy is alert", cordon)
     if operation_under_way or state is not JobState.RUNNING:
-        return SlowNodeDecision(Remedy.NOTHING, f"{job} is {state.value} with a move under way"
-                                if operation_under_way else f"{job} is {state.value}", cordon)
+        return SlowNodeDecision(
+            Remedy.NOTHING,
+            f"{job} is {state.value} with a move under way"
+            if operation_under_way
+            else f"{job} is {state.value}",
+            cordon,
+        )
     if not guardrails.replacement_allowed(replacement_times, now, max_replacements_per_hour):
-        return SlowNodeDecision(Remedy.ALERT, f"not replacing {node}: "
-                                f"{max_replacements_per_hour} replacements in the last hour "
-                                f"already", cordon)
+        return SlowNodeDecision(
+            Remedy.ALERT,
+            f"not replacing {node}: "
+            f"{max_replacements_per_hour} replacements in the last hour "
+            f"already",
+            cordon,
+        )
     reason = f"{policy} straggler {node}"
-    return SlowNodeDecision(Remedy.REPLACE if policy == "replace" else Remedy.EXCLUDE, reason,
-                            cordon, Operation(node=node, reason=reason, policy=policy,
-                                              generation=generation, origin="straggler"))
+    return SlowNodeDecision(
+        Remedy.REPLACE if policy == "replace" else Remedy.EXCLUDE,
+        reason,
+        cordon,
+        Operation(
+            node=node, reason=reason, policy=policy, generation=generation, origin="straggler"
+        ),
+    )
 
 
 def suspects(lost: frozenset[str], hung: str, planned: Operation | None) -> frozenset[str]:

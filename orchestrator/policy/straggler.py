@@ -31,49 +31,62 @@ class StragglerConfig:
     # 1.25x: a healthy cluster's per-rank step times spread by about +-10 % (data-dependent
     # work, kernel scheduling), so the slowest of them stays near 1.1/0.9 = 1.22x the
     # median; a throttling GPU, a failing link or a noisy neighbour shows 1.5x and more.
-    slowdown: float = 1.25   # flag when node step time / the other nodes' median exceeds this
+    slowdown: float = 1.25  # flag when node step time / the other nodes' median exceeds this
     # Clearing at a lower ratio than flagging is the hysteresis: a node hovering at the
     # threshold stays in one state instead of flapping between flagged and clear.
-    recover: float = 1.10    # a flagged node is cleared only below this ratio
+    recover: float = 1.10  # a flagged node is cleared only below this ratio
     # A rank's median over 5 steps ignores up to 2 spikes (a GC pause, a data stall).
-    window: int = 5          # steps per evaluation
-    patience: int = 2        # consecutive slow windows to flag, fast windows to clear
+    window: int = 5  # steps per evaluation
+    patience: int = 2  # consecutive slow windows to flag, fast windows to clear
     # With 2 ranks the median is their mean: a rank must then run at
     # 2 x slowdown / (1 + slowdown) of its peer to be flagged (1.67x at 1.25).
-    min_ranks: int = 2       # windows with fewer reporting ranks are not scored
+    min_ranks: int = 2  # windows with fewer reporting ranks are not scored
 
     def __post_init__(self):
         if not self.recover >= 1:
-            raise ValueError(f"recover={self.recover}: must be at least 1 (a node is "
-                             f"cleared when it runs below recover x the other nodes' median), "
-                             f"e.g. 1.10")
+            raise ValueError(
+                f"recover={self.recover}: must be at least 1 (a node is "
+                f"cleared when it runs below recover x the other nodes' median), "
+                f"e.g. 1.10"
+            )
         if not self.slowdown > self.recover:
-            raise ValueError(f"slowdown={self.slowdown} must be above recover="
-                             f"{self.recover}, or a node could be flagged and cleared by "
-                             f"the same ratio; e.g. slowdown=1.25 with recover=1.10")
+            raise ValueError(
+                f"slowdown={self.slowdown} must be above recover="
+                f"{self.recover}, or a node could be flagged and cleared by "
+                f"the same ratio; e.g. slowdown=1.25 with recover=1.10"
+            )
         if self.window < 1:
-            raise ValueError(f"window={self.window}: give at least 1 step per evaluation "
-                             f"(5 suppresses one-step spikes)")
+            raise ValueError(
+                f"window={self.window}: give at least 1 step per evaluation "
+                f"(5 suppresses one-step spikes)"
+            )
         if self.patience < 1:
-            raise ValueError(f"patience={self.patience}: give at least 1 window "
-                             f"(2 keeps a single slow window from flagging a node)")
+            raise ValueError(
+                f"patience={self.patience}: give at least 1 window "
+                f"(2 keeps a single slow window from flagging a node)"
+            )
         if self.min_ranks < 2:
-            raise ValueError(f"min_ranks={self.min_ranks}: give at least 2; a single rank "
-                             f"has nothing to be compared against")
+            raise ValueError(
+                f"min_ranks={self.min_ranks}: give at least 2; a single rank "
+                f"has nothing to be compared against"
+            )
 
 
 class StepSample(collections.namedtuple("StepSample", "rank node step step_time_s")):
     """Rank ``rank`` on node ``node`` computed step ``step`` (numbered from 1) in
     ``step_time_s`` seconds, not counting the wait for its peers. A tuple: the
     controller makes one per rank per step."""
+
     __slots__ = ()
 
     def __new__(cls, rank: int, node: str, step: int, step_time_s: float):
         if step < 1:
             raise ValueError(f"step={step} of rank {rank}: steps are numbered from 1")
         if not (math.isfinite(step_time_s) and step_time_s > 0):
-            raise ValueError(f"step_time_s={step_time_s} of rank {rank} at step {step}: "
-                             f"report the positive seconds the step took")
+            raise ValueError(
+                f"step_time_s={step_time_s} of rank {rank} at step {step}: "
+                f"report the positive seconds the step took"
+            )
         return super().__new__(cls, rank, node, step, step_time_s)
 
 
@@ -82,6 +95,7 @@ class StepBlock(collections.namedtuple("StepBlock", "node step ranks step_times"
     (in the same order; each checked as a ``StepSample``'s is): a node's step in one
     tuple, as its agent sends it, so that the controller makes one per node per step
     rather than one per rank."""
+
     __slots__ = ()
 
 
@@ -89,6 +103,7 @@ class StepBlock(collections.namedtuple("StepBlock", "node step ranks step_times"
 class NodeScore:
     """A node's slowest rank's median step time over one window, as a multiple of the
     median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks; ``slowest_rank`` is that rank."""
+
     node: str
     ratio: float
     ranks: int
@@ -98,27 +113,30 @@ class NodeScore:
 @dataclass(frozen=True)
 class NodeStreak:
     """How a node scored over the windows evaluated so far."""
+
     node: str
-    slow_windows: int = 0      # consecutive windows above config.slowdown
-    fast_windows: int = 0      # consecutive windows below config.recover while flagged
-    slow_since_step: int = 0   # first step of the window that began the slow streak; 0 = none
+    slow_windows: int = 0  # consecutive windows above config.slowdown
+    fast_windows: int = 0  # consecutive windows below config.recover while flagged
+    slow_since_step: int = 0  # first step of the window that began the slow streak; 0 = none
 
 
 @dataclass(frozen=True)
 class StragglerState:
     """What ``evaluate`` carries from one call to the next; build it with ``initial_state``."""
-    last_step: int = 0                      # every window through this step is evaluated
-    ranks: frozenset[int] = frozenset()     # every rank that reported so far
-    pending: tuple[StepBlock, ...] = ()     # reports after last_step, as they arrived
-    streaks: tuple[NodeStreak, ...] = ()    # by node name
+
+    last_step: int = 0  # every window through this step is evaluated
+    ranks: frozenset[int] = frozenset()  # every rank that reported so far
+    pending: tuple[StepBlock, ...] = ()  # reports after last_step, as they arrived
+    streaks: tuple[NodeStreak, ...] = ()  # by node name
     flagged: frozenset[str] = frozenset()
-    scores: tuple[NodeScore, ...] = ()      # of the latest window scored, by node
+    scores: tuple[NodeScore, ...] = ()  # of the latest window scored, by node
 
 
 @dataclass(frozen=True)
 class Flag:
     """Node ``node`` ran ``ratio`` x the other nodes' median in the window ending at step
     ``flagged_at_step``, slow in every window since step ``slow_since_step``."""
+
     node: str
     ratio: float
     slow_since_step: int
@@ -167,8 +185,9 @@ def _score(rank_median: dict[int, float], node_of: dict[int, str]) -> list[NodeS
             own.append(position)
             previous = value
         reference = _median_without(ordered, own if len(own) < len(ordered) else [])
-        scores.append(NodeScore(node, rank_median[slowest] / reference,
-                                len(by_node[node]), slowest))
+        scores.append(
+            NodeScore(node, rank_median[slowest] / reference, len(by_node[node]), slowest)
+        )
     return scores
 
 
@@ -185,6 +204,7 @@ def _median(values: Sequence[float]) -> float:
 def _median_without(ordered: list[float], skipped: list[int]) -> float:
     """``statistics.median`` of ``ordered`` (sorted) without the positions ``skipped``
     (sorted), without building that list."""
+
     def nth(n: int) -> float:
         # The n-th (from 0) element left once the skipped positions are taken out.
         index = n
@@ -194,6 +214,7 @@ def _median_without(ordered: list[float], skipped: list[int]) -> float:
             else:
                 break
         return ordered[index]
+
     count = len(ordered) - len(skipped)
     middle = count // 2
     if count % 2:
@@ -201,8 +222,9 @@ def _median_without(ordered: list[float], skipped: list[int]) -> float:
     return (nth(middle - 1) + nth(middle)) / 2
 
 
-def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
-             config: StragglerConfig) -> tuple[StragglerState, list[Flag], list[str]]:
+def evaluate(
+    state: StragglerState, samples: Iterable[StepSample | StepBlock], config: StragglerConfig
+) -> tuple[StragglerState, list[Flag], list[str]]:
     """Adds newly arrived ``samples`` (a rank's step, or a node's; any order; repeats
     and steps already evaluated are ignored) and evaluates every window that is now
     complete. Returns the new state, the flags raised in this call (a flagged node is
@@ -212,7 +234,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
     # What is not yet evaluated, by window on the grid (window i holds steps
     # i*size+1 .. (i+1)*size), as it arrived.
     windows: dict[int, list[StepBlock]] = {}
-    newest: dict[tuple[int, ...], int] = {}   # a block's ranks -> their newest step
+    newest: dict[tuple[int, ...], int] = {}  # a block's ranks -> their newest step
     for block in itertools.chain(state.pending, samples):
         if type(block) is StepSample:
             rank, node, step, seconds = block
@@ -227,7 +249,7 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
         window.append(block)
         if step > newest.get(block.ranks, 0):
             newest[block.ranks] = step
-    latest: dict[int, int] = {}   # rank -> its newest step not yet evaluated
+    latest: dict[int, int] = {}  # rank -> its newest step not yet evaluated
     for block_ranks, step in newest.items():
         for rank in block_ranks:
             if step > latest.get(rank, 0):
@@ -256,18 +278,23 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
             # Complete when every rank seen so far is done with it: it reported all of
             # its steps, or a later one (then a missing one was lost, and waiting is
             # futile). (The first test is the usual case, at C speed.)
-            if not ((times and len(times) == len(ranks)
-                     and min(map(len, times.values())) == size)
-                    or all(len(times.get(rank, ())) == size or latest.get(rank, 0) > last
-                           for rank in ranks)):
+            if not (
+                (times and len(times) == len(ranks) and min(map(len, times.values())) == size)
+                or all(
+                    len(times.get(rank, ())) == size or latest.get(rank, 0) > last for rank in ranks
+                )
+            ):
                 break
             reported = len(times)
         del windows[index]
         last_step = last
         if reported < config.min_ranks:
             continue
-        scores = tuple(_score_uniform(by_node) if uniform else _score(
-            {rank: _median(values) for rank, values in times.items()}, node_of))
+        scores = tuple(
+            _score_uniform(by_node)
+            if uniform
+            else _score({rank: _median(values) for rank, values in times.items()}, node_of)
+        )
         for score in scores:
             streak = streaks.get(score.node)
             if streak is None:
@@ -282,8 +309,11 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
                 else:
                     streak = replace(streak, fast_windows=0)
             elif score.ratio > config.slowdown:
-                streak = replace(streak, slow_windows=streak.slow_windows + 1,
-                                 slow_since_step=streak.slow_since_step or first)
+                streak = replace(
+                    streak,
+                    slow_windows=streak.slow_windows + 1,
+                    slow_since_step=streak.slow_since_step or first,
+                )
                 if streak.slow_windows >= config.patience:
                     flagged.add(score.node)
                     flags.append(_flag(score, streak, first, last, config))
@@ -292,10 +322,13 @@ def evaluate(state: StragglerState, samples: Iterable[StepSample | StepBlock],
             streaks[score.node] = streak
 
     new_state = StragglerState(
-        last_step=last_step, ranks=frozenset(ranks),
+        last_step=last_step,
+        ranks=frozenset(ranks),
         pending=tuple(block for index in sorted(windows) for block in windows[index]),
         streaks=tuple(streaks[node] for node in sorted(streaks)),
-        flagged=frozenset(flagged), scores=scores)
+        flagged=frozenset(flagged),
+        scores=scores,
+    )
     return new_state, flags, cleared
 
 
@@ -315,12 +348,15 @@ def _regular(by_node: dict[str, list[StepBlock]]) -> bool:
     """Whether every node sent each of its steps once, for the same ranks, and no rank
     is reported twice (by two nodes, or twice in a block)."""
     if sum(len(mine[0].ranks) for mine in by_node.values()) != len(
-            set().union(*(mine[0].ranks for mine in by_node.values()))):
+        set().union(*(mine[0].ranks for mine in by_node.values()))
+    ):
         return False
     for mine in by_node.values():
         ranks = mine[0].ranks
-        if not (all(block.ranks == ranks for block in mine)
-                and len({block.step for block in mine}) == len(mine)):
+        if not (
+            all(block.ranks == ranks for block in mine)
+            and len({block.step for block in mine}) == len(mine)
+        ):
             return False
     return True
 
@@ -332,14 +368,14 @@ def _uniform(by_node: dict[str, list[StepBlock]]) -> tuple[int, int] | None:
     if first is None:
         return None
     steps, width = len(first), len(first[0].ranks)
-    if not all(len(mine) == steps and len(mine[0].ranks) == width
-               for mine in by_node.values()):
+    if not all(len(mine) == steps and len(mine[0].ranks) == width for mine in by_node.values()):
         return None
     return steps, width
 
 
-def _rank_times(blocks: list[StepBlock], by_node: dict[str, list[StepBlock]], regular: bool
-                ) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
+def _rank_times(
+    blocks: list[StepBlock], by_node: dict[str, list[StepBlock]], regular: bool
+) -> tuple[dict[int, Sequence[float]], dict[int, str]]:
     """Each rank's step times in a window (the first report of each of its steps counts)
     and its node (of its first report); ``by_node`` is ``_by_node(blocks)``, ``regular``
     ``_regular(by_node)``. In a regular window a node's ranks' times are its blocks'
@@ -372,9 +408,13 @@ def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
     steps, width = len(by_node[names[0]]), len(by_node[names[0]][0].ranks)
     count = len(names)
     flat = numpy.fromiter(
-        itertools.chain.from_iterable(block.step_times for name in names for block in by_node[name]),
-        float, count=count * steps * width)
-    medians = numpy.median(flat.reshape(count, steps, width), axis=1)     # node x rank
+        itertools.chain.from_iterable(
+            block.step_times for name in names for block in by_node[name]
+        ),
+        float,
+        count=count * steps * width,
+    )
+    medians = numpy.median(flat.reshape(count, steps, width), axis=1)  # node x rank
     ranks = numpy.array([by_node[name][0].ranks for name in names], dtype=numpy.int64)
     top = medians.max(axis=1)
     # The slowest rank: the highest median, the lowest rank of those that tie.
@@ -386,7 +426,7 @@ def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
     for column in range(1, width):
         repeat = own[:, column] == own[:, column - 1]
         skipped[:, column] = numpy.where(repeat, skipped[:, column - 1] + 1, skipped[:, column])
-    if width >= ordered.size:   # one node: its reference is its own ranks
+    if width >= ordered.size:  # one node: its reference is its own ranks
         skipped = skipped[:, :0]
     left = ordered.size - skipped.shape[1]
 
@@ -399,14 +439,19 @@ def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
 
     middle = left // 2
     reference = nth(middle) if left % 2 else (nth(middle - 1) + nth(middle)) / 2
-    return [NodeScore(name, ratio, width, rank) for name, ratio, rank
-            in zip(names, (top / reference).tolist(), slowest.tolist())]
+    return [
+        NodeScore(name, ratio, width, rank)
+        for name, ratio, rank in zip(names, (top / reference).tolist(), slowest.tolist())
+    ]
 
 
-def _flag(score: NodeScore, streak: NodeStreak, first: int, last: int,
-          config: StragglerConfig) -> Flag:
+def _flag(
+    score: NodeScore, streak: NodeStreak, first: int, last: int, config: StragglerConfig
+) -> Flag:
     windows = "1 window" if streak.slow_windows == 1 else f"{streak.slow_windows} windows in a row"
-    reason = (f"{score.node} step time {score.ratio:.2f}x the other nodes' median over steps "
-              f"{first}-{last} (slowest rank {score.slowest_rank}; {windows} since step "
-              f"{streak.slow_since_step}, threshold {config.slowdown:g}x)")
+    reason = (
+        f"{score.node} step time {score.ratio:.2f}x the other nodes' median over steps "
+        f"{first}-{last} (slowest rank {score.slowest_rank}; {windows} since step "
+        f"{streak.slow_since_step}, threshold {config.slowdown:g}x)"
+    )
     return Flag(score.node, score.ratio, streak.slow_since_step, last, reason)

@@ -49,6 +49,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
 @dataclass(frozen=True)
 class Tokens:
     """The controller's token per role."""
+
     join: str = field(repr=False)
     operator: str = field(repr=False)
     reader: str = field(repr=False)
@@ -61,23 +62,25 @@ class Tokens:
         if len(distinct) == 2:
             # Either one token for everything, or three: two equal ones would silently
             # give one role the other's rights.
-            raise ValueError("the join, operator and reader tokens must all differ "
-                             "(or give one token for every role)")
+            raise ValueError(
+                "the join, operator and reader tokens must all differ "
+                "(or give one token for every role)"
+            )
 
     @classmethod
     def single(cls, token: str) -> "Tokens":
         """One token valid for every role (a controller given only ``--token-file``)."""
         if not token:
-            raise ValueError("the controller needs a non-empty token "
-                             "(--token-file or KEEL_TOKEN)")
+            raise ValueError("the controller needs a non-empty token (--token-file or KEEL_TOKEN)")
         return cls(token, token, token)
 
     def roles_of(self, token: str) -> frozenset[Role]:
         """The roles ``token`` holds; empty if it is none of ours."""
         sent = token.encode()
         # Compare against every token, always, so the time taken says nothing.
-        matches = [(role, hmac.compare_digest(sent, getattr(self, role.value).encode()))
-                   for role in Role]
+        matches = [
+            (role, hmac.compare_digest(sent, getattr(self, role.value).encode())) for role in Role
+        ]
         return frozenset(role for role, match in matches if match)
 
 
@@ -96,8 +99,9 @@ def authorize(method: str, authorization: str, tokens: Tokens) -> Denial | None:
     """Whether a call of ``method`` (``/keel.v1.Controller/Name``) carrying the
     ``authorization`` metadata value may run: None if so, else why not."""
     if not authorization:
-        return Denial(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing token: send 'authorization: Bearer <token>'")
+        return Denial(
+            grpc.StatusCode.UNAUTHENTICATED, "missing token: send 'authorization: Bearer <token>'"
+        )
     scheme, _, token = authorization.partition(" ")
     held = tokens.roles_of(token) if scheme == "Bearer" and token else frozenset()
     if not held:
@@ -105,20 +109,24 @@ def authorize(method: str, authorization: str, tokens: Tokens) -> Denial | None:
     allowed = METHOD_ROLES.get(method, frozenset())
     name = method.rsplit("/", 1)[-1]
     if not allowed:
-        return Denial(grpc.StatusCode.PERMISSION_DENIED,
-                      f"{name} is in no role's table; no token may call it")
+        return Denial(
+            grpc.StatusCode.PERMISSION_DENIED, f"{name} is in no role's table; no token may call it"
+        )
     if held & allowed:
         return None
-    return Denial(grpc.StatusCode.PERMISSION_DENIED,
-                  f"the {_names(held)} token cannot call {name}; use the "
-                  f"{_names(allowed)} token")
+    return Denial(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"the {_names(held)} token cannot call {name}; use the {_names(allowed)} token",
+    )
 
 
-def _deny(handler: grpc.RpcMethodHandler, denial: Denial,
-          on_loop: bool = False) -> grpc.RpcMethodHandler:
+def _deny(
+    handler: grpc.RpcMethodHandler, denial: Denial, on_loop: bool = False
+) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s shape that refuses the call; ``on_loop``: a coroutine,
     for an aio server (which runs a plain function on its thread pool, where a refused
     stream would hold a thread)."""
+
     def abort(_request, context):
         context.abort(denial.code, denial.message)
 
@@ -156,6 +164,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 class AioTokenInterceptor(TokenInterceptor, grpc.aio.ServerInterceptor):
     """``TokenInterceptor`` for a ``grpc.aio`` server."""
+
     on_loop = True
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -172,8 +181,9 @@ def certificate_mismatch(auth_context: dict, node: str) -> str | None:
     and plaintext, bind no node name; the join token is then the whole check.)"""
     for raw in auth_context.get("x509_common_name", []):
         name = raw.decode() if isinstance(raw, bytes) else raw
-        if name.startswith(AGENT_CERT_PREFIX) and name[len(AGENT_CERT_PREFIX):] != node:
-            return (f"the certificate of agent {name[len(AGENT_CERT_PREFIX):]} cannot "
-                    f"register node {node}")
+        if name.startswith(AGENT_CERT_PREFIX) and name[len(AGENT_CERT_PREFIX) :] != node:
+            return (
+                f"the certificate of agent {name[len(AGENT_CERT_PREFIX) :]} cannot "
+                f"register node {node}"
+            )
     return None
-

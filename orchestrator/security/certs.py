@@ -38,9 +38,11 @@ from orchestrator.security.auth import AGENT_CERT_PREFIX
 CA_DAYS = 3650
 LEAF_DAYS = 365
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
-TOKENS = {"join": "agents' token: may only call Connect",
-          "operator": "operators' token: every call, mutating ones included",
-          "reader": "read-only token: GetJob, ListJobs, ListNodes"}
+TOKENS = {
+    "join": "agents' token: may only call Connect",
+    "operator": "operators' token: every call, mutating ones included",
+    "reader": "read-only token: GetJob, ListJobs, ListNodes",
+}
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,12 @@ class Written:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Keel"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Keel"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -63,8 +69,9 @@ def _san(host: str) -> x509.GeneralName:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
@@ -80,38 +87,68 @@ class _Authority:
         public = self.key.public_key()
         self.cert = (
             x509.CertificateBuilder()
-            .subject_name(self.name).issuer_name(self.name).public_key(public)
+            .subject_name(self.name)
+            .issuer_name(self.name)
+            .public_key(public)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-            .sign(self.key, hashes.SHA256()))
+            .sign(self.key, hashes.SHA256())
+        )
 
-    def issue(self, common_name: str, usages: list, hosts: tuple[str, ...] = ()
-              ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    def issue(
+        self, common_name: str, usages: list, hosts: tuple[str, ...] = ()
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(common_name)).issuer_name(self.name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .subject_name(_name(common_name))
+            .issuer_name(self.name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
             .not_valid_before(self.now - datetime.timedelta(minutes=5))
             .not_valid_after(self.now + datetime.timedelta(days=LEAF_DAYS))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=True, key_cert_sign=False,
-                crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=True,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                self.key.public_key()), critical=False))
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+        )
         if hosts:
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+                x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False
+            )
         return builder.sign(self.key, hashes.SHA256()), key
 
 
@@ -138,16 +175,28 @@ def plan_files(agents: tuple[str, ...] = ()) -> list[str]:
     """The names ``init`` writes, in order."""
     for name in agents:
         if not NODE_NAME.match(name):
-            raise ValueError(f"--agent {name!r}: use the agent's node name (1-63 letters, "
-                             f"digits, '.', '_' or '-', starting with a letter or digit)")
-    parties = ["ca", "controller", *([f"agent-{a}" for a in agents] or ["agent"]),
-               "operator", "reader"]
-    return ([f"{p}.{ext}" for p in parties for ext in ("pem", "key")]
-            + [f"{t}.token" for t in TOKENS])
+            raise ValueError(
+                f"--agent {name!r}: use the agent's node name (1-63 letters, "
+                f"digits, '.', '_' or '-', starting with a letter or digit)"
+            )
+    parties = [
+        "ca",
+        "controller",
+        *([f"agent-{a}" for a in agents] or ["agent"]),
+        "operator",
+        "reader",
+    ]
+    return [f"{p}.{ext}" for p in parties for ext in ("pem", "key")] + [
+        f"{t}.token" for t in TOKENS
+    ]
 
 
-def init(directory: Path, hosts: tuple[str, ...] = (), agents: tuple[str, ...] = (),
-         now: datetime.datetime | None = None) -> list[Written]:
+def init(
+    directory: Path,
+    hosts: tuple[str, ...] = (),
+    agents: tuple[str, ...] = (),
+    now: datetime.datetime | None = None,
+) -> list[Written]:
     """Create the CA, every party's certificate and key, and the three tokens in
     ``directory``; return what was written. Raises FileExistsError, before writing
     anything, if any of those files is there already."""
@@ -157,8 +206,10 @@ def init(directory: Path, hosts: tuple[str, ...] = (), agents: tuple[str, ...] =
     directory = Path(directory)
     present = [n for n in names if (directory / n).exists()]
     if present:
-        raise FileExistsError(f"{directory / present[0]} exists; keel certs init never "
-                              f"overwrites credentials: choose a new directory")
+        raise FileExistsError(
+            f"{directory / present[0]} exists; keel certs init never "
+            f"overwrites credentials: choose a new directory"
+        )
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = now or datetime.datetime.now(datetime.timezone.utc)
     ca = _Authority(now)
@@ -173,19 +224,29 @@ def init(directory: Path, hosts: tuple[str, ...] = (), agents: tuple[str, ...] =
         os.chmod(path, mode)  # the umask may have narrowed a 0644
         written.append(Written(path, mode, what))
 
-    def party(name: str, common_name: str, usages: list, what: str,
-              san: tuple[str, ...] = ()) -> None:
+    def party(
+        name: str, common_name: str, usages: list, what: str, san: tuple[str, ...] = ()
+    ) -> None:
         cert, key = ca.issue(common_name, usages, san)
         sans = f" (SAN {', '.join(san)})" if san else ""
-        write(f"{name}.pem", _cert_pem(cert), 0o644,
-              f"{what} certificate{sans}, valid until {until}")
+        write(
+            f"{name}.pem", _cert_pem(cert), 0o644, f"{what} certificate{sans}, valid until {until}"
+        )
         write(f"{name}.key", _key_pem(key), 0o600, f"{what} private key")
 
     ca_until = (now + datetime.timedelta(days=CA_DAYS)).date().isoformat()
-    write("ca.pem", _cert_pem(ca.cert), 0o644,
-          f"CA certificate ({ca.name.rfc4514_string()}), valid until {ca_until}")
-    write("ca.key", _key_pem(ca.key), 0o600,
-          "CA private key: signs certificates; keep it off the nodes")
+    write(
+        "ca.pem",
+        _cert_pem(ca.cert),
+        0o644,
+        f"CA certificate ({ca.name.rfc4514_string()}), valid until {ca_until}",
+    )
+    write(
+        "ca.key",
+        _key_pem(ca.key),
+        0o600,
+        "CA private key: signs certificates; keep it off the nodes",
+    )
     server, client = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
     party("controller", "keel-controller", [server, client], "controller", sans)
     if agents:
@@ -216,13 +277,23 @@ def certs():
 
 @certs.command("init", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--host", "hosts", multiple=True, metavar="HOST",
-              help="Repeatable: a DNS name or IP address agents and operators reach the "
-                   "controller on (its --advertise-host); added to 127.0.0.1 and localhost "
-                   "in the controller certificate.")
-@click.option("--agent", "agents", multiple=True, metavar="NAME",
-              help="Repeatable: write a certificate per agent node NAME "
-                   "(agent-NAME.pem/.key) instead of one shared by every agent.")
+@click.option(
+    "--host",
+    "hosts",
+    multiple=True,
+    metavar="HOST",
+    help="Repeatable: a DNS name or IP address agents and operators reach the "
+    "controller on (its --advertise-host); added to 127.0.0.1 and localhost "
+    "in the controller certificate.",
+)
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    metavar="NAME",
+    help="Repeatable: write a certificate per agent node NAME "
+    "(agent-NAME.pem/.key) instead of one shared by every agent.",
+)
 def init_command(directory, hosts, agents):
     """Create a CA, certificates and keys for the controller, agents, operators and
     readers, and the join, operator and reader tokens, in DIRECTORY.
@@ -239,4 +310,3 @@ def init_command(directory, hosts, agents):
     width = max(len(str(w.path)) for w in written)
     for w in written:
         click.echo(f"wrote {str(w.path):<{width}}  {w.mode:04o}  {w.what}")
-

@@ -17,12 +17,19 @@ from orchestrator.security.auth import Role, Tokens
 def role_token_options(command):
     """The controller's ``--join-token-file``, ``--operator-token-file``,
     ``--reader-token-file``."""
-    for role, who in reversed((("join", "agents (may only Connect)"),
-                               ("operator", "operators (every call, mutating ones included)"),
-                               ("reader", "read-only calls (GetJob, ListJobs, ListNodes)"))):
+    for role, who in reversed(
+        (
+            ("join", "agents (may only Connect)"),
+            ("operator", "operators (every call, mutating ones included)"),
+            ("reader", "read-only calls (GetJob, ListJobs, ListNodes)"),
+        )
+    ):
         command = click.option(
-            f"--{role}-token-file", type=FILE, default=None,
-            help=f"Token of {who}; default: --tls-dir's {role}.token.")(command)
+            f"--{role}-token-file",
+            type=FILE,
+            default=None,
+            help=f"Token of {who}; default: --tls-dir's {role}.token.",
+        )(command)
     return command
 
 
@@ -36,12 +43,15 @@ def controller_settings(token_file: str | None, security: dict) -> dict:
     tls_dir = security.get("tls_dir")
     flags = {role: security.get(f"{role.value}_token_file") for role in Role}
     if token_file and any(flags.values()):
-        raise ValueError("give either --token-file (one token for every role) or "
-                         "--join/--operator/--reader-token-file, not both")
-    role_files = {role: flag or (Path(tls_dir) / f"{role.value}.token" if tls_dir else None)
-                  for role, flag in flags.items()}
-    role_files = {role: path for role, path in role_files.items()
-                  if path and Path(path).is_file()}
+        raise ValueError(
+            "give either --token-file (one token for every role) or "
+            "--join/--operator/--reader-token-file, not both"
+        )
+    role_files = {
+        role: flag or (Path(tls_dir) / f"{role.value}.token" if tls_dir else None)
+        for role, flag in flags.items()
+    }
+    role_files = {role: path for role, path in role_files.items() if path and Path(path).is_file()}
     tokens = None
     token = ""
     if token_file or not role_files:
@@ -49,29 +59,37 @@ def controller_settings(token_file: str | None, security: dict) -> dict:
     else:
         missing = [f"{r.value}.token" for r in Role if r not in role_files]
         if missing:
-            raise ValueError(f"role tokens: {', '.join(missing)} missing; give all three "
-                             f"(--join/--operator/--reader-token-file or --tls-dir)")
-        tokens = Tokens(**{r.value: Path(p).read_text().strip()
-                           for r, p in role_files.items()})
-    return {"token": token, "tokens": tokens,
-            "tls": resolve_tls(tls_dir, "controller", security.get("ca"),
-                               security.get("cert"), security.get("key")),
-            "etcd_credentials": etcd_credentials(**security)}
+            raise ValueError(
+                f"role tokens: {', '.join(missing)} missing; give all three "
+                f"(--join/--operator/--reader-token-file or --tls-dir)"
+            )
+        tokens = Tokens(**{r.value: Path(p).read_text().strip() for r, p in role_files.items()})
+    return {
+        "token": token,
+        "tokens": tokens,
+        "tls": resolve_tls(
+            tls_dir, "controller", security.get("ca"), security.get("cert"), security.get("key")
+        ),
+        "etcd_credentials": etcd_credentials(**security),
+    }
 
 
 CLIENT_IDENTITIES = ("operator", "reader")
 
 
-def client_settings(token_file: str | None, security: dict
-                    ) -> tuple[str, TlsFiles | None, EtcdCredentials | None]:
+def client_settings(
+    token_file: str | None, security: dict
+) -> tuple[str, TlsFiles | None, EtcdCredentials | None]:
     """An operator client's token, TLS files and etcd credentials. From ``--tls-dir``
     it takes the operator identity if the directory holds one, else the reader's."""
     tls_dir = security.get("tls_dir")
     identity = first_identity(tls_dir, CLIENT_IDENTITIES) if tls_dir else None
     if tls_dir and identity is None and not security.get("cert"):
-        raise ValueError(f"--tls-dir {tls_dir} holds neither operator.pem nor reader.pem; "
-                         f"give --cert and --key")
-    files = resolve_tls(tls_dir, identity, security.get("ca"), security.get("cert"),
-                        security.get("key"))
+        raise ValueError(
+            f"--tls-dir {tls_dir} holds neither operator.pem nor reader.pem; give --cert and --key"
+        )
+    files = resolve_tls(
+        tls_dir, identity, security.get("ca"), security.get("cert"), security.get("key")
+    )
     token = read_token(token_file, Path(tls_dir) / f"{identity}.token" if identity else None)
     return token, files, etcd_credentials(**security)

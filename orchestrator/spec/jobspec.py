@@ -14,7 +14,7 @@ from protos import keel_pb2
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RESTARTS_LIMIT = 1000
-MAX_SLOTS = 1024             # the most rank slots an agent may offer
+MAX_SLOTS = 1024  # the most rank slots an agent may offer
 
 
 class InvalidSpec(ValueError):
@@ -33,19 +33,25 @@ def validate(spec: keel_pb2.JobSpec) -> None:
     if spec.world_size < 1:
         problems.append("world_size: must be at least 1")
     if not spec.command or not spec.command[0]:
-        problems.append("command: give the argv each rank runs, e.g. "
-                        "['python', '-m', 'trainer.train']")
+        problems.append(
+            "command: give the argv each rank runs, e.g. ['python', '-m', 'trainer.train']"
+        )
     if spec.max_restarts > MAX_RESTARTS_LIMIT:
-        problems.append(f"max_restarts: {spec.max_restarts} is more than "
-                        f"{MAX_RESTARTS_LIMIT}; a job failing that often needs a person")
+        problems.append(
+            f"max_restarts: {spec.max_restarts} is more than "
+            f"{MAX_RESTARTS_LIMIT}; a job failing that often needs a person"
+        )
     if spec.checkpoint_dir and not os.path.isabs(spec.checkpoint_dir):
         problems.append(f"checkpoint_dir {spec.checkpoint_dir!r}: must be an absolute path")
     if spec.working_dir and not os.path.isabs(spec.working_dir):
-        problems.append(f"working_dir {spec.working_dir!r}: must be an absolute path (the "
-                        f"same directory on every node)")
+        problems.append(
+            f"working_dir {spec.working_dir!r}: must be an absolute path (the "
+            f"same directory on every node)"
+        )
     if spec.ranks_per_node > MAX_SLOTS:
-        problems.append(f"ranks_per_node: {spec.ranks_per_node} is more than any node's "
-                        f"{MAX_SLOTS} slots")
+        problems.append(
+            f"ranks_per_node: {spec.ranks_per_node} is more than any node's {MAX_SLOTS} slots"
+        )
     for key in spec.env:
         if not ENV_NAME.match(key):
             problems.append(f"env {key!r}: not a valid environment variable name")
@@ -60,8 +66,11 @@ def validate(spec: keel_pb2.JobSpec) -> None:
         # What the planner is given, checked now whatever the mesh, not at the first
         # placement. The node size is not known before placement.
         try:
-            shapes = (model_shape(spec), cluster_for(spec, spec.world_size, spec.world_size),
-                      training_shape(spec))
+            shapes = (
+                model_shape(spec),
+                cluster_for(spec, spec.world_size, spec.world_size),
+                training_shape(spec),
+            )
         except ValueError as exc:
             problems.append(f"model/training: {exc}")
     if spec.mesh and spec.mesh != "auto" and spec.world_size >= 1:
@@ -70,7 +79,8 @@ def validate(spec: keel_pb2.JobSpec) -> None:
             if layout.world_size != spec.world_size:
                 raise planner.LayoutError(
                     f"layout {spec.mesh} spans {layout.world_size} ranks but world_size is "
-                    f"{spec.world_size}; make the axes multiply to the world size")
+                    f"{spec.world_size}; make the axes multiply to the world size"
+                )
             if shapes:
                 model, cluster, training = shapes
                 planner.validate_layout(layout, model, cluster, training)

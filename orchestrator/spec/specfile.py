@@ -22,14 +22,21 @@ from protos import keel_pb2
 
 SUFFIXES = (".toml", ".yaml", ".yml")
 _INT_RANGES = {
-    FieldDescriptor.CPPTYPE_INT32: (-2**31, 2**31 - 1),
-    FieldDescriptor.CPPTYPE_INT64: (-2**63, 2**63 - 1),
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
     FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
     FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
 }
 _FLOATS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-          list: "a list", dict: "a mapping", type(None): "null"}
+_KINDS = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+    type(None): "null",
+}
 
 
 class SpecFileError(ValueError):
@@ -41,8 +48,10 @@ def load(path: str | Path) -> keel_pb2.JobSpec:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise SpecFileError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
-                            f"write the spec as {', '.join(SUFFIXES)}")
+        raise SpecFileError(
+            f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
+            f"write the spec as {', '.join(SUFFIXES)}"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -67,8 +76,13 @@ def parse(data: object, source: str) -> keel_pb2.JobSpec:
     problem or, when the structure is sound, every problem ``jobspec.validate`` finds.
     """
     if not isinstance(data, dict):
-        raise _error(source, [f"the top level must be a mapping of JobSpec fields "
-                              f"(name, world_size, command, ...), got {_show(data)}"])
+        raise _error(
+            source,
+            [
+                f"the top level must be a mapping of JobSpec fields "
+                f"(name, world_size, command, ...), got {_show(data)}"
+            ],
+        )
     problems: list[str] = []
     _check_message(data, keel_pb2.JobSpec.DESCRIPTOR, "", problems)
     if problems:
@@ -96,13 +110,13 @@ def _yaml_where(exc: yaml.YAMLError) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
-def _check_message(data: object, descriptor: Descriptor, path: str,
-                   problems: list[str]) -> None:
+def _check_message(data: object, descriptor: Descriptor, path: str, problems: list[str]) -> None:
     """Appends to ``problems`` every way ``data`` does not fit the message ``descriptor``."""
     names = list(descriptor.fields_by_name)
     if not isinstance(data, dict):
-        problems.append(f"{path}: expected a mapping of its fields ({', '.join(names)}), "
-                        f"got {_show(data)}")
+        problems.append(
+            f"{path}: expected a mapping of its fields ({', '.join(names)}), got {_show(data)}"
+        )
         return
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
@@ -121,8 +135,11 @@ def _check_message(data: object, descriptor: Descriptor, path: str,
                 _check_value(v, entry["value"], f"{where}.{k}", problems)
         elif field.is_repeated:
             if not isinstance(value, list):
-                hint = (f"; write it as a list, e.g. {json.dumps(value.split())}"
-                        if isinstance(value, str) else "")
+                hint = (
+                    f"; write it as a list, e.g. {json.dumps(value.split())}"
+                    if isinstance(value, str)
+                    else ""
+                )
                 problems.append(f"{where}: expected a list, got {_show(value)}{hint}")
                 continue
             for i, item in enumerate(value):
@@ -131,8 +148,7 @@ def _check_message(data: object, descriptor: Descriptor, path: str,
             _check_value(value, field, where, problems)
 
 
-def _check_value(value: object, field: FieldDescriptor, where: str,
-                 problems: list[str]) -> None:
+def _check_value(value: object, field: FieldDescriptor, where: str, problems: list[str]) -> None:
     """Appends to ``problems`` why ``value`` cannot be one value of ``field``, if it cannot."""
     if field.message_type is not None:
         _check_message(value, field.message_type, where, problems)

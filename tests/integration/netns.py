@@ -35,10 +35,10 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True)
 class Host:
-    name: str    # what the test calls it: "etcd", "node-1"
-    netns: str   # its namespace
-    ip: str      # its one address
-    veth: str    # its link's end in the root namespace (what cut() deletes)
+    name: str  # what the test calls it: "etcd", "node-1"
+    netns: str  # its namespace
+    ip: str  # its one address
+    veth: str  # its link's end in the root namespace (what cut() deletes)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -63,7 +63,7 @@ class Network:
         self.names = list(names)
         self.run_id = secrets.token_hex(3)
         self.hosts: dict[str, Host] = {}
-        self.gateway = ""        # the bridge's address: how the root namespace is seen
+        self.gateway = ""  # the bridge's address: how the root namespace is seen
         self.procs: list[subprocess.Popen] = []
         self._netns_made: list[str] = []
         self._links_made: list[str] = []
@@ -101,13 +101,27 @@ class Network:
             _ip("addr", "add", f"{self.gateway}/{subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
         for index, name in enumerate(self.names):
-            host = Host(name, f"keel-{self.run_id}-{name}", str(addresses[index + 1]),
-                        f"kv{self.run_id}{index}")
+            host = Host(
+                name,
+                f"keel-{self.run_id}-{name}",
+                str(addresses[index + 1]),
+                f"kv{self.run_id}{index}",
+            )
             _ip("netns", "add", host.netns)
             self._netns_made.append(host.netns)
             _ip("-n", host.netns, "link", "set", "lo", "up")
-            _ip("link", "add", host.veth, "type", "veth", "peer", "name", IFNAME,
-                "netns", host.netns)
+            _ip(
+                "link",
+                "add",
+                host.veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                IFNAME,
+                "netns",
+                host.netns,
+            )
             self._links_made.append(host.veth)
             _ip("link", "set", host.veth, "master", self.bridge)
             _ip("link", "set", host.veth, "up")
@@ -119,8 +133,10 @@ class Network:
     def _free_subnet() -> ipaddress.IPv4Network:
         """The first /24 of SUBNETS that no address or route of this machine touches."""
         used = []
-        for listing in (_ip("-4", "-o", "addr", "show").stdout,
-                        _ip("-4", "route", "show", "table", "all").stdout):
+        for listing in (
+            _ip("-4", "-o", "addr", "show").stdout,
+            _ip("-4", "route", "show", "table", "all").stdout,
+        ):
             for word in listing.split():
                 try:
                     used.append(ipaddress.ip_network(word, strict=False))
@@ -131,15 +147,26 @@ class Network:
                 return subnet
         raise Unavailable(f"every /24 of {SUBNETS} is in use on this machine")
 
-    def popen(self, host: str, argv: list[str], log: Path,
-              env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    def popen(
+        self,
+        host: str,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen:
         """``argv`` run on ``host`` (``ip netns exec`` execs it: the Popen is the
         process itself), in a session of its own, logging to ``log``."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].netns, *argv],
-                                    stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.hosts[host].netns, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -187,18 +214,19 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table, width in (("tcp", 4), ("tcp6", 16)):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:   # 0A: LISTEN
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
                 continue
             hex_address, hex_port = fields[1].split(":")
             raw = bytes.fromhex(hex_address)
             # The kernel prints each 32-bit word in host (little-endian) order.
             address = ipaddress.ip_address(
-                b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4)))
+                b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            )
             # An IPv6 socket bound to an IPv4 address (as gRPC binds) lists it mapped.
             address = getattr(address, "ipv4_mapped", None) or address
             found.append((str(address), int(hex_port, 16)))

@@ -33,13 +33,19 @@ def test_processes_left_by_the_previous_agent_are_killed_and_ours_recorded(tmp_p
     try:
         (tmp_path / "agent.json").write_text(json.dumps({"pid": _dead_pid(), "socket": socket}))
         # (Until it has exec'd, the child still carries our environment.)
-        wait_for(lambda: carrying(f"KEEL_AGENT_SOCKET={socket}") == [left.pid], 10,
-                 what="the leftover to carry its marker")
+        wait_for(
+            lambda: carrying(f"KEEL_AGENT_SOCKET={socket}") == [left.pid],
+            10,
+            what="the leftover to carry its marker",
+        )
         assert take_over(tmp_path, "/new/agent.sock") == 1
         assert left.wait(5) == -9
         assert other.poll() is None, "a process of another agent was killed"
         assert json.loads((tmp_path / "agent.json").read_text()) == {
-            "pid": os.getpid(), "started": started_at(os.getpid()), "socket": "/new/agent.sock"}
+            "pid": os.getpid(),
+            "started": started_at(os.getpid()),
+            "socket": "/new/agent.sock",
+        }
     finally:
         for proc in (left, other):
             proc.kill()
@@ -118,8 +124,13 @@ SLEEP_UNTIL_SIGNALLED = textwrap.dedent("""
 
 
 def test_a_real_dump_lists_threads_newest_first_and_the_main_thread_last():
-    run = subprocess.run([sys.executable, "-c", DUMP_FROM_MAIN], capture_output=True,
-                         text=True, timeout=30, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", DUMP_FROM_MAIN],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     main_id, first_id, second_id = (int(ident) for ident in run.stdout.split())
     stacks = parse_dump(run.stderr)
     assert [int(t.thread_id, 16) for t in stacks] == [second_id, first_id, main_id]
@@ -134,12 +145,18 @@ def test_the_agents_way_sigusr1_then_the_new_tail_of_stderr(tmp_path):
     stderr_path.write_text('{"event": "step", "step": 41, "loss": 2.31}\nan earlier line\n')
     before = stderr_path.read_text()
     with open(stderr_path, "a") as stderr:
-        child = subprocess.Popen([sys.executable, "-c", SLEEP_UNTIL_SIGNALLED],
-                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", SLEEP_UNTIL_SIGNALLED],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         main_id = int(child.stdout.readline())
         os.kill(child.pid, signal.SIGUSR1)
-        wait_for(lambda: "in <module>\n" in stderr_path.read_text(), 10, 0.01, what="the stack dump")
+        wait_for(
+            lambda: "in <module>\n" in stderr_path.read_text(), 10, 0.01, what="the stack dump"
+        )
         dump = dump_since(before, stderr_path.read_text())
     finally:
         child.kill()

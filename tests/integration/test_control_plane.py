@@ -22,9 +22,13 @@ TOKEN = "s3cret-token"
 def spawn(args, log_path, env=None):
     # The child keeps its own copy of the log's descriptor; ours is closed at once.
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, *args], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=None if env is None else {**os.environ, **env})
+        return subprocess.Popen(
+            [sys.executable, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+        )
 
 
 def stop(proc, grace_s=10):
@@ -44,31 +48,62 @@ def cluster(etcd, no_leaks):
     (tmp / "token").write_text(TOKEN)
     started = []
 
-    def controller(launcher=("-m", "orchestrator.cli", "controller"), env=None,
-                   name="controller", lead=True):
+    def controller(
+        launcher=("-m", "orchestrator.cli", "controller"), env=None, name="controller", lead=True
+    ):
         """Start a controller (``launcher``: what runs it, before its options; it logs
         to NAME.log) and, with ``lead``, wait for it to lead; returns its address."""
         address_file = tmp / ("address" if name == "controller" else f"{name}.address")
         address_file.unlink(missing_ok=True)
-        proc = spawn([*launcher, "--etcd-endpoints", etcd.endpoint,
-                      "--token-file", str(tmp / "token"), "--address-file",
-                      str(address_file)], tmp / f"{name}.log", env)
+        proc = spawn(
+            [
+                *launcher,
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--token-file",
+                str(tmp / "token"),
+                "--address-file",
+                str(address_file),
+            ],
+            tmp / f"{name}.log",
+            env,
+        )
         started.append(proc)
         Cluster.controllers.append(proc)
-        wait_for(lambda: address_file.exists() or proc.poll() is not None, 30,
-                 what="controller address")
+        wait_for(
+            lambda: address_file.exists() or proc.poll() is not None, 30, what="controller address"
+        )
         assert proc.poll() is None, (tmp / f"{name}.log").read_text()
         address = address_file.read_text().strip()
         if lead:
-            wait_for(lambda: Cluster.store.controller_address() == address, 30,
-                     what="the controller to lead")
+            wait_for(
+                lambda: Cluster.store.controller_address() == address,
+                30,
+                what="the controller to lead",
+            )
         return address
 
     def agent(node, token_file="token", ttl="2", slots="2", extra=()):
-        proc = spawn(["-m", "agent", "--node", node, "--slots", slots, "--etcd-endpoints",
-                      etcd.endpoint, "--token-file", str(tmp / token_file),
-                      "--run-dir", str(tmp / node), "--lease-ttl-s", ttl, *extra],
-                     tmp / f"{node}.log")
+        proc = spawn(
+            [
+                "-m",
+                "agent",
+                "--node",
+                node,
+                "--slots",
+                slots,
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--token-file",
+                str(tmp / token_file),
+                "--run-dir",
+                str(tmp / node),
+                "--lease-ttl-s",
+                ttl,
+                *extra,
+            ],
+            tmp / f"{node}.log",
+        )
         started.append(proc)
         return proc
 
@@ -76,6 +111,7 @@ def cluster(etcd, no_leaks):
         store = Store(connect([etcd.endpoint], 5))
         path = tmp
         controllers: list[subprocess.Popen] = []
+
     Cluster.controller, Cluster.agent = staticmethod(controller), staticmethod(agent)
     yield Cluster
     for proc in reversed(started):
@@ -85,8 +121,9 @@ def cluster(etcd, no_leaks):
 def test_agents_register_and_a_killed_agents_record_expires_with_its_lease(cluster):
     cluster.controller()
     a, b = cluster.agent("node-a"), cluster.agent("node-b")
-    nodes = wait_for(lambda: (n := cluster.store.nodes()) and len(n) == 2 and n, 30,
-                     what="both nodes registered")
+    nodes = wait_for(
+        lambda: (n := cluster.store.nodes()) and len(n) == 2 and n, 30, what="both nodes registered"
+    )
     assert nodes["node-a"]["slots"] == 2 and nodes["node-a"]["host"] == "127.0.0.1"
     assert cluster.store.lease_alive(nodes["node-a"]["lease_id"])
 
@@ -106,8 +143,11 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
     address = cluster.controller()
     (cluster.path / "wrong").write_text("not-the-token")
     intruder = cluster.agent("intruder", token_file="wrong")
-    wait_for(lambda: b"UNAUTHENTICATED" in (cluster.path / "intruder.log").read_bytes(), 30,
-             what="the agent to be refused")
+    wait_for(
+        lambda: b"UNAUTHENTICATED" in (cluster.path / "intruder.log").read_bytes(),
+        30,
+        what="the agent to be refused",
+    )
     assert "intruder" not in cluster.store.nodes()
     assert intruder.poll() is None, "a refused agent keeps retrying; it does not crash"
 
@@ -116,8 +156,9 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
         stub = keel_pb2_grpc.ControllerStub(channel)
         spec = keel_pb2.JobSpec(name="ok-name", world_size=1, command=["true"])
         with pytest.raises(grpc.RpcError) as err:
-            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=spec),
-                           metadata=call_metadata("wrong"), timeout=5)
+            stub.SubmitJob(
+                keel_pb2.SubmitJobRequest(spec=spec), metadata=call_metadata("wrong"), timeout=5
+            )
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
             stub.GetJob(keel_pb2.GetJobRequest(job="x"), timeout=5)
@@ -126,29 +167,43 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
 
         bad = keel_pb2.JobSpec(name="Bad Name", world_size=0, command=[])
         with pytest.raises(grpc.RpcError) as err:
-            stub.SubmitJob(keel_pb2.SubmitJobRequest(spec=bad),
-                           metadata=call_metadata(TOKEN), timeout=5)
+            stub.SubmitJob(
+                keel_pb2.SubmitJobRequest(spec=bad), metadata=call_metadata(TOKEN), timeout=5
+            )
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "world_size: must be at least 1" in err.value.details()
         assert list(cluster.store.client.get_prefix("/keel/jobs/")) == before
 
         with pytest.raises(grpc.RpcError) as err:
-            stub.GetJob(keel_pb2.GetJobRequest(job="nope"), metadata=call_metadata(TOKEN),
-                        timeout=5)
+            stub.GetJob(
+                keel_pb2.GetJobRequest(job="nope"), metadata=call_metadata(TOKEN), timeout=5
+            )
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
 
         # A stream whose first message is not a Hello is refused with a reason.
-        calls = stub.Connect(iter([keel_pb2.AgentMessage(
-            steps=keel_pb2.StepReportBatch(job="x"))]), metadata=call_metadata(TOKEN),
-            timeout=5)
+        calls = stub.Connect(
+            iter([keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(job="x"))]),
+            metadata=call_metadata(TOKEN),
+            timeout=5,
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(calls)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "first message" in err.value.details()
         # A Hello whose lease etcd never granted cannot register a node.
-        calls = stub.Connect(iter([keel_pb2.AgentMessage(hello=keel_pb2.Hello(
-            node="ghost", host="127.0.0.1", slots=1, lease_id=424242))]),
-            metadata=call_metadata(TOKEN), timeout=5)
+        calls = stub.Connect(
+            iter(
+                [
+                    keel_pb2.AgentMessage(
+                        hello=keel_pb2.Hello(
+                            node="ghost", host="127.0.0.1", slots=1, lease_id=424242
+                        )
+                    )
+                ]
+            ),
+            metadata=call_metadata(TOKEN),
+            timeout=5,
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(calls)
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -156,5 +211,9 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
         assert "ghost" not in cluster.store.nodes()
         # The controller is still serving, and neither the intruder nor the ghost is
         # among its nodes.
-        assert stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
-                              timeout=5).nodes == []
+        assert (
+            stub.ListNodes(
+                keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN), timeout=5
+            ).nodes
+            == []
+        )

@@ -37,11 +37,26 @@ class SimulatedAgents:
 
     def __init__(self, etcd: str, controller: str, count: int):
         self.count = 0
-        self.paced: dict[str, int] = {}   # report interval asked -> agents connected
+        self.paced: dict[str, int] = {}  # report interval asked -> agents connected
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.simulated_agents", "--etcd", etcd,
-             "--controllers", controller, "--token", TOKEN, "--agents", str(count)],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.simulated_agents",
+                "--etcd",
+                etcd,
+                "--controllers",
+                controller,
+                "--token",
+                TOKEN,
+                "--agents",
+                str(count),
+            ],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -69,9 +84,11 @@ def count_calls(obj, names: list[str], calls: list, record=lambda name, args: na
     """Wrap ``obj``'s methods ``names`` so that each call appends ``record(name, args)``
     to ``calls``."""
     for name in names:
+
         def counted(*args, _real=getattr(obj, name), _name=name, **kwargs):
             calls.append(record(_name, args))
             return _real(*args, **kwargs)
+
         setattr(obj, name, counted)
 
 
@@ -84,10 +101,14 @@ def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd
         wait_for(lambda: state.is_leader, 30, what="the controller to lead")
         threads_before = threading.active_count()
         agents = SimulatedAgents(etcd.endpoint, address, AGENTS)
-        wait_for(lambda: state.connected() == AGENTS and agents.count == AGENTS, 120,
-                 what=f"{AGENTS} agents connected")
-        wait_for(lambda: len(state.registered) == AGENTS, 30,
-                 what="the watch to bring every node record")
+        wait_for(
+            lambda: state.connected() == AGENTS and agents.count == AGENTS,
+            120,
+            what=f"{AGENTS} agents connected",
+        )
+        wait_for(
+            lambda: len(state.registered) == AGENTS, 30, what="the watch to bring every node record"
+        )
         # Before, each stream held a server thread and a reader thread: 300 more here.
         grown = threading.active_count() - threads_before
         assert grown < 20, f"{grown} threads more for {AGENTS} agent streams"
@@ -98,14 +119,27 @@ def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd
         monkeypatch.setattr(reconcile, "SWEEP_S", 3600.0)
         controller.reconciler.next_sweep = time.monotonic() + 3600.0
         converged, reads = [], []
-        monkeypatch.setattr(reconcile.convergence, "converge", lambda *args, _real=(
-            reconcile.convergence.converge): converged.append(args[1].node) or _real(*args))
-        count_calls(state.store.client, ["get", "get_response", "get_range_response",
-                                         "get_prefix"], reads, lambda name, args: (name, key(args)))
+        monkeypatch.setattr(
+            reconcile.convergence,
+            "converge",
+            lambda *args, _real=(reconcile.convergence.converge): (
+                converged.append(args[1].node) or _real(*args)
+            ),
+        )
+        count_calls(
+            state.store.client,
+            ["get", "get_response", "get_range_response", "get_prefix"],
+            reads,
+            lambda name, args: (name, key(args)),
+        )
 
         def ticks() -> float:
-            return next(s.value for s in reconcile.metrics.RECONCILE_TICK.collect()[0].samples
-                        if s.name.endswith("_count"))
+            return next(
+                s.value
+                for s in reconcile.metrics.RECONCILE_TICK.collect()[0].samples
+                if s.name.endswith("_count")
+            )
+
         before = ticks()
         wait_for(lambda: ticks() >= before + 10, 30, what="ten ticks")
         assert converged == [], f"ten ticks squared {len(converged)} nodes with the plan"
@@ -124,8 +158,7 @@ def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd
         controller.shutdown()
 
 
-def test_a_connect_storm_past_the_admission_queue_is_deferred_and_then_admitted(etcd,
-                                                                               monkeypatch):
+def test_a_connect_storm_past_the_admission_queue_is_deferred_and_then_admitted(etcd, monkeypatch):
     """Hellos wait for etcd on a few threads; past the queue, a Connect is refused at
     once (RESOURCE_EXHAUSTED, back off) instead of waiting to time out. The hold-up is
     deterministic: the lease check blocks until released."""
@@ -140,6 +173,7 @@ def test_a_connect_storm_past_the_admission_queue_is_deferred_and_then_admitted(
         checking.append(lease_id)
         release.wait(30)
         return real_alive(lease_id)
+
     state.store.lease_alive = held
     channels, streams, done = [], [], threading.Event()
     try:
@@ -147,22 +181,38 @@ def test_a_connect_storm_past_the_admission_queue_is_deferred_and_then_admitted(
 
         def connect(node: str):
             lease = state.store.client.lease(30)
-            channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+            channel = grpc.insecure_channel(
+                address, options=[("grpc.use_local_subchannel_pool", 1)]
+            )
             channels.append(channel)
-            hello = keel_pb2.AgentMessage(hello=keel_pb2.Hello(
-                node=node, host="127.0.0.1", slots=1, lease_id=lease.id, heartbeat_s=0.5,
-                reconnect_max_s=5, lease_ttl_s=5))
+            hello = keel_pb2.AgentMessage(
+                hello=keel_pb2.Hello(
+                    node=node,
+                    host="127.0.0.1",
+                    slots=1,
+                    lease_id=lease.id,
+                    heartbeat_s=0.5,
+                    reconnect_max_s=5,
+                    lease_ttl_s=5,
+                )
+            )
+
             def messages():
                 yield hello
-                done.wait(60)    # the stream stays open until the test ends
+                done.wait(60)  # the stream stays open until the test ends
+
             call = keel_pb2_grpc.ControllerStub(channel).Connect(
-                messages(), metadata=call_metadata(TOKEN), timeout=60)
+                messages(), metadata=call_metadata(TOKEN), timeout=60
+            )
             streams.append(call)
             return call
 
         first, second = connect("node-a"), connect("node-b")
-        wait_for(lambda: len(checking) >= 1 and controller.agents.waiting == 2, 30,
-                 what="two Hellos in the admission queue")
+        wait_for(
+            lambda: len(checking) >= 1 and controller.agents.waiting == 2,
+            30,
+            what="two Hellos in the admission queue",
+        )
         third = connect("node-c")
         with pytest.raises(grpc.RpcError) as refused:
             next(third)
@@ -191,8 +241,9 @@ def test_a_large_cluster_is_asked_to_batch_its_step_reports_for_longer(etcd, tmp
     4 s, told to those already connected (ReportPace) and to each new one (its
     Welcome). A real agent that joins then is told 4 s in its Welcome, and its own pace
     again (0) once the others have left."""
-    controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token=TOKEN,
-                                             report_messages_per_s=50.0))
+    controller = Controller(
+        ControllerConfig(etcd_endpoints=(etcd.endpoint,), token=TOKEN, report_messages_per_s=50.0)
+    )
     address = controller.serve()
     state = controller.state
     agents = agent = None
@@ -201,23 +252,45 @@ def test_a_large_cluster_is_asked_to_batch_its_step_reports_for_longer(etcd, tmp
 
     def said(event: str) -> list[dict]:
         return [e for e in log_lines(log) if e["event"] == event] if log.exists() else []
+
     try:
         wait_for(lambda: state.is_leader, 30, what="the controller to lead")
         agents = SimulatedAgents(etcd.endpoint, address, AGENTS)
-        wait_for(lambda: agents.paced == {"4": AGENTS}, 120,
-                 what=f"{AGENTS} agents connected, each asked for 4 s batches")
+        wait_for(
+            lambda: agents.paced == {"4": AGENTS},
+            120,
+            what=f"{AGENTS} agents connected, each asked for 4 s batches",
+        )
         assert state.report_interval_s == 4.0
-        agent = spawn(["-m", "agent", "--node", "real", "--slots", "1", "--etcd-endpoints",
-                       etcd.endpoint, "--token-file", str(tmp_path / "token"),
-                       "--run-dir", str(tmp_path / "real"), "--log-format", "json"], log)
+        agent = spawn(
+            [
+                "-m",
+                "agent",
+                "--node",
+                "real",
+                "--slots",
+                "1",
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--token-file",
+                str(tmp_path / "token"),
+                "--run-dir",
+                str(tmp_path / "real"),
+                "--log-format",
+                "json",
+            ],
+            log,
+        )
         wait_for(lambda: said("connected to controller"), 60, what="the real agent connected")
         assert said("connected to controller")[-1]["report_interval_s"] == 4.0
         agents.stop()
         agents = None
-        wait_for(lambda: said("batching step reports as the controller asks"), 60,
-                 what="the real agent told its own pace again")
-        assert said("batching step reports as the controller asks")[-1][
-            "report_interval_s"] == 0.0
+        wait_for(
+            lambda: said("batching step reports as the controller asks"),
+            60,
+            what="the real agent told its own pace again",
+        )
+        assert said("batching step reports as the controller asks")[-1]["report_interval_s"] == 0.0
         assert state.report_interval_s == 0.0
     finally:
         if agent is not None:

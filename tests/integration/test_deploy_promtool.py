@@ -18,8 +18,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "keel.json"
 
 
 def promtool_run(promtool: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([promtool, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([promtool, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_promtool_accepts_the_rules(promtool):
@@ -37,9 +36,13 @@ def test_rules_pass_their_unit_tests(promtool):
 def test_prometheus_parses_every_dashboard_query(promtool, tmp_path):
     """promql_parser follows a later Prometheus than the one deployed: each panel's
     query, written as a recording rule, goes through promtool's parser too."""
-    rules = [{"record": f"dashboard:query:{i}", "expr": expr}
-             for i, expr in enumerate(dashboard_exprs(DASHBOARD))]
+    rules = [
+        {"record": f"dashboard:query:{i}", "expr": expr}
+        for i, expr in enumerate(dashboard_exprs(DASHBOARD))
+    ]
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     run = promtool_run(promtool, "check", "rules", str(path))
-    assert run.returncode == 0, f"Prometheus does not parse a dashboard query:\n{run.stdout}{run.stderr}"
+    assert run.returncode == 0, (
+        f"Prometheus does not parse a dashboard query:\n{run.stdout}{run.stderr}"
+    )

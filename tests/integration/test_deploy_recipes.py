@@ -33,7 +33,9 @@ def tool(name: str, package: str) -> str:
 
 
 def run(*command: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(command, check=False, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, check=False, cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_bash_parses_the_sbatch_script():
@@ -62,18 +64,27 @@ def test_systemd_analyze_verifies_the_unit(units, name):
     # verify exits 0 on an unknown key or a bad value, with a line on stderr for it:
     # any output is a finding.
     assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), (
-        f"systemd-analyze verify keel-{name}.service:\n{result.stdout}{result.stderr}")
+        f"systemd-analyze verify keel-{name}.service:\n{result.stdout}{result.stderr}"
+    )
 
 
 @pytest.mark.parametrize("name", ["controller", "agent"])
 def test_systemd_rates_the_unit_sandbox(units, name):
     analyze = tool("systemd-analyze", "systemd")
-    result = run(analyze, "security", "--offline=yes", f"--threshold={EXPOSURE[name] * 10:.0f}",
-                 "--no-pager", f"./keel-{name}.service", cwd=units)
+    result = run(
+        analyze,
+        "security",
+        "--offline=yes",
+        f"--threshold={EXPOSURE[name] * 10:.0f}",
+        "--no-pager",
+        f"./keel-{name}.service",
+        cwd=units,
+    )
     if "--offline" in result.stderr and "unrecognized" in result.stderr:
         pytest.skip("systemd-analyze security --offline needs systemd 250 or later")
     assert result.returncode == 0, (
-        f"keel-{name}.service is more exposed than {EXPOSURE[name]}:\n{result.stdout[-3000:]}")
+        f"keel-{name}.service is more exposed than {EXPOSURE[name]}:\n{result.stdout[-3000:]}"
+    )
 
 
 def test_kustomize_renders_every_object_into_the_keel_namespace():
@@ -84,11 +95,23 @@ def test_kustomize_renders_every_object_into_the_keel_namespace():
     cluster_wide = {"Namespace"}
     for doc in objects:
         if doc["kind"] not in cluster_wide:
-            assert doc["metadata"].get("namespace") == "keel", f"{doc['kind']} {doc['metadata']['name']}"
-    images = {c["image"] for doc in objects if "template" in doc.get("spec", {})
-              for c in [*doc["spec"]["template"]["spec"].get("initContainers", []),
-                        *doc["spec"]["template"]["spec"]["containers"]]}
+            assert doc["metadata"].get("namespace") == "keel", (
+                f"{doc['kind']} {doc['metadata']['name']}"
+            )
+    images = {
+        c["image"]
+        for doc in objects
+        if "template" in doc.get("spec", {})
+        for c in [
+            *doc["spec"]["template"]["spec"].get("initContainers", []),
+            *doc["spec"]["template"]["spec"]["containers"],
+        ]
+    }
     assert "keel" not in images, "kustomization.yaml's images: must rename the keel image"
-    assert len(objects) == sum(1 for path in KUBERNETES.glob("*.yaml")
-                               if path.name != "kustomization.yaml"
-                               for doc in yaml.safe_load_all(path.read_text()) if doc)
+    assert len(objects) == sum(
+        1
+        for path in KUBERNETES.glob("*.yaml")
+        if path.name != "kustomization.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    )

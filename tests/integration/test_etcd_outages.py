@@ -33,8 +33,12 @@ def test_a_client_with_a_user_works_again_after_etcd_restarts(etcd):
             client.get("/keel/probe")
     etcd.restart(down_s=0.0)
     # Ours logs in again (etcd forgot its token) and reconnects once etcd is back.
-    wait_for(lambda: _succeeds(lambda: ours.put("/keel/probe", "2")), 20, 0.2,
-             what="our client to reach the restarted etcd")
+    wait_for(
+        lambda: _succeeds(lambda: ours.put("/keel/probe", "2")),
+        20,
+        0.2,
+        what="our client to reach the restarted etcd",
+    )
     assert ours.get("/keel/probe")[0] == b"2"
     # The stock client refuses its endpoint for five minutes after one error: what
     # ours is there for.
@@ -49,8 +53,9 @@ def test_an_agent_whose_lease_vanished_registers_again(cluster):  # noqa: F811
     # As if the lease had expired while etcd was out of reach.
     cluster.store.client.revoke_lease(first["lease_id"])
     assert "node-a" not in cluster.store.nodes()
-    again = wait_for(lambda: cluster.store.nodes().get("node-a"), 30,
-                     what="node-a registered on a new lease")
+    again = wait_for(
+        lambda: cluster.store.nodes().get("node-a"), 30, what="node-a registered on a new lease"
+    )
     assert again["lease_id"] != first["lease_id"]
     assert cluster.store.lease_alive(again["lease_id"])
     assert "etcd lease lost; registering again" in (cluster.path / "node-a.log").read_text()

@@ -36,17 +36,26 @@ def assert_nothing_superseded_ran_on(run: Path) -> list[dict]:
     """Every rank any agent started had exited before the job succeeded (so nothing of
     a superseded generation ran on), and no generation but the first started fresh.
     Returns every agent log entry, oldest first."""
-    entries = sorted(({**e, "node": path.stem.removeprefix("agent-")}
-                      for path in (run / "logs").glob("agent-*.log") for e in log_lines(path)),
-                     key=lambda e: e["timestamp"])
-    succeeded = next(e["timestamp"] for name in (run / "logs").glob("controller*.log")
-                     for e in log_lines(name)
-                     if e["event"] == "job state" and e.get("to") == "SUCCEEDED")
+    entries = sorted(
+        (
+            {**e, "node": path.stem.removeprefix("agent-")}
+            for path in (run / "logs").glob("agent-*.log")
+            for e in log_lines(path)
+        ),
+        key=lambda e: e["timestamp"],
+    )
+    succeeded = next(
+        e["timestamp"]
+        for name in (run / "logs").glob("controller*.log")
+        for e in log_lines(name)
+        if e["event"] == "job state" and e.get("to") == "SUCCEEDED"
+    )
     started = {(e["node"], e["pid"]): e for e in entries if e["event"] == "rank started"}
     exited = {(e["node"], e["pid"]): e for e in entries if e["event"] == "rank exited"}
     for key, start in started.items():
-        assert key in exited and exited[key]["timestamp"] <= succeeded, \
+        assert key in exited and exited[key]["timestamp"] <= succeeded, (
             f"generation {start['generation']} rank {start['rank']} on {key[0]} ran on"
+        )
     for generation in (run / "nodes").glob("*/keel-up/gen*"):
         err = generation / "rank0.err"
         if generation.name != "gen1" and err.exists():
@@ -57,9 +66,21 @@ def assert_nothing_superseded_ran_on(run: Path) -> list[dict]:
 
 def test_a_stalled_leader_no_longer_keeps_its_agents_or_writes_when_it_wakes(no_leaks):
     run = no_leaks / "run"
-    summary = run_up(run, "--controllers", "2", "--nodes", "2", "--slots-per-node", "1",
-                     "--steps", "60", "--checkpoint-every", "10",
-                     "--inject", "stall_leader:step=15,for=20")
+    summary = run_up(
+        run,
+        "--controllers",
+        "2",
+        "--nodes",
+        "2",
+        "--slots-per-node",
+        "1",
+        "--steps",
+        "60",
+        "--checkpoint-every",
+        "10",
+        "--inject",
+        "stall_leader:step=15,for=20",
+    )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert "injected: leader controller" in summary["_stderr"]
     # Nothing restarted: the agents followed the standby within its node-lost grace,
@@ -67,8 +88,11 @@ def test_a_stalled_leader_no_longer_keeps_its_agents_or_writes_when_it_wakes(no_
     assert (summary["steps"], summary["generations"], summary["restarts"]) == (60, 1, 0)
     assert summary["leader_changes"] == 1 and summary["events"] == []
     assert summary["data"] == {"expected": 960, "consumed": 960, "duplicates": 0, "missing": 0}
-    lines = [entry for name in ("controller.log", "controller-1.log")
-             for entry in log_lines(run / "logs" / name)]
+    lines = [
+        entry
+        for name in ("controller.log", "controller-1.log")
+        for entry in log_lines(run / "logs" / name)
+    ]
     leaders = {e["controller_id"]: e["term"] for e in lines if e["event"] == "leading"}
     assert len(leaders) == 2 and len(set(leaders.values())) == 2
     old = min(leaders, key=leaders.get)
@@ -89,22 +113,52 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
     committing there, and its retention (keep 2) deleted generation 2's checkpoints,
     whose step numbers were lower; now its next commit is refused and it stops."""
     from common.net import free_port
+
     ckpt = no_leaks / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_JOB": "fenced", "WORLD_SIZE": "1",
-           "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    old = subprocess.Popen([*TRAIN, "--steps", "100000", "--checkpoint-every", "1",
-                            "--keep-checkpoints", "2", "--no-async-checkpoint"], cwd=REPO,
-                           text=True, env={**env, "KEEL_GENERATION": "1",
-                                           "MASTER_PORT": str(free_port("127.0.0.1"))},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "KEEL_CHECKPOINT_DIR": str(ckpt),
+        "KEEL_JOB": "fenced",
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    old = subprocess.Popen(
+        [
+            *TRAIN,
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "1",
+            "--keep-checkpoints",
+            "2",
+            "--no-async-checkpoint",
+        ],
+        cwd=REPO,
+        text=True,
+        env={**env, "KEEL_GENERATION": "1", "MASTER_PORT": str(free_port("127.0.0.1"))},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
-        wait_for(lambda: any(p.name.startswith("step_") for p in ckpt.iterdir())
-                 if ckpt.is_dir() else False, 120, what="generation 1 committing")
-        new = subprocess.run([*TRAIN, "--steps", "6", "--checkpoint-every", "2",
-                              "--keep-checkpoints", "0"], cwd=REPO,
-                             env={**env, "KEEL_GENERATION": "2", "MASTER_PORT": str(free_port("127.0.0.1"))},
-                             capture_output=True, text=True, timeout=240)
+        wait_for(
+            lambda: (
+                any(p.name.startswith("step_") for p in ckpt.iterdir()) if ckpt.is_dir() else False
+            ),
+            120,
+            what="generation 1 committing",
+        )
+        new = subprocess.run(
+            [*TRAIN, "--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "0"],
+            cwd=REPO,
+            env={**env, "KEEL_GENERATION": "2", "MASTER_PORT": str(free_port("127.0.0.1"))},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert new.returncode == 0, new.stderr[-3000:]
         stderr = old.communicate(timeout=120)[1]
     finally:
@@ -112,8 +166,9 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
             old.kill()
             old.communicate()
     assert old.returncode != 0, "generation 1 ran on"
-    assert re.search(r"refusing to change checkpoint step \d+: generation 2 owns", stderr), \
-        stderr[-3000:]
+    assert re.search(r"refusing to change checkpoint step \d+: generation 2 owns", stderr), stderr[
+        -3000:
+    ]
     assert fence.owner(str(ckpt)) == 2
     # Every checkpoint generation 2 committed is there, and whole.
     for step in (2, 4, 6):
@@ -143,15 +198,28 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_restored(no
     damager = threading.Thread(target=damage)
     damager.start()
     try:
-        summary = run_up(run, "--nodes", "2", "--slots-per-node", "1", "--steps", "40",
-                         "--checkpoint-every", "5", "--no-preflight",
-                         "--hang-floor-s", "3", "--inject", "hang:rank=1,step=12")
+        summary = run_up(
+            run,
+            "--nodes",
+            "2",
+            "--slots-per-node",
+            "1",
+            "--steps",
+            "40",
+            "--checkpoint-every",
+            "5",
+            "--no-preflight",
+            "--hang-floor-s",
+            "3",
+            "--inject",
+            "hang:rank=1,step=12",
+        )
     finally:
         stop.set()
         damager.join()
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["steps"], summary["generations"], summary["restarts"]) == (40, 2, 1)
-    quarantined, = [e for e in summary["events"] if e["kind"] == "quarantined"]
+    (quarantined,) = [e for e in summary["events"] if e["kind"] == "quarantined"]
     assert quarantined["step"] == 10 and "does not match its checksum" in quarantined["reason"]
     assert (run / "checkpoints" / ".quarantine.step_00000010.g2").is_dir()
     rank0 = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
@@ -181,18 +249,21 @@ def a_leader_a_standby_and_two_nodes(cluster, etcd) -> tuple[str, list[str]]:  #
     for node in ("node-a", "node-b"):
         cluster.agent(node, slots="1")
     wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
-    return standby, ["--etcd-endpoints", etcd.endpoint, "--token-file",
-                     str(cluster.path / "token")]
+    return standby, ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
 
 
 def trainer_spec(directory: Path, name: str, steps: int, every: int, checkpoints: Path) -> Path:
     """``LOST_REPLY_SPEC`` as job ``name``, ``steps`` steps with a checkpoint every
     ``every``, written in ``directory``."""
     spec = directory / f"{name}.toml"
-    spec.write_text(LOST_REPLY_SPEC.replace('"ambiguous"', f'"{name}"').replace(
-        '"30", "--checkpoint-every",\n           "10"',
-        f'"{steps}", "--checkpoint-every",\n           "{every}"').format(
-        checkpoints=checkpoints, python=sys.executable))
+    spec.write_text(
+        LOST_REPLY_SPEC.replace('"ambiguous"', f'"{name}"')
+        .replace(
+            '"30", "--checkpoint-every",\n           "10"',
+            f'"{steps}", "--checkpoint-every",\n           "{every}"',
+        )
+        .format(checkpoints=checkpoints, python=sys.executable)
+    )
     assert f'"{every}"' in spec.read_text()
     return spec
 
@@ -204,16 +275,25 @@ def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, e
     RUNNING with nothing started, for good); now the controller rebuilds the job from
     etcd and tells the agents again until they run what etcd says, and the job
     completes without a restart."""
-    cluster.controller(launcher=[str(SCRIPTS / "lost_reply_controller.py")],
-                       env={"LOSE_REPLY_TO": "STARTING,RUNNING"})
+    cluster.controller(
+        launcher=[str(SCRIPTS / "lost_reply_controller.py")],
+        env={"LOSE_REPLY_TO": "STARTING,RUNNING"},
+    )
     for node in ("node-a", "node-b"):
         cluster.agent(node, slots="1")
     wait_for(lambda: len(cluster.store.nodes()) == 2, 30, what="two nodes registered")
     spec = cluster.path / "ambiguous.toml"
     checkpoints = cluster.path / "checkpoints"
     spec.write_text(LOST_REPLY_SPEC.format(checkpoints=checkpoints, python=sys.executable))
-    submitted = keel("submit", str(spec), "--etcd-endpoints", etcd.endpoint,
-                     "--token-file", str(cluster.path / "token"), timeout_s=120)
+    submitted = keel(
+        "submit",
+        str(spec),
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--token-file",
+        str(cluster.path / "token"),
+        timeout_s=120,
+    )
     assert submitted.returncode == 0, submitted.stderr
 
     def ended():
@@ -227,12 +307,27 @@ def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, e
     assert log.count("job rebuilt from etcd") >= 2
     assert (final["state"], final["generation"], final["restarts"]) == ("SUCCEEDED", 1, 0), final
     assert audit_checkpoint(checkpoints / "step_00000030") == {
-        "expected": 120, "consumed": 120, "duplicates": 0, "missing": 0}
+        "expected": 120,
+        "consumed": 120,
+        "duplicates": 0,
+        "missing": 0,
+    }
 
 
 EXACT_60 = {"expected": 960, "consumed": 960, "duplicates": 0, "missing": 0}
-SPARE_RUN = ("--nodes", "2", "--slots-per-node", "1", "--spares", "1", "--steps", "60",
-             "--checkpoint-every", "5", "--no-preflight")
+SPARE_RUN = (
+    "--nodes",
+    "2",
+    "--slots-per-node",
+    "1",
+    "--spares",
+    "1",
+    "--steps",
+    "60",
+    "--checkpoint-every",
+    "5",
+    "--no-preflight",
+)
 
 
 def test_a_node_cut_off_from_the_cluster_stops_its_own_ranks_before_it_is_replaced(no_leaks):
@@ -267,9 +362,16 @@ def test_a_frozen_node_that_wakes_cannot_commit_over_its_replacement(no_leaks):
     run = no_leaks / "run"
     # Generation 2's steps from 50 on are slowed (a straggler only reported), so node-0
     # wakes while it runs.
-    summary = run_up(run, *SPARE_RUN, "--straggler-policy", "alert",
-                     "--inject", "stall_node:node=0,step=15,for=15",
-                     "--inject", "slow:rank=1,step=50,factor=10")
+    summary = run_up(
+        run,
+        *SPARE_RUN,
+        "--straggler-policy",
+        "alert",
+        "--inject",
+        "stall_node:node=0,step=15,for=15",
+        "--inject",
+        "slow:rank=1,step=50,factor=10",
+    )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert "injected: node-0 frozen at step" in summary["_stderr"]
     assert (summary["steps"], summary["generations"]) == (60, 2)
@@ -298,11 +400,26 @@ def test_a_stalled_agent_no_longer_leaves_its_ranks_unsupervised(no_leaks):
     for 4 s at step 14 reproduces that (the agent judges the hang, then is stopped in
     the next generation), and with the 8 s floor the same 4 s leaves two."""
     run = no_leaks / "run"
-    summary = run_up(run, "--nodes", "1", "--slots-per-node", "1", "--steps", "40",
-                     "--checkpoint-every", "5", "--no-preflight", "--hang-floor-s", "8",
-                     "--collective-timeout-s", "16",
-                     "--inject", "stall_agent:node=0,step=15,for=24",
-                     "--inject", "hang:rank=0,step=17")
+    summary = run_up(
+        run,
+        "--nodes",
+        "1",
+        "--slots-per-node",
+        "1",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "5",
+        "--no-preflight",
+        "--hang-floor-s",
+        "8",
+        "--collective-timeout-s",
+        "16",
+        "--inject",
+        "stall_agent:node=0,step=15,for=24",
+        "--inject",
+        "hang:rank=0,step=17",
+    )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert "injected: node-0's agent" in summary["_stderr"]
     assert (summary["steps"], summary["generations"]) == (40, 2), summary["events"]
@@ -318,12 +435,14 @@ def put_all(client, items: dict[str, str]) -> None:
     """Write ``items`` to etcd in transactions of 100 puts."""
     tx, pairs = client.transactions, list(items.items())
     for i in range(0, len(pairs), 100):
-        client.transaction(compare=[], success=[tx.put(k, v) for k, v in pairs[i:i + 100]],
-                           failure=[])
+        client.transaction(
+            compare=[], success=[tx.put(k, v) for k, v in pairs[i : i + 100]], failure=[]
+        )
 
 
 def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replaces_the_node(
-        cluster, etcd):  # noqa: F811
+    cluster, etcd
+):  # noqa: F811
     """A drain stopped the job's generation (a checkpoint, then the stop) and the job
     waits PENDING for a free node when the leader dies. Before, the drain was known only
     from the cordons while the job ran: the new leader placed the next generation with
@@ -342,13 +461,16 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     # No free node: the drain checkpoints, stops the generation, and the job waits.
     drained = keel("drain", "node-a", *common)
     assert drained.returncode == 0, drained.stderr
-    wait_for(lambda: job().get("state") == "PENDING", 120, 0.2,
-             what="the drained generation stopped, the job waiting for a node")
+    wait_for(
+        lambda: job().get("state") == "PENDING",
+        120,
+        0.2,
+        what="the drained generation stopped, the job waiting for a node",
+    )
     assert job()["planned_stop"] and job()["restarts"] == 0
     cluster.controllers[0].kill()
     cluster.controllers[0].wait()
-    wait_for(lambda: cluster.store.controller_address() == standby, 60,
-             what="the standby to lead")
+    wait_for(lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead")
     cluster.agent("node-c", slots="1")
     wait_for(lambda: job().get("state") == "SUCCEEDED", 180, 0.5, what="the job to end")
     final = job()
@@ -357,14 +479,18 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     assert events.returncode == 0, events.stderr
     replaced = [e for e in map(json.loads, events.stdout.splitlines()) if e["kind"] == "replaced"]
     assert [(e["node"], e["reason"]) for e in replaced] == [
-        ("node-a", "node-a replaced by node-c")], replaced
+        ("node-a", "node-a replaced by node-c")
+    ], replaced
     last = committed_steps(checkpoints)[-1]
     assert audit_checkpoint(checkpoints / f"step_{last:08d}") == {
-        "expected": last * 4, "consumed": last * 4, "duplicates": 0, "missing": 0}
+        "expected": last * 4,
+        "consumed": last * 4,
+        "duplicates": 0,
+        "missing": 0,
+    }
 
 
-def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
-        cluster, etcd):  # noqa: F811
+def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(cluster, etcd):  # noqa: F811
     """An ended job carries 10,000 events of 1 KiB and 10,000 checkpoint records, 11 MB
     (what older versions could pile up). Before, each prefix was read in one range call:
     past gRPC's 4 MiB receive limit a new leader held the leader key but could never load
@@ -385,55 +511,85 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     assert keel("submit", str(history), *common).returncode == 0
     wait_for(lambda: state_of("history") == "SUCCEEDED", 60, what="history to end")
     checkpoints = cluster.path / "checkpoints"
-    put_all(cluster.store.client, {
-        **{keys.event("history", seq): json.dumps({
-            "kind": "alert", "reason": f"event {seq} " + "x" * 1024, "seq": seq})
-           for seq in range(100, 10_100)},
-        **{keys.checkpoint("history", step): json.dumps({
-            "step": step, "path": str(checkpoints / f"step_{step:08d}"), "generation": 1,
-            "samples": step * 4, "recorded_at": 0.0})
-           for step in range(1, 10_001)}})
+    put_all(
+        cluster.store.client,
+        {
+            **{
+                keys.event("history", seq): json.dumps(
+                    {"kind": "alert", "reason": f"event {seq} " + "x" * 1024, "seq": seq}
+                )
+                for seq in range(100, 10_100)
+            },
+            **{
+                keys.checkpoint("history", step): json.dumps(
+                    {
+                        "step": step,
+                        "path": str(checkpoints / f"step_{step:08d}"),
+                        "generation": 1,
+                        "samples": step * 4,
+                        "recorded_at": 0.0,
+                    }
+                )
+                for step in range(1, 10_001)
+            },
+        },
+    )
 
     running = trainer_spec(cluster.path, "running", 1_000_000, 1_000_000, checkpoints)
     assert keel("submit", str(running), *common).returncode == 0
 
     def stepping():
         status = json.loads(keel("jobs", "--json", *common).stdout)
-        return next((j for j in status if j["job"] == "running" and int(j.get("step", 0)) > 0),
-                    None)
+        return next(
+            (j for j in status if j["job"] == "running" and int(j.get("step", 0)) > 0), None
+        )
 
     before = wait_for(stepping, 120, 0.5, what="the running job stepping")
     cluster.controllers[0].kill()
     cluster.controllers[0].wait()
-    wait_for(lambda: cluster.store.controller_address() == standby, 60,
-             what="the standby to lead")
+    wait_for(lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead")
     # The new leader serves both jobs; it kept the newest events, within the bounds,
     # and deleted the rest, and the records past what restores could use.
     events = keel("events", "history", "--json", *common)
     assert events.returncode == 0, events.stderr
     seqs = [int(json.loads(line)["seq"]) for line in events.stdout.splitlines()]
     assert 0 < len(seqs) <= MAX_EVENTS and seqs[-1] == 10_099
-    wait_for(lambda: len(list(cluster.store.client.get_prefix(keys.events("history"),
-                                                              keys_only=True))) == len(seqs),
-             60, what="the dropped events deleted from etcd")
-    wait_for(lambda: len(cluster.store.checkpoints("history")) == RECORDS_KEPT, 60,
-             what="the records pruned")
+    wait_for(
+        lambda: (
+            len(list(cluster.store.client.get_prefix(keys.events("history"), keys_only=True)))
+            == len(seqs)
+        ),
+        60,
+        what="the dropped events deleted from etcd",
+    )
+    wait_for(
+        lambda: len(cluster.store.checkpoints("history")) == RECORDS_KEPT,
+        60,
+        what="the records pruned",
+    )
     # It trains on under the new leader, and ends as the operator says: a checkpoint
     # now, then CANCELLED, nothing restarted, every sample of its lineage once.
-    wait_for(lambda: (found := stepping()) and int(found["step"]) > int(before["step"]), 60,
-             0.5, what="the running job stepping under the new leader")
+    wait_for(
+        lambda: (found := stepping()) and int(found["step"]) > int(before["step"]),
+        60,
+        0.5,
+        what="the running job stepping under the new leader",
+    )
     stopped = keel("stop", "running", "--wait", "--timeout-s", "120", *common, timeout_s=180)
     assert stopped.returncode == 0, stopped.stderr
     final = cluster.store.job_state("running").value
     assert (final["state"], final["generation"], final["restarts"]) == ("CANCELLED", 1, 0)
-    last, = committed_steps(checkpoints)
+    (last,) = committed_steps(checkpoints)
     expected = last * 4
     assert audit_checkpoint(checkpoints / f"step_{last:08d}") == {
-        "expected": expected, "consumed": expected, "duplicates": 0, "missing": 0}
+        "expected": expected,
+        "consumed": expected,
+        "duplicates": 0,
+        "missing": 0,
+    }
 
 
-def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(
-        cluster, etcd):  # noqa: F811
+def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(cluster, etcd):  # noqa: F811
     """SIGTERM to an agent whose controller is frozen (SIGSTOP): its Leaving goes
     unanswered, so no checkpoint-and-move ever comes. The agent must not wait forever
     (a scheduler would SIGKILL it mid-checkpoint): after --drain-timeout-s it stops its
@@ -441,13 +597,27 @@ def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(
     controller_address = cluster.controller()
     agent = cluster.agent("node-a", slots="1", extra=("--drain-timeout-s", "2"))
     wait_for(lambda: "node-a" in cluster.store.nodes(), 30, what="the agent to register")
-    ran = keel("run", "--etcd-endpoints", etcd.endpoint, "--token-file",
-               str(cluster.path / "token"), "--detach", "--rdzv-id", "sleeper",
-               "--no-python", "sleep", "300", timeout_s=60)
+    ran = keel(
+        "run",
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--token-file",
+        str(cluster.path / "token"),
+        "--detach",
+        "--rdzv-id",
+        "sleeper",
+        "--no-python",
+        "sleep",
+        "300",
+        timeout_s=60,
+    )
     assert ran.returncode == 0, ran.stderr
     log = cluster.path / "node-a.log"
-    started = wait_for(lambda: re.search(r'"pid": (\d+), "event": "rank started"',
-                                         log.read_text()), 60, what="the rank to start")
+    started = wait_for(
+        lambda: re.search(r'"pid": (\d+), "event": "rank started"', log.read_text()),
+        60,
+        what="the rank to start",
+    )
     rank_pid = int(started[1])
     controller = next(p for p in cluster.controllers if p.poll() is None)
     assert cluster.store.controller_address() == controller_address

@@ -17,8 +17,12 @@ SCRIPTS = REPO / "tests" / "integration" / "scripts"
 
 def rank_starts(*logs: Path) -> list[dict]:
     """Every "rank started" record in the agents' ``logs``."""
-    return [json.loads(line) for path in logs for line in path.read_text().splitlines()
-            if '"rank started"' in line]
+    return [
+        json.loads(line)
+        for path in logs
+        for line in path.read_text().splitlines()
+        if '"rank started"' in line
+    ]
 
 
 def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
@@ -28,19 +32,33 @@ def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
     under_keel.mkdir()
     ran = torchrun(2, str(SCRIPTS / "dump_env.py"), str(under_torchrun))
     assert ran.returncode == 0, ran.stderr[-3000:]
-    ran = keel("run", "--workdir", str(no_leaks / "run"), "--nproc-per-node", "2",
-               str(SCRIPTS / "dump_env.py"), str(under_keel), timeout_s=180)
+    ran = keel(
+        "run",
+        "--workdir",
+        str(no_leaks / "run"),
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "dump_env.py"),
+        str(under_keel),
+        timeout_s=180,
+    )
     assert ran.returncode == 0, ran.stderr[-4000:]
     # Where they differ, they must: ports and ids are the launch's own, the error file is
     # per launch, and under Keel rank 0 hosts the store where torchrun's agent would.
-    own = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-           "TORCHELASTIC_USE_AGENT_STORE"}
+    own = {
+        "MASTER_PORT",
+        "MASTER_ADDR",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    }
     for rank in (0, 1):
         theirs = json.loads((under_torchrun / f"env-{rank}.json").read_text())
         ours = json.loads((under_keel / f"env-{rank}.json").read_text())
-        assert sorted(ours) == sorted(theirs), (sorted(set(theirs) ^ set(ours)))
-        assert {k: v for k, v in ours.items() if k not in own} == \
-            {k: v for k, v in theirs.items() if k not in own}
+        assert sorted(ours) == sorted(theirs), sorted(set(theirs) ^ set(ours))
+        assert {k: v for k, v in ours.items() if k not in own} == {
+            k: v for k, v in theirs.items() if k not in own
+        }
         assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
@@ -50,9 +68,21 @@ def test_a_script_whose_first_step_outlasts_every_timeout_runs_to_its_end(no_lea
     reports steps (trainer.runtime attaches) is held to it."""
     markers = no_leaks / "markers"
     markers.mkdir()
-    ran = keel("run", "--workdir", str(no_leaks / "run"), "--nnodes", "2",
-               "--hang-floor-s", "2", "--first-step-timeout-s", "3",
-               str(SCRIPTS / "slow_first_step.py"), str(markers), "5", timeout_s=180)
+    ran = keel(
+        "run",
+        "--workdir",
+        str(no_leaks / "run"),
+        "--nnodes",
+        "2",
+        "--hang-floor-s",
+        "2",
+        "--first-step-timeout-s",
+        "3",
+        str(SCRIPTS / "slow_first_step.py"),
+        str(markers),
+        "5",
+        timeout_s=180,
+    )
     assert ran.returncode == 0, ran.stderr[-4000:]
     assert "succeeded in 1 generation(s), 0 restart(s)" in ran.stderr
     assert "event:" not in ran.stderr, ran.stderr
@@ -68,15 +98,28 @@ def test_a_script_that_fails_once_resumes_from_its_own_snapshot(no_leaks):
     out.mkdir()
     ran = torchrun(2, str(SCRIPTS / "snapshot_trainer.py"), str(reference), "6", "-1")
     assert ran.returncode == 0, ran.stderr[-3000:]
-    ran = keel("run", "--workdir", str(no_leaks / "run"), "--nnodes", "2",
-               "--nproc-per-node", "1", "--max-restarts", "1",
-               str(SCRIPTS / "snapshot_trainer.py"), str(out), "6", "3", timeout_s=180)
+    ran = keel(
+        "run",
+        "--workdir",
+        str(no_leaks / "run"),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        str(SCRIPTS / "snapshot_trainer.py"),
+        str(out),
+        "6",
+        "3",
+        timeout_s=180,
+    )
     assert ran.returncode == 0, ran.stderr[-4000:]
     assert "succeeded in 2 generation(s), 1 restart(s)" in ran.stderr
     for rank in (0, 1):
-        assert (out / f"epochs-{rank}").read_text().splitlines() == \
-            [f"restart 0 epoch {e}" for e in range(3)] + \
-            [f"restart 1 epoch {e}" for e in range(3, 6)]
+        assert (out / f"epochs-{rank}").read_text().splitlines() == [
+            f"restart 0 epoch {e}" for e in range(3)
+        ] + [f"restart 1 epoch {e}" for e in range(3, 6)]
     final, expected = torch.load(out / "final.pt"), torch.load(reference / "final.pt")
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in final)
@@ -100,9 +143,22 @@ def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd
     markers = cluster.path / "markers"
     markers.mkdir()
     reach = ["--etcd-endpoints", etcd.endpoint, "--token-file", str(cluster.path / "token")]
-    ran = keel("run", *reach, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
-               "--rdzv-id", "plain", str(SCRIPTS / "plain_allreduce.py"), str(markers), "3",
-               timeout_s=180)
+    ran = keel(
+        "run",
+        *reach,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--rdzv-id",
+        "plain",
+        str(SCRIPTS / "plain_allreduce.py"),
+        str(markers),
+        "3",
+        timeout_s=180,
+    )
     assert ran.returncode == 0, ran.stderr[-4000:]
     assert [(markers / f"done-{r}").read_text() for r in (0, 1)] == ["restart=1 world=2\n"] * 2
     # One rank per node: rank 0 on node-a, rank 1 on node-b, in both generations.
@@ -116,11 +172,13 @@ def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd
     assert logs.returncode == 0, logs.stderr
     assert logs.stderr.strip() == "rank 1 failing on purpose"
     (cluster.path / "node-b" / "plain" / "gen2" / "rank1.out").write_text("line one\nline two\n")
-    logs = keel("logs", "plain", "--rank", "1", "-f", *reach)   # the job ended: -f returns
+    logs = keel("logs", "plain", "--rank", "1", "-f", *reach)  # the job ended: -f returns
     assert logs.returncode == 0 and logs.stdout == "line one\nline two\n", logs.stderr
-    for args, message in [(["--rank", "5"], "generation 2 of job plain has no rank 5 (ranks 0-1)"),
-                          (["--generation", "9"], "generation 9 of job plain has not started"),
-                          (["--job-typo"], "No such option")]:
+    for args, message in [
+        (["--rank", "5"], "generation 2 of job plain has no rank 5 (ranks 0-1)"),
+        (["--generation", "9"], "generation 9 of job plain has not started"),
+        (["--job-typo"], "No such option"),
+    ]:
         logs = keel("logs", "plain", *args, *reach)
         assert logs.returncode != 0 and message in logs.stderr, logs.stderr
 
@@ -133,9 +191,9 @@ def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd
     assert [s["warm"] for s in starts if s["job"] == "fails"] == [False]
     # The first generation started cold (no rank had started before), the restarted one
     # in processes that had imported torch, and the script saw no difference.
-    assert sorted((s["generation"], s["rank"], s["warm"]) for s in starts
-                  if s["job"] == "plain") == \
-        [(1, 0, False), (1, 1, False), (2, 0, True), (2, 1, True)], starts
+    assert sorted(
+        (s["generation"], s["rank"], s["warm"]) for s in starts if s["job"] == "plain"
+    ) == [(1, 0, False), (1, 1, False), (2, 0, True), (2, 1, True)], starts
     deleted = keel("delete", "fails", *reach)
     assert deleted.returncode == 0 and "job fails deleted" in deleted.stdout, deleted.stderr
     assert "fails" not in keel("jobs", "--json", *reach).stdout

@@ -22,19 +22,26 @@ def test_a_leader_named_after_an_etcd_restart_is_seen(etcd):
     watch = LeaderWatch(client).start()
     try:
         client.put(keys.LEADER, json.dumps({"address": "old:1", "id": "a"}))
-        wait_for(lambda: watch.current and watch.current.address == "old:1", 30,
-                 what="the first leader to be seen")
+        wait_for(
+            lambda: watch.current and watch.current.address == "old:1",
+            30,
+            what="the first leader to be seen",
+        )
         etcd.restart()
 
-        def name_new_leader() -> bool:   # the client may take a moment to retry etcd
+        def name_new_leader() -> bool:  # the client may take a moment to retry etcd
             try:
                 client.put(keys.LEADER, json.dumps({"address": "new:2", "id": "b"}))
             except Exception:
                 return False
             return True
+
         wait_for(name_new_leader, 30, 0.2, what="etcd to take a write again")
-        wait_for(lambda: watch.current and watch.current.address == "new:2", 30,
-                 what="the leader named after the restart to be seen")
+        wait_for(
+            lambda: watch.current and watch.current.address == "new:2",
+            30,
+            what="the leader named after the restart to be seen",
+        )
         assert crashed == [], f"a watcher thread died: {crashed!r}"
     finally:
         watch.stop()

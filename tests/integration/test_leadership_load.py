@@ -23,8 +23,9 @@ from tests.conftest import wait_for
 
 
 def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
-    controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t",
-                                             leader_ttl_s=2.0))
+    controller = Controller(
+        ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t", leader_ttl_s=2.0)
+    )
     address = controller.serve()
     state, leadership = controller.state, controller.leadership
     try:
@@ -35,10 +36,13 @@ def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
         # the lease has been refreshed four times since: past its 2 s TTL.
         with state.lock:
             held, refreshes = time.monotonic(), leadership.refreshes
-            wait_for(lambda: leadership.refreshes >= refreshes + 4, 30,
-                     what="the lease to be refreshed while the work is stuck")
+            wait_for(
+                lambda: leadership.refreshes >= refreshes + 4,
+                30,
+                what="the lease to be refreshed while the work is stuck",
+            )
             assert time.monotonic() - held > 2.0
-            assert state.store.controller_address() == address   # the key never lapsed
+            assert state.store.controller_address() == address  # the key never lapsed
         # The held-up tick runs, and the loop after it: still the leader, in the same term.
         wait_for(lambda: leadership.refreshes >= refreshes + 6, 30, what="two more refreshes")
         assert leadership.keep(time.monotonic())
@@ -70,19 +74,22 @@ def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etc
 
     leadership.lease.revoke = revoke_and_note
     stopper = threading.Thread(target=controller.shutdown)
-    with state.lock:   # a tick under way
+    with state.lock:  # a tick under way
         # The deterministic hook: the lock, saying when the handover waits for it.
         state.lock = WaitedFor(state.lock, Leadership.release)
         stopper.start()
-        wait_for(lambda: revoked.is_set() or state.lock.waited.is_set(), 30,
-                 what="the handover to revoke the lease, or to wait for the tick")
-        state.store.put_events("held", [(1, event)])   # the tick's last write
+        wait_for(
+            lambda: revoked.is_set() or state.lock.waited.is_set(),
+            30,
+            what="the handover to revoke the lease, or to wait for the tick",
+        )
+        state.store.put_events("held", [(1, event)])  # the tick's last write
     stopper.join(60)
     try:
         assert not stopper.is_alive()
         assert written_before_revoke == [True]
         assert reader.events("held") == [event]
-        assert reader.controller_address() is None   # and the lead was handed over
+        assert reader.controller_address() is None  # and the lead was handed over
     finally:
         reader.client.close()
 
@@ -118,13 +125,18 @@ def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
     standby = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
     standby_address = standby.serve()
     try:
-        wait_for(lambda: standby.leadership.leader.current is not None, 30,
-                 what="the standby to see the leader")
+        wait_for(
+            lambda: standby.leadership.leader.current is not None,
+            30,
+            what="the standby to see the leader",
+        )
         client, reads = standby.state.store.client, []
         for name in ("get", "get_response", "get_range_response", "get_prefix", "get_all"):
+
             def counted(*args, _real=getattr(client, name), _name=name, **kwargs):
                 reads.append(_name)
                 return _real(*args, **kwargs)
+
             setattr(client, name, counted)
         hello = keel_pb2.AgentMessage(hello=keel_pb2.Hello(node="node-x", slots=1, lease_id=1))
         with grpc.insecure_channel(standby_address) as channel:

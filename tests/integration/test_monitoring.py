@@ -41,9 +41,16 @@ class Prometheus:
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={data}",
-                 f"--web.listen-address={self.url.removeprefix('http://')}"],
-                stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={data}",
+                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                ],
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+            )
         wait_for(self._ready, 60, 0.2, "prometheus ready")
 
     def _ready(self) -> bool:
@@ -89,15 +96,43 @@ def monitored_run(tmp_path_factory, prometheus_binary):
     """A ``keel up`` run watched by Prometheus: its summary, and the server (still up)."""
     base = tmp_path_factory.mktemp("monitored")
     workdir = base / "run"
-    with open(base / "up.err", "wb") as up_err:   # the child keeps its own descriptor
+    with open(base / "up.err", "wb") as up_err:  # the child keeps its own descriptor
         up = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "up", "--json", "--workdir", str(workdir),
-             "--timeout-s", "420", "--controllers", "2", "--nodes", "2", "--spares", "1",
-             "--slots-per-node", "1", "--steps", "60", "--checkpoint-every", "5",
-             "--inject", "crash:rank=0,step=12", "--inject", "kill_leader:step=20",
-             "--inject", "slow:rank=1,step=22,factor=5"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=up_err, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "up",
+                "--json",
+                "--workdir",
+                str(workdir),
+                "--timeout-s",
+                "420",
+                "--controllers",
+                "2",
+                "--nodes",
+                "2",
+                "--spares",
+                "1",
+                "--slots-per-node",
+                "1",
+                "--steps",
+                "60",
+                "--checkpoint-every",
+                "5",
+                "--inject",
+                "crash:rank=0,step=12",
+                "--inject",
+                "kill_leader:step=20",
+                "--inject",
+                "slow:rank=1,step=22,factor=5",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=up_err,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     server = None
     try:
         config = workdir / "prometheus" / "prometheus.yml"
@@ -135,33 +170,50 @@ def test_prometheus_holds_the_step_the_goodput_and_the_restarts_by_cause(monitor
     # The step at the last scrape before keel up stopped the cluster (it scrapes every 2 s).
     step = prometheus.value(f'max(max_over_time(keel_job_step{{job_name="{JOB}"}}[{window}]))')
     assert step is not None and 50 <= step <= 60, step
-    ratio = prometheus.value(f'max(last_over_time(keel_goodput_ratio{{job_name="{JOB}"}}[{window}]))')
+    ratio = prometheus.value(
+        f'max(last_over_time(keel_goodput_ratio{{job_name="{JOB}"}}[{window}]))'
+    )
     assert ratio is not None and 0 < ratio < 1
     for cause in ("crash", "straggler"):
-        counted = prometheus.value(f'max(max_over_time(keel_job_restarts_total'
-                                   f'{{job_name="{JOB}",cause="{cause}"}}[{window}]))')
+        counted = prometheus.value(
+            f"max(max_over_time(keel_job_restarts_total"
+            f'{{job_name="{JOB}",cause="{cause}"}}[{window}]))'
+        )
         assert counted is not None and counted >= 1, cause
     # Counted by cause from the job's start: the causes that did not happen are 0.
-    assert prometheus.value(f'max(max_over_time(keel_job_restarts_total'
-                            f'{{job_name="{JOB}",cause="hang"}}[{window}]))') == 0
+    assert (
+        prometheus.value(
+            f"max(max_over_time(keel_job_restarts_total"
+            f'{{job_name="{JOB}",cause="hang"}}[{window}]))'
+        )
+        == 0
+    )
 
 
 def test_every_metric_the_dashboard_and_the_rules_name_is_exported(monitored_run):
     _, prometheus = monitored_run
-    recorded = {name for name, _ in rule_exprs(RULES)
-                if ":" in name}   # recording rules are named level:metric:operations
+    recorded = {
+        name for name, _ in rule_exprs(RULES) if ":" in name
+    }  # recording rules are named level:metric:operations
     names = set()
     for expr in dashboard_exprs(DASHBOARD) + [expr for _, expr in rule_exprs(RULES)]:
         names |= metric_names(expr)
     names -= recorded | NOT_ON_CPU | {"up"}
     assert len(names) > 40, sorted(names)
-    missing = [name for name in sorted(names) if not prometheus.query(
-        f'count(last_over_time({{__name__="{name}"}}[30m]))')]
+    missing = [
+        name
+        for name in sorted(names)
+        if not prometheus.query(f'count(last_over_time({{__name__="{name}"}}[30m]))')
+    ]
     assert not missing, f"named in deploy/ but never exported: {missing}"
     # Keel's rules evaluated on the run's data without an error.
     groups = prometheus.api("rules")["groups"]
-    broken = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"]
-              if r["health"] not in ("ok", "unknown")]
+    broken = [
+        (r["name"], r.get("lastError"))
+        for g in groups
+        for r in g["rules"]
+        if r["health"] not in ("ok", "unknown")
+    ]
     assert groups and not broken, broken
 
 
@@ -176,8 +228,9 @@ def test_no_series_is_labelled_by_step_pid_or_generation(monitored_run):
 def test_the_new_leader_exports_the_job_at_its_first_scrape(monitored_run):
     summary, prometheus = monitored_run
     targets = json.loads((summary["_workdir"] / "prometheus" / "targets.json").read_text())
-    controllers, = [group["targets"] for group in targets
-                    if group["labels"]["keel_kind"] == "controller"]
+    (controllers,) = [
+        group["targets"] for group in targets if group["labels"]["keel_kind"] == "controller"
+    ]
     assert len(controllers) == 2, targets
     leading = {}
     for address in controllers:
@@ -192,8 +245,9 @@ def test_the_new_leader_exports_the_job_at_its_first_scrape(monitored_run):
     # within a second of its takeover), that there is exactly one is not.
     states = {}
     for name in (state.value for state in JobState):
-        samples = prometheus.samples(f'keel_job_state{{instance="{new}",job_name="{JOB}",'
-                                     f'state="{name}"}}')
+        samples = prometheus.samples(
+            f'keel_job_state{{instance="{new}",job_name="{JOB}",state="{name}"}}'
+        )
         states[name] = samples.get(first)
     # In the very scrape where it first says it leads, the job's state and step are
     # there: the step etcd knows (stored at the last transition, the step the crash's
@@ -207,8 +261,7 @@ def test_the_new_leader_exports_the_job_at_its_first_scrape(monitored_run):
     assert min(step) >= first
 
 
-def test_goodput_adds_up_to_the_wall_time_and_blames_the_crash_and_the_straggler(
-        monitored_run):
+def test_goodput_adds_up_to_the_wall_time_and_blames_the_crash_and_the_straggler(monitored_run):
     summary, prometheus = monitored_run
     goodput = summary["goodput"]
     seconds, wall = goodput["seconds"], goodput["wall_s"]

@@ -45,8 +45,12 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
 
     def running_on(generation):
         found = job()
-        return (found["state"] == "RUNNING" and int(found["generation"]) == generation
-                and int(found["step"]) > 0 and found)
+        return (
+            found["state"] == "RUNNING"
+            and int(found["generation"]) == generation
+            and int(found["step"]) > 0
+            and found
+        )
 
     # A broken spec is refused with the field and the fix, and nothing is submitted.
     bad = cluster.path / "bad.toml"
@@ -61,13 +65,15 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
     spec.write_text(SPEC.format(checkpoints=cluster.path / "checkpoints", python=sys.executable))
     assert "submitted job steer (2 ranks)" in cli("submit", str(spec)).stdout
     wait_for(lambda: running_on(1), 120, 0.5, what="generation 1 stepping")
-    assert {n: v["job"] for n, v in nodes().items()} == {"node-a": "steer", "node-b": "steer",
-                                                          "node-c": ""}
+    assert {n: v["job"] for n, v in nodes().items()} == {
+        "node-a": "steer",
+        "node-b": "steer",
+        "node-c": "",
+    }
 
     # A checkpoint on demand, committed after the step at which it was asked for.
     asked = json.loads(cli("checkpoint", "--json").stdout)
-    done = json.loads(cli("checkpoint", "steer", "--wait", "--timeout-s", "60",
-                          "--json").stdout)
+    done = json.loads(cli("checkpoint", "steer", "--wait", "--timeout-s", "60", "--json").stdout)
     assert int(done["step"]) > int(asked["after_step"])
 
     # Cordon and uncordon a free node: persisted in etcd, shown by `keel nodes`.
@@ -101,13 +107,15 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
 
     # Stop: a final checkpoint, every rank stopped, the job CANCELLED for good.
     before = job()["last_checkpoint"]["step"]
-    stopped = json.loads(cli("stop", "steer", "--reason", "done testing", "--wait",
-                             "--json").stdout)
+    stopped = json.loads(
+        cli("stop", "steer", "--reason", "done testing", "--wait", "--json").stdout
+    )
     assert stopped["state"] == "CANCELLED"
     final = job()
     assert final["state"] == "CANCELLED" and "done testing" in final["reason"]
     assert int(final["last_checkpoint"]["step"]) > int(before)
     assert {v["job"] for v in nodes().values()} == {""}
-    kinds = [json.loads(line)["kind"] for line in
-             cli("events", "steer", "--json").stdout.splitlines()]
+    kinds = [
+        json.loads(line)["kind"] for line in cli("events", "steer", "--json").stdout.splitlines()
+    ]
     assert kinds.count("operator") >= 4 and "replaced" in kinds

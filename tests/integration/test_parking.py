@@ -26,10 +26,19 @@ def sleeper():
     made = []
 
     def start():
-        made.append(subprocess.Popen(
-            [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                   "time.sleep(120)"], start_new_session=True))
+        made.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "time.sleep(120)",
+                ],
+                start_new_session=True,
+            )
+        )
         return made[-1]
+
     yield start
     for popen in made:
         if popen.poll() is None:
@@ -38,22 +47,35 @@ def sleeper():
 
 
 def parked(popen, slot=0, job="j", **overrides) -> Parked:
-    fields = dict(popen=popen, job=job, generation=3, rank=slot, slot=slot, command=COMMAND,
-                  working_dir="/w", job_env={"A": "1"})
+    fields = dict(
+        popen=popen,
+        job=job,
+        generation=3,
+        rank=slot,
+        slot=slot,
+        command=COMMAND,
+        working_dir="/w",
+        job_env={"A": "1"},
+    )
     return Parked(**{**fields, **overrides})
 
 
 def start(job="j", cold_start=False, env=None) -> keel_pb2.StartGeneration:
-    return keel_pb2.StartGeneration(job=job, generation=4, command=COMMAND, working_dir="/w",
-                                    env=env if env is not None else {"A": "1"},
-                                    cold_start=cold_start)
+    return keel_pb2.StartGeneration(
+        job=job,
+        generation=4,
+        command=COMMAND,
+        working_dir="/w",
+        env=env if env is not None else {"A": "1"},
+        cold_start=cold_start,
+    )
 
 
 def test_a_parked_process_becomes_only_a_rank_of_its_own_slot_job_and_command(sleeper):
     lot = ParkingLot()
     lot.park("t0", parked(sleeper(), slot=0))
     lot.park("t1", parked(sleeper(), slot=1))
-    slot = lambda n: keel_pb2.RankAssignment(rank=n, local_rank=n)   # noqa: E731
+    slot = lambda n: keel_pb2.RankAssignment(rank=n, local_rank=n)  # noqa: E731
     for wrong in (start(job="other"), start(cold_start=True), start(env={"A": "2"})):
         assert lot.take(wrong, slot(0)) is None
     # Another rank on its slot: torch's DTensor would hand it its old rank's shards.
@@ -83,10 +105,12 @@ def test_released_processes_hear_exit_and_are_killed_if_they_stay(sleeper):
     lot.park("old", old)
     heard = []
     waiting = threading.Thread(target=lambda: heard.append(lot.answer("old")))
-    waiting.start()                      # a NextGeneration call held open
+    waiting.start()  # a NextGeneration call held open
     lot.release_all("generation 4 starts here without them", now=100.0)
     waiting.join(5)
-    assert [(a.action, a.reason) for a in heard] == [("exit", "generation 4 starts here without them")]
+    assert [(a.action, a.reason) for a in heard] == [
+        ("exit", "generation 4 starts here without them")
+    ]
     assert lot.answer("old").action == "exit", "said again to every later call"
     lot.poll(now=100.0 + RELEASE_GRACE_S / 2)
     assert old.popen.poll() is None, "it has the grace to exit by itself"

@@ -55,7 +55,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def target_flags(target: str) -> list[str]:
     layout, _, schedule = target.partition(" ")
-    return ["--layout", layout] + (["--pp-schedule", "interleaved_1f1b"] if schedule == "interleaved" else [])
+    return ["--layout", layout] + (
+        ["--pp-schedule", "interleaved_1f1b"] if schedule == "interleaved" else []
+    )
 
 
 def source_dir(name: str) -> str:
@@ -63,6 +65,7 @@ def source_dir(name: str) -> str:
 
 
 # --- pure: retention -------------------------------------------------------------------
+
 
 def test_retention_keeps_the_newest_and_the_protected():
     assert expired([5, 10, 15, 20], keep=2, protected=set()) == [5, 10]
@@ -75,7 +78,9 @@ def test_retention_keeps_the_newest_and_the_protected():
 
 def test_the_lr_schedule_warms_up_then_decays_to_its_floor():
     # Part of the trainer state a checkpoint carries (as the scheduler's position).
-    factors = [lr_factor(step, warmup_steps=4, total_steps=10, schedule="cosine") for step in range(11)]
+    factors = [
+        lr_factor(step, warmup_steps=4, total_steps=10, schedule="cosine") for step in range(11)
+    ]
     assert factors[:4] == [0.2, 0.4, 0.6, 0.8]
     assert factors[4] == 1.0 and factors[10] == pytest.approx(0.1)
     assert all(a > b for a, b in zip(factors[4:], factors[5:]))
@@ -84,10 +89,17 @@ def test_the_lr_schedule_warms_up_then_decays_to_its_floor():
 
 # --- real ranks ----------------------------------------------------------------------
 
+
 def run_cases(nproc: int, root: Path, cases: list[dict]) -> list[dict]:
     run = torchrun(nproc, str(SCRIPT), str(root), json.dumps(cases), "--", *COMMON)
-    assert run.returncode == 0, f"launch failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
-    return [json.loads(line.removeprefix("RESULT ")) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0, (
+        f"launch failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    )
+    return [
+        json.loads(line.removeprefix("RESULT "))
+        for line in run.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
 
 
 @pytest.mark.integration
@@ -97,13 +109,18 @@ def test_checkpoints_load_bit_for_bit_under_any_layout_and_world_size(tmp_path):
     run_cases(1, tmp_path, [{"save": source_dir("one rank"), "flags": []}])
     cases = [{"save": source_dir(name), "flags": flags} for name, flags in SOURCES.items()]
     for world_size in (4, 2, 1):
-        cases += [{"load": source_dir(source), "flags": target_flags(target)}
-                  for source, targets in TARGETS[world_size].items() for target in targets]
+        cases += [
+            {"load": source_dir(source), "flags": target_flags(target)}
+            for source, targets in TARGETS[world_size].items()
+            for target in targets
+        ]
         for result in run_cases(world_size, tmp_path, cases):
             loads[(result["source"], world_size, result["target"])] = result
         cases = []
 
-    expected_cases = sum(len(targets) for targets in TARGETS.values() for targets in targets.values())
+    expected_cases = sum(
+        len(targets) for targets in TARGETS.values() for targets in targets.values()
+    )
     assert len(loads) == expected_cases
     for case, result in sorted(loads.items()):
         # 39 parameters: each with its weights, exp_avg, exp_avg_sq, step and param-group values.
@@ -118,14 +135,39 @@ def test_checkpoints_load_bit_for_bit_under_any_layout_and_world_size(tmp_path):
 @pytest.mark.integration
 def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_once(tmp_path):
     ckpt = tmp_path / "ckpt"
-    faults = json_format.MessageToJson(keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=3, step=9)]))
+    faults = json_format.MessageToJson(
+        keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=3, step=9)])
+    )
     # A schedule whose learning rate changes every step, so that resuming it at the
     # wrong position would show in the losses.
-    flags = ["-m", "trainer.train", "--steps", "10", "--checkpoint-every", "3", "--keep-checkpoints", "2",
-             "--layers", "4", "--seq-len", "32", "--warmup-steps", "4", "--lr-schedule", "cosine"]
+    flags = [
+        "-m",
+        "trainer.train",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "3",
+        "--keep-checkpoints",
+        "2",
+        "--layers",
+        "4",
+        "--seq-len",
+        "32",
+        "--warmup-steps",
+        "4",
+        "--lr-schedule",
+        "cosine",
+    ]
     reference = step_losses(torchrun(1, *flags))
-    crashed = torchrun(4, *flags, env={"KEEL_MESH": "dp_shard=2,tp=2", "KEEL_CHECKPOINT_DIR": str(ckpt),
-                                       "KEEL_FAULTS": faults})
+    crashed = torchrun(
+        4,
+        *flags,
+        env={
+            "KEEL_MESH": "dp_shard=2,tp=2",
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_FAULTS": faults,
+        },
+    )
     assert crashed.returncode != 0
     assert "injected crash at step 9 on rank 3" in crashed.stderr
     assert 8 in step_losses(crashed, check=False)
@@ -135,8 +177,15 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
     restored = committed[-1]
 
     # Plain torchrun on two ranks as a two-stage interleaved pipeline, from the latest.
-    resumed = torchrun(2, *flags, "--layout", "pp=2", "--pp-schedule", "interleaved_1f1b",
-                       env={"KEEL_CHECKPOINT_DIR": str(ckpt)})
+    resumed = torchrun(
+        2,
+        *flags,
+        "--layout",
+        "pp=2",
+        "--pp-schedule",
+        "interleaved_1f1b",
+        env={"KEEL_CHECKPOINT_DIR": str(ckpt)},
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {ckpt / f'step_{restored:08d}'} at step={restored}" in resumed.stderr
     print(f"crashed at step 9 with steps {committed} committed; resumed from step {restored}")
@@ -147,7 +196,12 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
     # The failed generation trained steps up to 8 after its last commit; only the
     # resumed generation's runs of those steps are in the lineage.
     assert [entry[0] for entry in ledger["ranges"]] == list(range(1, 11))
-    assert summarize(ledger["ranges"], 10 * 16) == {"expected": 160, "consumed": 160, "duplicates": 0, "missing": 0}
+    assert summarize(ledger["ranges"], 10 * 16) == {
+        "expected": 160,
+        "consumed": 160,
+        "duplicates": 0,
+        "missing": 0,
+    }
     # Every committed checkpoint's ledger is its own prefix of the lineage.
     earlier = json.loads((ckpt / "step_00000009" / "ledger.json").read_text())
     assert earlier["ranges"] == ledger["ranges"][:9]

@@ -28,10 +28,24 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
     socket_path, recorder = agent
     ckpt = tmp_path / "ckpt"
     run = torchrun(
-        2, "-m", "trainer.train", "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0",
-        "--preflight-sizes-mb", "0.25,1",
-        env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path, "KEEL_JOB": "demo",
-             "KEEL_GENERATION": "2", "KEEL_RANK_TOKEN": recorder.token_for(2, 2, ckpt)},
+        2,
+        "-m",
+        "trainer.train",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--keep-checkpoints",
+        "0",
+        "--preflight-sizes-mb",
+        "0.25,1",
+        env={
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_AGENT_SOCKET": socket_path,
+            "KEEL_JOB": "demo",
+            "KEEL_GENERATION": "2",
+            "KEEL_RANK_TOKEN": recorder.token_for(2, 2, ckpt),
+        },
     )
     assert sorted(step_losses(run, only_steps=True)) == list(range(1, STEPS + 1))
 
@@ -40,7 +54,9 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
     saved = committed_steps(ckpt)
     (requested,) = [step for step in saved if step not in (EVERY, STEPS)]
     assert saved == [requested, EVERY, STEPS] and ASK_AFTER_STEP < requested < EVERY
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in (ckpt / f"step_{requested:08d}").iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {
+        p.name for p in (ckpt / f"step_{requested:08d}").iterdir()
+    }
     assert f"the agent asked for a checkpoint: saving after step {requested}" in run.stderr
 
     steps = {(report.rank, report.step): report for report in recorder.of("step")}
@@ -60,7 +76,9 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
         assert steps[0, step + 1].checkpoint_s > 0 and steps[1, step + 1].checkpoint_s > 0
 
     # Each rank's flagged report reached the agent before rank 0 committed the save.
-    events = [(kind, payload.step) for kind, payload in recorder.events if kind in ("step", "checkpoint")]
+    events = [
+        (kind, payload.step) for kind, payload in recorder.events if kind in ("step", "checkpoint")
+    ]
     assert [step for kind, step in events if kind == "checkpoint"] == saved
     for step in saved:
         committed_at = events.index(("checkpoint", step))
@@ -72,12 +90,18 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
         assert (report.job, report.generation, report.world_size) == ("demo", 2, 2)
         assert report.wall_s > 0
         measured = sorted((r.collective, r.size_bytes) for r in report.results)
-        assert measured == sorted((c, int(size)) for c in preflight.COLLECTIVES for size in PREFLIGHT_SIZES)
+        assert measured == sorted(
+            (c, int(size)) for c in preflight.COLLECTIVES for size in PREFLIGHT_SIZES
+        )
         for result in report.results:
             assert result.time_s > 0
             algbw, busbw = bus_bandwidth(result.collective, result.size_bytes, result.time_s, 2)
-            assert result.algbw_gbps == pytest.approx(result.size_bytes / result.time_s / 1e9, rel=1e-12)
-            assert (result.algbw_gbps, result.busbw_gbps) == pytest.approx((algbw, busbw), rel=1e-12)
+            assert result.algbw_gbps == pytest.approx(
+                result.size_bytes / result.time_s / 1e9, rel=1e-12
+            )
+            assert (result.algbw_gbps, result.busbw_gbps) == pytest.approx(
+                (algbw, busbw), rel=1e-12
+            )
     assert run.stderr.count("preflight over 2 ranks in") == 1
 
 
@@ -116,11 +140,27 @@ def test_late_rank_is_named_and_the_short_collective_timeout_applies(tmp_path):
         for mode in ("late", "timeout"):
             launched[mode] = []
             for rank in (0, 1):
-                launched[mode].append(subprocess.Popen(
-                    [sys.executable, "-c", RANKS_SCRIPT, mode, str(tmp_path / f"{mode}.store"), str(rank)],
-                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        outputs = {mode: [process.communicate(timeout=90) for process in processes]
-                   for mode, processes in launched.items()}
+                launched[mode].append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            RANKS_SCRIPT,
+                            mode,
+                            str(tmp_path / f"{mode}.store"),
+                            str(rank),
+                        ],
+                        cwd=REPO,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=env,
+                    )
+                )
+        outputs = {
+            mode: [process.communicate(timeout=90) for process in processes]
+            for mode, processes in launched.items()
+        }
     finally:
         for processes in launched.values():
             for process in processes:
@@ -133,7 +173,9 @@ def test_late_rank_is_named_and_the_short_collective_timeout_applies(tmp_path):
 
     late = outputs["late"][0][0]
     assert late.startswith("StartBarrierError after "), late
-    assert ("generation start: rank 1 did not reach the start barrier within 1.5 s (1/2 ranks arrived)") in late
+    assert (
+        "generation start: rank 1 did not reach the start barrier within 1.5 s (1/2 ranks arrived)"
+    ) in late
     timeout = outputs["timeout"][0][0]
     # Failed on the 1.5 s it was given (1500ms in gloo's message), not the 60 s the
     # group started with.
@@ -160,14 +202,29 @@ def test_a_rank_whose_agent_stops_answering_stops_itself():
     it stops itself after the collective timeout."""
     from tests.unit.trainer.test_runtime import StuckAgent
     from tests.conftest import local_agent
+
     stuck = StuckAgent()
     with local_agent(stuck) as socket_path:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "WORLD_SIZE": "1",
-               "KEEL_JOB": "j", "KEEL_GENERATION": "1", "KEEL_AGENT_SOCKET": socket_path,
-               "KEEL_RANK_TOKEN": stuck.token_for(1, 1), "KEEL_COLLECTIVE_TIMEOUT_S": "4"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "KEEL_JOB": "j",
+            "KEEL_GENERATION": "1",
+            "KEEL_AGENT_SOCKET": socket_path,
+            "KEEL_RANK_TOKEN": stuck.token_for(1, 1),
+            "KEEL_COLLECTIVE_TIMEOUT_S": "4",
+        }
         try:
-            rank = subprocess.run([sys.executable, "-c", FENCED_RANK], env=env, cwd=REPO,
-                                  capture_output=True, text=True, timeout=120)
+            rank = subprocess.run(
+                [sys.executable, "-c", FENCED_RANK],
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         finally:
             stuck.release.set()
     assert rank.returncode == -15, rank.stderr[-2000:]

@@ -26,10 +26,19 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
 
     # Two ranks, as Keel would start them: checkpoint dir and identity from KEEL_*.
     first = torchrun(
-        2, "-m", "trainer.train", "--steps", "12", "--checkpoint-every", "5",
+        2,
+        "-m",
+        "trainer.train",
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "5",
         env={
-            "KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_AGENT_SOCKET": socket_path,
-            "KEEL_JOB": "demo", "KEEL_GENERATION": "3", "KEEL_MESH": "dp_shard=2",
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_AGENT_SOCKET": socket_path,
+            "KEEL_JOB": "demo",
+            "KEEL_GENERATION": "3",
+            "KEEL_MESH": "dp_shard=2",
             "KEEL_RANK_TOKEN": recorder.token_for(3, 2, ckpt),
         },
     )
@@ -43,10 +52,15 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
     # Every committed checkpoint carries the lineage's ledger up to its step.
     ledger = json.loads((ckpt / "step_00000010" / "ledger.json").read_text())
-    assert ledger == {"global_batch": GLOBAL_BATCH, "step": 10,
-                      "ranges": [[step, (step - 1) * GLOBAL_BATCH, GLOBAL_BATCH] for step in range(1, 11)]}
+    assert ledger == {
+        "global_batch": GLOBAL_BATCH,
+        "step": 10,
+        "ranges": [[step, (step - 1) * GLOBAL_BATCH, GLOBAL_BATCH] for step in range(1, 11)],
+    }
 
-    reported = {(report.rank, report.step): (generation, report) for generation, report in recorder.steps()}
+    reported = {
+        (report.rank, report.step): (generation, report) for generation, report in recorder.steps()
+    }
     checkpoints = recorder.of("checkpoint")
     assert set(reported) == {(rank, step) for rank in (0, 1) for step in range(1, 13)}
     for (rank, step), (generation, report) in reported.items():
@@ -55,16 +69,30 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
         assert report.loss == pytest.approx(losses[step], abs=1e-6)
         assert report.step_time_s > 0 and report.at > 0
     assert [(c.job, c.generation, c.step, c.path, c.samples) for c in checkpoints] == [
-        ("demo", 3, step, str(ckpt / f"step_{step:08d}"), step * GLOBAL_BATCH) for step in (5, 10, 12)
+        ("demo", 3, step, str(ckpt / f"step_{step:08d}"), step * GLOBAL_BATCH)
+        for step in (5, 10, 12)
     ]
 
     # Plain torchrun on one rank: it finds the latest committed checkpoint itself and
     # DCP reshards the two ranks' shards onto one. Retention keeps the newest four.
-    resumed = torchrun(1, "-m", "trainer.train", "--steps", "16", "--checkpoint-every", "5",
-                       "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "4")
+    resumed = torchrun(
+        1,
+        "-m",
+        "trainer.train",
+        "--steps",
+        "16",
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--keep-checkpoints",
+        "4",
+    )
     resumed_losses = step_losses(resumed, only_steps=True)
     assert sorted(resumed_losses) == [13, 14, 15, 16], resumed.stdout
-    assert f"resumed from {ckpt / 'step_00000012'} at step=12 samples=192 on 1 ranks" in resumed.stderr
+    assert (
+        f"resumed from {ckpt / 'step_00000012'} at step=12 samples=192 on 1 ranks" in resumed.stderr
+    )
     assert resumed_losses[13] < losses[1] - 1.0, "the resumed model forgot what it learnt"
     assert committed_steps(ckpt) == [10, 12, 15, 16]
     assert "retention (--keep-checkpoints 4) deleted checkpoints of steps 5" in resumed.stderr
@@ -74,8 +102,19 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     # same samples - repeats the two-rank run's losses on one rank. Retention (keep 3)
     # spares step 10, which it restored from, and step 12, which it just committed.
     replayed = torchrun(
-        1, "-m", "trainer.train", "--steps", "12", "--checkpoint-every", "6", "--no-async-checkpoint",
-        env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_RESTORE_FROM": str(ckpt / "step_00000010"), "KEEL_GENERATION": "4"},
+        1,
+        "-m",
+        "trainer.train",
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "6",
+        "--no-async-checkpoint",
+        env={
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_RESTORE_FROM": str(ckpt / "step_00000010"),
+            "KEEL_GENERATION": "4",
+        },
     )
     replayed_losses = step_losses(replayed, only_steps=True)
     assert sorted(replayed_losses) == [11, 12]
@@ -83,7 +122,11 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
         assert replayed_losses[step] == pytest.approx(losses[step], abs=1e-4)
     assert f"replacing unrecorded checkpoint {ckpt / 'step_00000012'}" in replayed.stderr
     assert sorted(path.name for path in (ckpt / "step_00000012").iterdir()) == [
-        ".metadata", "__0_0.distcp", "ledger.json", "manifest.json"]
+        ".metadata",
+        "__0_0.distcp",
+        "ledger.json",
+        "manifest.json",
+    ]
     assert committed_steps(ckpt) == [10, 12, 15, 16]
     assert not [path.name for path in ckpt.iterdir() if path.name.endswith(".tmp")]
 
@@ -95,9 +138,17 @@ def test_first_step_loss_is_the_same_on_one_and_two_ranks():
 
 
 def test_injected_crash_is_torchruns_root_cause_and_leaves_its_marker(tmp_path):
-    faults = json_format.MessageToJson(keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=1, step=2)]))
-    run = torchrun(2, "-m", "trainer.train", "--steps", "3",
-                   env={"KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_FAULTS": faults})
+    faults = json_format.MessageToJson(
+        keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=1, step=2)])
+    )
+    run = torchrun(
+        2,
+        "-m",
+        "trainer.train",
+        "--steps",
+        "3",
+        env={"KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_FAULTS": faults},
+    )
     assert run.returncode != 0
     assert sorted(step_losses(run, check=False)) == [1]
     # torchrun copies the traceback from the rank's TORCHELASTIC_ERROR_FILE (@record).

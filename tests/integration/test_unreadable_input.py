@@ -23,8 +23,15 @@ from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (
 
 @pytest.fixture
 def agent(etcd, tmp_path):
-    served = Agent(AgentConfig(node="node-a", slots=1, etcd_endpoints=(etcd.endpoint,),
-                               token="t", run_dir=tmp_path / "run"))
+    served = Agent(
+        AgentConfig(
+            node="node-a",
+            slots=1,
+            etcd_endpoints=(etcd.endpoint,),
+            token="t",
+            run_dir=tmp_path / "run",
+        )
+    )
     yield served
     shutil.rmtree(served.socket_dir, ignore_errors=True)
 
@@ -39,45 +46,60 @@ def sent(agent: Agent) -> list[keel_pb2.AgentMessage]:
 
 
 def test_a_stop_asking_for_stacks_of_a_generation_it_does_not_run_is_just_confirmed(agent):
-    agent._on_controller(keel_pb2.ControllerMessage(stop_generation=keel_pb2.StopGeneration(
-        job="demo", generation=3, reason="hang on node-b", collect_stacks=True)))
+    agent._on_controller(
+        keel_pb2.ControllerMessage(
+            stop_generation=keel_pb2.StopGeneration(
+                job="demo", generation=3, reason="hang on node-b", collect_stacks=True
+            )
+        )
+    )
     assert (agent.generation.phase, agent.generation.stopping) == (Phase.STOPPING, ("demo", 3))
     assert sent(agent) == []  # no stacks to report: no rank of it runs here
     agent._maybe_confirm_stop()
-    confirmed, = sent(agent)
-    assert (confirmed.generation_stopped.job, confirmed.generation_stopped.generation) == \
-        ("demo", 3)
+    (confirmed,) = sent(agent)
+    assert (confirmed.generation_stopped.job, confirmed.generation_stopped.generation) == (
+        "demo",
+        3,
+    )
     assert agent.generation.phase is Phase.IDLE
 
 
-def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_the_reason(
-        agent):
+def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_the_reason(agent):
     start = keel_pb2.StartGeneration(
-        job="demo", generation=1, command=["python", "-c", "pass"],
+        job="demo",
+        generation=1,
+        command=["python", "-c", "pass"],
         ranks=[keel_pb2.RankAssignment(rank=0, local_rank=0)],
-        health=keel_pb2.HealthSpec(hang_floor_s=30, hang_k=3, first_step_timeout_s=10,
-                                   checkpoint_timeout_s=60))
+        health=keel_pb2.HealthSpec(
+            hang_floor_s=30, hang_k=3, first_step_timeout_s=10, checkpoint_timeout_s=60
+        ),
+    )
     agent._on_controller(keel_pb2.ControllerMessage(start_generation=start))
-    exited, = sent(agent)
+    (exited,) = sent(agent)
     assert (exited.rank_exited.rank, exited.rank_exited.exit_code) == (0, 127)
     assert "first_step_timeout_s=10" in exited.rank_exited.traceback
     assert agent.supervisor.ranks == []
 
 
-def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
-        cluster):  # noqa: F811
+def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(cluster):  # noqa: F811
     client = cluster.store.client
     client.put("/keel/jobs/broken/spec", json.dumps({"name": "broken", "worldSize": "many"}))
-    client.put("/keel/jobs/broken/state", json.dumps({"state": "DREAMING", "generation": 1,
-                                                      "restarts": 0}))
+    client.put(
+        "/keel/jobs/broken/state", json.dumps({"state": "DREAMING", "generation": 1, "restarts": 0})
+    )
     address = cluster.controller()  # waits until it holds the leader key
     # It loads the jobs right after taking the key.
-    wait_for(lambda: "cannot read the job's records in etcd; not managing it" in
-             (cluster.path / "controller.log").read_text(), 30, what="the job to be left out")
+    wait_for(
+        lambda: (
+            "cannot read the job's records in etcd; not managing it"
+            in (cluster.path / "controller.log").read_text()
+        ),
+        30,
+        what="the job to be left out",
+    )
     with grpc.insecure_channel(address) as channel:
         stub = keel_pb2_grpc.ControllerStub(channel)
-        jobs = stub.ListJobs(keel_pb2.ListJobsRequest(), metadata=call_metadata(TOKEN),
-                             timeout=5)
+        jobs = stub.ListJobs(keel_pb2.ListJobsRequest(), metadata=call_metadata(TOKEN), timeout=5)
         assert [job.name for job in jobs.jobs] == []
         # The records are left as they were, for a version that can read them.
         assert json.loads(client.get("/keel/jobs/broken/state")[0])["state"] == "DREAMING"
@@ -88,27 +110,45 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
         done = threading.Event()
 
         def messages():
-            yield keel_pb2.AgentMessage(hello=keel_pb2.Hello(
-                node="node-z", host="127.0.0.1", slots=1, lease_id=lease.id, pid=1))
-            yield keel_pb2.AgentMessage(steps=keel_pb2.StepReportBatch(
-                job="broken", generation=1, reports=[
-                    keel_pb2.StepReport(rank=0, step=0, step_time_s=0.1),
-                    keel_pb2.StepReport(rank=1, step=3, step_time_s=float("inf"))]))
+            yield keel_pb2.AgentMessage(
+                hello=keel_pb2.Hello(
+                    node="node-z", host="127.0.0.1", slots=1, lease_id=lease.id, pid=1
+                )
+            )
+            yield keel_pb2.AgentMessage(
+                steps=keel_pb2.StepReportBatch(
+                    job="broken",
+                    generation=1,
+                    reports=[
+                        keel_pb2.StepReport(rank=0, step=0, step_time_s=0.1),
+                        keel_pb2.StepReport(rank=1, step=3, step_time_s=float("inf")),
+                    ],
+                )
+            )
             done.wait(30)
 
         stream = stub.Connect(messages(), metadata=call_metadata(TOKEN))
         try:
-            wait_for(lambda: "ignoring step reports numbered below 1" in
-                     (cluster.path / "controller.log").read_text(), 30,
-                     what="the reports to be dropped")
+            wait_for(
+                lambda: (
+                    "ignoring step reports numbered below 1"
+                    in (cluster.path / "controller.log").read_text()
+                ),
+                30,
+                what="the reports to be dropped",
+            )
             assert "agent message failed" not in (cluster.path / "controller.log").read_text()
-            nodes = stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN),
-                                   timeout=5).nodes
+            nodes = stub.ListNodes(
+                keel_pb2.ListNodesRequest(), metadata=call_metadata(TOKEN), timeout=5
+            ).nodes
             assert [(n.node, n.connected) for n in nodes] == [("node-z", True)]
             # A reason is stored with the cordon: a sentence, not a megabyte.
             with pytest.raises(grpc.RpcError) as err:
-                stub.CordonNode(keel_pb2.NodeRequest(node="node-z", reason="x" * 2000),
-                                metadata=call_metadata(TOKEN), timeout=5)
+                stub.CordonNode(
+                    keel_pb2.NodeRequest(node="node-z", reason="x" * 2000),
+                    metadata=call_metadata(TOKEN),
+                    timeout=5,
+                )
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert "2000 characters; keep it under 1024" in err.value.details()
             assert cluster.store.cordons() == {}

@@ -42,15 +42,20 @@ def modules(package: str):
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_each_package_imports_only_what_it_may(package):
-    wrong = {str(path.relative_to(REPO)): sorted(imports(path) - ALLOWED[package] - {package})
-             for path in modules(package)}
+    wrong = {
+        str(path.relative_to(REPO)): sorted(imports(path) - ALLOWED[package] - {package})
+        for path in modules(package)
+    }
     assert {path: found for path, found in wrong.items() if found} == {}
 
 
 def test_only_the_trainer_runtime_imports_common():
     runtime = REPO / "trainer" / "runtime"
-    reaching = [str(path.relative_to(REPO)) for path in modules("trainer")
-                if "common" in imports(path) and runtime not in path.parents]
+    reaching = [
+        str(path.relative_to(REPO))
+        for path in modules("trainer")
+        if "common" in imports(path) and runtime not in path.parents
+    ]
     assert reaching == []
 
 

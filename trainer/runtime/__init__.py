@@ -50,24 +50,55 @@ from common import env, logs
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
 from common.paths import inside
 from protos import keel_pb2
-from trainer.runtime.faults import (FaultInjector, claim_fault, fault_marker_path,
-                                    parse_fault_schedule, rank_faults)
+from trainer.runtime.faults import (
+    FaultInjector,
+    claim_fault,
+    fault_marker_path,
+    parse_fault_schedule,
+    rank_faults,
+)
 from common.adopt import take_environment, take_output
-from trainer.runtime.identity import (Identity, deadline_problems, job_deadlines, parse_mesh,
-                                      read_identity)
-from trainer.runtime.in_place import (GenerationEnded, ended_under_the_rank, sever, tcp_connections,
-                                      torch_memory_released)
-from trainer.runtime.reporting import (CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S,
-                                       AgentReporter)
+from trainer.runtime.identity import (
+    Identity,
+    deadline_problems,
+    job_deadlines,
+    parse_mesh,
+    read_identity,
+)
+from trainer.runtime.in_place import (
+    GenerationEnded,
+    ended_under_the_rank,
+    sever,
+    tcp_connections,
+    torch_memory_released,
+)
+from trainer.runtime.reporting import CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S, AgentReporter
 
 _log = structlog.get_logger()
 
 MAX_IN_PLACE_RESTARTS = 32
 
-__all__ = ["CHECKPOINT_REPORT_DEADLINE_S", "FLUSH_WAIT_S", "MESH_DIM_NAMES", "GenerationEnded",
-           "Identity", "Layout", "LayoutError", "Runtime", "ended_under_the_rank", "claim_fault", "deadline_problems", "env",
-           "fault_marker_path", "init", "inside", "job_deadlines", "parse_fault_schedule", "parse_mesh",
-           "rank_faults"]
+__all__ = [
+    "CHECKPOINT_REPORT_DEADLINE_S",
+    "FLUSH_WAIT_S",
+    "MESH_DIM_NAMES",
+    "GenerationEnded",
+    "Identity",
+    "Layout",
+    "LayoutError",
+    "Runtime",
+    "ended_under_the_rank",
+    "claim_fault",
+    "deadline_problems",
+    "env",
+    "fault_marker_path",
+    "init",
+    "inside",
+    "job_deadlines",
+    "parse_fault_schedule",
+    "parse_mesh",
+    "rank_faults",
+]
 
 
 class Runtime:
@@ -118,10 +149,21 @@ class Runtime:
         under_keel = {"job": job, "generation": generation, "node": node}
         logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
         self._faults = FaultInjector(faults, rank, generation, self.log)
-        self._agent = AgentReporter(agent_socket, rank=rank, world_size=world_size,
-                                    generation=generation, job=job, log=self.log,
-                                    fence_after_s=fence_after_s, token=agent_token,
-                                    restart_in_place=restart_in_place) if agent_socket else None
+        self._agent = (
+            AgentReporter(
+                agent_socket,
+                rank=rank,
+                world_size=world_size,
+                generation=generation,
+                job=job,
+                log=self.log,
+                fence_after_s=fence_after_s,
+                token=agent_token,
+                restart_in_place=restart_in_place,
+            )
+            if agent_socket
+            else None
+        )
 
     @property
     def slow_factor(self) -> float:
@@ -138,10 +180,20 @@ class Runtime:
         tagged with the job, generation and rank (see the module's docstring)."""
         _log.info(message, **fields)
 
-    def report_step(self, step: int, loss: float, tokens: int, step_time_s: float, *,
-                    data_s: float = 0.0, compute_s: float = 0.0, optimizer_s: float = 0.0,
-                    checkpoint_s: float = 0.0, checkpointing: bool = False,
-                    restore_s: float = 0.0) -> None:
+    def report_step(
+        self,
+        step: int,
+        loss: float,
+        tokens: int,
+        step_time_s: float,
+        *,
+        data_s: float = 0.0,
+        compute_s: float = 0.0,
+        optimizer_s: float = 0.0,
+        checkpoint_s: float = 0.0,
+        checkpointing: bool = False,
+        restore_s: float = 0.0,
+    ) -> None:
         """Queues the report of finished step ``step`` for the agent and returns at once.
         ``tokens`` are the tokens this rank processed in the step; ``step_time_s`` is its
         own time for the step in seconds, before waiting on peers. The phases, in
@@ -152,10 +204,18 @@ class Runtime:
         ``restore_s``: on the generation's first step, the seconds its restore took.
         A no-op without an agent."""
         if self._agent is not None:
-            self._agent.report_step(step, loss, tokens, step_time_s, data_s=data_s,
-                                    compute_s=compute_s, optimizer_s=optimizer_s,
-                                    checkpoint_s=checkpoint_s, checkpointing=checkpointing,
-                                    restore_s=restore_s)
+            self._agent.report_step(
+                step,
+                loss,
+                tokens,
+                step_time_s,
+                data_s=data_s,
+                compute_s=compute_s,
+                optimizer_s=optimizer_s,
+                checkpoint_s=checkpoint_s,
+                checkpointing=checkpointing,
+                restore_s=restore_s,
+            )
 
     def take_checkpoint_request(self) -> bool:
         """Whether the agent asked for a checkpoint since the last call (cleared by the
@@ -204,9 +264,12 @@ class Runtime:
         if refused:
             self.log(f"not restarting in place ({refused}): exiting")
             return False
-        self.log("left generation alive; waiting for the next", left=self.generation,
-                 teardown_s=round(time.monotonic() - began, 3),
-                 cause=f"{type(error).__name__}: {str(error)[:200]}")
+        self.log(
+            "left generation alive; waiting for the next",
+            left=self.generation,
+            teardown_s=round(time.monotonic() - began, 3),
+            cause=f"{type(error).__name__}: {str(error)[:200]}",
+        )
         answer = agent.next_generation()
         agent.close()
         self._agent = None
@@ -225,14 +288,16 @@ class Runtime:
         the agent acknowledged. False without an agent."""
         return self._agent is not None and self._agent.report_preflight(results, wall_s)
 
-    def report_checkpoint(self, step: int, path: str, samples: int, *, save_s: float = 0.0,
-                          size: int = 0) -> bool:
+    def report_checkpoint(
+        self, step: int, path: str, samples: int, *, save_s: float = 0.0, size: int = 0
+    ) -> bool:
         """Tells the agent that the checkpoint of step ``step`` is durable at ``path``
         (``samples``: global data position after it; ``save_s``: seconds from the save's
         start to now; ``size``: its bytes); whether the agent acknowledged. False
         without an agent."""
         return self._agent is not None and self._agent.report_checkpoint(
-            step, path, samples, save_s=save_s, size=size)
+            step, path, samples, save_s=save_s, size=size
+        )
 
     def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
         """Tells the agent of a checkpoint this rank would not or could not use: a
@@ -240,7 +305,8 @@ class Runtime:
         (``"stale_commit"``), or one that failed verification and was renamed aside
         (``"quarantined"``). False without an agent."""
         return self._agent is not None and self._agent.report_checkpoint_problem(
-            step, path, kind, reason)
+            step, path, kind, reason
+        )
 
     def flush(self) -> bool:
         """Waits until every step report queued so far was sent; True without an agent."""
@@ -268,8 +334,11 @@ class Runtime:
 def _settings(environ: Mapping[str, str]) -> dict:
     """``Runtime``'s arguments from ``environ``."""
     # Under Keel, a rank whose agent answers nothing for the collective timeout stops.
-    return dict(**vars(read_identity(environ)), faults=parse_fault_schedule(environ.get(env.FAULTS)),
-                fence_after_s=job_deadlines(environ).get("collective_timeout_s"))
+    return dict(
+        **vars(read_identity(environ)),
+        faults=parse_fault_schedule(environ.get(env.FAULTS)),
+        fence_after_s=job_deadlines(environ).get("collective_timeout_s"),
+    )
 
 
 def init(environ: Mapping[str, str] | None = None, *, restart_in_place: bool = False) -> Runtime:

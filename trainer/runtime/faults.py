@@ -20,6 +20,7 @@ RANK_FAULT_KINDS = ("crash", "kill", "hang", "slow")
 # again there, or a crash at step 7 would crash every generation forever.
 ONE_SHOT_FAULT_KINDS = ("crash", "kill", "hang")
 
+
 def parse_fault_schedule(text: str | None) -> keel_pb2.FaultSchedule:
     """Parses ``KEEL_FAULTS`` (a ``FaultSchedule`` as protobuf JSON) and checks the rank
     faults in it. Unset or empty means no faults."""
@@ -74,8 +75,13 @@ class FaultInjector:
     """The faults of ``schedule`` that rank ``rank`` applies. ``slow_factor`` is the
     step-time multiplier of a ``slow`` fault in force (1.0 if none)."""
 
-    def __init__(self, schedule: keel_pb2.FaultSchedule, rank: int, generation: int,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        schedule: keel_pb2.FaultSchedule,
+        rank: int,
+        generation: int,
+        log: Callable[[str], None],
+    ) -> None:
         self.rank = rank
         self.generation = generation
         self.slow_factor = 1.0

@@ -19,6 +19,7 @@ class Identity:
     (dimension → size), ``checkpoint_dir`` and ``restore_from`` (paths or None) and
     ``agent_socket`` (None without an agent) as Keel does; ``restore_fallbacks``: older
     recorded checkpoints to restore if ``restore_from`` fails verification."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -30,8 +31,8 @@ class Identity:
     restore_fallbacks: tuple[str, ...]
     restart_count: int
     agent_socket: str | None
-    agent_token: str = ""         # this rank's credential on the agent's socket
-    node: str = ""                # the node it runs on, as its agent names it ("" without)
+    agent_token: str = ""  # this rank's credential on the agent's socket
+    node: str = ""  # the node it runs on, as its agent names it ("" without)
 
 
 def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
@@ -49,9 +50,9 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer; unset it or give a whole number") from None
-
-
+        raise ValueError(
+            f"{name}={value!r} is not an integer; unset it or give a whole number"
+        ) from None
 
 
 def read_identity(environ: Mapping[str, str]) -> Identity:
@@ -67,8 +68,9 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         mesh=parse_mesh(environ.get(env.MESH), world_size),
         checkpoint_dir=environ.get(env.CHECKPOINT_DIR) or None,
         restore_from=environ.get(env.RESTORE_FROM) or None,
-        restore_fallbacks=tuple(p for p in environ.get(env.RESTORE_FALLBACKS, "").split(os.pathsep)
-                                if p),
+        restore_fallbacks=tuple(
+            p for p in environ.get(env.RESTORE_FALLBACKS, "").split(os.pathsep) if p
+        ),
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
         agent_token=environ.get(env.RANK_TOKEN, ""),
@@ -86,8 +88,9 @@ def job_deadlines(environ: Mapping[str, str]) -> dict[str, float]:
             try:
                 found[name] = float(environ[variable])
             except ValueError:
-                raise ValueError(f"{variable}={environ[variable]!r} is not a number of "
-                                 f"seconds") from None
+                raise ValueError(
+                    f"{variable}={environ[variable]!r} is not a number of seconds"
+                ) from None
     return found
 
 

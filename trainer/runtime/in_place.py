@@ -21,13 +21,18 @@ import sys
 # Errors by class name, so that this module needs no torch: torch.distributed's own
 # (DistBackendError, DistNetworkError, DistStoreError derive from DistError), and the
 # start barrier's (trainer.watchdog).
-_COLLECTIVE_ERRORS = frozenset({"DistError", "DistBackendError", "DistNetworkError",
-                                "DistStoreError", "StartBarrierError"})
+_COLLECTIVE_ERRORS = frozenset(
+    {"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "StartBarrierError"}
+)
 # gloo reports a lost peer or a timed-out collective as a plain RuntimeError that names
 # its own source file, e.g. "[.../gloo/transport/tcp/pair.cc:553] Connection closed by
 # peer"; a monitored barrier names the ranks that failed to pass it.
-_COLLECTIVE_MESSAGES = ("/gloo/", "monitoredBarrier", "Connection closed by peer",
-                        "Connection reset by peer")
+_COLLECTIVE_MESSAGES = (
+    "/gloo/",
+    "monitoredBarrier",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
 
 
 class GenerationEnded(Exception):
@@ -110,7 +115,7 @@ def sever(keep: set[int]) -> int:
         if inode in keep:
             continue
         try:
-            if os.fstat(fd).st_ino != inode:     # closed and reused since it was listed
+            if os.fstat(fd).st_ino != inode:  # closed and reused since it was listed
                 continue
             connection = socket.socket(fileno=fd)
         except OSError:

@@ -68,9 +68,14 @@ class _StepReporter:
 
     _STOP = object()
 
-    def __init__(self, stub: keel_pb2_grpc.AgentLocalStub, generation: int, log,
-                 on_ack: Callable[[keel_pb2.LocalAck], None],
-                 fence_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        stub: keel_pb2_grpc.AgentLocalStub,
+        generation: int,
+        log,
+        on_ack: Callable[[keel_pb2.LocalAck], None],
+        fence_after_s: float | None = None,
+    ) -> None:
         """``on_ack`` takes every ack; ``fence_after_s``: stop this rank when the agent
         has answered nothing for this long (None: never)."""
         self._stub = stub
@@ -90,7 +95,9 @@ class _StepReporter:
     def put(self, report: keel_pb2.StepReport) -> None:
         if len(self._pending) >= MAX_PENDING_REPORTS:
             if not self._dropping:
-                self._log(f"{MAX_PENDING_REPORTS} step reports unsent; dropping new ones until the agent catches up")
+                self._log(
+                    f"{MAX_PENDING_REPORTS} step reports unsent; dropping new ones until the agent catches up"
+                )
                 self._dropping = True
             return
         self._dropping = False
@@ -124,7 +131,7 @@ class _StepReporter:
                 item = self._pending.popleft()
                 if isinstance(item, keel_pb2.StepReport):
                     if self._agent_failing:
-                        continue   # dropped, as logged; the ping below finds out when it is back
+                        continue  # dropped, as logged; the ping below finds out when it is back
                     batch.append(item)
                     if len(batch) == REPORT_BATCH_SIZE:
                         self._send(batch)
@@ -168,16 +175,22 @@ class _StepReporter:
         silent_s = time.monotonic() - self._answered_at
         if self._fence_after_s is None or silent_s < self._fence_after_s:
             return
-        self._log(f"the agent has answered nothing for {silent_s:.1f} s (the collective timeout "
-                  f"is {self._fence_after_s:g} s): stopping this rank")
+        self._log(
+            f"the agent has answered nothing for {silent_s:.1f} s (the collective timeout "
+            f"is {self._fence_after_s:g} s): stopping this rank"
+        )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(FENCE_KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _CallDetails(collections.namedtuple(
-        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-                         "compression")), grpc.ClientCallDetails):
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
@@ -188,9 +201,17 @@ class _Credential(grpc.UnaryUnaryClientInterceptor):
         self._metadata = ((env.RANK_TOKEN_METADATA, token),)
 
     def intercept_unary_unary(self, continuation, details, request):
-        return continuation(_CallDetails(
-            details.method, details.timeout, [*(details.metadata or ()), *self._metadata],
-            details.credentials, details.wait_for_ready, details.compression), request)
+        return continuation(
+            _CallDetails(
+                details.method,
+                details.timeout,
+                [*(details.metadata or ()), *self._metadata],
+                details.credentials,
+                details.wait_for_ready,
+                details.compression,
+            ),
+            request,
+        )
 
 
 class AgentReporter:
@@ -198,9 +219,19 @@ class AgentReporter:
     socket ``agent_socket``). Creating the channel does not connect; the first call
     does, from the reporter thread, so a missing agent never delays training."""
 
-    def __init__(self, agent_socket: str, *, rank: int, world_size: int, generation: int,
-                 job: str, log: Callable[[str], None], fence_after_s: float | None = None,
-                 token: str = "", restart_in_place: bool = False) -> None:
+    def __init__(
+        self,
+        agent_socket: str,
+        *,
+        rank: int,
+        world_size: int,
+        generation: int,
+        job: str,
+        log: Callable[[str], None],
+        fence_after_s: float | None = None,
+        token: str = "",
+        restart_in_place: bool = False,
+    ) -> None:
         """``token``: the rank's credential (``KEEL_RANK_TOKEN``), sent with every call;
         ``restart_in_place``: said when attaching (this rank can ``park``)."""
         self.rank = rank
@@ -218,8 +249,9 @@ class AgentReporter:
         self._leave_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
         self._stub = keel_pb2_grpc.AgentLocalStub(
-            grpc.intercept_channel(self._channel, _Credential(token)))
-        self.recorded_step = 0   # the newest checkpoint the controller recorded, as last heard
+            grpc.intercept_channel(self._channel, _Credential(token))
+        )
+        self.recorded_step = 0  # the newest checkpoint the controller recorded, as last heard
         self._reporter = _StepReporter(self._stub, generation, log, self._take_ack, fence_after_s)
         threading.Thread(target=self._attach, name="keel-attach", daemon=True).start()
 
@@ -227,22 +259,32 @@ class AgentReporter:
         """Tell the agent this rank reports its steps, so that it is watched for a hang
         before its first one too (a rank that never says so is not)."""
         try:
-            self._take_ack(self._stub.Attach(
-                keel_pb2.RankAttach(generation=self.generation, rank=self.rank,
-                                    restart_in_place=self.restart_in_place),
-                timeout=ATTACH_DEADLINE_S, wait_for_ready=True))
+            self._take_ack(
+                self._stub.Attach(
+                    keel_pb2.RankAttach(
+                        generation=self.generation,
+                        rank=self.rank,
+                        restart_in_place=self.restart_in_place,
+                    ),
+                    timeout=ATTACH_DEADLINE_S,
+                    wait_for_ready=True,
+                )
+            )
         except grpc.RpcError as exc:
-            if exc.code() is not grpc.StatusCode.CANCELLED:   # closed: the rank is ending
-                self.log(f"cannot attach to the agent ({exc.code().name}: {exc.details()}); "
-                         f"it will watch this rank from its first step report")
+            if exc.code() is not grpc.StatusCode.CANCELLED:  # closed: the rank is ending
+                self.log(
+                    f"cannot attach to the agent ({exc.code().name}: {exc.details()}); "
+                    f"it will watch this rank from its first step report"
+                )
 
     def _take_ack(self, ack: keel_pb2.LocalAck) -> None:
         if ack.checkpoint_now:
             with self._checkpoint_lock:
                 # A save after the later of two requests meets both.
-                self._checkpoint_after = max(ack.checkpoint_after_step,
-                                             -1 if self._checkpoint_after is None
-                                             else self._checkpoint_after)
+                self._checkpoint_after = max(
+                    ack.checkpoint_after_step,
+                    -1 if self._checkpoint_after is None else self._checkpoint_after,
+                )
         if ack.leave_generation:
             self._leave_requested.set()
         self.recorded_step = max(self.recorded_step, ack.recorded_step)
@@ -309,10 +351,16 @@ class AgentReporter:
         if not tearing_down:
             self._reporter.close()
         try:
-            self._stub.Park(keel_pb2.RankPark(generation=self.generation, rank=self.rank,
-                                              failed=failed, reason=reason[-8000:],
-                                              tearing_down=tearing_down),
-                            timeout=PARK_DEADLINE_S)
+            self._stub.Park(
+                keel_pb2.RankPark(
+                    generation=self.generation,
+                    rank=self.rank,
+                    failed=failed,
+                    reason=reason[-8000:],
+                    tearing_down=tearing_down,
+                ),
+                timeout=PARK_DEADLINE_S,
+            )
         except grpc.RpcError as error:
             return f"{error.code().name}: {error.details()}"
         return None
@@ -325,15 +373,18 @@ class AgentReporter:
         answered_at = time.monotonic()
         while True:
             try:
-                answer = self._stub.NextGeneration(keel_pb2.NextGenerationRequest(),
-                                                   timeout=NEXT_GENERATION_DEADLINE_S)
+                answer = self._stub.NextGeneration(
+                    keel_pb2.NextGenerationRequest(), timeout=NEXT_GENERATION_DEADLINE_S
+                )
             except grpc.RpcError as error:
                 if error.code() is grpc.StatusCode.UNAUTHENTICATED:
                     return keel_pb2.NextGenerationAnswer(action="exit", reason=error.details())
                 if time.monotonic() - answered_at >= fence_s:
                     return keel_pb2.NextGenerationAnswer(
-                        action="exit", reason=f"the agent has answered nothing for {fence_s:g} s "
-                                              f"({error.code().name}: {error.details()})")
+                        action="exit",
+                        reason=f"the agent has answered nothing for {fence_s:g} s "
+                        f"({error.code().name}: {error.details()})",
+                    )
                 time.sleep(0.2)
                 continue
             answered_at = time.monotonic()
@@ -370,8 +421,9 @@ class AgentReporter:
             return False
         return True
 
-    def report_checkpoint(self, step: int, path: str, samples: int, *, save_s: float = 0.0,
-                          size: int = 0) -> bool:
+    def report_checkpoint(
+        self, step: int, path: str, samples: int, *, save_s: float = 0.0, size: int = 0
+    ) -> bool:
         """Tells the agent that the checkpoint of step ``step`` is durable at ``path``
         (``samples``: global data position after that step). Sends pending step reports
         first, then blocks for at most ``CHECKPOINT_REPORT_DEADLINE_S`` seconds. Returns
@@ -381,13 +433,20 @@ class AgentReporter:
         try:
             ack = self._stub.ReportCheckpoint(
                 keel_pb2.CheckpointSaved(
-                    job=self.job, generation=self.generation, step=step, path=path, samples=samples,
-                    save_s=save_s, bytes=size,
+                    job=self.job,
+                    generation=self.generation,
+                    step=step,
+                    path=path,
+                    samples=samples,
+                    save_s=save_s,
+                    bytes=size,
                 ),
                 timeout=CHECKPOINT_REPORT_DEADLINE_S,
             )
         except grpc.RpcError as error:
-            self.log(f"cannot report checkpoint step={step} path={path} ({error.code().name}: {error.details()})")
+            self.log(
+                f"cannot report checkpoint step={step} path={path} ({error.code().name}: {error.details()})"
+            )
             return False
         self._take_ack(ack)
         return True
@@ -397,12 +456,21 @@ class AgentReporter:
         (``kind``: "stale_commit" or "quarantined"); whether it acknowledged."""
         try:
             self._stub.ReportCheckpointProblem(
-                keel_pb2.CheckpointProblem(job=self.job, generation=self.generation, step=step,
-                                           path=path, kind=kind, reason=reason),
-                timeout=CHECKPOINT_REPORT_DEADLINE_S)
+                keel_pb2.CheckpointProblem(
+                    job=self.job,
+                    generation=self.generation,
+                    step=step,
+                    path=path,
+                    kind=kind,
+                    reason=reason,
+                ),
+                timeout=CHECKPOINT_REPORT_DEADLINE_S,
+            )
         except grpc.RpcError as error:
-            self.log(f"cannot report the {kind} checkpoint step={step} ({error.code().name}: "
-                     f"{error.details()})")
+            self.log(
+                f"cannot report the {kind} checkpoint step={step} ({error.code().name}: "
+                f"{error.details()})"
+            )
             return False
         return True
 

@@ -9,9 +9,20 @@ import os
 import signal
 import sys
 
-print(json.dumps({"argv": sys.argv, "name": __name__, "file": __file__,
-                  "path0": sys.path[0], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
-                  "stdin_at_end": sys.stdin.read() == "", "env_keys": sorted(os.environ)}))
+print(
+    json.dumps(
+        {
+            "argv": sys.argv,
+            "name": __name__,
+            "file": __file__,
+            "path0": sys.path[0],
+            "cwd": os.getcwd(),
+            "probe": os.environ.get("PROBE"),
+            "stdin_at_end": sys.stdin.read() == "",
+            "env_keys": sorted(os.environ),
+        }
+    )
+)
 print("to stderr", file=sys.stderr)
 what = sys.argv[1] if len(sys.argv) > 1 else "0"
 if what == "raise":

@@ -31,23 +31,34 @@ def run_case(name: str, argv: list[str], rt: keel_runtime.Runtime) -> None:
     represents = layout.speaks_for_its_data(rank)
     samples = 0
     for step in range(1, args.steps + 1):
-        first, count = rank_samples(samples, args.global_batch, layout.dp_rank(rank), layout.dp_size)
+        first, count = rank_samples(
+            samples, args.global_batch, layout.dp_rank(rank), layout.dp_size
+        )
         loss = run.step(*data.batch(first, count))
         mean_loss, consumed = train.exchange(loss, first, count, represents, torch.device("cpu"))
         samples += args.global_batch
         covered = sorted((first, count) for first, count in consumed if count)
         if rank == 0:
-            print("RESULT " + json.dumps({
-                "case": name, "step": step, "loss": mean_loss, "grad_norm": run.step.grad_norm,
-                "consumed": covered,
-            }), flush=True)
+            print(
+                "RESULT "
+                + json.dumps(
+                    {
+                        "case": name,
+                        "step": step,
+                        "loss": mean_loss,
+                        "grad_norm": run.step.grad_norm,
+                        "consumed": covered,
+                    }
+                ),
+                flush=True,
+            )
     del run
     gc.collect()
 
 
 def main() -> None:
     cases = json.loads(sys.argv[1])
-    common = sys.argv[sys.argv.index("--") + 1:]
+    common = sys.argv[sys.argv.index("--") + 1 :]
     rt = keel_runtime.init()
     dist.init_process_group("gloo")
     try:

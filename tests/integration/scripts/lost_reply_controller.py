@@ -24,8 +24,12 @@ def losing_the_reply(self, name, state, read_revision, plan=None):
     revision = update_job_state(self, name, state, read_revision, plan)
     if state["state"] in TARGETS - lost:
         lost.add(state["state"])
-        print(f"lost the reply to the write of {name} {state['state']} (committed at "
-              f"revision {revision})", file=sys.stderr, flush=True)
+        print(
+            f"lost the reply to the write of {name} {state['state']} (committed at "
+            f"revision {revision})",
+            file=sys.stderr,
+            flush=True,
+        )
         raise etcd3.exceptions.ConnectionTimeoutError("injected: the reply never came")
     return revision
 

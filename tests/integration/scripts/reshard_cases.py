@@ -25,7 +25,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 from trainer import runtime as keel_runtime
 from trainer import train
@@ -40,7 +44,9 @@ def full_state(run: train.Setup) -> dict:
         for key, value in get_model_state_dict(part, options=FULL).items():
             state[f"model.{key}"] = value.detach().cpu().clone()
         for key, value in get_optimizer_state_dict(part, optimizer, options=FULL).items():
-            state[f"optim.{key}"] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            state[f"optim.{key}"] = (
+                value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            )
     return state
 
 
@@ -58,14 +64,19 @@ def saved_state(directory: str) -> dict:
 
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     return a == b
 
 
 def main() -> None:
     root, cases = sys.argv[1], json.loads(sys.argv[2])
-    common = sys.argv[sys.argv.index("--") + 1:]
+    common = sys.argv[sys.argv.index("--") + 1 :]
     rt = keel_runtime.init()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -73,7 +84,9 @@ def main() -> None:
         for case in cases:
             name = case.get("save") or case["load"]
             directory = os.path.join(root, name)
-            args = train.parse_args(common + case["flags"] + ["--checkpoint-dir", directory, "--keep-checkpoints", "0"])
+            args = train.parse_args(
+                common + case["flags"] + ["--checkpoint-dir", directory, "--keep-checkpoints", "0"]
+            )
             rt.checkpoint_dir = directory
             run = train.train(args, rt, torch.device("cpu"))
             mine = full_state(run)
@@ -82,19 +95,35 @@ def main() -> None:
                 dist.barrier()
                 continue
             expected = saved_state(directory)
-            differing = sorted(key for key, value in mine.items() if key not in expected or not same(value, expected[key]))
+            differing = sorted(
+                key
+                for key, value in mine.items()
+                if key not in expected or not same(value, expected[key])
+            )
             reports = [None] * dist.get_world_size()
             dist.all_gather_object(reports, {"keys": sorted(mine), "differing": differing})
             if rank == 0:
                 covered = set().union(*(report["keys"] for report in reports))
-                print("RESULT " + json.dumps({
-                    "source": name, "target": " ".join(case["flags"]),
-                    "compared": len(covered), "saved": len(expected),
-                    "uncovered": sorted(set(expected) - covered),
-                    "differing": sorted(set().union(*(report["differing"] for report in reports))),
-                    "optimizer_steps": sorted({float(v) for k, v in expected.items() if k.endswith(".step")}),
-                    "exp_avg_tensors": sum(k.endswith(".exp_avg") for k in covered),
-                }), flush=True)
+                print(
+                    "RESULT "
+                    + json.dumps(
+                        {
+                            "source": name,
+                            "target": " ".join(case["flags"]),
+                            "compared": len(covered),
+                            "saved": len(expected),
+                            "uncovered": sorted(set(expected) - covered),
+                            "differing": sorted(
+                                set().union(*(report["differing"] for report in reports))
+                            ),
+                            "optimizer_steps": sorted(
+                                {float(v) for k, v in expected.items() if k.endswith(".step")}
+                            ),
+                            "exp_avg_tensors": sum(k.endswith(".exp_avg") for k in covered),
+                        }
+                    ),
+                    flush=True,
+                )
     finally:
         rt.close()
         train.shut_down_process_group()

@@ -43,7 +43,7 @@ def main() -> None:
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
-        for p in model.parameters():          # what DDP does: average the gradients
+        for p in model.parameters():  # what DDP does: average the gradients
             dist.all_reduce(p.grad)
             p.grad /= world
         optimizer.step()
@@ -53,8 +53,10 @@ def main() -> None:
         dist.barrier()
         if rank == 0:
             partial = snapshot.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "epoch": epoch}, partial)
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                partial,
+            )
             os.replace(partial, snapshot)
         dist.barrier()
     if rank == 0:

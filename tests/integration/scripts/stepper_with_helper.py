@@ -34,11 +34,13 @@ def main() -> None:
     helper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     (marker_dir / f"helper-g{rt.generation}-r{rt.rank}").write_text(str(helper.pid))
     if rt.generation > 1:
-        earlier = [p for p in marker_dir.glob("helper-g*")
-                   if int(p.name.split("-")[1][1:]) < rt.generation]
+        earlier = [
+            p for p in marker_dir.glob("helper-g*") if int(p.name.split("-")[1][1:]) < rt.generation
+        ]
         survivors = [int(p.read_text()) for p in earlier if alive(int(p.read_text()))]
         (marker_dir / f"alive-g{rt.generation}-r{rt.rank}").write_text(
-            " ".join(map(str, survivors)))
+            " ".join(map(str, survivors))
+        )
     for step in range(1, steps + 1):
         started = time.monotonic()
         t = torch.ones(4)

@@ -15,7 +15,8 @@ def socket(tmp_path):
     # rank 0, which commits into the job's checkpoint directory.
     rank1 = recorder.token_for(4, 2, tmp_path / "ckpt")
     recorder.identities[rank1] = recorder.identities[rank1].__class__(
-        job="demo", generation=4, ranks=frozenset({1}), checkpoint_dir=str(tmp_path / "ckpt"))
+        job="demo", generation=4, ranks=frozenset({1}), checkpoint_dir=str(tmp_path / "ckpt")
+    )
     rank0 = recorder.token_for(4, 1, tmp_path / "ckpt")
     with local_agent(recorder) as path, grpc.insecure_channel(f"unix:{path}") as channel:
         yield keel_pb2_grpc.AgentLocalStub(channel), recorder, rank0, rank1, tmp_path / "ckpt"
@@ -31,8 +32,9 @@ def call(method, request, token):
 
 
 def steps(generation, *ranks):
-    return keel_pb2.LocalStepReports(generation=generation, reports=[
-        keel_pb2.StepReport(rank=r, step=3) for r in ranks])
+    return keel_pb2.LocalStepReports(
+        generation=generation, reports=[keel_pb2.StepReport(rank=r, step=3) for r in ranks]
+    )
 
 
 def test_a_caller_without_a_live_ranks_token_is_refused(socket):
@@ -47,7 +49,9 @@ def test_a_rank_reports_only_its_own_steps_in_its_own_generation(socket):
     stub, recorder, _, rank1, _ = socket
     assert call(stub.ReportSteps, steps(4, 1), rank1) == (grpc.StatusCode.OK, "")
     assert call(stub.ReportSteps, steps(4, 1, 0), rank1) == (
-        grpc.StatusCode.PERMISSION_DENIED, "a step report of rank 0: this caller is rank(s) [1]")
+        grpc.StatusCode.PERMISSION_DENIED,
+        "a step report of rank 0: this caller is rank(s) [1]",
+    )
     code, details = call(stub.ReportSteps, steps(3, 1), rank1)
     assert code is grpc.StatusCode.PERMISSION_DENIED and "belongs to generation 4" in details
     # Only the first call's report was passed on.
@@ -58,12 +62,14 @@ def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket)
     stub, recorder, rank0, rank1, ckpt = socket
 
     def commit(path, token):
-        return call(stub.ReportCheckpoint, keel_pb2.CheckpointSaved(
-            job="demo", generation=4, step=10, path=str(path), samples=40), token)
+        return call(
+            stub.ReportCheckpoint,
+            keel_pb2.CheckpointSaved(job="demo", generation=4, step=10, path=str(path), samples=40),
+            token,
+        )
 
     assert commit(ckpt / "step_00000010", rank1)[0] is grpc.StatusCode.PERMISSION_DENIED
-    for outside in ("/tmp/evil", ckpt / ".." / "other" / "step_00000010", ckpt,
-                    "step_00000010"):
+    for outside in ("/tmp/evil", ckpt / ".." / "other" / "step_00000010", ckpt, "step_00000010"):
         code, details = commit(outside, rank0)
         assert code is grpc.StatusCode.PERMISSION_DENIED and "not inside" in details, outside
     # A symbolic link inside that points outside is outside.
@@ -73,10 +79,17 @@ def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket)
     assert recorder.of("checkpoint") == []
     assert commit(ckpt / "step_00000010", rank0) == (grpc.StatusCode.OK, "")
     assert [c.path for c in recorder.of("checkpoint")] == [str(ckpt / "step_00000010")]
-    problem = keel_pb2.CheckpointProblem(job="demo", generation=4, step=10, kind="quarantined",
-                                         path=str(ckpt / "step_00000010"), reason="bad")
-    assert call(stub.ReportCheckpointProblem, problem, rank1)[0] is \
-        grpc.StatusCode.PERMISSION_DENIED
+    problem = keel_pb2.CheckpointProblem(
+        job="demo",
+        generation=4,
+        step=10,
+        kind="quarantined",
+        path=str(ckpt / "step_00000010"),
+        reason="bad",
+    )
+    assert (
+        call(stub.ReportCheckpointProblem, problem, rank1)[0] is grpc.StatusCode.PERMISSION_DENIED
+    )
 
 
 def test_a_rank_attaches_as_itself(socket):
@@ -84,9 +97,10 @@ def test_a_rank_attaches_as_itself(socket):
     attach = keel_pb2.RankAttach
     assert call(stub.Attach, attach(generation=4, rank=1), rank1) == (grpc.StatusCode.OK, "")
     assert call(stub.Attach, attach(generation=4, rank=0), rank1) == (
-        grpc.StatusCode.PERMISSION_DENIED, "an attach of rank 0: this caller is rank(s) [1]")
-    assert call(stub.Attach, attach(generation=4, rank=1), "")[0] is \
-        grpc.StatusCode.UNAUTHENTICATED
+        grpc.StatusCode.PERMISSION_DENIED,
+        "an attach of rank 0: this caller is rank(s) [1]",
+    )
+    assert call(stub.Attach, attach(generation=4, rank=1), "")[0] is grpc.StatusCode.UNAUTHENTICATED
     assert recorder.of("attach") == [(4, 1)]
 
 
@@ -105,11 +119,14 @@ def test_restart_in_place_over_the_socket_is_a_ranks_own_business(socket):
     park = keel_pb2.RankPark(generation=4, rank=1, failed=True, reason="peer gone")
     assert call(stub.Park, park, "")[0] is grpc.StatusCode.UNAUTHENTICATED
     assert call(stub.Park, keel_pb2.RankPark(generation=4, rank=0), rank1) == (
-        grpc.StatusCode.PERMISSION_DENIED, "a park of rank 0: this caller is rank(s) [1]")
+        grpc.StatusCode.PERMISSION_DENIED,
+        "a park of rank 0: this caller is rank(s) [1]",
+    )
     recorder.refuse_park = "its job asked for fresh processes (cold_start)"
     assert call(stub.Park, park, rank1) == (
         grpc.StatusCode.FAILED_PRECONDITION,
-        "not kept for restart in place: its job asked for fresh processes (cold_start)")
+        "not kept for restart in place: its job asked for fresh processes (cold_start)",
+    )
     recorder.refuse_park = None
     assert call(stub.Park, park, rank1) == (grpc.StatusCode.OK, "")
     assert [p.reason for kind, p in recorder.events if kind == "park"] == ["peer gone"] * 2
@@ -117,7 +134,8 @@ def test_restart_in_place_over_the_socket_is_a_ranks_own_business(socket):
     ask = keel_pb2.NextGenerationRequest()
     code, details = call(stub.NextGeneration, ask, rank1)
     assert code is grpc.StatusCode.UNAUTHENTICATED and "parked" in details
-    recorder.answers[rank1] = keel_pb2.NextGenerationAnswer(action="start", env={"RANK": "3"},
-                                                            stdout="/o", stderr="/e")
+    recorder.answers[rank1] = keel_pb2.NextGenerationAnswer(
+        action="start", env={"RANK": "3"}, stdout="/o", stderr="/e"
+    )
     answer = stub.NextGeneration(ask, metadata=((env.RANK_TOKEN_METADATA, rank1),), timeout=5)
     assert (answer.action, dict(answer.env), answer.stdout) == ("start", {"RANK": "3"}, "/o")

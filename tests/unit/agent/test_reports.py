@@ -29,7 +29,7 @@ def test_a_checkpoint_request_is_passed_on_once_and_only_to_its_generation():
     reports.begin("j", 2)
     assert reports.want_checkpoint(1, 0) is False
     assert reports.want_checkpoint(2, 7) is True
-    assert reports.want_checkpoint(2, 5) is True   # the later request is the one kept
+    assert reports.want_checkpoint(2, 5) is True  # the later request is the one kept
     assert reports.add_steps(2, [step(0, 1)]) == 7
     assert reports.add_steps(2, [step(0, 2)]) is None
 
@@ -42,8 +42,10 @@ def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_c
     reports.remember(keel_pb2.AgentMessage(rank_exited=keel_pb2.RankExited(rank=1)))
     reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=4)))
     latest, exited, commit = reports.replay()
-    assert latest.steps.replayed and [(r.rank, r.step) for r in latest.steps.reports] == \
-        [(0, 5), (1, 4)]
+    assert latest.steps.replayed and [(r.rank, r.step) for r in latest.steps.reports] == [
+        (0, 5),
+        (1, 4),
+    ]
     assert exited.rank_exited.rank == 1 and commit.checkpoint_saved.step == 4
     # A new generation starts from nothing.
     reports.begin("j", 3)

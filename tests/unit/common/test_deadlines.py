@@ -12,36 +12,50 @@ def test_defaults_fit_and_derived_timeouts_grow_with_the_floor():
     assert d.startup_timeout_s >= 1.2 * (d.first_step_timeout_s + d.stop_grace_s)
     # The case keel up --hang-floor-s 90 used to get wrong: a 60 s collective timeout
     # would fire before the agent could name the hung rank.
-    assert resolve(hang_floor_s=90).collective_timeout_s == 114.0   # 1.2 x (90 + 5)
+    assert resolve(hang_floor_s=90).collective_timeout_s == 114.0  # 1.2 x (90 + 5)
     assert resolve(hang_floor_s=90, stop_grace_s=15).collective_timeout_s == 126.0
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"hang_floor_s": 90, "collective_timeout_s": 60},
-     "collective_timeout_s=60: must be at least 1.2 x (hang_floor_s=90 + stop_grace_s=5.0) = 114"),
-    ({"first_step_timeout_s": 300, "startup_timeout_s": 300},
-     "startup_timeout_s=300: must be at least 1.2 x (first_step_timeout_s=300 + stop_grace_s=5.0)"),
-    ({"collective_timeout_s": 400, "startup_timeout_s": 380},
-     "startup_timeout_s=380: must be at least collective_timeout_s=400"),
-    ({"hang_floor_s": 0.5}, "hang_floor_s=0.5: must be at least 1 s and 2 report periods"),
-    ({"heartbeat_s": 20}, "hang_floor_s=30.0: must be at least 1 s and 2 report periods"),
-    ({"hang_floor_s": 500}, "first_step_timeout_s=300.0: must be at least hang_floor_s=500"),
-    ({"reconnect_max_s": 10, "node_lost_grace_s": 10},
-     "reconnect_max_s=10: must be below node_lost_grace_s=10"),
-    ({"lease_ttl_s": 1}, "lease_ttl_s=1: must be at least 2 s"),
-    ({"stop_grace_s": float("nan")}, "stop_grace_s=nan: must be a finite number"),
-    ({"hang_floor_s": -3}, "hang_floor_s=-3: must be a finite number of seconds above 0"),
-    # Found by the controller's fuzz test: a huge floor overflowed the derived timeouts
-    # to infinity, and SubmitJob answered UNKNOWN ("cannot convert float infinity").
-    ({"hang_floor_s": 1.4980776123852633e+308},
-     "hang_floor_s=1.4980776123852633e+308: must be a finite number of seconds above 0 and "
-     "at most 2592000 (30 days)"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            {"hang_floor_s": 90, "collective_timeout_s": 60},
+            "collective_timeout_s=60: must be at least 1.2 x (hang_floor_s=90 + stop_grace_s=5.0) = 114",
+        ),
+        (
+            {"first_step_timeout_s": 300, "startup_timeout_s": 300},
+            "startup_timeout_s=300: must be at least 1.2 x (first_step_timeout_s=300 + stop_grace_s=5.0)",
+        ),
+        (
+            {"collective_timeout_s": 400, "startup_timeout_s": 380},
+            "startup_timeout_s=380: must be at least collective_timeout_s=400",
+        ),
+        ({"hang_floor_s": 0.5}, "hang_floor_s=0.5: must be at least 1 s and 2 report periods"),
+        ({"heartbeat_s": 20}, "hang_floor_s=30.0: must be at least 1 s and 2 report periods"),
+        ({"hang_floor_s": 500}, "first_step_timeout_s=300.0: must be at least hang_floor_s=500"),
+        (
+            {"reconnect_max_s": 10, "node_lost_grace_s": 10},
+            "reconnect_max_s=10: must be below node_lost_grace_s=10",
+        ),
+        ({"lease_ttl_s": 1}, "lease_ttl_s=1: must be at least 2 s"),
+        ({"stop_grace_s": float("nan")}, "stop_grace_s=nan: must be a finite number"),
+        ({"hang_floor_s": -3}, "hang_floor_s=-3: must be a finite number of seconds above 0"),
+        # Found by the controller's fuzz test: a huge floor overflowed the derived timeouts
+        # to infinity, and SubmitJob answered UNKNOWN ("cannot convert float infinity").
+        (
+            {"hang_floor_s": 1.4980776123852633e308},
+            "hang_floor_s=1.4980776123852633e+308: must be a finite number of seconds above 0 and "
+            "at most 2592000 (30 days)",
+        ),
+    ],
+)
 def test_a_broken_relation_is_refused_with_the_fix(given, message):
     with pytest.raises(DeadlineError) as caught:
         resolve(**given)
-    assert any(problem.startswith(message) for problem in caught.value.problems), \
+    assert any(problem.startswith(message) for problem in caught.value.problems), (
         caught.value.problems
+    )
 
 
 def test_every_problem_is_reported_at_once_and_unknown_names_are_a_bug():

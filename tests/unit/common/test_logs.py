@@ -40,10 +40,21 @@ def test_json_lines_carry_timestamp_level_component_and_context_from_every_threa
     first, second = (json.loads(line) for line in lines())
     assert first["timestamp"].endswith("Z") and "T" in first["timestamp"]
     assert {k: v for k, v in first.items() if k != "timestamp"} == {
-        "event": "rank started", "level": "info", "component": "agent", "node": "node-3",
-        "job": "demo", "generation": 2, "rank": 1, "pid": 42}
-    assert (second["event"], second["level"], second["component"], second["node"]) == \
-        ("from a thread", "warning", "agent", "node-3")
+        "event": "rank started",
+        "level": "info",
+        "component": "agent",
+        "node": "node-3",
+        "job": "demo",
+        "generation": 2,
+        "rank": 1,
+        "pid": 42,
+    }
+    assert (second["event"], second["level"], second["component"], second["node"]) == (
+        "from a thread",
+        "warning",
+        "agent",
+        "node-3",
+    )
 
 
 def test_the_stdlib_loggers_of_grpc_and_etcd3_come_out_through_the_same_pipeline(logged):
@@ -52,8 +63,11 @@ def test_the_stdlib_loggers_of_grpc_and_etcd3_come_out_through_the_same_pipeline
     logging.getLogger("grpc._channel").warning("channel to %s is down", "10.0.0.7:7070")
     logging.getLogger("etcd3.client").info("reconnected")
     grpc_line, etcd_line = (json.loads(line) for line in lines())
-    assert (grpc_line["event"], grpc_line["level"], grpc_line["logger"]) == \
-        ("channel to 10.0.0.7:7070 is down", "warning", "grpc._channel")
+    assert (grpc_line["event"], grpc_line["level"], grpc_line["logger"]) == (
+        "channel to 10.0.0.7:7070 is down",
+        "warning",
+        "grpc._channel",
+    )
     assert (grpc_line["component"], grpc_line["job"]) == ("controller", "demo")
     assert grpc_line["timestamp"].endswith("Z")
     assert (etcd_line["event"], etcd_line["level"]) == ("reconnected", "info")
@@ -111,11 +125,20 @@ def test_the_environment_is_the_default_and_a_flag_wins(logged, monkeypatch):
     assert logs.settings(tty=False) == ("json", "info")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"fmt": "xml"}, "log format 'xml': give --log-format (or KEEL_LOG_FORMAT) json or console"),
-    ({"level": "loud"}, "log level 'loud': give --log-level (or KEEL_LOG_LEVEL) one of debug, "
-                        "info, warning, error"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"fmt": "xml"},
+            "log format 'xml': give --log-format (or KEEL_LOG_FORMAT) json or console",
+        ),
+        (
+            {"level": "loud"},
+            "log level 'loud': give --log-level (or KEEL_LOG_LEVEL) one of debug, "
+            "info, warning, error",
+        ),
+    ],
+)
 def test_a_bad_format_or_level_is_refused_naming_the_choices(logged, kwargs, message):
     configure, _ = logged
     with pytest.raises(ValueError) as refused:

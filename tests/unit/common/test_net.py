@@ -14,15 +14,24 @@ def test_the_route_to_a_local_etcd_is_loopback_and_a_given_address_is_kept():
 
 
 def test_a_loopback_address_is_refused_when_etcd_is_remote():
-    with pytest.raises(net.AddressError, match="peers are remote and cannot reach a loopback "
-                                               "address; give --host"):
+    with pytest.raises(
+        net.AddressError, match="peers are remote and cannot reach a loopback address; give --host"
+    ):
         net.advertised("127.0.0.1", ("10.200.0.5:2379",), "--host")
     assert net.advertised("10.200.0.9", ("10.200.0.5:2379",), "--host") == "10.200.0.9"
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.1.1", True),
-                                            ("::1", True), ("localhost", True),
-                                            ("10.0.0.1", False), ("192.168.1.7", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.0.1.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("10.0.0.1", False),
+        ("192.168.1.7", False),
+    ],
+)
 def test_loopback_is_told_apart(host, loopback):
     assert net.is_loopback(host) is loopback
 

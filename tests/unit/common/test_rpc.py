@@ -26,5 +26,6 @@ def test_at_4000_agents_a_step_report_comes_before_a_ping_would():
 
 def test_the_controller_takes_the_operators_more_frequent_pings():
     operators = option(rpc.CHANNEL_OPTIONS, "grpc.keepalive_time_ms")
-    assert option(rpc.SERVER_OPTIONS,
-                  "grpc.http2.min_recv_ping_interval_without_data_ms") <= operators
+    assert (
+        option(rpc.SERVER_OPTIONS, "grpc.http2.min_recv_ping_interval_without_data_ms") <= operators
+    )

@@ -22,15 +22,21 @@ def test_a_step_carries_its_ranks_in_order_with_their_times_and_the_sums_and_max
     first, second = node_steps
     assert (first.step, list(first.ranks), list(first.step_time_s)) == (1, [1, 2], [0.4, 0.3])
     assert (first.tokens, first.at, first.checkpoint_s, first.restore_s) == (30, 101.0, 0.2, 4.0)
-    assert first.loss == 1.5           # the loss of its first rank
+    assert first.loss == 1.5  # the loss of its first rank
     assert (second.step, list(second.ranks), list(second.step_time_s)) == (2, [2, 3], [0.6, 0.5])
     assert (second.tokens, second.loss) == (40, 2.0)
 
 
 def test_a_ranks_first_report_of_a_step_counts_and_the_unfit_ones_go_as_they_are():
-    reports = [report(0, 1, 0.2, tokens=5), report(0, 1, 9.0, tokens=5),
-               report(1, 0, 0.2), report(1, 1, math.nan), report(2, 1, math.inf),
-               report(3, 1, -1.0), report(4, 1, 0.0)]
+    reports = [
+        report(0, 1, 0.2, tokens=5),
+        report(0, 1, 9.0, tokens=5),
+        report(1, 0, 0.2),
+        report(1, 1, math.nan),
+        report(2, 1, math.inf),
+        report(3, 1, -1.0),
+        report(4, 1, 0.0),
+    ]
     node_steps, unsummed = summarize(reports)
     (only,) = node_steps
     assert (list(only.ranks), list(only.step_time_s), only.tokens) == ([0, 4], [0.2, 0.0], 5)

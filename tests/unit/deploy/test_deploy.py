@@ -12,8 +12,14 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.promql import (dashboard_exprs, dashboard_panels, label_names, metric_names,
-                          rule_exprs, substitute_variables)
+from tests.promql import (
+    dashboard_exprs,
+    dashboard_panels,
+    label_names,
+    metric_names,
+    rule_exprs,
+    substitute_variables,
+)
 
 DASHBOARD = REPO / "deploy" / "grafana" / "keel.json"
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
@@ -53,9 +59,12 @@ def contract() -> dict[str, str]:
 
 def contract_labels() -> dict[str, set[str]]:
     """metric name -> its labels, from the same tables' `labels` column."""
-    return {row["metric"].strip("`"): {label.strip() for label in row["labels"].split(",")
-                                       if label.strip()}
-            for row in _contract_rows()}
+    return {
+        row["metric"].strip("`"): {
+            label.strip() for label in row["labels"].split(",") if label.strip()
+        }
+        for row in _contract_rows()
+    }
 
 
 def documented_labels() -> set[str]:
@@ -75,7 +84,9 @@ def exported_names() -> set[str]:
 
 
 def rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
 
 
 def recorded() -> set[str]:
@@ -86,8 +97,9 @@ def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-ALL_EXPRS = ([pytest.param(expr, id=f"dashboard-{i}") for i, expr in enumerate(dashboard_exprs(DASHBOARD))]
-             + [pytest.param(expr, id=name) for name, expr in rule_exprs(RULES)])
+ALL_EXPRS = [
+    pytest.param(expr, id=f"dashboard-{i}") for i, expr in enumerate(dashboard_exprs(DASHBOARD))
+] + [pytest.param(expr, id=name) for name, expr in rule_exprs(RULES)]
 
 
 def test_the_contract_is_read_from_the_tables():
@@ -95,7 +107,7 @@ def test_the_contract_is_read_from_the_tables():
     assert metrics["keel_job_state"] == "gauge"
     assert metrics["keel_step_seconds"] == "histogram"
     assert metrics["keel_grpc_server_handled_total"] == "counter"
-    assert "waiting" not in metrics      # the goodput causes' table is not a metric table
+    assert "waiting" not in metrics  # the goodput causes' table is not a metric table
     assert len(metrics) > 40
     labels = contract_labels()
     assert labels["keel_job_state"] == {"job_name", "state"}
@@ -112,20 +124,26 @@ def test_every_expression_parses_returns_a_vector_and_reads_only_contract_metric
     top = promql_parser.parse(expr)
     while isinstance(top, promql_parser.ParenExpr):
         top = top.expr
-    assert not isinstance(top, (promql_parser.MatrixSelector, promql_parser.SubqueryExpr,
-                                promql_parser.StringLiteral)), \
-        f"{expr!r}: a panel or a rule needs an instant vector or a number, not a range or a string"
+    assert not isinstance(
+        top, (promql_parser.MatrixSelector, promql_parser.SubqueryExpr, promql_parser.StringLiteral)
+    ), f"{expr!r}: a panel or a rule needs an instant vector or a number, not a range or a string"
     unknown = names - recorded() - exported_names()
-    assert not unknown, (f"{sorted(unknown)} not in docs/metrics.md (a histogram is read as "
-                         f"NAME_bucket, _sum, _count) nor recorded in rules.yml: {expr}")
+    assert not unknown, (
+        f"{sorted(unknown)} not in docs/metrics.md (a histogram is read as "
+        f"NAME_bucket, _sum, _count) nor recorded in rules.yml: {expr}"
+    )
 
 
 @pytest.mark.parametrize("expr", ALL_EXPRS)
 def test_every_expression_reads_only_documented_labels(expr):
     unknown = label_names(expr) - documented_labels() - SCRAPE_LABELS
-    assert "job" not in unknown, (f"{expr!r} reads the label `job`, which is the scrape "
-                                  f"configuration's: a Keel job's series carry `job_name`")
-    assert not unknown, f"{expr!r} reads labels {sorted(unknown)} that docs/metrics.md does not name"
+    assert "job" not in unknown, (
+        f"{expr!r} reads the label `job`, which is the scrape "
+        f"configuration's: a Keel job's series carry `job_name`"
+    )
+    assert not unknown, (
+        f"{expr!r} reads labels {sorted(unknown)} that docs/metrics.md does not name"
+    )
 
 
 def test_every_alert_annotation_names_documented_labels():
@@ -136,11 +154,18 @@ def test_every_alert_annotation_names_documented_labels():
 
 
 def test_every_contract_metric_is_on_the_dashboard_or_in_a_rule():
-    used = set().union(*(metric_names(expr) for expr in dashboard_exprs(DASHBOARD)),
-                       *(metric_names(expr) for _, expr in rule_exprs(RULES)))
-    unused = {name for name, kind in contract().items()
-              if not ({f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram"
-                      else {name}) & used}
+    used = set().union(
+        *(metric_names(expr) for expr in dashboard_exprs(DASHBOARD)),
+        *(metric_names(expr) for _, expr in rule_exprs(RULES)),
+    )
+    unused = {
+        name
+        for name, kind in contract().items()
+        if not (
+            {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else {name}
+        )
+        & used
+    }
     assert not unused, f"docs/metrics.md exports {sorted(unused)}, which no panel or rule shows"
 
 
@@ -150,10 +175,12 @@ def test_every_alert_says_how_long_how_bad_and_what_to_do():
     assert len({rule["alert"] for rule in alerts}) == len(alerts)
     for rule in alerts:
         name = rule["alert"]
-        assert "for" in rule and promql_parser.parse_duration(rule["for"]).total_seconds() > 0, \
+        assert "for" in rule and promql_parser.parse_duration(rule["for"]).total_seconds() > 0, (
             f"{name}: give it a `for:` so that one bad scrape does not page"
-        assert rule.get("labels", {}).get("severity") in SEVERITIES, \
+        )
+        assert rule.get("labels", {}).get("severity") in SEVERITIES, (
             f"{name}: labels.severity must be one of {sorted(SEVERITIES)}"
+        )
         annotations = rule.get("annotations", {})
         for key in ("summary", "description"):
             assert annotations.get(key, "").strip(), f"{name}: annotations.{key} is missing"
@@ -174,7 +201,10 @@ def test_dashboard_imports_as_it_is():
     assert variables["datasource"]["query"] == "prometheus"
     job = variables["job"]
     query = job["query"]["query"] if isinstance(job["query"], dict) else job["query"]
-    assert job["type"] == "query" and re.sub(r"\s", "", query) == "label_values(keel_job_state,job_name)"
+    assert (
+        job["type"] == "query"
+        and re.sub(r"\s", "", query) == "label_values(keel_job_state,job_name)"
+    )
     for panel in dashboard_panels(board):
         if panel["type"] == "row":
             continue
@@ -194,25 +224,33 @@ def test_dashboard_variables_read_contract_metrics():
     for variable in dashboard()["templating"]["list"]:
         if variable["type"] != "query":
             continue
-        query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        query = (
+            variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        )
         selector, label = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query).groups()
         assert metric_names(substitute_variables(selector)) <= exported_names(), query
         assert label in documented_labels(), query
-        assert label_names(substitute_variables(selector)) <= documented_labels() | SCRAPE_LABELS, query
+        assert label_names(substitute_variables(selector)) <= documented_labels() | SCRAPE_LABELS, (
+            query
+        )
 
 
 def test_metric_names_walks_every_selector():
-    expr = ('histogram_quantile(0.9, sum by (le) (rate(a_bucket{job_name="x"}[5m])))'
-            ' / on (job_name) group_left max_over_time(b[1h:1m]) + -{__name__="c"} offset 5m'
-            ' or absent(d) and topk(3, e)')
+    expr = (
+        'histogram_quantile(0.9, sum by (le) (rate(a_bucket{job_name="x"}[5m])))'
+        ' / on (job_name) group_left max_over_time(b[1h:1m]) + -{__name__="c"} offset 5m'
+        " or absent(d) and topk(3, e)"
+    )
     assert metric_names(expr) == {"a_bucket", "b", "c", "d", "e"}
     assert metric_names("1 + 2") == set()
 
 
 def test_label_names_walks_matchers_groupings_and_vector_matching():
-    expr = ('histogram_quantile(0.9, sum by (le) (rate(a_bucket{job_name="x", node!=""}[5m])))'
-            ' / on (job_name) group_left (cause) max without (phase) (max_over_time(b[1h:1m]) > 0)'
-            ' or ignoring (instance) {__name__="c", kind=~"h.*"}')
+    expr = (
+        'histogram_quantile(0.9, sum by (le) (rate(a_bucket{job_name="x", node!=""}[5m])))'
+        " / on (job_name) group_left (cause) max without (phase) (max_over_time(b[1h:1m]) > 0)"
+        ' or ignoring (instance) {__name__="c", kind=~"h.*"}'
+    )
     assert label_names(expr) == {"le", "job_name", "node", "cause", "phase", "instance", "kind"}
     assert label_names("sum(a) / b") == set()
 
@@ -229,8 +267,9 @@ def test_metric_names_refuses_names_it_cannot_check():
 
 
 def test_dashboard_variables_become_valid_promql():
-    expr = substitute_variables('rate(a{job="$job", node=~"${node:regex}"}[$__rate_interval]) '
-                                '+ increase(b[$__range]) * $__range_s')
-    assert expr == ('rate(a{job="placeholder", node=~"placeholder"}[5m]) '
-                    '+ increase(b[1h]) * 3600')
+    expr = substitute_variables(
+        'rate(a{job="$job", node=~"${node:regex}"}[$__rate_interval]) '
+        "+ increase(b[$__range]) * $__range_s"
+    )
+    assert expr == ('rate(a{job="placeholder", node=~"placeholder"}[5m]) + increase(b[1h]) * 3600')
     promql_parser.parse(expr)

@@ -34,8 +34,9 @@ KUBERNETES = DEPLOY / "kubernetes"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 SBATCH = DEPLOY / "slurm" / "keel.sbatch"
 # The agent's SIGTERM drain lasts at most --drain-timeout-s; this is its default.
-DEFAULT_DRAIN_TIMEOUT_S = float(agent_command.params[
-    [p.name for p in agent_command.params].index("drain_timeout_s")].default)
+DEFAULT_DRAIN_TIMEOUT_S = float(
+    agent_command.params[[p.name for p in agent_command.params].index("drain_timeout_s")].default
+)
 # What Keel itself reads from a daemon's environment (common/env.py).
 DAEMON_ENV = {env.TOKEN, env.ETCD_ENDPOINTS, env.ETCD_PASSWORD, env.LOG_FORMAT, env.LOG_LEVEL}
 CONTROLLER_FILES = {"ca.pem", "controller.pem", "controller.key"} | {f"{t}.token" for t in TOKENS}
@@ -45,7 +46,7 @@ AGENT_FILES = {"ca.pem", "agent.pem", "agent.key", "join.token"}
 # ------------------------------------------------------------------ command lines
 @dataclass(frozen=True)
 class Invocation:
-    where: str            # file and what in it
+    where: str  # file and what in it
     words: tuple[str, ...]  # after `keel` (or ["agent", ...] for `python -m agent`)
 
 
@@ -65,7 +66,11 @@ def _tokens(line: str) -> list[str]:
 def _until_operator(tokens: list[str]) -> tuple[str, ...]:
     words = []
     for token in tokens:
-        if token in SHELL_OPERATORS or token.startswith((">", "<")) or re.fullmatch(r"\d>.*", token):
+        if (
+            token in SHELL_OPERATORS
+            or token.startswith((">", "<"))
+            or re.fullmatch(r"\d>.*", token)
+        ):
             break
         words.append(token)
     return tuple(words)
@@ -83,17 +88,23 @@ def invocations_in_tokens(tokens: list[str], where: str) -> list[Invocation]:
     at_command = True
     for i, token in enumerate(tokens):
         if at_command and _is_keel(token):
-            found.append(Invocation(where, _until_operator(tokens[i + 1:])))
-        elif (at_command and re.fullmatch(r"(\S*/)?python3?", token)
-              and tokens[i + 1:i + 3] == ["-m", "agent"]):
-            found.append(Invocation(where, ("agent", *_until_operator(tokens[i + 3:]))))
+            found.append(Invocation(where, _until_operator(tokens[i + 1 :])))
+        elif (
+            at_command
+            and re.fullmatch(r"(\S*/)?python3?", token)
+            and tokens[i + 1 : i + 3] == ["-m", "agent"]
+        ):
+            found.append(Invocation(where, ("agent", *_until_operator(tokens[i + 3 :]))))
         elif token == "run" and i > 0 and tokens[i - 1] == "docker":
-            rest = _until_operator(tokens[i + 1:])
+            rest = _until_operator(tokens[i + 1 :])
             image = next((j for j, word in enumerate(rest) if IMAGE.match(word)), None)
             if image is not None:
-                found.append(Invocation(where, rest[image + 1:]))
-        at_command = (token in SHELL_OPERATORS or token in COMMAND_PREFIXES
-                      or (at_command and ASSIGNMENT.match(token) is not None))
+                found.append(Invocation(where, rest[image + 1 :]))
+        at_command = (
+            token in SHELL_OPERATORS
+            or token in COMMAND_PREFIXES
+            or (at_command and ASSIGNMENT.match(token) is not None)
+        )
     return found
 
 
@@ -103,8 +114,11 @@ def logical_lines(text: str) -> list[str]:
 
 
 def shell_invocations(text: str, where: str) -> list[Invocation]:
-    return [found for line in logical_lines(text)
-            for found in invocations_in_tokens(_tokens(line), where)]
+    return [
+        found
+        for line in logical_lines(text)
+        for found in invocations_in_tokens(_tokens(line), where)
+    ]
 
 
 def comment_invocations(text: str, where: str) -> list[Invocation]:
@@ -133,8 +147,13 @@ def markdown_blocks(text: str, languages=("", "bash", "sh")) -> list[str]:
 
 
 def unit(path: Path) -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",),
-                                       comment_prefixes=("#", ";"), empty_lines_in_values=False)
+    parser = configparser.ConfigParser(
+        strict=False,
+        interpolation=None,
+        delimiters=("=",),
+        comment_prefixes=("#", ";"),
+        empty_lines_in_values=False,
+    )
     parser.optionxform = str
     parser.read_string(path.read_text())
     return parser
@@ -145,8 +164,12 @@ def yaml_documents(path: Path) -> list[dict]:
 
 
 def kubernetes_objects() -> list[tuple[Path, dict]]:
-    return [(path, doc) for path in sorted(KUBERNETES.glob("*.yaml"))
-            if path.name != "kustomization.yaml" for doc in yaml_documents(path)]
+    return [
+        (path, doc)
+        for path in sorted(KUBERNETES.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in yaml_documents(path)
+    ]
 
 
 def containers(pod_spec: dict) -> list[dict]:
@@ -179,14 +202,19 @@ def all_invocations() -> list[Invocation]:
             where = str(path.relative_to(REPO))
             text = path.read_text()
             if path.suffix == ".md":
-                found += [i for block in markdown_blocks(text) for i in shell_invocations(block, where)]
+                found += [
+                    i for block in markdown_blocks(text) for i in shell_invocations(block, where)
+                ]
             elif path.suffix == ".sbatch":
                 found += shell_invocations(text, where)
             else:
                 found += comment_invocations(text, where)
             if path.suffix == ".service":
-                found += [i for line in unit(path)["Service"].get("ExecStart", "").splitlines()
-                          for i in shell_invocations(line.lstrip("-@+!:"), f"{where}: ExecStart")]
+                found += [
+                    i
+                    for line in unit(path)["Service"].get("ExecStart", "").splitlines()
+                    for i in shell_invocations(line.lstrip("-@+!:"), f"{where}: ExecStart")
+                ]
     return found + kubernetes_invocations()
 
 
@@ -214,8 +242,12 @@ def check_options(invocation: Invocation, complete: bool = True) -> list[str]:
         command, rest, name = resolve(invocation.words)
     except LookupError as exc:
         return [f"{invocation.where}: {exc}"]
-    options = {opt: param for param in command.params if isinstance(param, click.Option)
-               for opt in (*param.opts, *param.secondary_opts)}
+    options = {
+        opt: param
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+    }
     options.update({opt: None for opt in command.get_help_option_names(click.Context(command))})
     problems, given = [], set()
     interspersed = command.context_settings.get("allow_interspersed_args", True)
@@ -233,20 +265,34 @@ def check_options(invocation: Invocation, complete: bool = True) -> list[str]:
             continue
         param = options[flag]
         given.add(param.name if param else "help")
-        if (param is not None and not param.is_flag and not has_value
-                and next(words, None) is None and complete):
+        if (
+            param is not None
+            and not param.is_flag
+            and not has_value
+            and next(words, None) is None
+            and complete
+        ):
             problems.append(f"{invocation.where}: {flag} lacks its value")
     if "help" not in given and complete:
         for param in command.params:
-            if (isinstance(param, click.Option) and param.required and not param.envvar
-                    and param.name not in given):
+            if (
+                isinstance(param, click.Option)
+                and param.required
+                and not param.envvar
+                and param.name not in given
+            ):
                 problems.append(f"{invocation.where}: `{' '.join(name)}` needs {param.opts[0]}")
     return problems
 
 
-def invocations_of(name: tuple[str, ...], found: list[Invocation] | None = None) -> list[Invocation]:
-    return [i for i in (found if found is not None else all_invocations())
-            if resolve(i.words)[2] == name]
+def invocations_of(
+    name: tuple[str, ...], found: list[Invocation] | None = None
+) -> list[Invocation]:
+    return [
+        i
+        for i in (found if found is not None else all_invocations())
+        if resolve(i.words)[2] == name
+    ]
 
 
 def option_value(invocation: Invocation, flag: str) -> str:
@@ -260,17 +306,24 @@ def option_value(invocation: Invocation, flag: str) -> str:
 
 
 def test_the_extractor_finds_commands_where_a_shell_runs_them():
-    line = ('JOB=$(keel submit --check "$SPEC" | python3 -c "x") && exec keel agent --node n '
-            '--host "$(hostname -i | cut -d \' \' -f 1)"; kubectl -n keel logs x; '
-            'docker run --rm -v a:b registry.example.com/keel:0.1 status --json')
+    line = (
+        'JOB=$(keel submit --check "$SPEC" | python3 -c "x") && exec keel agent --node n '
+        "--host \"$(hostname -i | cut -d ' ' -f 1)\"; kubectl -n keel logs x; "
+        "docker run --rm -v a:b registry.example.com/keel:0.1 status --json"
+    )
     found = shell_invocations(line, "here")
     assert [i.words for i in found] == [
         ("submit", "--check", "$SPEC"),
         ("agent", "--node", "n", "--host", "$(hostname -i | cut -d ' ' -f 1)"),
-        ("status", "--json")]
+        ("status", "--json"),
+    ]
     assert check_options(Invocation("here", ("agent", "--node", "n", "--slot", "2"))) == [
-        "here: `keel agent` has no option --slot", "here: `keel agent` needs --slots"]
-    assert check_options(Invocation("here", ("stauts",))) == ["here: `keel stauts`: no such command"]
+        "here: `keel agent` has no option --slot",
+        "here: `keel agent` needs --slots",
+    ]
+    assert check_options(Invocation("here", ("stauts",))) == [
+        "here: `keel stauts`: no such command"
+    ]
 
 
 def test_every_command_line_in_the_recipes_uses_only_real_options():
@@ -279,12 +332,23 @@ def test_every_command_line_in_the_recipes_uses_only_real_options():
     assert not problems, "\n".join(problems)
     # The recipes the daemons run from are all seen.
     wheres = {i.where.split(":")[0] for i in found}
-    assert {"deploy/systemd/keel-controller.service", "deploy/systemd/keel-agent.service",
-            "controller.yaml", "agent.yaml", "deploy/slurm/keel.sbatch",
-            "deploy/docker/README.md"} <= wheres, wheres
+    assert {
+        "deploy/systemd/keel-controller.service",
+        "deploy/systemd/keel-agent.service",
+        "controller.yaml",
+        "agent.yaml",
+        "deploy/slurm/keel.sbatch",
+        "deploy/docker/README.md",
+    } <= wheres, wheres
     names = {resolve(i.words)[2] for i in found}
-    assert {("keel", "controller"), ("keel", "agent"), ("keel", "submit"), ("keel", "events"),
-            ("keel", "status"), ("keel", "certs", "init")} <= names, names
+    assert {
+        ("keel", "controller"),
+        ("keel", "agent"),
+        ("keel", "submit"),
+        ("keel", "events"),
+        ("keel", "status"),
+        ("keel", "certs", "init"),
+    } <= names, names
 
 
 # ------------------------------------------------------------------------ systemd
@@ -309,14 +373,25 @@ def seconds(value: str) -> float:
 def test_units_restart_with_back_off_hardened_and_read_their_environment(name):
     parsed = unit(SYSTEMD / f"keel-{name}.service")
     service = parsed["Service"]
-    for key, value in {"Restart": "on-failure", "KillSignal": "SIGTERM",
-                       "NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "ProtectHome": "yes", "PrivateTmp": "yes", "ProtectKernelModules": "yes",
-                       "ProtectControlGroups": "yes", "RestrictSUIDSGID": "yes",
-                       "CapabilityBoundingSet": "", "User": "keel"}.items():
+    for key, value in {
+        "Restart": "on-failure",
+        "KillSignal": "SIGTERM",
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "ProtectKernelModules": "yes",
+        "ProtectControlGroups": "yes",
+        "RestrictSUIDSGID": "yes",
+        "CapabilityBoundingSet": "",
+        "User": "keel",
+    }.items():
         assert service.get(key) == value, f"keel-{name}.service: {key}={service.get(key)!r}"
     assert seconds(service["RestartSec"]) >= 1
-    assert int(parsed["Unit"]["StartLimitBurst"]) > 1 and seconds(parsed["Unit"]["StartLimitIntervalSec"]) > 0
+    assert (
+        int(parsed["Unit"]["StartLimitBurst"]) > 1
+        and seconds(parsed["Unit"]["StartLimitIntervalSec"]) > 0
+    )
     assert parsed["Install"]["WantedBy"] == "multi-user.target"
     # The environment file is the recipe beside the unit, and feeds every ${VAR}.
     environment = env_file(SYSTEMD / Path(service["EnvironmentFile"].lstrip("-")).name)
@@ -341,16 +416,22 @@ def test_the_agent_unit_drains_before_systemd_kills_and_lets_ranks_use_gpus():
     # SIGTERM to the agent only: it stops its ranks itself, after their checkpoint.
     assert service["KillMode"] == "mixed"
     assert service.get("PrivateDevices", "no") == "no" and "DevicePolicy" not in service
-    assert service.get("MemoryDenyWriteExecute", "no") == "no"   # CUDA, Triton JIT
+    assert service.get("MemoryDenyWriteExecute", "no") == "no"  # CUDA, Triton JIT
     assert service.get("ReadWritePaths") or service.get("StateDirectory")
     assert environment["RUN_DIR"].startswith(f"/var/lib/{service['StateDirectory']}/")
 
 
 # ------------------------------------------------------------------------- docker
 def dockerfile_instructions() -> list[tuple[str, str]]:
-    lines = [line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")]
-    return [(instruction.upper(), rest.strip()) for line in logical_lines("\n".join(lines))
-            if line.strip() for instruction, _, rest in [line.strip().partition(" ")]]
+    lines = [
+        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")
+    ]
+    return [
+        (instruction.upper(), rest.strip())
+        for line in logical_lines("\n".join(lines))
+        if line.strip()
+        for instruction, _, rest in [line.strip().partition(" ")]
+    ]
 
 
 def test_dockerfile_takes_base_and_torch_as_build_args_and_pins_torch_before_keel():
@@ -359,15 +440,22 @@ def test_dockerfile_takes_base_and_torch_as_build_args_and_pins_torch_before_kee
     assert ("ARG", next(rest for kind, rest in steps if kind == "ARG")) == steps[0]
     assert steps[0][1].startswith("BASE=") and steps[start][1] == "${BASE}"
     declared = {rest.split("=")[0] for kind, rest in steps[start:] if kind == "ARG"}
-    assert {"TORCH_VERSION", "TORCH_INDEX_URL"} <= declared   # after FROM, so in scope
-    torch = next(i for i, (kind, rest) in enumerate(steps)
-                 if kind == "RUN" and '"torch==${TORCH_VERSION}"' in rest)
+    assert {"TORCH_VERSION", "TORCH_INDEX_URL"} <= declared  # after FROM, so in scope
+    torch = next(
+        i
+        for i, (kind, rest) in enumerate(steps)
+        if kind == "RUN" and '"torch==${TORCH_VERSION}"' in rest
+    )
     assert '--index-url "${TORCH_INDEX_URL}"' in steps[torch][1]
-    keel = next(i for i, (kind, rest) in enumerate(steps)
-                if kind == "RUN" and re.search(r"pip install /src\b", rest))
+    keel = next(
+        i
+        for i, (kind, rest) in enumerate(steps)
+        if kind == "RUN" and re.search(r"pip install /src\b", rest)
+    )
     assert torch < keel, "torch must be installed, pinned, before Keel"
     assert steps[-1] == ("ENTRYPOINT", '["keel"]') or (
-        steps[-2] == ("ENTRYPOINT", '["keel"]') and steps[-1][0] == "CMD")
+        steps[-2] == ("ENTRYPOINT", '["keel"]') and steps[-1][0] == "CMD"
+    )
     users = [i for i, (kind, _) in enumerate(steps) if kind == "USER"]
     assert users and users[-1] > keel and steps[users[-1]][1] not in ("root", "0")
 
@@ -418,8 +506,10 @@ def test_standard_objects_match_the_kubernetes_api_schema():
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata']['name']} "
-                        f"(Kubernetes {version}): {exc.message} at {list(exc.path)}")
+            pytest.fail(
+                f"{path.name}: {doc['kind']} {doc['metadata']['name']} "
+                f"(Kubernetes {version}): {exc.message} at {list(exc.path)}"
+            )
         checked += 1
     assert checked >= 15
 
@@ -431,8 +521,11 @@ def test_servicemonitors_select_a_service_port_of_the_controllers_and_the_agents
     for name, monitor in monitors.items():
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         selector = monitor["spec"]["selector"]["matchLabels"]
-        matches = [s for s in services.values()
-                   if selector.items() <= s["metadata"].get("labels", {}).items()]
+        matches = [
+            s
+            for s in services.values()
+            if selector.items() <= s["metadata"].get("labels", {}).items()
+        ]
         assert len(matches) == 1, f"ServiceMonitor {name} selects {len(matches)} Services"
         ports = {port["name"] for port in matches[0]["spec"]["ports"]}
         for endpoint in monitor["spec"]["endpoints"]:
@@ -459,8 +552,11 @@ def test_the_agent_daemonset_runs_on_the_host_network_with_gpus_and_drains_in_it
     assert pre_stop is None or pre_stop.get("exec", {}).get("command", [""])[0] == "sleep"
     run_dir = option_value(invocation, "--run-dir")
     volumes = {v["name"]: v for v in pod["volumes"]}
-    mount = next(m for m in container(agent, "agent")["volumeMounts"]
-                 if run_dir.startswith(m["mountPath"] + "/"))
+    mount = next(
+        m
+        for m in container(agent, "agent")["volumeMounts"]
+        if run_dir.startswith(m["mountPath"] + "/")
+    )
     assert "hostPath" in volumes[mount["name"]]
 
 
@@ -475,10 +571,16 @@ def test_the_controllers_are_two_with_stable_names_their_certificate_can_hold():
     advertise = option_value(invocation, "--advertise-host")
     env_values = {e["name"]: e.get("value") for e in container(controller, "controller")["env"]}
     assert advertise == "$(ADVERTISE_HOST)"
-    assert env_values["ADVERTISE_HOST"] == f"$(POD_NAME).{service['metadata']['name']}.$(POD_NAMESPACE).svc"
+    assert (
+        env_values["ADVERTISE_HOST"]
+        == f"$(POD_NAME).{service['metadata']['name']}.$(POD_NAMESPACE).svc"
+    )
     # secrets.yaml's `keel certs init` names exactly those hosts.
-    init = next(i for i in all_invocations() if i.where == "deploy/kubernetes/secrets.yaml"
-                and i.words[:2] == ("certs", "init"))
+    init = next(
+        i
+        for i in all_invocations()
+        if i.where == "deploy/kubernetes/secrets.yaml" and i.words[:2] == ("certs", "init")
+    )
     hosts = [w for prev, w in zip(init.words, init.words[1:]) if prev == "--host"]
     assert hosts == [f"keel-controller-{i}.keel-controller.keel.svc" for i in range(2)]
 
@@ -489,25 +591,37 @@ def test_every_kubernetes_variable_reference_is_defined():
     for _, doc in kubernetes_objects():
         template = doc.get("spec", {}).get("template")
         for c in containers(template["spec"]) if template else []:
-            defined = {key for source in c.get("envFrom", [])
-                       for key in config_maps[source["configMapRef"]["name"]]["data"]}
+            defined = {
+                key
+                for source in c.get("envFrom", [])
+                for key in config_maps[source["configMapRef"]["name"]]["data"]
+            }
             for variable in c.get("env", []):
                 for ref in re.findall(r"\$\((\w+)\)", variable.get("value", "")):
-                    assert ref in defined, f"{c['name']}: env {variable['name']} uses $({ref}) before it is set"
+                    assert ref in defined, (
+                        f"{c['name']}: env {variable['name']} uses $({ref}) before it is set"
+                    )
                 defined.add(variable["name"])
             for word in [*c.get("command", []), *c.get("args", [])]:
                 for ref in re.findall(r"\$\((\w+)\)", str(word)):
-                    assert ref in defined, f"{doc['metadata']['name']}/{c['name']}: $({ref}) undefined"
+                    assert ref in defined, (
+                        f"{doc['metadata']['name']}/{c['name']}: $({ref}) undefined"
+                    )
 
 
 def test_tls_directories_are_secrets_holding_what_each_daemon_reads():
     secrets = objects_by_kind("Secret")
-    for workload, name, files in ((objects_by_kind("StatefulSet")["keel-controller"], "controller",
-                                   CONTROLLER_FILES),
-                                  (objects_by_kind("DaemonSet")["keel-agent"], "agent", AGENT_FILES)):
+    for workload, name, files in (
+        (objects_by_kind("StatefulSet")["keel-controller"], "controller", CONTROLLER_FILES),
+        (objects_by_kind("DaemonSet")["keel-agent"], "agent", AGENT_FILES),
+    ):
         tls_dir = option_value(keel_invocation(workload["metadata"]["name"]), "--tls-dir")
-        mount = next(m for m in container(workload, name)["volumeMounts"] if m["mountPath"] == tls_dir)
-        volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+        mount = next(
+            m for m in container(workload, name)["volumeMounts"] if m["mountPath"] == tls_dir
+        )
+        volume = next(
+            v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+        )
         assert set(secrets[volume["secret"]["secretName"]]["stringData"]) == files
 
 
@@ -519,7 +633,9 @@ def test_etcd_is_three_members_behind_a_headless_service_named_in_the_endpoints(
     assert service["spec"]["clusterIP"] == "None"
     endpoints = objects_by_kind("ConfigMap")["keel-config"]["data"][env.ETCD_ENDPOINTS]
     assert endpoints.split(",") == [f"keel-etcd-{i}.keel-etcd:2379" for i in range(3)]
-    initial = next(w for w in container(etcd, "etcd")["command"] if w.startswith("--initial-cluster="))
+    initial = next(
+        w for w in container(etcd, "etcd")["command"] if w.startswith("--initial-cluster=")
+    )
     assert initial.count("=http://") == 3
 
 
@@ -555,8 +671,9 @@ def test_sbatch_starts_one_agent_per_node_and_drains_them_on_exit():
     assert len(agent) == 1
     assert option_value(agent[0], "--node") == "$SLURMD_NODENAME"
     assert option_value(agent[0], "--slots") == "$SLURM_GPUS_ON_NODE"
-    assert re.search(r"^srun --ntasks-per-node=1 .*start_agent &$", "\n".join(logical_lines(text)),
-                     re.MULTILINE)
+    assert re.search(
+        r"^srun --ntasks-per-node=1 .*start_agent &$", "\n".join(logical_lines(text)), re.MULTILINE
+    )
     assert invocations_of(("keel", "submit"), found) and invocations_of(("keel", "events"), found)
     # The trap is set before anything is submitted, and stops the agents with SIGTERM.
     assert text.index("trap stop_agents EXIT") < text.index('keel submit "$JOB_SPEC"')

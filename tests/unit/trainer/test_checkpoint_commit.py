@@ -23,9 +23,19 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def runtime() -> Runtime:
-    return Runtime(rank=0, world_size=1, local_rank=0, generation=2, job="", mesh={"dp_shard": 1},
-                   checkpoint_dir=None, restore_from=None, restart_count=0, agent_socket=None,
-                   faults=keel_pb2.FaultSchedule())
+    return Runtime(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        generation=2,
+        job="",
+        mesh={"dp_shard": 1},
+        checkpoint_dir=None,
+        restore_from=None,
+        restart_count=0,
+        agent_socket=None,
+        faults=keel_pb2.FaultSchedule(),
+    )
 
 
 def entries(directory) -> list[str]:
@@ -34,7 +44,10 @@ def entries(directory) -> list[str]:
 
 
 def model_state(step: int) -> dict:
-    return {"model": {"w": torch.full((64,), float(step)), "b": torch.arange(8.0)}, "step": torch.tensor(step)}
+    return {
+        "model": {"w": torch.full((64,), float(step)), "b": torch.arange(8.0)},
+        "step": torch.tensor(step),
+    }
 
 
 def test_dcp_filesystem_writer_syncs_files_by_default():
@@ -44,7 +57,9 @@ def test_dcp_filesystem_writer_syncs_files_by_default():
 
 
 @pytest.mark.parametrize("use_async", [False, True])
-def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_rank_group, use_async):
+def test_commit_leaves_every_file_and_entry_durable(
+    tmp_path, monkeypatch, one_rank_group, use_async
+):
     events: list[tuple[str, str]] = []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -60,7 +75,9 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     monkeypatch.setattr(os, "rename", rename)
     ckpt = tmp_path / "ckpt"
     saver = Checkpointer(str(ckpt), runtime(), use_async=use_async, keep=0, restored_from=None)
-    saver.save(5, 80, model_state(5), Ledger([[step, (step - 1) * 16, 16] for step in range(1, 6)]), 16)
+    saver.save(
+        5, 80, model_state(5), Ledger([[step, (step - 1) * 16, 16] for step in range(1, 6)]), 16
+    )
     saver.wait()
 
     final = ckpt / "step_00000005"
@@ -70,8 +87,12 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     synced = [path for kind, path in events if kind == "fsync"]
     # Each file fsynced exactly once, under the name it was written as (DCP writes
     # .metadata.tmp and renames it inside the staging directory).
-    for name, written_as in ((".metadata", ".metadata.tmp"), ("__0_0.distcp", "__0_0.distcp"),
-                             ("ledger.json", "ledger.json"), ("manifest.json", "manifest.json")):
+    for name, written_as in (
+        (".metadata", ".metadata.tmp"),
+        ("__0_0.distcp", "__0_0.distcp"),
+        ("ledger.json", "ledger.json"),
+        ("manifest.json", "manifest.json"),
+    ):
         assert synced.count(os.path.join(staging, written_as)) == 1, (name, events)
     commit = events.index(("rename", f"{staging} -> {final}"))
     # The staging directory (its entries) before the rename, the parent after it.
@@ -80,7 +101,9 @@ def test_commit_leaves_every_file_and_entry_durable(tmp_path, monkeypatch, one_r
     assert checkpoint_dir.committed_steps(str(ckpt)) == {5: str(final)}
 
 
-def test_retention_deletes_off_the_training_thread_and_wait_waits(tmp_path, monkeypatch, one_rank_group):
+def test_retention_deletes_off_the_training_thread_and_wait_waits(
+    tmp_path, monkeypatch, one_rank_group
+):
     release = threading.Event()
     real_rmtree = shutil.rmtree
 

@@ -11,7 +11,9 @@ def test_sample_depends_only_on_seed_and_index():
     data = SyntheticTokens(vocab=64, seq_len=16, seed=3)
     inputs, targets = data.batch(10, 4)
     for row in range(4):
-        alone_inputs, alone_targets = SyntheticTokens(vocab=64, seq_len=16, seed=3).batch(10 + row, 1)
+        alone_inputs, alone_targets = SyntheticTokens(vocab=64, seq_len=16, seed=3).batch(
+            10 + row, 1
+        )
         assert torch.equal(inputs[row], alone_inputs[0])
         assert torch.equal(targets[row], alone_targets[0])
 

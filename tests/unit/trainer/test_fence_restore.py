@@ -18,10 +18,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def runtime(generation=2, job="", restore_from=None, fallbacks=()) -> Runtime:
-    return Runtime(rank=0, world_size=1, local_rank=0, generation=generation, job=job,
-                   mesh={"dp_shard": 1}, checkpoint_dir=None, restore_from=restore_from,
-                   restart_count=0, agent_socket=None, faults=keel_pb2.FaultSchedule(),
-                   restore_fallbacks=tuple(fallbacks))
+    return Runtime(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        generation=generation,
+        job=job,
+        mesh={"dp_shard": 1},
+        checkpoint_dir=None,
+        restore_from=restore_from,
+        restart_count=0,
+        agent_socket=None,
+        faults=keel_pb2.FaultSchedule(),
+        restore_fallbacks=tuple(fallbacks),
+    )
 
 
 def test_a_newer_generation_fences_an_older_one_out(tmp_path):
@@ -82,8 +92,9 @@ def test_a_manifest_catches_missing_truncated_and_damaged_files(tmp_path):
 
 
 def save(directory, generation, steps, keep=0):
-    saver = Checkpointer(directory, runtime(generation), use_async=False, keep=keep,
-                         restored_from=None)
+    saver = Checkpointer(
+        directory, runtime(generation), use_async=False, keep=keep, restored_from=None
+    )
     for step in steps:
         saver.save(step, step * 16, model_state(step), Ledger(), 16)
     saver.wait()
@@ -92,7 +103,7 @@ def save(directory, generation, steps, keep=0):
 def test_a_superseded_generation_can_neither_commit_nor_clean_up(tmp_path, one_rank_group, capsys):
     directory = str(tmp_path / "ckpt")
     save(directory, 2, [1])
-    fence.claim(directory, 3)   # generation 3 took over the directory
+    fence.claim(directory, 3)  # generation 3 took over the directory
     saver = Checkpointer(directory, runtime(2), use_async=True, keep=1, restored_from=None)
     with pytest.raises(fence.Superseded):
         saver.save(2, 32, model_state(2), Ledger(), 16)
@@ -110,7 +121,8 @@ def corrupt(path):
 
 
 def test_a_damaged_newest_checkpoint_is_quarantined_and_the_one_before_restored(
-        tmp_path, one_rank_group, capsys):
+    tmp_path, one_rank_group, capsys
+):
     directory = str(tmp_path / "ckpt")
     save(directory, 2, [5, 10])
     newest, older = committed_path(directory, 10), committed_path(directory, 5)

@@ -31,7 +31,9 @@ def test_ledger_records_steps_and_writes_the_documented_json(tmp_path):
     path = ledger.write(str(tmp_path), global_batch=8, step=2)
     assert path == str(tmp_path / LEDGER_FILE)
     assert json.loads((tmp_path / LEDGER_FILE).read_text()) == {
-        "global_batch": 8, "step": 2, "ranges": [[1, 0, 8], [2, 8, 8]],
+        "global_batch": 8,
+        "step": 2,
+        "ranges": [[1, 0, 8], [2, 8, 8]],
     }
     # The ranges read back from ledger.json make the same ledger.
     stored = json.loads((tmp_path / LEDGER_FILE).read_text())

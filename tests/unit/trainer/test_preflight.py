@@ -33,7 +33,9 @@ MIB = 1 << 20
     ],
 )
 def test_bus_bandwidth_is_nccl_tests_formula(collective, size_bytes, time_s, n, algbw, busbw):
-    assert bus_bandwidth(collective, size_bytes, time_s, n) == pytest.approx((algbw, busbw), rel=1e-12)
+    assert bus_bandwidth(collective, size_bytes, time_s, n) == pytest.approx(
+        (algbw, busbw), rel=1e-12
+    )
 
 
 def test_bus_bandwidth_refuses_an_unknown_collective():
@@ -61,8 +63,10 @@ def test_summary_lists_busbw_per_collective_and_says_when_the_budget_ran_out():
         skipped=2,
     )
     line = preflight.summary(sweep, 2, 10.0)
-    assert line.startswith("preflight over 2 ranks in 10.40 s, busbw: all_reduce 1.05 GB/s @ 1 MiB, 2.1 GB/s @ 8 MiB; "
-                           "all_gather 0.262 GB/s @ 1 MiB; reduce_scatter 0.262 GB/s @ 1 MiB")
+    assert line.startswith(
+        "preflight over 2 ranks in 10.40 s, busbw: all_reduce 1.05 GB/s @ 1 MiB, 2.1 GB/s @ 8 MiB; "
+        "all_gather 0.262 GB/s @ 1 MiB; reduce_scatter 0.262 GB/s @ 1 MiB"
+    )
     assert "stopped early: the 10 s budget ran out with 2 of 6 measurements left" in line
 
 
@@ -82,7 +86,10 @@ def test_nccl_watchdog_env_without_nccl_keeps_the_users_settings_and_dir():
     assert added["TORCH_FR_DUMP_TEMP_FILE"] == "/var/keel/fr/nccl_trace_rank_"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in added
     environ = {"TORCH_FR_DUMP_TEMP_FILE": "/mine/trace_", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    assert set(watchdog.nccl_env(environ, "/ckpt")) == {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
+    assert set(watchdog.nccl_env(environ, "/ckpt")) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    }
     # Nowhere to put dumps: torch's own default applies.
     assert "TORCH_FR_DUMP_TEMP_FILE" not in watchdog.nccl_env({}, None)
 
@@ -91,11 +98,14 @@ def test_start_barrier_message_names_the_missing_ranks_on_rank_zero():
     text = "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 2000 ms"
     assert watchdog.missing_ranks(text) == [1, 3]
     message = watchdog.start_barrier_message(0, 4, 2.0, text)
-    assert message.startswith("generation start: ranks 1, 3 did not reach the start barrier within 2 s "
-                              "(2/4 ranks arrived)")
+    assert message.startswith(
+        "generation start: ranks 1, 3 did not reach the start barrier within 2 s "
+        "(2/4 ranks arrived)"
+    )
     assert "--startup-timeout-s" in message
-    assert watchdog.start_barrier_message(0, 2, 300.0, "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 300000 ms"
-                                          ).startswith("generation start: rank 1 did not reach")
+    assert watchdog.start_barrier_message(
+        0, 2, 300.0, "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 300000 ms"
+    ).startswith("generation start: rank 1 did not reach")
 
 
 def test_start_barrier_message_on_other_ranks_points_at_rank_zero():
@@ -130,15 +140,24 @@ def test_health_flags_defaults_and_checked_deadlines(monkeypatch, capsys):
     monkeypatch.delenv("KEEL_PREFLIGHT", raising=False)
     args = train.parse_args(["--steps", "1"])
     assert (args.startup_timeout_s, args.collective_timeout_s) == (300.0, 60.0)
-    assert (args.preflight, args.preflight_sizes_mb, args.preflight_budget_s) == (True, [1.0, 8.0], 10.0)
+    assert (args.preflight, args.preflight_sizes_mb, args.preflight_budget_s) == (
+        True,
+        [1.0, 8.0],
+        10.0,
+    )
     assert train.parse_args(["--steps", "1", "--no-preflight"]).preflight is False
-    assert train.parse_args(["--steps", "1", "--preflight-sizes-mb", "0.5,4,64"]).preflight_sizes_mb == [0.5, 4.0, 64.0]
+    assert train.parse_args(
+        ["--steps", "1", "--preflight-sizes-mb", "0.5,4,64"]
+    ).preflight_sizes_mb == [0.5, 4.0, 64.0]
     monkeypatch.setenv("KEEL_PREFLIGHT", "0")
     assert train.parse_args(["--steps", "1"]).preflight is False
     assert train.parse_args(["--steps", "1", "--preflight"]).preflight is True
     for argv, complaint in [
         (["--collective-timeout-s", "5"], "--collective-timeout-s 5 must exceed 7.5 s"),
-        (["--startup-timeout-s", "30"], "--startup-timeout-s 30 must be at least --collective-timeout-s (60)"),
+        (
+            ["--startup-timeout-s", "30"],
+            "--startup-timeout-s 30 must be at least --collective-timeout-s (60)",
+        ),
         (["--preflight-sizes-mb", "1,big"], "is not a comma-separated list of numbers"),
         (["--preflight-budget-s", "0"], "use --no-preflight"),
     ]:

@@ -17,7 +17,13 @@ from protos import keel_pb2
 from tests.conftest import AgentRecorder, local_agent, wait_for
 from trainer import runtime
 from trainer.runtime import reporting
-from trainer.runtime import claim_fault, fault_marker_path, parse_fault_schedule, parse_mesh, rank_faults
+from trainer.runtime import (
+    claim_fault,
+    fault_marker_path,
+    parse_fault_schedule,
+    parse_mesh,
+    rank_faults,
+)
 
 
 def schedule_json(*faults: keel_pb2.Fault) -> str:
@@ -26,8 +32,12 @@ def schedule_json(*faults: keel_pb2.Fault) -> str:
 
 def rank_env(rank: int, faults: str, checkpoint_dir=None, generation: int = 1) -> dict:
     env = {
-        "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-        "KEEL_GENERATION": str(generation), "KEEL_JOB": "demo", "KEEL_FAULTS": faults,
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "KEEL_GENERATION": str(generation),
+        "KEEL_JOB": "demo",
+        "KEEL_FAULTS": faults,
     }
     if checkpoint_dir is not None:
         env["KEEL_CHECKPOINT_DIR"] = str(checkpoint_dir)
@@ -46,7 +56,11 @@ def test_rank_faults_keeps_only_this_ranks_rank_faults_with_their_schedule_index
         )
     )
     selected = rank_faults(schedule, 1)
-    assert [(index, fault.kind, fault.step) for index, fault in selected] == [(1, "crash", 7), (3, "slow", 2), (5, "kill", 9)]
+    assert [(index, fault.kind, fault.step) for index, fault in selected] == [
+        (1, "crash", 7),
+        (3, "slow", 2),
+        (5, "kill", 9),
+    ]
     assert [index for index, _ in rank_faults(schedule, 0)] == [2]
 
 
@@ -79,7 +93,10 @@ def test_crash_fires_at_its_step_on_its_rank_only(tmp_path):
 
 
 def test_crash_is_one_shot_across_generations(tmp_path):
-    faults = schedule_json(keel_pb2.Fault(kind="lose_node", node=1, step=1), keel_pb2.Fault(kind="crash", rank=0, step=2))
+    faults = schedule_json(
+        keel_pb2.Fault(kind="lose_node", node=1, step=1),
+        keel_pb2.Fault(kind="crash", rank=0, step=2),
+    )
     first = runtime.init(rank_env(0, faults, tmp_path, generation=1))
     with pytest.raises(RuntimeError):
         first.inject_faults(2)
@@ -115,7 +132,11 @@ def test_claim_fault_is_exclusive_per_directory(tmp_path):
 
 
 def test_slow_stretches_every_step_from_its_step_on(tmp_path):
-    rt = runtime.init(rank_env(1, schedule_json(keel_pb2.Fault(kind="slow", rank=1, step=3, factor=3.0)), tmp_path))
+    rt = runtime.init(
+        rank_env(
+            1, schedule_json(keel_pb2.Fault(kind="slow", rank=1, step=3, factor=3.0)), tmp_path
+        )
+    )
     rt.inject_faults(2)
     assert rt.after_step(0.02) == 0.0
     rt.inject_faults(3)
@@ -131,16 +152,28 @@ def test_slow_stretches_every_step_from_its_step_on(tmp_path):
 def test_init_reads_the_environment(tmp_path):
     rt = runtime.init(
         {
-            "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2",
-            "KEEL_JOB": "llama", "KEEL_GENERATION": "7", "KEEL_MESH": "dp_shard=4",
-            "KEEL_CHECKPOINT_DIR": str(tmp_path), "KEEL_RESTORE_FROM": str(tmp_path / "step_00000010"),
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "KEEL_JOB": "llama",
+            "KEEL_GENERATION": "7",
+            "KEEL_MESH": "dp_shard=4",
+            "KEEL_CHECKPOINT_DIR": str(tmp_path),
+            "KEEL_RESTORE_FROM": str(tmp_path / "step_00000010"),
         }
     )
     assert (rt.rank, rt.world_size, rt.local_rank, rt.restart_count) == (3, 4, 1, 2)
     assert (rt.job, rt.generation, rt.mesh) == ("llama", 7, {"dp_shard": 4})
     assert (rt.checkpoint_dir, rt.restore_from) == (str(tmp_path), str(tmp_path / "step_00000010"))
     plain = runtime.init({"KEEL_RESTORE_FROM": ""})
-    assert (plain.rank, plain.world_size, plain.generation, plain.job, plain.mesh) == (0, 1, 0, "", {"dp_shard": 1})
+    assert (plain.rank, plain.world_size, plain.generation, plain.job, plain.mesh) == (
+        0,
+        1,
+        0,
+        "",
+        {"dp_shard": 1},
+    )
     assert plain.checkpoint_dir is None and plain.restore_from is None
 
 
@@ -153,7 +186,9 @@ def test_parse_mesh_checks_the_world_size():
 
 
 def test_a_missing_agent_never_fails_training(tmp_path, capsys):
-    rt = runtime.init({"RANK": "0", "WORLD_SIZE": "1", "KEEL_AGENT_SOCKET": str(tmp_path / "nobody.sock")})
+    rt = runtime.init(
+        {"RANK": "0", "WORLD_SIZE": "1", "KEEL_AGENT_SOCKET": str(tmp_path / "nobody.sock")}
+    )
     for step in range(1, 40):
         rt.report_step(step, loss=1.0, tokens=64, step_time_s=0.01)
     assert rt.report_checkpoint(10, str(tmp_path / "step_00000010"), 160) is False
@@ -195,7 +230,9 @@ def test_reporting_does_not_wait_for_the_agent():
             trainer = threading.Thread(target=train, daemon=True)
             trainer.start()
             # Were report_step a call to the agent, each would wait out its deadline.
-            wait_for(lambda: not trainer.is_alive(), 10, what="200 step reports while the agent is stuck")
+            wait_for(
+                lambda: not trainer.is_alive(), 10, what="200 step reports while the agent is stuck"
+            )
             assert not stuck.release.is_set()
             assert stuck.of("step") == [], "the agent has not answered any call yet"
         finally:
@@ -206,13 +243,23 @@ def test_reporting_does_not_wait_for_the_agent():
 def asks_in_ack(call: int):
     """Has the ``agent`` fixture ask for a checkpoint in the ack of its ``call``-th
     ReportSteps call."""
-    return pytest.mark.parametrize("agent", [{"ask": lambda number, _reports: number == call}], indirect=True,
-                                   ids=[f"asks-in-ack-{call}"])
+    return pytest.mark.parametrize(
+        "agent",
+        [{"ask": lambda number, _reports: number == call}],
+        indirect=True,
+        ids=[f"asks-in-ack-{call}"],
+    )
 
 
 def agent_env(socket: str, recorder: AgentRecorder) -> dict:
-    return {"RANK": "1", "WORLD_SIZE": "2", "KEEL_JOB": "demo", "KEEL_GENERATION": "4", "KEEL_AGENT_SOCKET": socket,
-            "KEEL_RANK_TOKEN": recorder.token_for(4, 2)}
+    return {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "KEEL_JOB": "demo",
+        "KEEL_GENERATION": "4",
+        "KEEL_AGENT_SOCKET": socket,
+        "KEEL_RANK_TOKEN": recorder.token_for(4, 2),
+    }
 
 
 def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypatch):
@@ -220,11 +267,25 @@ def test_a_checkpointing_report_goes_out_at_once_with_its_phases(agent, monkeypa
     # Batches would otherwise wait a minute: only the flag can make this one leave.
     monkeypatch.setattr(reporting, "REPORT_INTERVAL_S", 60.0)
     rt = runtime.init(agent_env(socket_path, recorder))
-    rt.report_step(7, loss=2.5, tokens=512, step_time_s=0.5, data_s=0.01, compute_s=0.3, optimizer_s=0.1,
-                   checkpoint_s=0.2, checkpointing=True)
+    rt.report_step(
+        7,
+        loss=2.5,
+        tokens=512,
+        step_time_s=0.5,
+        data_s=0.01,
+        compute_s=0.3,
+        optimizer_s=0.1,
+        checkpoint_s=0.2,
+        checkpointing=True,
+    )
     (report,) = wait_for(lambda: recorder.of("step"), 5, what="the checkpointing report")
     assert (report.rank, report.step, report.step_time_s, report.checkpointing) == (1, 7, 0.5, True)
-    assert (report.data_s, report.compute_s, report.optimizer_s, report.checkpoint_s) == (0.01, 0.3, 0.1, 0.2)
+    assert (report.data_s, report.compute_s, report.optimizer_s, report.checkpoint_s) == (
+        0.01,
+        0.3,
+        0.1,
+        0.2,
+    )
     rt.close()
 
 
@@ -289,12 +350,20 @@ class Figure:
 def test_preflight_reports_reach_the_agent(agent):
     socket_path, recorder = agent
     rt = runtime.init(agent_env(socket_path, recorder))
-    assert rt.report_preflight([Figure("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)], wall_s=0.7)
+    assert rt.report_preflight(
+        [Figure("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)], wall_s=0.7
+    )
     (report,) = recorder.of("preflight")
-    assert (report.job, report.generation, report.rank, report.world_size, report.wall_s) == ("demo", 4, 1, 2, 0.7)
-    assert [(r.collective, r.size_bytes, r.time_s, r.algbw_gbps, r.busbw_gbps) for r in report.results] == [
-        ("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)
-    ]
+    assert (report.job, report.generation, report.rank, report.world_size, report.wall_s) == (
+        "demo",
+        4,
+        1,
+        2,
+        0.7,
+    )
+    assert [
+        (r.collective, r.size_bytes, r.time_s, r.algbw_gbps, r.busbw_gbps) for r in report.results
+    ] == [("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)]
     rt.close()
     plain = runtime.init({"RANK": "0", "WORLD_SIZE": "2"})
     assert plain.report_preflight([], wall_s=0.1) is False

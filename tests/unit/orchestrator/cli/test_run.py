@@ -33,17 +33,29 @@ def test_the_default_job_name_follows_the_job_name_rule():
 
 def test_a_script_a_module_and_a_program_each_become_the_ranks_command(tmp_path):
     base = dict(job="j", python="/py", working_dir=str(tmp_path))
-    assert list(RunOptions(target="t.py", args=("--x", "1"), **base).spec().command) == \
-        ["/py", "-u", "t.py", "--x", "1"]
-    assert list(RunOptions(target="pkg.mod", module=True, **base).spec().command) == \
-        ["/py", "-u", "-m", "pkg.mod"]
-    assert list(RunOptions(target="./bin", args=("a",), no_python=True, **base).spec().command) \
-        == ["./bin", "a"]
+    assert list(RunOptions(target="t.py", args=("--x", "1"), **base).spec().command) == [
+        "/py",
+        "-u",
+        "t.py",
+        "--x",
+        "1",
+    ]
+    assert list(RunOptions(target="pkg.mod", module=True, **base).spec().command) == [
+        "/py",
+        "-u",
+        "-m",
+        "pkg.mod",
+    ]
+    assert list(RunOptions(target="./bin", args=("a",), no_python=True, **base).spec().command) == [
+        "./bin",
+        "a",
+    ]
 
 
 def test_nnodes_and_nproc_per_node_make_the_world_size_and_the_ranks_per_node(tmp_path):
-    spec = RunOptions(target="t.py", job="j", max_nodes=3, nproc_per_node=4,
-                      working_dir=str(tmp_path)).spec()
+    spec = RunOptions(
+        target="t.py", job="j", max_nodes=3, nproc_per_node=4, working_dir=str(tmp_path)
+    ).spec()
     assert (spec.world_size, spec.ranks_per_node, spec.min_nodes) == (12, 4, 0)
     assert spec.working_dir == str(tmp_path) and spec.mesh == "dp_shard=12"
     # MIN:MAX may shrink down to MIN nodes after losing some; N never does.
@@ -63,16 +75,19 @@ def test_run_options_refuse_what_cannot_run():
         RunOptions(target="x", job="j", env={"RANK": "3"}).spec()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--node-rank", "1", "t.py"], "run it once, without them"),
-    (["--rdzv_endpoint", "h:1", "t.py"], "run it once, without them"),
-    (["--standalone", "--etcd-endpoints", "h:1", "t.py"], "--standalone runs a local cluster"),
-    (["--detach", "t.py"], "--detach, --token-file and the TLS options are for a cluster"),
-    (["-m", "--no-python", "t"], "exclude each other"),
-    (["--nnodes", "2:1", "t.py"], "need 1 <= MIN <= MAX"),
-    (["--env", "NOVALUE", "-m", "t"], "--env 'NOVALUE': write NAME=VALUE"),
-    (["missing-script.py"], "missing-script.py: no such script"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--node-rank", "1", "t.py"], "run it once, without them"),
+        (["--rdzv_endpoint", "h:1", "t.py"], "run it once, without them"),
+        (["--standalone", "--etcd-endpoints", "h:1", "t.py"], "--standalone runs a local cluster"),
+        (["--detach", "t.py"], "--detach, --token-file and the TLS options are for a cluster"),
+        (["-m", "--no-python", "t"], "exclude each other"),
+        (["--nnodes", "2:1", "t.py"], "need 1 <= MIN <= MAX"),
+        (["--env", "NOVALUE", "-m", "t"], "--env 'NOVALUE': write NAME=VALUE"),
+        (["missing-script.py"], "missing-script.py: no such script"),
+    ],
+)
 def test_bad_invocations_are_refused_before_anything_starts(args, message, monkeypatch):
     monkeypatch.delenv("KEEL_ETCD_ENDPOINTS", raising=False)
     monkeypatch.delenv("KEEL_CONTROLLER", raising=False)
@@ -84,8 +99,10 @@ def test_bad_invocations_are_refused_before_anything_starts(args, message, monke
 def test_torchruns_underscored_flags_are_accepted_too(tmp_path, monkeypatch):
     monkeypatch.delenv("KEEL_ETCD_ENDPOINTS", raising=False)
     # Parsing succeeds up to the script check, which names the script.
-    result = CliRunner().invoke(run, ["--nproc_per_node", "2", "--max_restarts", "1",
-                                      "--no_python", "--rdzv_id", "Bad", "x"])
+    result = CliRunner().invoke(
+        run,
+        ["--nproc_per_node", "2", "--max_restarts", "1", "--no_python", "--rdzv_id", "Bad", "x"],
+    )
     assert result.exit_code == 2 and "name 'Bad'" in result.output
 
 
@@ -97,13 +114,19 @@ class _Reads:
 
     def __call__(self, method, request):
         out, err = self.chunks.pop(0) if self.chunks else (b"", b"")
-        return keel_pb2.ReadLogReply(out=out, err=err, out_offset=request.out_offset + len(out),
-                                     err_offset=request.err_offset + len(err), running=True)
+        return keel_pb2.ReadLogReply(
+            out=out,
+            err=err,
+            out_offset=request.out_offset + len(out),
+            err_offset=request.err_offset + len(err),
+            running=True,
+        )
 
 
 def test_several_ranks_output_is_prefixed_per_line_and_held_until_the_line_ends(monkeypatch):
-    output = RankOutput(_Reads((b"epoch 0\nepo", b""), (b"ch 1\n", b"[rank2]:boom\nlast")),
-                        "j", prefix=True)
+    output = RankOutput(
+        _Reads((b"epoch 0\nepo", b""), (b"ch 1\n", b"[rank2]:boom\nlast")), "j", prefix=True
+    )
     out, err = io.BytesIO(), io.BytesIO()
     output.sinks = {"out": out, "err": err}
     output.pull(1, 2)

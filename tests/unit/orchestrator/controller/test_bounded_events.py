@@ -56,4 +56,4 @@ def test_an_ended_job_is_kept_for_its_retention_then_deleted():
     assert past_retention(JobState.FAILED, ended, ended + 60, 60)
     assert not past_retention(JobState.RUNNING, ended, ended + 600, 60)
     # 0 keeps ended jobs until an operator deletes them.
-    assert not past_retention(JobState.CANCELLED, ended, ended + 10 ** 9, 0)
+    assert not past_retention(JobState.CANCELLED, ended, ended + 10**9, 0)

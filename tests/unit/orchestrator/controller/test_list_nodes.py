@@ -28,8 +28,9 @@ class Leading:
 
 
 def service() -> tuple[ControllerState, OperatorService]:
-    state = ControllerState(ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t"),
-                            Store(client=None))
+    state = ControllerState(
+        ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t"), Store(client=None)
+    )
     state.is_leader = True
     return state, OperatorService(state, Leading(), executor=None)
 
@@ -40,13 +41,15 @@ def shown(operator: OperatorService) -> dict[str, tuple]:
 
 
 def session(node: str) -> AgentSession:
-    return AgentSession(node=node, host="h", slots=8, lease_id=7, pid=1,
-                        hello=keel_pb2.Hello(), term=1)
+    return AgentSession(
+        node=node, host="h", slots=8, lease_id=7, pid=1, hello=keel_pb2.Hello(), term=1
+    )
 
 
 def put(node: str, slots: int) -> events.PutEvent:
-    kv = SimpleNamespace(key=f"/keel/nodes/{node}".encode(),
-                         value=json.dumps({"host": "h", "slots": slots}).encode())
+    kv = SimpleNamespace(
+        key=f"/keel/nodes/{node}".encode(), value=json.dumps({"host": "h", "slots": slots}).encode()
+    )
     return events.PutEvent(SimpleNamespace(kv=kv))
 
 
@@ -62,8 +65,9 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
     assert shown(operator)["a"][0] is False
     state.nodes_changed([put("b", 4)])
     assert shown(operator)["b"] == (False, "ready", "", 4, "")
-    state.nodes_changed([events.DeleteEvent(SimpleNamespace(kv=SimpleNamespace(
-        key=b"/keel/nodes/b", value=b"")))])
+    state.nodes_changed(
+        [events.DeleteEvent(SimpleNamespace(kv=SimpleNamespace(key=b"/keel/nodes/b", value=b"")))]
+    )
     assert "b" not in shown(operator)
     state.nodes_read([SimpleNamespace(key=b"/keel/nodes/c", value=b'{"slots": 2}')], 0)
     # b's record is gone, a's too (a is still shown: its session, though down, is known)
@@ -71,17 +75,22 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
     state.cordons["c"] = {"drain": True, "reason": "disk", "by": "reconciler"}
     assert shown(operator)["c"] == (False, "drained", "", 2, "disk (by the reconciler)")
     spec = keel_pb2.JobSpec(name="j", world_size=2, steps=10)
-    job = JobRuntime(spec=spec, state=JobState.RUNNING, state_rev=1, state_since=0.0,
-                     health=JobHealth("j", resolve(spec.health)))
+    job = JobRuntime(
+        spec=spec,
+        state=JobState.RUNNING,
+        state_rev=1,
+        state_since=0.0,
+        health=JobHealth("j", resolve(spec.health)),
+    )
     state.jobs["j"] = job
     job.placement = [NodeRanks("c", (0, 1))]
     assert shown(operator)["c"][1:3] == ("draining", "j")
-    job.state = JobState.SUCCEEDED     # ended: holds no node
+    job.state = JobState.SUCCEEDED  # ended: holds no node
     assert shown(operator)["c"][1:3] == ("drained", "")
     state.cordons.pop("c")
     assert shown(operator)["c"][1] == "ready"
     state.attach(session("c"))
-    state.drop_sessions()              # stepping down
+    state.drop_sessions()  # stepping down
     assert shown(operator)["c"][0] is False
 
 

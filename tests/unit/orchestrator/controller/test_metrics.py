@@ -20,8 +20,10 @@ from protos import keel_pb2
 
 
 def controller(**config) -> tuple[ControllerState, CollectorRegistry]:
-    state = ControllerState(ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t",
-                                             **config), Store(client=None))
+    state = ControllerState(
+        ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t", **config),
+        Store(client=None),
+    )
     state.is_leader = True
     registry = CollectorRegistry()
     registry.register(metrics.JobCollector(state))
@@ -29,41 +31,63 @@ def controller(**config) -> tuple[ControllerState, CollectorRegistry]:
 
 
 def job(name: str = "j", params: float = 0.0) -> JobRuntime:
-    spec = keel_pb2.JobSpec(name=name, world_size=4, steps=10**6,
-                            model=keel_pb2.ModelShape(params=params))
-    return JobRuntime(spec=spec, state=JobState.RUNNING, state_rev=1, state_since=0.0,
-                      health=JobHealth(name, resolve(spec.health)))
+    spec = keel_pb2.JobSpec(
+        name=name, world_size=4, steps=10**6, model=keel_pb2.ModelShape(params=params)
+    )
+    return JobRuntime(
+        spec=spec,
+        state=JobState.RUNNING,
+        state_rev=1,
+        state_since=0.0,
+        health=JobHealth(name, resolve(spec.health)),
+    )
 
 
 def series(registry) -> list[tuple]:
-    return sorted((s.name, tuple(sorted(s.labels.items())))
-                  for family in registry.collect() for s in family.samples)
+    return sorted(
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in registry.collect()
+        for s in family.samples
+    )
 
 
 def histograms_of(name: str) -> list[tuple]:
-    return sorted((s.name, tuple(sorted(s.labels.items())))
-                  for family in REGISTRY.collect() for s in family.samples
-                  if s.labels.get("job_name") == name)
+    return sorted(
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in REGISTRY.collect()
+        for s in family.samples
+        if s.labels.get("job_name") == name
+    )
 
 
-def run_generation(j: JobRuntime, generation: int, first_step: int, steps: int,
-                   now: float) -> float:
+def run_generation(
+    j: JobRuntime, generation: int, first_step: int, steps: int, now: float
+) -> float:
     """Start ``generation`` on two nodes (a different second node each time) and report
     ``steps`` steps from each of its four ranks; the wall clock after it."""
     j.generation = generation
     j.placement = [NodeRanks("n0", (0, 1)), NodeRanks(f"n{generation}", (2, 3))]
     j.health.new_generation(generation, j.rank_nodes)
     j.node_step_times.clear()
-    j.recovery = {"cause": "crash", "fault_at": now - 3, "detected_at": now - 2,
-                  "stopped_at": now - 1}
-    j.goodput.on_state(now, JobState.STARTING, generation=generation, world_size=4,
-                       restore_step=first_step - 1)
+    j.recovery = {
+        "cause": "crash",
+        "fault_at": now - 3,
+        "detected_at": now - 2,
+        "stopped_at": now - 1,
+    }
+    j.goodput.on_state(
+        now, JobState.STARTING, generation=generation, world_size=4, restore_step=first_step - 1
+    )
     j.goodput.on_state(now, JobState.RUNNING)
     j.recovery["started_at"] = now
     for step in range(first_step, first_step + steps):
         now += 1.0
-        reports = [keel_pb2.StepReport(rank=r, step=step, loss=1.0, tokens=100, at=now,
-                                       step_time_s=0.9 if r < 3 else 1.5) for r in range(4)]
+        reports = [
+            keel_pb2.StepReport(
+                rank=r, step=step, loss=1.0, tokens=100, at=now, step_time_s=0.9 if r < 3 else 1.5
+            )
+            for r in range(4)
+        ]
         for node, ranks in (("n0", {0, 1}), (f"n{generation}", {2, 3})):
             batch = keel_pb2.StepReportBatch(reports=[r for r in reports if r.rank in ranks])
             sessions._steps(j, generation, node, sessions._checked_steps(batch, ranks)[0])
@@ -90,9 +114,15 @@ def test_the_series_stay_as_many_as_steps_and_generations_grow():
 
 
 def value_of(registry, name: str, **labels) -> float | None:
-    return next((s.value for family in registry.collect() for s in family.samples
-                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())),
-                None)
+    return next(
+        (
+            s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ),
+        None,
+    )
 
 
 def test_the_slowest_ranks_series_is_each_ranks_median_over_its_nodes_latest_steps():
@@ -109,9 +139,11 @@ def test_the_slowest_ranks_series_is_each_ranks_median_over_its_nodes_latest_ste
         for node, ranks, times in (("n0", (0, 1), (1.0, slow)), ("n1", (2, 3), (2.0, own))):
             tally = sessions.StepTally(step, ranks, times, 10, time.time(), 0.0, 0.0, 1.0)
             sessions._steps(j, 1, node, [tally])
-    medians = {rank: value_of(registry, "keel_rank_step_seconds", job_name="j", rank=str(rank))
-               for rank in range(4)}
-    assert medians == {0: 1.0, 1: 3.0, 2: 2.0, 3: pytest.approx(1.57)}   # of 1.56, 1.57, 1.60
+    medians = {
+        rank: value_of(registry, "keel_rank_step_seconds", job_name="j", rank=str(rank))
+        for rank in range(4)
+    }
+    assert medians == {0: 1.0, 1: 3.0, 2: 2.0, 3: pytest.approx(1.57)}  # of 1.56, 1.57, 1.60
 
 
 def test_a_controller_that_does_not_lead_exports_no_job():
@@ -129,7 +161,7 @@ def test_an_ended_job_is_exported_for_the_grace_only():
     recent.state, recent.ended_at = JobState.FAILED, time.time() - 5
     state.jobs.update(old=old, recent=recent)
     named = {dict(labels).get("job_name") for _, labels in series(registry)}
-    assert named == {"recent", None}    # None: the node and agent series
+    assert named == {"recent", None}  # None: the node and agent series
     metrics.prune({"recent"})
     assert histograms_of("old") == [] and histograms_of("recent")
 
@@ -139,22 +171,30 @@ def test_nodes_are_counted_by_state():
     j = state.jobs["j"] = job()
     j.placement = [NodeRanks("a", (0, 1)), NodeRanks("b", (2, 3))]
     for name in ("a", "b", "c", "d", "e"):
-        state.sessions[name] = AgentSession(node=name, host="h", slots=2, lease_id=1, pid=1,
-                                            hello=keel_pb2.Hello(), term=1)
+        state.sessions[name] = AgentSession(
+            node=name, host="h", slots=2, lease_id=1, pid=1, hello=keel_pb2.Hello(), term=1
+        )
     state.sessions["e"].connected = False
     state.cordons["d"] = {"drain": False, "reason": "r", "by": "operator"}
-    nodes = {dict(labels)["state"]: value for family in registry.collect()
-             for s in family.samples if s.name == "keel_nodes"
-             for labels, value in [(s.labels, s.value)]}
+    nodes = {
+        dict(labels)["state"]: value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "keel_nodes"
+        for labels, value in [(s.labels, s.value)]
+    }
     assert nodes == {"ready": 2, "spare": 1, "cordoned": 1, "draining": 0, "lost": 1}
 
 
-@pytest.mark.parametrize("accelerators, expected", [
-    (["NVIDIA H100 80GB HBM3"] * 8, 6 * 1e9 * 1e5 / (8 * 989e12)),
-    (["NVIDIA A100-SXM4-80GB"] * 4, 6 * 1e9 * 1e5 / (4 * 312e12)),
-    (["NVIDIA H100 80GB HBM3", "cpu"], None),     # one unknown peak: no figure
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "accelerators, expected",
+    [
+        (["NVIDIA H100 80GB HBM3"] * 8, 6 * 1e9 * 1e5 / (8 * 989e12)),
+        (["NVIDIA A100-SXM4-80GB"] * 4, 6 * 1e9 * 1e5 / (4 * 312e12)),
+        (["NVIDIA H100 80GB HBM3", "cpu"], None),  # one unknown peak: no figure
+        ([], None),
+    ],
+)
 def test_mfu_is_model_flops_over_the_accelerators_peak(accelerators, expected):
     value = metrics.mfu(1e9, 1e5, accelerators, metrics.PEAK_FLOPS)
     assert value == (pytest.approx(expected) if expected is not None else None)
@@ -172,10 +212,18 @@ def test_mfu_is_exported_while_running_on_known_accelerators():
     state, registry = controller(peak_flops={"TestChip": 1e12})
     j = state.jobs["j"] = job(params=1e6)
     j.placement = [NodeRanks("a", (0,))]
-    state.sessions["a"] = AgentSession(node="a", host="h", slots=1, lease_id=1, pid=1,
-                                       hello=keel_pb2.Hello(accelerator="TestChip"), term=1)
+    state.sessions["a"] = AgentSession(
+        node="a",
+        host="h",
+        slots=1,
+        lease_id=1,
+        pid=1,
+        hello=keel_pb2.Hello(accelerator="TestChip"),
+        term=1,
+    )
     j.token_window.add(0.0, 0)
     j.token_window.add(1.0, 1000)
-    value = dict((s.name, s.value) for family in registry.collect()
-                 for s in family.samples)["keel_job_mfu_ratio"]
+    value = dict((s.name, s.value) for family in registry.collect() for s in family.samples)[
+        "keel_job_mfu_ratio"
+    ]
     assert value == pytest.approx(6 * 1e6 * 1000 / 1e12)

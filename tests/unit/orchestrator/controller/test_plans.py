@@ -13,17 +13,28 @@ import pytest
 
 def job(state=JobState.PENDING) -> JobRuntime:
     spec = keel_pb2.JobSpec(name="j", world_size=4, command=["python", "train.py"])
-    return JobRuntime(spec=spec, state=state, state_rev=1, state_since=0.0,
-                      health=JobHealth("j", resolve(spec.health)))
+    return JobRuntime(
+        spec=spec,
+        state=state,
+        state_rev=1,
+        state_since=0.0,
+        health=JobHealth("j", resolve(spec.health)),
+    )
 
 
 def test_a_plan_read_back_gives_what_it_takes_to_start_the_generation_again():
     records = [{"step": 10, "path": "/c/step_00000010"}, {"step": 20, "path": "/c/step_00000020"}]
-    planned = dict(generation=3, placement=[NodeRanks("a", (0, 1)), NodeRanks("b", (2, 3))],
-                   world_size=4, mesh="dp_shard=4", rendezvous=("10.0.0.1", 29500),
-                   placed_agents={"a": 11, "b": 12},
-                   deadlines=keel_pb2.Deadlines(hang_floor_s=30.0, collective_timeout_s=60.0),
-                   restore_from=records[1], restore_fallbacks=["/c/step_00000010"])
+    planned = dict(
+        generation=3,
+        placement=[NodeRanks("a", (0, 1)), NodeRanks("b", (2, 3))],
+        world_size=4,
+        mesh="dp_shard=4",
+        rendezvous=("10.0.0.1", 29500),
+        placed_agents={"a": 11, "b": 12},
+        deadlines=keel_pb2.Deadlines(hang_floor_s=30.0, collective_timeout_s=60.0),
+        restore_from=records[1],
+        restore_fallbacks=["/c/step_00000010"],
+    )
     record = plan_record(job(), **planned)
     assert record["command"] == ["python", "train.py"]
     back = job(JobState.RUNNING)
@@ -34,9 +45,18 @@ def test_a_plan_read_back_gives_what_it_takes_to_start_the_generation_again():
 
 
 def test_a_plan_written_at_starting_has_no_rendezvous_yet():
-    record = plan_record(job(), generation=1, placement=[NodeRanks("a", (0,))], world_size=1,
-                         mesh="dp_shard=1", rendezvous=None, placed_agents={"a": 5},
-                         deadlines=None, restore_from=None, restore_fallbacks=[])
+    record = plan_record(
+        job(),
+        generation=1,
+        placement=[NodeRanks("a", (0,))],
+        world_size=1,
+        mesh="dp_shard=1",
+        rendezvous=None,
+        placed_agents={"a": 5},
+        deadlines=None,
+        restore_from=None,
+        restore_fallbacks=[],
+    )
     back = job(JobState.STARTING)
     adopt_plan(back, record, [])
     assert back.rendezvous is None and back.placement == [NodeRanks("a", (0,))]
@@ -44,9 +64,18 @@ def test_a_plan_written_at_starting_has_no_rendezvous_yet():
 
 
 def test_a_finished_jobs_plan_gives_its_layout_but_no_placement():
-    record = plan_record(job(), generation=1, placement=[NodeRanks("a", (0,))], world_size=1,
-                         mesh="dp_shard=1", rendezvous=("h", 1), placed_agents={},
-                         deadlines=None, restore_from=None, restore_fallbacks=[])
+    record = plan_record(
+        job(),
+        generation=1,
+        placement=[NodeRanks("a", (0,))],
+        world_size=1,
+        mesh="dp_shard=1",
+        rendezvous=("h", 1),
+        placed_agents={},
+        deadlines=None,
+        restore_from=None,
+        restore_fallbacks=[],
+    )
     back = job(JobState.SUCCEEDED)
     adopt_plan(back, record, [])
     assert (back.world_size, back.mesh, back.placement) == (1, "dp_shard=1", [])

@@ -15,17 +15,40 @@ def node_step(step, ranks, times, **fields):
 
 
 def test_a_node_step_is_read_into_one_tally():
-    batch = keel_pb2.StepReportBatch(node_steps=[node_step(
-        3, [4, 5, 6, 7], [0.5, 0.6, 0.5, 0.7], tokens=400, at=10.0, checkpoint_s=0.1,
-        restore_s=2.0, loss=1.5)])
+    batch = keel_pb2.StepReportBatch(
+        node_steps=[
+            node_step(
+                3,
+                [4, 5, 6, 7],
+                [0.5, 0.6, 0.5, 0.7],
+                tokens=400,
+                at=10.0,
+                checkpoint_s=0.1,
+                restore_s=2.0,
+                loss=1.5,
+            )
+        ]
+    )
     assert _checked_steps(batch, MINE) == (
-        [StepTally(3, (4, 5, 6, 7), (0.5, 0.6, 0.5, 0.7), 400, 10.0, 0.1, 2.0, 1.5)], 0, None)
+        [StepTally(3, (4, 5, 6, 7), (0.5, 0.6, 0.5, 0.7), 400, 10.0, 0.1, 2.0, 1.5)],
+        0,
+        None,
+    )
 
 
 def test_the_ranks_own_reports_give_the_same_tallies_as_their_agents_summary():
-    reports = [keel_pb2.StepReport(rank=rank, step=step, step_time_s=0.1 * rank + step,
-                                   tokens=10, at=100.0 + rank, loss=2.0 / step)
-               for step in (1, 2) for rank in (7, 5, 4, 6)]
+    reports = [
+        keel_pb2.StepReport(
+            rank=rank,
+            step=step,
+            step_time_s=0.1 * rank + step,
+            tokens=10,
+            at=100.0 + rank,
+            loss=2.0 / step,
+        )
+        for step in (1, 2)
+        for rank in (7, 5, 4, 6)
+    ]
     as_reports = _checked_steps(keel_pb2.StepReportBatch(reports=reports), MINE)
     summed = _checked_steps(keel_pb2.StepReportBatch(node_steps=summarize(reports)[0]), MINE)
     assert as_reports == summed
@@ -34,15 +57,18 @@ def test_the_ranks_own_reports_give_the_same_tallies_as_their_agents_summary():
 
 
 def test_unfit_steps_are_counted_and_dropped_and_a_foreign_rank_is_named():
-    batch = keel_pb2.StepReportBatch(node_steps=[
-        node_step(0, [4, 5], [0.1, 0.1]),              # steps are numbered from 1
-        node_step(1, [4, 5], [0.1, math.nan]),         # not a number of seconds
-        node_step(1, [4, 5], [0.1, math.inf]),
-        node_step(1, [4, 5], [0.1, -0.1]),
-        node_step(1, [4, 5], [0.1]),                   # a time missing
-        node_step(1, [], []),                          # no ranks
-        node_step(2, [4, 9, 5, 4], [0.1, 0.2, 0.3, 0.4]),  # rank 9 is not the node's
-    ], reports=[keel_pb2.StepReport(rank=6, step=0, step_time_s=0.1)])
+    batch = keel_pb2.StepReportBatch(
+        node_steps=[
+            node_step(0, [4, 5], [0.1, 0.1]),  # steps are numbered from 1
+            node_step(1, [4, 5], [0.1, math.nan]),  # not a number of seconds
+            node_step(1, [4, 5], [0.1, math.inf]),
+            node_step(1, [4, 5], [0.1, -0.1]),
+            node_step(1, [4, 5], [0.1]),  # a time missing
+            node_step(1, [], []),  # no ranks
+            node_step(2, [4, 9, 5, 4], [0.1, 0.2, 0.3, 0.4]),  # rank 9 is not the node's
+        ],
+        reports=[keel_pb2.StepReport(rank=6, step=0, step_time_s=0.1)],
+    )
     tallies, invalid, theirs = _checked_steps(batch, MINE)
     assert invalid == 2 + 2 + 2 + 2 + 2 + 1 + 1
     assert theirs == 9

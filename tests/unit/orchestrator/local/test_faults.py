@@ -20,29 +20,36 @@ def test_parse_each_rank_fault():
     assert parse_fault("restart_etcd:step=4,down=7.5").down_s == pytest.approx(7.5)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("explode:rank=1,step=2", "kind must be one of crash, hang, kill, kill_agent, kill_leader, "
-                              "lose_node, partition_node, restart_etcd, slow, stall_agent, "
-                              "stall_leader, stall_node"),
-    ("stall_node:node=1,step=2", "missing for"),
-    ("stall_agent:node=1,step=2,for=0", "down and for seconds in (0, 600]"),
-    ("crash", "write it as crash:rank=...,step=..."),
-    ("crash:rank=1", "missing step"),
-    ("crash:rank=1,step=2,step=3", "each once"),
-    ("crash:rank=x,step=2", "rank and node are integers"),
-    ("lose_node:rank=1,step=2", "is not one of node, step"),
-    ("crash:rank=1,step=0", "step an integer >= 1"),
-    ("slow:rank=1,step=2,factor=0.5", "factor a number in (1, 100]"),
-    ("slow:rank=1,step=2,factor=inf", "factor a number in (1, 100]"),
-    ("kill:rank=1,step=2,factor=2", "is not one of"),
-    ("restart_etcd:step=2,down=0", "down and for seconds in (0, 600]"),
-    ("restart_etcd:step=2,down=soon", "down and for seconds in (0, 600]"),
-    ("crash:rank=1,step=2,down=3", "is not one of rank, step"),
-    ("restart_etcd:down=3", "missing step"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "explode:rank=1,step=2",
+            "kind must be one of crash, hang, kill, kill_agent, kill_leader, "
+            "lose_node, partition_node, restart_etcd, slow, stall_agent, "
+            "stall_leader, stall_node",
+        ),
+        ("stall_node:node=1,step=2", "missing for"),
+        ("stall_agent:node=1,step=2,for=0", "down and for seconds in (0, 600]"),
+        ("crash", "write it as crash:rank=...,step=..."),
+        ("crash:rank=1", "missing step"),
+        ("crash:rank=1,step=2,step=3", "each once"),
+        ("crash:rank=x,step=2", "rank and node are integers"),
+        ("lose_node:rank=1,step=2", "is not one of node, step"),
+        ("crash:rank=1,step=0", "step an integer >= 1"),
+        ("slow:rank=1,step=2,factor=0.5", "factor a number in (1, 100]"),
+        ("slow:rank=1,step=2,factor=inf", "factor a number in (1, 100]"),
+        ("kill:rank=1,step=2,factor=2", "is not one of"),
+        ("restart_etcd:step=2,down=0", "down and for seconds in (0, 600]"),
+        ("restart_etcd:step=2,down=soon", "down and for seconds in (0, 600]"),
+        ("crash:rank=1,step=2,down=3", "is not one of rank, step"),
+        ("restart_etcd:down=3", "missing step"),
+    ],
+)
 def test_bad_faults_say_what_to_fix(text, message):
-    with pytest.raises(BadFault, match=message.replace(".", r"\.")
-                       .replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(
+        BadFault, match=message.replace(".", r"\.").replace("(", r"\(").replace("[", r"\[")
+    ):
         parse_fault(text)
 
 
@@ -51,8 +58,9 @@ def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
         parse_schedule(["crash:rank=4,step=1"], world_size=4, nodes=2)
     with pytest.raises(BadFault, match="node 2 does not exist in a cluster of 2 nodes"):
         parse_schedule(["lose_node:node=2,step=1"], world_size=4, nodes=2)
-    schedule = parse_schedule(["crash:rank=1,step=12", "kill:rank=0,step=20",
-                               "lose_node:node=1,step=30"], 4, 2)
+    schedule = parse_schedule(
+        ["crash:rank=1,step=12", "kill:rank=0,step=20", "lose_node:node=1,step=30"], 4, 2
+    )
     text = json_format.MessageToJson(schedule, indent=None)
     again = json_format.Parse(text, keel_pb2.FaultSchedule())
     assert again == schedule and len(again.faults) == 3
@@ -60,33 +68,68 @@ def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
     assert not again.faults[2].HasField("rank")
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(steps=40, inject=("crash:rank=1,step=41",)),
-     "crash at step 41 would never fire: the job runs --steps 40"),
-    (dict(inject=("kill_leader:step=5",)),
-     "1 kill_leader/term_leader fault(s) need as many standbys: give --controllers 2"),
-    (dict(controllers=2, inject=("kill_leader:step=5", "term_leader:step=9")),
-     "need as many standbys: give --controllers 3"),
-    (dict(controllers=2, inject=("kill_leader:step=5", "kill_leader:step=9")),
-     "need as many standbys: give --controllers 3"),
-    (dict(inject=("lose_node:node=1,step=5", "lose_node:node=1,step=9")),
-     "node 1 is lost twice"),
-    (dict(inject=("lose_node:node=1,step=5", "kill_agent:node=1,step=9")),
-     "node 1 is lost by lose_node or term_agent; kill_agent cannot also act on it"),
-    (dict(inject=("term_agent:node=1,step=5", "lose_node:node=1,step=9")),
-     "node 1 is lost twice"),
-    (dict(etcd_endpoints=("127.0.0.1:2379",), inject=("restart_etcd:step=5",)),
-     "drop --etcd-endpoints (and unset KEEL_ETCD_ENDPOINTS)"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (
+            dict(steps=40, inject=("crash:rank=1,step=41",)),
+            "crash at step 41 would never fire: the job runs --steps 40",
+        ),
+        (
+            dict(inject=("kill_leader:step=5",)),
+            "1 kill_leader/term_leader fault(s) need as many standbys: give --controllers 2",
+        ),
+        (
+            dict(controllers=2, inject=("kill_leader:step=5", "term_leader:step=9")),
+            "need as many standbys: give --controllers 3",
+        ),
+        (
+            dict(controllers=2, inject=("kill_leader:step=5", "kill_leader:step=9")),
+            "need as many standbys: give --controllers 3",
+        ),
+        (
+            dict(inject=("lose_node:node=1,step=5", "lose_node:node=1,step=9")),
+            "node 1 is lost twice",
+        ),
+        (
+            dict(inject=("lose_node:node=1,step=5", "kill_agent:node=1,step=9")),
+            "node 1 is lost by lose_node or term_agent; kill_agent cannot also act on it",
+        ),
+        (
+            dict(inject=("term_agent:node=1,step=5", "lose_node:node=1,step=9")),
+            "node 1 is lost twice",
+        ),
+        (
+            dict(etcd_endpoints=("127.0.0.1:2379",), inject=("restart_etcd:step=5",)),
+            "drop --etcd-endpoints (and unset KEEL_ETCD_ENDPOINTS)",
+        ),
+    ],
+)
 def test_keel_up_refuses_faults_its_cluster_could_never_fire(tmp_path, options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         job_spec(UpOptions(**options), tmp_path)
 
 
 def test_faults_its_cluster_can_fire_are_accepted(tmp_path):
-    spec = job_spec(UpOptions(controllers=2, steps=40, inject=(
-        "kill_leader:step=5", "kill_agent:node=0,step=9", "kill_agent:node=0,step=20",
-        "lose_node:node=1,step=30", "restart_etcd:step=40,down=3")), tmp_path)
+    spec = job_spec(
+        UpOptions(
+            controllers=2,
+            steps=40,
+            inject=(
+                "kill_leader:step=5",
+                "kill_agent:node=0,step=9",
+                "kill_agent:node=0,step=20",
+                "lose_node:node=1,step=30",
+                "restart_etcd:step=40,down=3",
+            ),
+        ),
+        tmp_path,
+    )
     schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
-    assert [f.kind for f in schedule.faults] == ["kill_leader", "kill_agent", "kill_agent",
-                                                 "lose_node", "restart_etcd"]
+    assert [f.kind for f in schedule.faults] == [
+        "kill_leader",
+        "kill_agent",
+        "kill_agent",
+        "lose_node",
+        "restart_etcd",
+    ]

@@ -8,9 +8,19 @@ from orchestrator.local.ledger_check import audit
 
 def test_a_clean_lineage_has_no_duplicates_and_nothing_missing():
     one_range_per_step = [[step, (step - 1) * 16, 16] for step in range(1, 11)]
-    assert audit(one_range_per_step, 160) == {"expected": 160, "consumed": 160, "duplicates": 0, "missing": 0}
+    assert audit(one_range_per_step, 160) == {
+        "expected": 160,
+        "consumed": 160,
+        "duplicates": 0,
+        "missing": 0,
+    }
     two_ranges_per_step = [[1, 0, 8], [1, 8, 8], [2, 16, 8], [2, 24, 8]]
-    assert audit(two_ranges_per_step, 32) == {"expected": 32, "consumed": 32, "duplicates": 0, "missing": 0}
+    assert audit(two_ranges_per_step, 32) == {
+        "expected": 32,
+        "consumed": 32,
+        "duplicates": 0,
+        "missing": 0,
+    }
 
 
 def test_a_replayed_step_is_counted_as_duplicates():
@@ -40,12 +50,27 @@ def test_duplicates_count_every_read_after_the_first():
 def test_overlaps_of_three_and_ranges_beyond_the_expected_end():
     ranges = [[1, 0, 10], [2, 5, 10], [3, 8, 4], [4, 20, 5]]
     # depth: 0-5:1, 5-8:2, 8-10:3, 10-12:2, 12-15:1, 20-25:1 (beyond 16)
-    assert audit(ranges, 16) == {"expected": 16, "consumed": 29, "duplicates": 3 + 2 * 2 + 2, "missing": 1}
+    assert audit(ranges, 16) == {
+        "expected": 16,
+        "consumed": 29,
+        "duplicates": 3 + 2 * 2 + 2,
+        "missing": 1,
+    }
 
 
 def test_samples_beyond_the_expected_count_are_consumed_but_not_missing():
-    assert audit([[1, 0, 16], [2, 16, 16]], 16) == {"expected": 16, "consumed": 32, "duplicates": 0, "missing": 0}
-    assert audit([[1, 16, 16]], 16) == {"expected": 16, "consumed": 16, "duplicates": 0, "missing": 16}
+    assert audit([[1, 0, 16], [2, 16, 16]], 16) == {
+        "expected": 16,
+        "consumed": 32,
+        "duplicates": 0,
+        "missing": 0,
+    }
+    assert audit([[1, 16, 16]], 16) == {
+        "expected": 16,
+        "consumed": 16,
+        "duplicates": 0,
+        "missing": 16,
+    }
 
 
 def test_nothing_consumed():

@@ -5,8 +5,9 @@ import pytest
 from orchestrator.local.options import UpOptions, job_spec, reference_global_batch
 
 
-@pytest.mark.parametrize("world_size, batch", [(1, 16), (2, 16), (3, 48), (4, 16), (6, 48),
-                                               (5, 80), (12, 48)])
+@pytest.mark.parametrize(
+    "world_size, batch", [(1, 16), (2, 16), (3, 48), (4, 16), (6, 48), (5, 80), (12, 48)]
+)
 def test_the_global_batch_is_one_every_rank_can_share(world_size, batch):
     assert reference_global_batch(world_size) == batch
     assert batch % world_size == 0 and batch % 16 == 0
@@ -15,4 +16,3 @@ def test_the_global_batch_is_one_every_rank_can_share(world_size, batch):
 def test_three_single_slot_nodes_get_a_batch_they_divide(tmp_path):
     spec = job_spec(UpOptions(nodes=3, slots_per_node=1), tmp_path)
     assert "--global-batch=48" in spec.command and spec.training.global_batch == 48
-

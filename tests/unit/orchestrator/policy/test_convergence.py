@@ -5,15 +5,30 @@ from orchestrator.policy.lifecycle import JobState
 
 
 def runs(job="", generation=0, phase="IDLE", started=("", 0), pid=77, received_at=100.0):
-    return NodeRuns(node="b", pid=pid, job=job, generation=generation, phase=phase,
-                    started_job=started[0], started_generation=started[1],
-                    received_at=received_at)
+    return NodeRuns(
+        node="b",
+        pid=pid,
+        job=job,
+        generation=generation,
+        phase=phase,
+        started_job=started[0],
+        started_generation=started[1],
+        received_at=received_at,
+    )
 
 
-def plan(state=JobState.RUNNING, generation=2, placed=True, agent=77, stopped=False,
-         lost=False, job="j"):
-    return PlanOnNode(job=job, state=state, generation=generation, placed=placed,
-                      placed_agent=agent, confirmed_stopped=stopped, lost=lost)
+def plan(
+    state=JobState.RUNNING, generation=2, placed=True, agent=77, stopped=False, lost=False, job="j"
+):
+    return PlanOnNode(
+        job=job,
+        state=state,
+        generation=generation,
+        placed=placed,
+        placed_agent=agent,
+        confirmed_stopped=stopped,
+        lost=lost,
+    )
 
 
 def fix(node_runs, *plans, now=100.0, last=0.0):
@@ -33,8 +48,11 @@ def test_a_fix_is_sent_again_only_once_a_status_sent_after_it_still_shows_it_mis
     told = 90.0
     for received in (80.0, told, told + RESEND_S / 2):
         assert fix(runs(received_at=received), plan(), now=100.0, last=told) is None
-    assert fix(runs(received_at=told + RESEND_S), plan(), now=100.0, last=told) == \
-        (Fix.START, "j", 2)
+    assert fix(runs(received_at=told + RESEND_S), plan(), now=100.0, last=told) == (
+        Fix.START,
+        "j",
+        2,
+    )
     # Never told: a status of any age is enough.
     assert fix(runs(received_at=0.0), plan(), now=100.0, last=0.0) == (Fix.START, "j", 2)
 

@@ -1,28 +1,36 @@
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.guardrails import replacement_allowed, restart_backoff_s, should_cordon
 
-HUNG = ("time.sleep in inject_faults (trainer/runtime.py:312)\n"
-        "Thread 0x00007f01 (most recent call first):\n"
-        '  File "/x/trainer/runtime.py", line 312 in inject_faults\n'
-        '  File "/x/trainer/train.py", line 250 in train\n')
-WAITING = ("all_gather in exchange (trainer/train.py:140)\n"
-           "Thread 0x00007f02 (most recent call first):\n"
-           '  File "/x/torch/distributed/distributed_c10d.py", line 3900 in all_gather\n'
-           '  File "/x/trainer/train.py", line 140 in exchange\n')
+HUNG = (
+    "time.sleep in inject_faults (trainer/runtime.py:312)\n"
+    "Thread 0x00007f01 (most recent call first):\n"
+    '  File "/x/trainer/runtime.py", line 312 in inject_faults\n'
+    '  File "/x/trainer/train.py", line 250 in train\n'
+)
+WAITING = (
+    "all_gather in exchange (trainer/train.py:140)\n"
+    "Thread 0x00007f02 (most recent call first):\n"
+    '  File "/x/torch/distributed/distributed_c10d.py", line 3900 in all_gather\n'
+    '  File "/x/trainer/train.py", line 140 in exchange\n'
+)
 
 
 def verdicts(stacks: dict[int, str]) -> tuple[dict[int, str], dict[int, bool]]:
-    return ({rank: stack.partition("\n")[0] for rank, stack in stacks.items()},
-            {rank: waiting_in_collective(stack) for rank, stack in stacks.items()})
+    return (
+        {rank: stack.partition("\n")[0] for rank, stack in stacks.items()},
+        {rank: waiting_in_collective(stack) for rank, stack in stacks.items()},
+    )
 
 
 def test_the_rank_outside_collectives_is_the_culprit():
     where, waiting = verdicts({0: WAITING, 1: HUNG, 2: WAITING})
     assert waiting == {0: True, 1: False, 2: True}
     assert culprit(waiting) == 1
-    assert summarize(where, waiting) == ("rank 1 stopped in time.sleep in inject_faults "
-                                         "(trainer/runtime.py:312); ranks 0, 2 waiting in "
-                                         "collectives")
+    assert summarize(where, waiting) == (
+        "rank 1 stopped in time.sleep in inject_faults "
+        "(trainer/runtime.py:312); ranks 0, 2 waiting in "
+        "collectives"
+    )
 
 
 def test_when_everyone_waits_the_culprit_is_elsewhere():
@@ -54,8 +62,13 @@ def test_preflight_flags_a_node_far_below_its_peers_once():
     from protos import keel_pb2
 
     def report(busbw):
-        return keel_pb2.PreflightReport(results=[keel_pb2.CollectiveResult(
-            collective="all_reduce", size_bytes=1 << 20, busbw_gbps=busbw)])
+        return keel_pb2.PreflightReport(
+            results=[
+                keel_pb2.CollectiveResult(
+                    collective="all_reduce", size_bytes=1 << 20, busbw_gbps=busbw
+                )
+            ]
+        )
 
     health = JobHealth("j", DEFAULTS)
 
@@ -81,15 +94,20 @@ def test_one_noisy_preflight_figure_does_not_make_a_node_slow():
     from protos import keel_pb2
 
     def report(*busbws):
-        return keel_pb2.PreflightReport(results=[keel_pb2.CollectiveResult(
-            collective="all_reduce", size_bytes=1 << (20 + i), busbw_gbps=bw)
-            for i, bw in enumerate(busbws)])
+        return keel_pb2.PreflightReport(
+            results=[
+                keel_pb2.CollectiveResult(
+                    collective="all_reduce", size_bytes=1 << (20 + i), busbw_gbps=bw
+                )
+                for i, bw in enumerate(busbws)
+            ]
+        )
 
     health = JobHealth("j", DEFAULTS)
     health.add_preflight("node-0", report(10, 10, 10, 10), step=0)
     health.add_preflight("node-1", report(1, 9, 10, 11), step=0)
     assert health.slow_flags() == [] and health.slow_preflight_nodes() == set()
-    health.add_preflight("node-1", report(1, 1, 1, 11), step=0)   # its slowest rank
+    health.add_preflight("node-1", report(1, 1, 1, 11), step=0)  # its slowest rank
     assert [f.node for f in health.slow_flags()] == ["node-1"]
 
 

@@ -8,14 +8,24 @@ NODES = frozenset({"a", "b"})
 
 
 def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb=""):
-    return RankExit(node=node, rank=rank, pid=1000 + rank, exit_code=code, signal=sig,
-                    exited_at=at, stopped_by_agent=stopped, traceback=tb, last_step=7)
+    return RankExit(
+        node=node,
+        rank=rank,
+        pid=1000 + rank,
+        exit_code=code,
+        signal=sig,
+        exited_at=at,
+        stopped_by_agent=stopped,
+        traceback=tb,
+        last_step=7,
+    )
 
 
 def running(**kw):
     kw.setdefault("generation_world_size", 4)
-    return Observed(state=JobState.RUNNING, state_since=0.0, restarts=0,
-                    generation_nodes=NODES, **kw)
+    return Observed(
+        state=JobState.RUNNING, state_since=0.0, restarts=0, generation_nodes=NODES, **kw
+    )
 
 
 def test_pending_waits_for_enough_slots_and_says_how_many():
@@ -36,8 +46,9 @@ def test_a_job_that_lost_capacity_shrinks_to_min_nodes_but_never_at_first_start(
     after_loss = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2})
     d = decide(1.0, after_loss, spec)
     assert d.action is Action.PREPARE and d.shrink
-    assert d.reason == ("capacity lost and no spare: 2/4 slots free on 1 nodes; "
-                        "re-planning smaller (min_nodes 1)")
+    assert d.reason == (
+        "capacity lost and no spare: 2/4 slots free on 1 nodes; re-planning smaller (min_nodes 1)"
+    )
     # Without min_nodes the job waits for capacity, and says what it waits for.
     d = decide(1.0, after_loss, SPEC)
     assert d.action is Action.WAIT and d.reason == "2/4 slots free on 1 nodes, need 4"
@@ -55,20 +66,22 @@ def test_starting_times_out_without_rendezvous():
 
 
 def test_starting_starts_once_rendezvous_is_ready():
-    obs = Observed(JobState.STARTING, 0.0, 0, generation_nodes=NODES,
-                   rendezvous_ready=True)
+    obs = Observed(JobState.STARTING, 0.0, 0, generation_nodes=NODES, rendezvous_ready=True)
     assert decide(1.0, obs, SPEC).action is Action.START
 
 
 def test_root_cause_is_the_earliest_failure_not_the_peers_that_followed():
-    exits = (exit_(0, code=1, at=101.0, tb="Traceback\nRuntimeError: Connection reset"),
-             exit_(1, code=1, at=100.0, tb="Traceback\nRuntimeError: injected crash"),
-             exit_(2, code=0, sig=15, at=99.0, stopped=True))
+    exits = (
+        exit_(0, code=1, at=101.0, tb="Traceback\nRuntimeError: Connection reset"),
+        exit_(1, code=1, at=100.0, tb="Traceback\nRuntimeError: injected crash"),
+        exit_(2, code=0, sig=15, at=99.0, stopped=True),
+    )
     d = decide(102.0, running(exits=exits), SPEC)
     assert d.action is Action.STOP
     assert d.root_cause.rank == 1
-    assert d.reason == ("rank 1 (pid 1001) on node a exited with code 1 after step 7: "
-                        "RuntimeError: injected crash")
+    assert d.reason == (
+        "rank 1 (pid 1001) on node a exited with code 1 after step 7: RuntimeError: injected crash"
+    )
 
 
 def test_signal_death_is_named():
@@ -77,8 +90,14 @@ def test_signal_death_is_named():
 
 
 def test_a_vanished_node_is_named_before_the_peers_that_failed_after_it():
-    d = decide(1.0, running(exits=(exit_(0, code=1, tb="RuntimeError: Connection reset"),),
-                            unreachable_nodes=frozenset({"b"})), SPEC)
+    d = decide(
+        1.0,
+        running(
+            exits=(exit_(0, code=1, tb="RuntimeError: Connection reset"),),
+            unreachable_nodes=frozenset({"b"}),
+        ),
+        SPEC,
+    )
     assert d.action is Action.STOP
     assert d.reason.startswith("node b unreachable; then rank 0 (pid 1000) on node a")
 
@@ -106,19 +125,25 @@ def test_lost_node_stops_a_running_generation():
 
 
 def test_stopping_waits_for_every_live_node_then_restarts():
-    obs = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
-                   stopped_nodes=frozenset({"a"}))
+    obs = Observed(
+        JobState.STOPPING, 0.0, 0, generation_nodes=NODES, stopped_nodes=frozenset({"a"})
+    )
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.WAIT and d.reason.endswith(": b")
-    obs = Observed(JobState.STOPPING, 0.0, 1, generation_nodes=NODES,
-                   stopped_nodes=frozenset({"a"}), lost_nodes=frozenset({"b"}))
+    obs = Observed(
+        JobState.STOPPING,
+        0.0,
+        1,
+        generation_nodes=NODES,
+        stopped_nodes=frozenset({"a"}),
+        lost_nodes=frozenset({"b"}),
+    )
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.RESTART and d.reason == "generation stopped; restart 2/2"
 
 
 def test_stopping_fails_when_restarts_are_used_up():
-    obs = Observed(JobState.STOPPING, 0.0, 2, generation_nodes=NODES,
-                   stopped_nodes=NODES)
+    obs = Observed(JobState.STOPPING, 0.0, 2, generation_nodes=NODES, stopped_nodes=NODES)
     d = decide(1.0, obs, SPEC)
     assert d.action is Action.FAIL and "all 2 restarts are used up" in d.reason
 
@@ -136,8 +161,9 @@ def test_a_ready_replacement_stops_the_generation_with_its_reason():
 
 
 def test_restarts_back_off_before_the_next_generation():
-    obs = Observed(JobState.PENDING, 10.0, 2, generation=2, free_slots={"a": 2, "b": 2},
-                   backoff_s=1.0)
+    obs = Observed(
+        JobState.PENDING, 10.0, 2, generation=2, free_slots={"a": 2, "b": 2}, backoff_s=1.0
+    )
     d = decide(10.5, obs, SPEC)
     assert d.action is Action.WAIT and d.reason == "backing off 1.0s after restart 2"
     assert decide(11.0, obs, SPEC).action is Action.PREPARE
@@ -148,15 +174,20 @@ def test_ranks_that_vanished_with_a_restarted_agent_end_the_generation():
     assert d.action is Action.STOP
     assert d.reason == "the agent of b restarted; its ranks died with it"
     # A peer that failed for want of them is not the root cause.
-    d = decide(1.0, running(vanished_nodes=frozenset({"b"}),
-                            exits=(exit_(0, code=1, node="a", tb="ConnectionResetError"),)), SPEC)
+    d = decide(
+        1.0,
+        running(
+            vanished_nodes=frozenset({"b"}),
+            exits=(exit_(0, code=1, node="a", tb="ConnectionResetError"),),
+        ),
+        SPEC,
+    )
     assert d.action is Action.STOP and d.reason.startswith("node b unreachable; then rank 0")
 
 
 def test_an_operator_stop_cancels_at_once_when_nothing_runs_else_after_the_stop():
     why = "stopped by the operator: maintenance"
-    pending = Observed(JobState.PENDING, 0.0, 1, free_slots={"a": 2, "b": 2},
-                       stop_requested=why)
+    pending = Observed(JobState.PENDING, 0.0, 1, free_slots={"a": 2, "b": 2}, stop_requested=why)
     assert decide(1.0, pending, SPEC) == Decision(Action.CANCEL, why)
     starting = Observed(JobState.STARTING, 0.0, 0, stop_requested=why)
     assert decide(1.0, starting, SPEC).action is Action.STOP
@@ -166,11 +197,18 @@ def test_an_operator_stop_cancels_at_once_when_nothing_runs_else_after_the_stop(
     assert ready.action is Action.STOP and ready.replacement
     # ... and once every node stopped its ranks, the job ends instead of restarting,
     # even with restarts to spare.
-    stopping = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
-                        stopped_nodes=NODES, stop_requested=why)
+    stopping = Observed(
+        JobState.STOPPING, 0.0, 0, generation_nodes=NODES, stopped_nodes=NODES, stop_requested=why
+    )
     assert decide(1.0, stopping, SPEC) == Decision(Action.CANCEL, why)
-    waiting = Observed(JobState.STOPPING, 0.0, 0, generation_nodes=NODES,
-                       stopped_nodes=frozenset({"a"}), stop_requested=why)
+    waiting = Observed(
+        JobState.STOPPING,
+        0.0,
+        0,
+        generation_nodes=NODES,
+        stopped_nodes=frozenset({"a"}),
+        stop_requested=why,
+    )
     assert decide(1.0, waiting, SPEC).action is Action.WAIT
 
 
@@ -179,33 +217,45 @@ def test_a_planned_stop_restarts_without_spending_a_restart():
     stopped = dict(generation_nodes=NODES, stopped_nodes=NODES)
     failed = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, **stopped), spent)
     assert failed.action is Action.FAIL
-    planned = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, planned_stop=True, **stopped),
-                     spent)
+    planned = decide(1.0, Observed(JobState.STOPPING, 0.0, 0, planned_stop=True, **stopped), spent)
     assert planned.action is Action.RESTART and planned.replacement
 
 
 def test_with_no_spare_the_job_runs_on_a_suspect_node_and_says_so():
     spec = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=0)
-    suspect = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2},
-                       suspect_slots={"b": 2})
+    suspect = Observed(
+        JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2}, suspect_slots={"b": 2}
+    )
     d = decide(1.0, suspect, spec)
-    assert (d.action, d.reason, d.use_suspects) == (Action.PREPARE,
-                                                    "4 slots free on 2 nodes, need 4", ("b",))
+    assert (d.action, d.reason, d.use_suspects) == (
+        Action.PREPARE,
+        "4 slots free on 2 nodes, need 4",
+        ("b",),
+    )
     assert d.alert == "no spare to replace b; restarting on it"
     # A spare makes the suspect unneeded; so does a job that may shrink without it.
-    spare = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2, "c": 2},
-                     suspect_slots={"b": 2})
+    spare = Observed(
+        JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2, "c": 2}, suspect_slots={"b": 2}
+    )
     assert decide(1.0, spare, spec).use_suspects == ()
     shrinkable = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0, min_nodes=1)
     d = decide(1.0, suspect, shrinkable)
     assert d.action is Action.PREPARE and d.shrink and d.use_suspects == ()
     # The back-off after a failure is not cut short for it.
-    backing_off = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 2},
-                           suspect_slots={"b": 2}, backoff_s=5.0)
+    backing_off = Observed(
+        JobState.PENDING,
+        0.0,
+        1,
+        generation=1,
+        free_slots={"a": 2},
+        suspect_slots={"b": 2},
+        backoff_s=5.0,
+    )
     assert decide(1.0, backing_off, spec).action is Action.WAIT
     # Not enough even with it: the job waits, and says for what without counting it.
-    few = Observed(JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 1},
-                   suspect_slots={"b": 2})
+    few = Observed(
+        JobState.PENDING, 0.0, 1, generation=1, free_slots={"a": 1}, suspect_slots={"b": 2}
+    )
     d = decide(1.0, few, spec)
     assert (d.action, d.reason) == (Action.WAIT, "1/4 slots free on 1 nodes, need 4")
 
@@ -232,6 +282,7 @@ def test_every_stop_names_what_ended_the_generation():
 def test_only_a_shortage_of_slots_is_waiting_for_capacity():
     short = decide(10.0, Observed(JobState.PENDING, 0.0, 0, free_slots={"a": 2}), SPEC)
     assert short.action is Action.WAIT and short.awaits_capacity
-    backing_off = decide(1.0, Observed(JobState.PENDING, 0.0, 1, backoff_s=5.0,
-                                       free_slots={"a": 2, "b": 2}), SPEC)
+    backing_off = decide(
+        1.0, Observed(JobState.PENDING, 0.0, 1, backoff_s=5.0, free_slots={"a": 2, "b": 2}), SPEC
+    )
     assert backing_off.action is Action.WAIT and not backing_off.awaits_capacity

@@ -3,11 +3,20 @@ import pytest
 from orchestrator.policy.pacing import REPORT_INTERVALS_S, report_interval_s
 
 
-@pytest.mark.parametrize("agents, expected", [
-    (1, 0.0), (500, 0.0),            # 2 messages a second each: 1,000 a second
-    (501, 1.0), (1000, 1.0), (1001, 2.0), (2000, 2.0), (4000, 4.0), (8000, 8.0),
-    (16384, 8.0),                    # the longest: past it the budget is exceeded
-])
+@pytest.mark.parametrize(
+    "agents, expected",
+    [
+        (1, 0.0),
+        (500, 0.0),  # 2 messages a second each: 1,000 a second
+        (501, 1.0),
+        (1000, 1.0),
+        (1001, 2.0),
+        (2000, 2.0),
+        (4000, 4.0),
+        (8000, 8.0),
+        (16384, 8.0),  # the longest: past it the budget is exceeded
+    ],
+)
 def test_the_interval_keeps_the_agents_within_the_budget(agents, expected):
     assert report_interval_s(agents, 1000.0, 0.0) == expected
 

@@ -22,19 +22,28 @@ def test_place_refuses_when_slots_are_short():
 
 def test_lifecycle_allows_the_restart_loop():
     state = JobState.PENDING
-    for target in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING,
-                   JobState.PENDING, JobState.STARTING, JobState.RUNNING,
-                   JobState.SUCCEEDED):
+    for target in (
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.STOPPING,
+        JobState.PENDING,
+        JobState.STARTING,
+        JobState.RUNNING,
+        JobState.SUCCEEDED,
+    ):
         state = check_transition(state, target)
     assert state.terminal
 
 
-@pytest.mark.parametrize("current,target", [
-    (JobState.PENDING, JobState.RUNNING),
-    (JobState.RUNNING, JobState.PENDING),
-    (JobState.SUCCEEDED, JobState.PENDING),
-    (JobState.FAILED, JobState.STARTING),
-])
+@pytest.mark.parametrize(
+    "current,target",
+    [
+        (JobState.PENDING, JobState.RUNNING),
+        (JobState.RUNNING, JobState.PENDING),
+        (JobState.SUCCEEDED, JobState.PENDING),
+        (JobState.FAILED, JobState.STARTING),
+    ],
+)
 def test_lifecycle_rejects_illegal_transitions(current, target):
     with pytest.raises(IllegalTransition, match=f"from {current.value} to {target.value}"):
         check_transition(current, target)

@@ -10,37 +10,64 @@ from orchestrator.policy.remediation import Remedy, slow_node, suspects
 NOW = 10_000.0
 
 
-def judge(policy="replace", flags=(NOW,), cordoned=False, under_way=False,
-          state=JobState.RUNNING, replacements=(), per_hour=4):
-    return slow_node(NOW, "b", "j", state, 3, policy, flags, cordoned, under_way, replacements,
-                     per_hour)
+def judge(
+    policy="replace",
+    flags=(NOW,),
+    cordoned=False,
+    under_way=False,
+    state=JobState.RUNNING,
+    replacements=(),
+    per_hour=4,
+):
+    return slow_node(
+        NOW, "b", "j", state, 3, policy, flags, cordoned, under_way, replacements, per_hour
+    )
 
 
-@pytest.mark.parametrize("kw, remedy, reason, cordon", [
-    ({}, Remedy.REPLACE, "replace straggler b", ""),
-    ({"policy": "exclude"}, Remedy.EXCLUDE, "exclude straggler b", ""),
-    ({"policy": "alert"}, Remedy.NOTHING, "j's straggler policy is alert", ""),
-    ({"under_way": True}, Remedy.NOTHING, "j is RUNNING with a move under way", ""),
-    ({"state": JobState.STOPPING}, Remedy.NOTHING, "j is STOPPING", ""),
-    ({"replacements": (NOW - 10,) * 4}, Remedy.ALERT,
-     "not replacing b: 4 replacements in the last hour already", ""),
-    # Replacements older than an hour no longer count.
-    ({"replacements": (NOW - HOUR_S - 1,) * 4}, Remedy.REPLACE, "replace straggler b", ""),
-    # Flagged twice within an hour: cordoned too, whatever else is done.
-    ({"flags": (NOW - 60, NOW)}, Remedy.REPLACE, "replace straggler b",
-     "flagged slow twice within an hour in job j"),
-    ({"flags": (NOW - 60, NOW), "policy": "alert"}, Remedy.NOTHING,
-     "j's straggler policy is alert", "flagged slow twice within an hour in job j"),
-    ({"flags": (NOW - 60, NOW), "cordoned": True}, Remedy.REPLACE, "replace straggler b", ""),
-    ({"flags": (NOW - HOUR_S - 1, NOW)}, Remedy.REPLACE, "replace straggler b", ""),
-])
+@pytest.mark.parametrize(
+    "kw, remedy, reason, cordon",
+    [
+        ({}, Remedy.REPLACE, "replace straggler b", ""),
+        ({"policy": "exclude"}, Remedy.EXCLUDE, "exclude straggler b", ""),
+        ({"policy": "alert"}, Remedy.NOTHING, "j's straggler policy is alert", ""),
+        ({"under_way": True}, Remedy.NOTHING, "j is RUNNING with a move under way", ""),
+        ({"state": JobState.STOPPING}, Remedy.NOTHING, "j is STOPPING", ""),
+        (
+            {"replacements": (NOW - 10,) * 4},
+            Remedy.ALERT,
+            "not replacing b: 4 replacements in the last hour already",
+            "",
+        ),
+        # Replacements older than an hour no longer count.
+        ({"replacements": (NOW - HOUR_S - 1,) * 4}, Remedy.REPLACE, "replace straggler b", ""),
+        # Flagged twice within an hour: cordoned too, whatever else is done.
+        (
+            {"flags": (NOW - 60, NOW)},
+            Remedy.REPLACE,
+            "replace straggler b",
+            "flagged slow twice within an hour in job j",
+        ),
+        (
+            {"flags": (NOW - 60, NOW), "policy": "alert"},
+            Remedy.NOTHING,
+            "j's straggler policy is alert",
+            "flagged slow twice within an hour in job j",
+        ),
+        ({"flags": (NOW - 60, NOW), "cordoned": True}, Remedy.REPLACE, "replace straggler b", ""),
+        ({"flags": (NOW - HOUR_S - 1, NOW)}, Remedy.REPLACE, "replace straggler b", ""),
+    ],
+)
 def test_a_slow_node_is_replaced_excluded_or_reported(kw, remedy, reason, cordon):
     decision = judge(**kw)
     assert (decision.remedy, decision.reason, decision.cordon) == (remedy, reason, cordon)
     if remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
-        assert decision.operation == Operation(node="b", reason=reason,
-                                               policy=kw.get("policy", "replace"), generation=3,
-                                               origin="straggler")
+        assert decision.operation == Operation(
+            node="b",
+            reason=reason,
+            policy=kw.get("policy", "replace"),
+            generation=3,
+            origin="straggler",
+        )
     else:
         assert decision.operation is None
 

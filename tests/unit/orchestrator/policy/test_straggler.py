@@ -7,8 +7,15 @@ import re
 import pytest
 
 from orchestrator.policy import straggler
-from orchestrator.policy.straggler import (Flag, StepBlock, StepSample, StragglerConfig, evaluate,
-                                    initial_state, score_window)
+from orchestrator.policy.straggler import (
+    Flag,
+    StepBlock,
+    StepSample,
+    StragglerConfig,
+    evaluate,
+    initial_state,
+    score_window,
+)
 
 NODE = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
 BASE_S = 0.1
@@ -20,9 +27,13 @@ SEEDS = range(10)
 def series(seed, noise, factor=lambda rank, step: 1.0, steps=STEPS):
     """Every rank's sample for every step: ``BASE_S x factor x (1 +- noise)``."""
     rng = random.Random(seed)
-    return [StepSample(rank, NODE[rank], step,
-                       BASE_S * factor(rank, step) * rng.uniform(1 - noise, 1 + noise))
-            for step in range(1, steps + 1) for rank in NODE]
+    return [
+        StepSample(
+            rank, NODE[rank], step, BASE_S * factor(rank, step) * rng.uniform(1 - noise, 1 + noise)
+        )
+        for step in range(1, steps + 1)
+        for rank in NODE
+    ]
 
 
 def per_window(rank, ratios):
@@ -35,8 +46,7 @@ def run(samples, config=CONFIG):
     flags and the (step, node) of every clear."""
     state, flags, clears = initial_state(), [], []
     for step in sorted({s.step for s in samples}):
-        state, new_flags, cleared = evaluate(state, [s for s in samples if s.step == step],
-                                             config)
+        state, new_flags, cleared = evaluate(state, [s for s in samples if s.step == step], config)
         flags += new_flags
         clears += [(state.last_step, node) for node in cleared]
     return flags, clears
@@ -44,16 +54,25 @@ def run(samples, config=CONFIG):
 
 SERIES = [
     ("uniform noise +-10% on all ranks", 0.10, lambda r, s: 1.0, None),
-    ("rank 2 1.5x slower from step 10", 0.05, lambda r, s: 1.5 if r == 2 and s >= 10 else 1.0,
-     "node-1"),
+    (
+        "rank 2 1.5x slower from step 10",
+        0.05,
+        lambda r, s: 1.5 if r == 2 and s >= 10 else 1.0,
+        "node-1",
+    ),
     ("all ranks 2x for steps 15-25", 0.10, lambda r, s: 2.0 if 15 <= s <= 25 else 1.0, None),
-    ("rank 1 5x for one step at step 12", 0.10, lambda r, s: 5.0 if r == 1 and s == 12 else 1.0,
-     None),
+    (
+        "rank 1 5x for one step at step 12",
+        0.10,
+        lambda r, s: 5.0 if r == 1 and s == 12 else 1.0,
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, noise, factor, flagged_node", SERIES,
-                         ids=[case[0] for case in SERIES])
+@pytest.mark.parametrize(
+    "name, noise, factor, flagged_node", SERIES, ids=[case[0] for case in SERIES]
+)
 def test_series(name, noise, factor, flagged_node):
     for seed in SEEDS:
         flags, clears = run(series(seed, noise, factor))
@@ -72,30 +91,47 @@ def test_the_window_median_alone_absorbs_a_one_step_spike():
 
 def test_flag_names_the_node_the_window_the_streak_and_the_threshold():
     flags, _ = run(series(0, 0.0, per_window(2, [1, 1, 1.52, 1.52]), steps=20))
-    assert flags == [Flag("node-1", pytest.approx(1.52), 11, 20,
-                          "node-1 step time 1.52x the other nodes' median over steps 16-20 "
-                          "(slowest rank 2; 2 windows in a row since step 11, "
-                          "threshold 1.25x)")]
+    assert flags == [
+        Flag(
+            "node-1",
+            pytest.approx(1.52),
+            11,
+            20,
+            "node-1 step time 1.52x the other nodes' median over steps 16-20 "
+            "(slowest rank 2; 2 windows in a row since step 11, "
+            "threshold 1.25x)",
+        )
+    ]
 
 
 HYSTERESIS = [
-    ("alternating 1.2x/1.3x windows never reach patience",
-     [1.3, 1.2] * 4, [], []),
-    ("flagged once, then hovering between recover and slowdown stays flagged",
-     [1.3, 1.3] + [1.2, 1.3] * 3, [10], []),
-    ("a slow node is flagged once, not every window",
-     [1.5] * 8, [10], []),
-    ("recovers to 1.0x: cleared after patience windows, flagged again later",
-     [1.0, 1.5, 1.5, 1.0, 1.0, 1.5, 1.5, 1.0], [15, 35], [25]),
-    ("one fast window between slow ones does not clear",
-     [1.5, 1.5, 1.0, 1.5, 1.0, 1.5, 1.0, 1.5], [10], []),
-    ("recovering only to 1.2x does not clear",
-     [1.5, 1.5, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2], [10], []),
+    ("alternating 1.2x/1.3x windows never reach patience", [1.3, 1.2] * 4, [], []),
+    (
+        "flagged once, then hovering between recover and slowdown stays flagged",
+        [1.3, 1.3] + [1.2, 1.3] * 3,
+        [10],
+        [],
+    ),
+    ("a slow node is flagged once, not every window", [1.5] * 8, [10], []),
+    (
+        "recovers to 1.0x: cleared after patience windows, flagged again later",
+        [1.0, 1.5, 1.5, 1.0, 1.0, 1.5, 1.5, 1.0],
+        [15, 35],
+        [25],
+    ),
+    (
+        "one fast window between slow ones does not clear",
+        [1.5, 1.5, 1.0, 1.5, 1.0, 1.5, 1.0, 1.5],
+        [10],
+        [],
+    ),
+    ("recovering only to 1.2x does not clear", [1.5, 1.5, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2], [10], []),
 ]
 
 
-@pytest.mark.parametrize("name, ratios, flagged_at, cleared_at", HYSTERESIS,
-                         ids=[case[0] for case in HYSTERESIS])
+@pytest.mark.parametrize(
+    "name, ratios, flagged_at, cleared_at", HYSTERESIS, ids=[case[0] for case in HYSTERESIS]
+)
 def test_hysteresis(name, ratios, flagged_at, cleared_at):
     flags, clears = run(series(0, 0.0, per_window(2, ratios)))
     assert [f.flagged_at_step for f in flags] == flagged_at, name
@@ -105,8 +141,7 @@ def test_hysteresis(name, ratios, flagged_at, cleared_at):
 
 def test_patience_counts_in_windows_both_ways():
     config = StragglerConfig(patience=3)
-    flags, clears = run(series(0, 0.0, per_window(2, [1.5, 1.5, 1.5, 1.0, 1.0, 1.0, 1, 1])),
-                        config)
+    flags, clears = run(series(0, 0.0, per_window(2, [1.5, 1.5, 1.5, 1.0, 1.0, 1.0, 1, 1])), config)
     assert [f.flagged_at_step for f in flags] == [15]
     assert clears == [(30, "node-1")]
 
@@ -147,8 +182,9 @@ def test_a_window_waits_for_every_rank_seen_and_closes_without_a_lost_report():
     state, _, _ = evaluate(initial_state(), [s for s in early if s.step <= 5], CONFIG)
     assert state.last_step == 0
     # Rank 3's step 4 is lost, but it reported later steps: waiting is futile.
-    state, _, _ = evaluate(state, [s for s in first_two_windows
-                                   if s.step > 5 or (s.rank == 3 and s.step == 5)], CONFIG)
+    state, _, _ = evaluate(
+        state, [s for s in first_two_windows if s.step > 5 or (s.rank == 3 and s.step == 5)], CONFIG
+    )
     assert state.last_step == 10 and state.pending == ()
     # The lost report arriving late is older than what was evaluated: ignored.
     late = next(s for s in samples if s.rank == 3 and s.step == 4)
@@ -167,31 +203,41 @@ def test_a_node_is_as_slow_as_its_slowest_rank():
     # Rank medians 0.1, 0.1 (node-0) and 0.15, 0.1 (node-1): node-1 is 1.5x node-0's
     # median through rank 2; node-0 is 0.1 / median(0.15, 0.1) = 0.8x node-1's.
     window = series(0, 0.0, lambda r, s: 1.5 if r == 2 else 1.0, steps=5)
-    window[3:4] = [StepSample(3, "node-1", 1, 10.0)]   # one spike: the median ignores it
+    window[3:4] = [StepSample(3, "node-1", 1, 10.0)]  # one spike: the median ignores it
     node0, node1 = score_window(window)
     assert (node0.node, node0.ratio, node0.ranks) == ("node-0", pytest.approx(0.8), 2)
     assert (node1.node, node1.ratio, node1.ranks, node1.slowest_rank) == (
-        "node-1", pytest.approx(1.5), 2, 2)
+        "node-1",
+        pytest.approx(1.5),
+        2,
+        2,
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(recover=0.9), "recover=0.9: must be at least 1"),
-    (dict(slowdown=1.1, recover=1.1), "slowdown=1.1 must be above recover=1.1"),
-    (dict(slowdown=1.05), "e.g. slowdown=1.25 with recover=1.10"),
-    (dict(window=0), "window=0: give at least 1 step"),
-    (dict(patience=0), "patience=0: give at least 1 window"),
-    (dict(min_ranks=1), "min_ranks=1: give at least 2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(recover=0.9), "recover=0.9: must be at least 1"),
+        (dict(slowdown=1.1, recover=1.1), "slowdown=1.1 must be above recover=1.1"),
+        (dict(slowdown=1.05), "e.g. slowdown=1.25 with recover=1.10"),
+        (dict(window=0), "window=0: give at least 1 step"),
+        (dict(patience=0), "patience=0: give at least 1 window"),
+        (dict(min_ranks=1), "min_ranks=1: give at least 2"),
+    ],
+)
 def test_config_validation_says_how_to_fix_it(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StragglerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(step=0, step_time_s=0.1), "steps are numbered from 1"),
-    (dict(step=1, step_time_s=0.0), "report the positive seconds the step took"),
-    (dict(step=1, step_time_s=float("nan")), "report the positive seconds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(step=0, step_time_s=0.1), "steps are numbered from 1"),
+        (dict(step=1, step_time_s=0.0), "report the positive seconds the step took"),
+        (dict(step=1, step_time_s=float("nan")), "report the positive seconds"),
+    ],
+)
 def test_step_sample_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StepSample(rank=0, node="node-0", **kwargs)
@@ -199,8 +245,9 @@ def test_step_sample_validation(kwargs, message):
 
 def test_on_two_nodes_a_slow_node_is_measured_against_the_other_one():
     # With the cluster median a 1.5x node of two would score (1.5 / 1.25) = 1.2x.
-    window = [StepSample(0, "node-0", step, 0.1) for step in range(1, 6)] + \
-             [StepSample(1, "node-1", step, 0.15) for step in range(1, 6)]
+    window = [StepSample(0, "node-0", step, 0.1) for step in range(1, 6)] + [
+        StepSample(1, "node-1", step, 0.15) for step in range(1, 6)
+    ]
     node0, node1 = score_window(window)
     assert node1.ratio == pytest.approx(1.5) and node0.ratio == pytest.approx(1 / 1.5)
 
@@ -209,6 +256,7 @@ def brute_force_scores(samples):
     """The definition, quadratic: each node's slowest rank median against the median of
     every other node's rank medians (all ranks when there is one node)."""
     import statistics
+
     times, node_of = {}, {}
     for s in samples:
         times.setdefault(s.rank, []).append(s.step_time_s)
@@ -231,8 +279,9 @@ def test_the_fast_scoring_is_the_definition_exactly(seed):
     for rank in range(nodes * rng.randint(1, 4)):
         for step in range(1, rng.randint(1, 5) + 1):
             # Few distinct values, so that ties between ranks and nodes are common.
-            samples.append(StepSample(rank, f"n{rank % nodes}", step,
-                                      rng.choice([0.1, 0.2, 0.25, 0.3, 1.0])))
+            samples.append(
+                StepSample(rank, f"n{rank % nodes}", step, rng.choice([0.1, 0.2, 0.25, 0.3, 1.0]))
+            )
     fast = [(s.node, s.ratio, s.ranks, s.slowest_rank) for s in score_window(samples)]
     assert fast == brute_force_scores(samples)
 
@@ -245,10 +294,13 @@ def test_a_uniform_window_scored_as_arrays_is_the_definition_exactly(seed):
     rng = random.Random(seed)
     nodes, width, steps = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 6)
     ranks = list(range(nodes * width))
-    rng.shuffle(ranks)   # a node's ranks need not be adjacent, nor in order
-    samples = [StepSample(rank, f"n{node}", step, rng.choice([0.1, 0.2, 0.25, 0.3, 1.0]))
-               for node in range(nodes) for step in range(1, steps + 1)
-               for rank in ranks[node * width:(node + 1) * width]]
+    rng.shuffle(ranks)  # a node's ranks need not be adjacent, nor in order
+    samples = [
+        StepSample(rank, f"n{node}", step, rng.choice([0.1, 0.2, 0.25, 0.3, 1.0]))
+        for node in range(nodes)
+        for step in range(1, steps + 1)
+        for rank in ranks[node * width : (node + 1) * width]
+    ]
     blocks = as_blocks(samples)
     rng.shuffle(blocks)
     by_node = straggler._by_node(blocks)
@@ -264,24 +316,27 @@ def as_blocks(samples):
         ranks, times = grouped.setdefault((s.node, s.step), ([], []))
         ranks.append(s.rank)
         times.append(s.step_time_s)
-    return [StepBlock(node, step, tuple(ranks), tuple(times))
-            for (node, step), (ranks, times) in grouped.items()]
+    return [
+        StepBlock(node, step, tuple(ranks), tuple(times))
+        for (node, step), (ranks, times) in grouped.items()
+    ]
 
 
 def run_blocks(samples, config=CONFIG):
     state, flags, clears = initial_state(), [], []
     for step in sorted({s.step for s in samples}):
         state, new_flags, cleared = evaluate(
-            state, as_blocks([s for s in samples if s.step == step]), config)
+            state, as_blocks([s for s in samples if s.step == step]), config
+        )
         flags += new_flags
         clears += [(state.last_step, node) for node in cleared]
     return flags, clears
 
 
-@pytest.mark.parametrize("name, noise, factor, flagged_node", SERIES,
-                         ids=[case[0] for case in SERIES])
-def test_a_nodes_steps_in_blocks_decide_as_its_ranks_samples_do(name, noise, factor,
-                                                                flagged_node):
+@pytest.mark.parametrize(
+    "name, noise, factor, flagged_node", SERIES, ids=[case[0] for case in SERIES]
+)
+def test_a_nodes_steps_in_blocks_decide_as_its_ranks_samples_do(name, noise, factor, flagged_node):
     for seed in SEEDS:
         samples = series(seed, noise, factor)
         assert run_blocks(samples) == run(samples), (name, seed)
@@ -299,7 +354,7 @@ def test_blocks_with_lost_repeated_and_late_reports_decide_as_samples_do(seed):
     for step in range(1, 31):
         for rank in NODE:
             if rng.random() < 0.05:
-                continue   # lost
+                continue  # lost
             sample = StepSample(rank, NODE[rank], step, BASE_S * slow[rank] * rng.uniform(0.9, 1.1))
             samples.append(sample)
             if rng.random() < 0.05:
@@ -307,14 +362,18 @@ def test_blocks_with_lost_repeated_and_late_reports_decide_as_samples_do(seed):
     by_samples, by_blocks = initial_state(), initial_state()
     start = 0
     while start < len(samples):
-        chunk = samples[start:start + rng.randint(1, 12)]
+        chunk = samples[start : start + rng.randint(1, 12)]
         start += len(chunk)
         rng.shuffle(chunk)
         by_samples, flags_s, cleared_s = evaluate(by_samples, chunk, config)
         by_blocks, flags_b, cleared_b = evaluate(by_blocks, as_blocks(chunk), config)
         assert (flags_b, cleared_b) == (flags_s, cleared_s)
-        assert (by_blocks.last_step, by_blocks.streaks, by_blocks.flagged, by_blocks.scores) \
-            == (by_samples.last_step, by_samples.streaks, by_samples.flagged, by_samples.scores)
+        assert (by_blocks.last_step, by_blocks.streaks, by_blocks.flagged, by_blocks.scores) == (
+            by_samples.last_step,
+            by_samples.streaks,
+            by_samples.flagged,
+            by_samples.scores,
+        )
 
 
 @pytest.mark.parametrize("form", ["samples", "blocks"])

@@ -14,8 +14,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from agent.config import security_settings as agent_settings
 from common import tls as common_tls
 from orchestrator.security import certs, tls
-from orchestrator.security.auth import (METHOD_ROLES, SERVICE, Role, Tokens, authorize,
-                               certificate_mismatch)
+from orchestrator.security.auth import (
+    METHOD_ROLES,
+    SERVICE,
+    Role,
+    Tokens,
+    authorize,
+    certificate_mismatch,
+)
 from protos import keel_pb2
 
 TOKENS = Tokens(join="j-token", operator="o-token", reader="r-token")
@@ -27,8 +33,7 @@ def bearer(token: str) -> str:
 
 
 def test_every_controller_rpc_is_in_the_role_table_and_mutating_ones_are_operator_only():
-    methods = {SERVICE + m.name
-               for m in keel_pb2.DESCRIPTOR.services_by_name["Controller"].methods}
+    methods = {SERVICE + m.name for m in keel_pb2.DESCRIPTOR.services_by_name["Controller"].methods}
     assert set(METHOD_ROLES) == methods, "a new RPC needs a row in auth.METHOD_ROLES"
     assert METHOD_ROLES[SERVICE + "Connect"] == {Role.JOIN}
     assert METHOD_ROLES[SERVICE + "SubmitJob"] == {Role.OPERATOR}
@@ -40,16 +45,19 @@ def test_every_controller_rpc_is_in_the_role_table_and_mutating_ones_are_operato
         assert METHOD_ROLES[method] == {Role.OPERATOR}, method
 
 
-@pytest.mark.parametrize("token,method,allowed", [
-    ("j-token", "Connect", True),
-    ("o-token", "SubmitJob", True),
-    ("r-token", "SubmitJob", False),
-    ("j-token", "SubmitJob", False),
-    ("o-token", "Connect", False),
-    ("r-token", "Connect", False),
-    *[(t, m, True) for t in ("r-token", "o-token") for m in READ_ONLY],
-    *[("j-token", m, False) for m in READ_ONLY],
-])
+@pytest.mark.parametrize(
+    "token,method,allowed",
+    [
+        ("j-token", "Connect", True),
+        ("o-token", "SubmitJob", True),
+        ("r-token", "SubmitJob", False),
+        ("j-token", "SubmitJob", False),
+        ("o-token", "Connect", False),
+        ("r-token", "Connect", False),
+        *[(t, m, True) for t in ("r-token", "o-token") for m in READ_ONLY],
+        *[("j-token", m, False) for m in READ_ONLY],
+    ],
+)
 def test_each_token_may_call_only_its_roles_methods(token, method, allowed):
     denial = authorize(SERVICE + method, bearer(token), TOKENS)
     assert (denial is None) == allowed
@@ -61,19 +69,23 @@ def test_denials_say_which_token_to_use():
     denial = authorize(SERVICE + "SubmitJob", bearer("r-token"), TOKENS)
     assert denial.message == "the reader token cannot call SubmitJob; use the operator token"
     denial = authorize(SERVICE + "ListNodes", bearer("j-token"), TOKENS)
-    assert denial.message == \
-        "the join token cannot call ListNodes; use the operator or reader token"
+    assert (
+        denial.message == "the join token cannot call ListNodes; use the operator or reader token"
+    )
     denial = authorize(SERVICE + "Connect", bearer("o-token"), TOKENS)
     assert denial.message == "the operator token cannot call Connect; use the join token"
 
 
-@pytest.mark.parametrize("header,message", [
-    ("", "missing token"),
-    (bearer("nope"), "wrong token"),
-    (bearer(""), "wrong token"),
-    ("Basic o-token", "wrong token"),
-    ("o-token", "wrong token"),
-])
+@pytest.mark.parametrize(
+    "header,message",
+    [
+        ("", "missing token"),
+        (bearer("nope"), "wrong token"),
+        (bearer(""), "wrong token"),
+        ("Basic o-token", "wrong token"),
+        ("o-token", "wrong token"),
+    ],
+)
 def test_missing_or_wrong_tokens_are_unauthenticated(header, message):
     denial = authorize(SERVICE + "ListNodes", header, TOKENS)
     assert denial.code is grpc.StatusCode.UNAUTHENTICATED
@@ -103,8 +115,10 @@ def test_a_per_agent_certificate_registers_its_own_node_only():
     assert certificate_mismatch({}, "node-0") is None  # plaintext: the token decides
     assert certificate_mismatch({"x509_common_name": [b"keel-agent"]}, "node-0") is None
     assert certificate_mismatch({"x509_common_name": [b"keel-agent-node-0"]}, "node-0") is None
-    assert certificate_mismatch({"x509_common_name": [b"keel-agent-node-0"]}, "node-1") == \
-        "the certificate of agent node-0 cannot register node node-1"
+    assert (
+        certificate_mismatch({"x509_common_name": [b"keel-agent-node-0"]}, "node-1")
+        == "the certificate of agent node-0 cannot register node node-1"
+    )
 
 
 # ------------------------------------------------------------------ certs init
@@ -116,9 +130,21 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
     directory = tmp_path / "tls"
     written = certs.init(directory, hosts=("ctl.example.com", "10.0.0.7", "localhost"))
     names = [w.path.name for w in written]
-    assert names == ["ca.pem", "ca.key", "controller.pem", "controller.key", "agent.pem",
-                     "agent.key", "operator.pem", "operator.key", "reader.pem", "reader.key",
-                     "join.token", "operator.token", "reader.token"]
+    assert names == [
+        "ca.pem",
+        "ca.key",
+        "controller.pem",
+        "controller.key",
+        "agent.pem",
+        "agent.key",
+        "operator.pem",
+        "operator.key",
+        "reader.pem",
+        "reader.key",
+        "join.token",
+        "operator.token",
+        "reader.token",
+    ]
     assert sorted(p.name for p in directory.iterdir()) == sorted(names)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     for w in written:
@@ -130,21 +156,25 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     controller = load(directory / "controller.pem")
     san = controller.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"),
-                                                       ipaddress.ip_address("10.0.0.7")]
+    assert san.get_values_for_type(x509.IPAddress) == [
+        ipaddress.ip_address("127.0.0.1"),
+        ipaddress.ip_address("10.0.0.7"),
+    ]
     assert san.get_values_for_type(x509.DNSName) == ["localhost", "ctl.example.com"]
-    usages = {"controller": {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH},
-              "agent": {ExtendedKeyUsageOID.CLIENT_AUTH},
-              "operator": {ExtendedKeyUsageOID.CLIENT_AUTH},
-              "reader": {ExtendedKeyUsageOID.CLIENT_AUTH}}
+    usages = {
+        "controller": {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH},
+        "agent": {ExtendedKeyUsageOID.CLIENT_AUTH},
+        "operator": {ExtendedKeyUsageOID.CLIENT_AUTH},
+        "reader": {ExtendedKeyUsageOID.CLIENT_AUTH},
+    }
     for party, expected in usages.items():
         cert = load(directory / f"{party}.pem")
         cert.verify_directly_issued_by(ca)
-        assert set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) \
-            == expected
+        assert set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == expected
         assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    tokens = {(directory / f"{r}.token").read_text().strip() for r in ("join", "operator",
-                                                                        "reader")}
+    tokens = {
+        (directory / f"{r}.token").read_text().strip() for r in ("join", "operator", "reader")
+    }
     assert len(tokens) == 3 and all(len(t) >= 40 for t in tokens)
 
 
@@ -153,8 +183,10 @@ def test_certs_init_per_agent_and_never_overwrites(tmp_path):
     names = {w.path.name for w in written}
     assert {"agent-node-0.pem", "agent-node-0.key", "agent-node-1.pem"} <= names
     assert "agent.pem" not in names
-    assert load(tmp_path / "a" / "agent-node-1.pem").subject.rfc4514_string() == \
-        "CN=keel-agent-node-1,O=Keel"
+    assert (
+        load(tmp_path / "a" / "agent-node-1.pem").subject.rfc4514_string()
+        == "CN=keel-agent-node-1,O=Keel"
+    )
 
     before = (tmp_path / "a" / "ca.pem").read_bytes()
     with pytest.raises(FileExistsError, match="never overwrites"):
@@ -168,22 +200,36 @@ def test_certs_init_per_agent_and_never_overwrites(tmp_path):
 
 
 def test_keel_certs_init_prints_what_it_wrote(tmp_path):
-    result = CliRunner().invoke(certs.certs, ["init", str(tmp_path / "tls"), "--host",
-                                              "ctl.example.com"])
+    result = CliRunner().invoke(
+        certs.certs, ["init", str(tmp_path / "tls"), "--host", "ctl.example.com"]
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) == 13
-    assert any("controller.pem" in line and "SAN 127.0.0.1, localhost, ctl.example.com"
-               in line for line in lines)
+    assert any(
+        "controller.pem" in line and "SAN 127.0.0.1, localhost, ctl.example.com" in line
+        for line in lines
+    )
     assert any("ca.key" in line and " 0600 " in line for line in lines)
     again = CliRunner().invoke(certs.certs, ["init", str(tmp_path / "tls")])
     assert again.exit_code == 2 and "never overwrites" in again.output
 
 
 # ------------------------------------------------------------- credential flags
-NO_FLAGS = dict(tls_dir=None, ca=None, cert=None, key=None, etcd_ca=None, etcd_cert=None,
-                etcd_key=None, etcd_user=None, etcd_password=None, join_token_file=None,
-                operator_token_file=None, reader_token_file=None)
+NO_FLAGS = dict(
+    tls_dir=None,
+    ca=None,
+    cert=None,
+    key=None,
+    etcd_ca=None,
+    etcd_cert=None,
+    etcd_key=None,
+    etcd_user=None,
+    etcd_password=None,
+    join_token_file=None,
+    operator_token_file=None,
+    reader_token_file=None,
+)
 
 
 def test_controller_tokens_single_or_per_role_from_flags_or_the_tls_dir(tmp_path, monkeypatch):
@@ -193,20 +239,24 @@ def test_controller_tokens_single_or_per_role_from_flags_or_the_tls_dir(tmp_path
     (tmp_path / "one").write_text("one-token\n")
 
     settings = tls.controller_settings(None, {**NO_FLAGS, "tls_dir": str(directory)})
-    assert settings["token"] == "" and settings["tokens"].join == \
-        (directory / "join.token").read_text().strip()
+    assert (
+        settings["token"] == ""
+        and settings["tokens"].join == (directory / "join.token").read_text().strip()
+    )
     assert settings["tls"].cert == directory / "controller.pem"
     assert settings["etcd_credentials"] is None
 
     # --token-file keeps today's meaning, one token for every role, even beside --tls-dir.
-    settings = tls.controller_settings(str(tmp_path / "one"),
-                                       {**NO_FLAGS, "tls_dir": str(directory)})
+    settings = tls.controller_settings(
+        str(tmp_path / "one"), {**NO_FLAGS, "tls_dir": str(directory)}
+    )
     assert (settings["token"], settings["tokens"]) == ("one-token", None)
     assert settings["tls"] is not None
 
     with pytest.raises(ValueError, match="not both"):
-        tls.controller_settings(str(tmp_path / "one"),
-                                {**NO_FLAGS, "join_token_file": str(tmp_path / "one")})
+        tls.controller_settings(
+            str(tmp_path / "one"), {**NO_FLAGS, "join_token_file": str(tmp_path / "one")}
+        )
     with pytest.raises(ValueError, match="operator.token, reader.token missing"):
         tls.controller_settings(None, {**NO_FLAGS, "join_token_file": str(tmp_path / "one")})
     with pytest.raises(ValueError, match="needs --cert, --key too"):
@@ -243,13 +293,24 @@ def test_clients_take_their_identity_from_the_tls_dir(tmp_path, monkeypatch):
 def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
     for name in ("ca.pem", "c.pem", "c.key"):
         (tmp_path / name).write_text("x")
-    flags = dict(etcd_ca=str(tmp_path / "ca.pem"), etcd_cert=str(tmp_path / "c.pem"),
-                 etcd_key=str(tmp_path / "c.key"), etcd_user="keel", etcd_password="pw")
-    for credentials in (common_tls.etcd_credentials(**flags),
-                        agent_settings("n0", None, **flags)["etcd_credentials"]):
+    flags = dict(
+        etcd_ca=str(tmp_path / "ca.pem"),
+        etcd_cert=str(tmp_path / "c.pem"),
+        etcd_key=str(tmp_path / "c.key"),
+        etcd_user="keel",
+        etcd_password="pw",
+    )
+    for credentials in (
+        common_tls.etcd_credentials(**flags),
+        agent_settings("n0", None, **flags)["etcd_credentials"],
+    ):
         assert credentials.client_kwargs() == {
-            "ca_cert": str(tmp_path / "ca.pem"), "cert_cert": str(tmp_path / "c.pem"),
-            "cert_key": str(tmp_path / "c.key"), "user": "keel", "password": "pw"}
+            "ca_cert": str(tmp_path / "ca.pem"),
+            "cert_cert": str(tmp_path / "c.pem"),
+            "cert_key": str(tmp_path / "c.key"),
+            "user": "keel",
+            "password": "pw",
+        }
         assert "pw" not in repr(credentials)
     assert common_tls.etcd_credentials() is None
     with pytest.raises(ValueError, match="--etcd-user and --etcd-password"):
@@ -257,5 +318,4 @@ def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
     with pytest.raises(ValueError, match="--etcd-cert and --etcd-key go together"):
         common_tls.etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
     with pytest.raises(ValueError, match="needs --etcd-ca"):
-        agent_settings("n0", None, etcd_cert=flags["etcd_cert"],
-                           etcd_key=flags["etcd_key"])
+        agent_settings("n0", None, etcd_cert=flags["etcd_cert"], etcd_key=flags["etcd_key"])

@@ -11,8 +11,13 @@ from protos import keel_pb2
 
 
 def good_spec(**kw):
-    fields = dict(name="llama-7b", world_size=4, command=["python", "-m", "trainer.train"],
-                  max_restarts=3, checkpoint_dir="/ck")
+    fields = dict(
+        name="llama-7b",
+        world_size=4,
+        command=["python", "-m", "trainer.train"],
+        max_restarts=3,
+        checkpoint_dir="/ck",
+    )
     fields.update(kw)
     return keel_pb2.JobSpec(**fields)
 
@@ -21,15 +26,18 @@ def test_a_good_spec_passes():
     validate(good_spec())
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(name="Bad_Name"), "name 'Bad_Name': use 1-63 lowercase"),
-    (dict(world_size=0), "world_size: must be at least 1"),
-    (dict(command=[]), "command: give the argv"),
-    (dict(checkpoint_dir="relative/dir"), "must be an absolute path"),
-    (dict(env={"RANK": "1"}), "env 'RANK': set by Keel"),
-    (dict(env={"1X": "1"}), "not a valid environment variable name"),
-    (dict(max_restarts=5000), "a job failing that often needs a person"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(name="Bad_Name"), "name 'Bad_Name': use 1-63 lowercase"),
+        (dict(world_size=0), "world_size: must be at least 1"),
+        (dict(command=[]), "command: give the argv"),
+        (dict(checkpoint_dir="relative/dir"), "must be an absolute path"),
+        (dict(env={"RANK": "1"}), "env 'RANK': set by Keel"),
+        (dict(env={"1X": "1"}), "not a valid environment variable name"),
+        (dict(max_restarts=5000), "a job failing that often needs a person"),
+    ],
+)
 def test_bad_specs_name_the_field_and_the_fix(kw, message):
     with pytest.raises(InvalidSpec, match=message):
         validate(good_spec(**kw))
@@ -64,16 +72,17 @@ def test_agent_config_checks_its_deadline_hierarchy():
 
 def planned_spec(**kw):
     spec = good_spec(mesh="dp_shard=2,tp=2", min_nodes=1, **kw)
-    spec.model.CopyFrom(keel_pb2.ModelShape(params=1.2e5, layers=2, hidden=64, heads=4,
-                                            vocab=256))
-    spec.training.CopyFrom(keel_pb2.TrainingShape(seq_len=64, micro_batch=1, global_batch=16,
-                                                  precision="fp32", gpu_memory_gb=4))
+    spec.model.CopyFrom(keel_pb2.ModelShape(params=1.2e5, layers=2, hidden=64, heads=4, vocab=256))
+    spec.training.CopyFrom(
+        keel_pb2.TrainingShape(
+            seq_len=64, micro_batch=1, global_batch=16, precision="fp32", gpu_memory_gb=4
+        )
+    )
     return spec
 
 
 def test_the_spec_layout_is_used_when_not_shrinking():
-    assert size_and_layout(planned_spec(), {"a": 2, "b": 2}, shrink=False) == \
-        (4, "dp_shard=2,tp=2")
+    assert size_and_layout(planned_spec(), {"a": 2, "b": 2}, shrink=False) == (4, "dp_shard=2,tp=2")
 
 
 def test_shrinking_takes_the_largest_size_the_free_slots_hold_with_a_planned_layout():
@@ -103,13 +112,13 @@ def test_a_layout_that_does_not_fit_the_model_is_refused_at_submit():
 
 def test_excluding_a_node_caps_the_size_even_when_a_spare_is_free():
     # 2 + 2 slots free (a spare among them), but the exclude policy drops a node of 2.
-    world, mesh = size_and_layout(planned_spec(), {"a": 2, "c": 2}, shrink=True,
-                                  max_world_size=2)
+    world, mesh = size_and_layout(planned_spec(), {"a": 2, "c": 2}, shrink=True, max_world_size=2)
     assert world == 2 and Layout.parse(mesh).world_size == 2
 
 
 def test_health_settings_are_validated_with_the_fix():
     from orchestrator.spec.health import InvalidHealth, resolve
+
     assert resolve(keel_pb2.HealthSpec()).hang_floor_s == 30.0
     for spec, message in [
         (keel_pb2.HealthSpec(hang_floor_s=float("nan")), "hang_floor_s=nan: must be a finite"),
@@ -124,14 +133,18 @@ def test_health_settings_are_validated_with_the_fix():
 
 
 @pytest.mark.parametrize("mesh", ["", "auto", "dp_shard=2,tp=2"])
-@pytest.mark.parametrize("model,training,message", [
-    (dict(params=float("inf")), {}, "params=inf: give the parameter count"),
-    (dict(params=-1.0), {}, "params=-1.0: give the parameter count"),
-    (dict(params=1e9), dict(precision="fp16"), "precision='fp16'"),
-    (dict(params=1e9), dict(gpu_memory_gb=float("nan")), "gpu_memory_gb=nan"),
-])
+@pytest.mark.parametrize(
+    "model,training,message",
+    [
+        (dict(params=float("inf")), {}, "params=inf: give the parameter count"),
+        (dict(params=-1.0), {}, "params=-1.0: give the parameter count"),
+        (dict(params=1e9), dict(precision="fp16"), "precision='fp16'"),
+        (dict(params=1e9), dict(gpu_memory_gb=float("nan")), "gpu_memory_gb=nan"),
+    ],
+)
 def test_the_model_and_training_shapes_are_checked_at_submit_whatever_the_mesh(
-        mesh, model, training, message):
+    mesh, model, training, message
+):
     spec = good_spec(mesh=mesh)
     spec.model.CopyFrom(keel_pb2.ModelShape(**model))
     spec.training.CopyFrom(keel_pb2.TrainingShape(**training))
