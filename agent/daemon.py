@@ -28,16 +28,16 @@ from agent.config import AgentConfig
 from agent.generation import Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
-from agent.pool import WarmPool, pool_env
 from agent.local_server import AgentLocalService, serve
+from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
 from common import deadlines, net
 from common import metrics as common_metrics
 from common.etcd import EtcdClient
+from common.leader import LeaderWatch
 from common.net import listen_address
 from common.paths import write_atomically
-from common.leader import LeaderWatch
 from protos import keel_pb2
 
 log = structlog.get_logger()

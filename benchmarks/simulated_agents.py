@@ -266,7 +266,7 @@ class Agent:
                 await asyncio.wait_for(changed.wait(), jittered(backoff))
                 backoff = BACKOFF_FIRST_S
                 await asyncio.sleep(jittered(BACKOFF_FIRST_S))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 backoff = min(RECONNECT_MAX_S, backoff * 2)
 
     async def _stream(self, address: str) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from trainer import mesh, optim, preflight, runtime as keel_runtime
+from trainer import mesh, optim, preflight
+from trainer import runtime as keel_runtime
 
 # Rank 0 may hold up its peers this long, outside any collective, when it commits a
 # checkpoint: flushing the step reports, then reporting the checkpoint to the agent.

@@ -55,9 +55,13 @@ from trainer import (
     parallelize,
     pipeline,
     preflight,
-    restore as restore_from,
-    runtime as keel_runtime,
     watchdog,
+)
+from trainer import (
+    restore as restore_from,
+)
+from trainer import (
+    runtime as keel_runtime,
 )
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples

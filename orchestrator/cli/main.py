@@ -211,9 +211,9 @@ def up(
     Progress goes to stderr; the summary to stdout. Exits 0 only if the job reached
     its step target.
     """
+    from orchestrator.local.etcd_server import EtcdMissing, etcd_binary
     from orchestrator.local.options import UpOptions
     from orchestrator.local.up import up as run_up
-    from orchestrator.local.etcd_server import EtcdMissing, etcd_binary
 
     if not etcd_endpoints:
         try:
@@ -497,9 +497,9 @@ def controller(
     operator and reader tokens (flags, then --tls-dir) give each client only its role's
     calls.
     """
+    from common.logs import configure
     from orchestrator.controller.config import ControllerConfig
     from orchestrator.controller.daemon import run
-    from common.logs import configure
 
     try:
         endpoints = tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip())

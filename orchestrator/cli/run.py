@@ -24,7 +24,8 @@ from pathlib import Path
 import click
 import grpc
 
-from common import flags, logs as log_settings
+from common import flags
+from common import logs as log_settings
 from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.cli.logs import RankOutput
 from orchestrator.cli.operator import Client, connection_options

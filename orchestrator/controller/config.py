@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.security.auth import Tokens
 from common.etcd import EtcdCredentials, host_port
 from common.net import listen_address
 from common.tls import TlsFiles
+from orchestrator.security.auth import Tokens
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ import time
 import grpc
 import structlog
 
-from common import keys
+from common import keys, rpc
 from common import metrics as common_metrics
-from common import rpc
 from common.etcd import connect
 from common.net import listen_address
 from common.paths import write_atomically as write_address

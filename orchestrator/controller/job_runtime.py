@@ -16,7 +16,6 @@ from orchestrator.policy.operations import Operation
 from orchestrator.policy.placement import NodeRanks
 from protos import keel_pb2
 
-
 # Root causes of failed generations a job keeps, newest last (each up to ~12 KB of
 # traceback and stderr, in the job's state record: etcd takes 1.5 MiB a request).
 MAX_FAILURES = 20

@@ -10,7 +10,6 @@ from orchestrator.policy.guardrails import restart_backoff_s
 from orchestrator.policy.job import Observed, Spec
 from orchestrator.policy.lifecycle import JobState
 
-
 # A controller that took over waits for a cluster still reconnecting to it at most
 # this many node-lost graces (a node that is truly gone is counted lost by then).
 TAKEOVER_GRACES = 6

@@ -31,7 +31,7 @@ class CountedDict(dict):
 
     __slots__ = ("_owner",)
 
-    def __init__(self, owner: "ControllerState", *args, **kwargs):
+    def __init__(self, owner: ControllerState, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._owner = owner
 

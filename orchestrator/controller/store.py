@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-
 from common import keys
 from common.etcd import EtcdClient, prefix_end, read_prefix
 

@@ -17,10 +17,10 @@ from common import env
 from common.etcd import EtcdCredentials, connect
 from common.procs import terminate, tied_to_this_process
 from common.tls import TlsFiles, etcd_flags, resolve_tls
+from orchestrator.controller.store import Store
 from orchestrator.local import prometheus
 from orchestrator.local.etcd_server import EmbeddedEtcd
 from orchestrator.local.options import UpOptions
-from orchestrator.controller.store import Store
 from orchestrator.local.proxy import NodeProxy
 from orchestrator.security.certs import init_once
 

@@ -95,7 +95,7 @@ class EmbeddedEtcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self) -> "EmbeddedEtcd":
+    def start(self) -> EmbeddedEtcd:
         # Binding port 0 and closing leaves a small window in which another process
         # may take the port; etcd then exits at once and we retry with new ports.
         last_error = ""
@@ -203,7 +203,7 @@ class EmbeddedEtcd:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.data_dir = None
 
-    def __enter__(self) -> "EmbeddedEtcd":
+    def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 
     def __exit__(self, *exc) -> None:

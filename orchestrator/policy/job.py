@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 from orchestrator.policy.lifecycle import JobState
 
-
 # What can end a generation (``Decision.cause``), as the restarts metric counts them.
 RESTART_CAUSES = ("crash", "hang", "straggler", "node_lost", "operator", "agent_restart")
 

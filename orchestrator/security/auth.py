@@ -68,7 +68,7 @@ class Tokens:
             )
 
     @classmethod
-    def single(cls, token: str) -> "Tokens":
+    def single(cls, token: str) -> Tokens:
         """One token valid for every role (a controller given only ``--token-file``)."""
         if not token:
             raise ValueError("the controller needs a non-empty token (--token-file or KEEL_TOKEN)")

@@ -211,7 +211,7 @@ def init(
             f"overwrites credentials: choose a new directory"
         )
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     ca = _Authority(now)
     until = (now + datetime.timedelta(days=LEAF_DAYS)).date().isoformat()
     written: list[Written] = []

@@ -72,7 +72,7 @@ class Network:
     def bridge(self) -> str:
         return f"kb{self.run_id}"
 
-    def create(self) -> "Network":
+    def create(self) -> Network:
         """Make the bridge and every host; raises Unavailable (and leaves nothing
         behind) if this machine does not allow it."""
         _check_possible()

@@ -10,8 +10,8 @@ import sys
 import grpc
 import pytest
 
-from common.tls import call_metadata
 from common.etcd import connect
+from common.tls import call_metadata
 from orchestrator.controller.store import Store
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for

@@ -4,7 +4,8 @@ with a status, and etcd changes only by what it accepted."""
 from __future__ import annotations
 
 import grpc
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc

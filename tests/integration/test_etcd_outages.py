@@ -5,8 +5,7 @@ from __future__ import annotations
 import etcd3
 import pytest
 
-from common.etcd import EtcdClient, EtcdCredentials
-from common.etcd import connect
+from common.etcd import EtcdClient, EtcdCredentials, connect
 from orchestrator.controller.store import Store
 from tests.conftest import enable_etcd_auth, etcdctl, wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)

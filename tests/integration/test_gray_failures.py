@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.local.ledger_check import audit_checkpoint
-from trainer import fence, manifest
 from tests.conftest import REPO, committed_steps, keel, wait_for
 from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 from tests.integration.test_keel_up import run_up
+from trainer import fence, manifest
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -497,8 +497,8 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     its jobs, and no standby could win again. Now reads are paged, and the new leader
     trims what it loaded to the bounds; the job running beside it carries on."""
     from common import keys
-    from orchestrator.controller.records import RECORDS_KEPT
     from orchestrator.controller.job_health import MAX_EVENTS
+    from orchestrator.controller.records import RECORDS_KEPT
 
     standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)
 

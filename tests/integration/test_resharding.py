@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
+from orchestrator.local.ledger_check import audit as summarize
 from protos import keel_pb2
 from tests.conftest import REPO, committed_steps, step_losses, torchrun
 from trainer.checkpoint_dir import expired
-from orchestrator.local.ledger_check import audit as summarize
 from trainer.optim import lr_factor
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "reshard_cases.py"

@@ -13,12 +13,12 @@ import urllib.request
 import grpc
 import pytest
 
-from orchestrator.security import certs
 from common import net
-from common.tls import call_metadata
-from orchestrator.local.etcd_server import etcd_binary
 from common.etcd import connect
+from common.tls import call_metadata
 from orchestrator.controller.store import Store
+from orchestrator.local.etcd_server import etcd_binary
+from orchestrator.security import certs
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
 from tests.integration.test_control_plane import spawn, stop

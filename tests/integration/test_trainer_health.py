@@ -200,8 +200,8 @@ def test_a_rank_whose_agent_stops_answering_stops_itself():
     this). Before, the rank trained on unsupervised, and its reporter, busy timing out
     one batch after another, never looked at how long the agent had been silent; now
     it stops itself after the collective timeout."""
-    from tests.unit.trainer.test_runtime import StuckAgent
     from tests.conftest import local_agent
+    from tests.unit.trainer.test_runtime import StuckAgent
 
     stuck = StuckAgent()
     with local_agent(stuck) as socket_path:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 import structlog
 
 from common import env, logs
+from common.adopt import take_environment, take_output
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
 from common.paths import inside
 from protos import keel_pb2
@@ -57,7 +58,6 @@ from trainer.runtime.faults import (
     parse_fault_schedule,
     rank_faults,
 )
-from common.adopt import take_environment, take_output
 from trainer.runtime.identity import (
     Identity,
     deadline_problems,

@@ -4,8 +4,8 @@ import grpc
 import pytest
 
 from common import env
-from tests.conftest import AgentRecorder, local_agent
 from protos import keel_pb2, keel_pb2_grpc
+from tests.conftest import AgentRecorder, local_agent
 
 
 @pytest.fixture

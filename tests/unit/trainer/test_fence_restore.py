@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tests.unit.trainer.test_checkpoint_commit import model_state
 from protos import keel_pb2
+from tests.unit.trainer.test_checkpoint_commit import model_state
 from trainer import fence, manifest, restore
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_dir import committed_path

@@ -16,13 +16,13 @@ from google.protobuf import json_format
 from protos import keel_pb2
 from tests.conftest import AgentRecorder, local_agent, wait_for
 from trainer import runtime
-from trainer.runtime import reporting
 from trainer.runtime import (
     claim_fault,
     fault_marker_path,
     parse_fault_schedule,
     parse_mesh,
     rank_faults,
+    reporting,
 )
 
 

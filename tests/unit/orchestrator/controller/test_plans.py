@@ -1,5 +1,7 @@
 """The plan record: written from one JobRuntime, read back into another."""
 
+import pytest
+
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.plans import adopt_plan, plan_record
@@ -7,8 +9,6 @@ from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.placement import NodeRanks
 from orchestrator.spec.health import resolve
 from protos import keel_pb2
-
-import pytest
 
 
 def job(state=JobState.PENDING) -> JobRuntime:

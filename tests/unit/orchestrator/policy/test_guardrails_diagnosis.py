@@ -57,8 +57,8 @@ def test_restart_backoff_doubles_and_is_capped():
 
 
 def test_preflight_flags_a_node_far_below_its_peers_once():
-    from orchestrator.spec.health import DEFAULTS
     from orchestrator.controller.job_health import PREFLIGHT_SLOW_REASON, JobHealth
+    from orchestrator.spec.health import DEFAULTS
     from protos import keel_pb2
 
     def report(busbw):
@@ -89,8 +89,8 @@ def test_preflight_flags_a_node_far_below_its_peers_once():
 def test_one_noisy_preflight_figure_does_not_make_a_node_slow():
     """Two nodes, four collectives and sizes: node-1 is far below on one of them (a
     busy host timing a small buffer), which is noise; far below on three, it is slow."""
-    from orchestrator.spec.health import DEFAULTS
     from orchestrator.controller.job_health import JobHealth
+    from orchestrator.spec.health import DEFAULTS
     from protos import keel_pb2
 
     def report(*busbws):

@@ -1,7 +1,7 @@
 """The controller's decisions, from observed states built by hand."""
 
-from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.job import Action, Decision, Observed, RankExit, Spec, decide, root_cause
+from orchestrator.policy.lifecycle import JobState
 
 SPEC = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0)
 NODES = frozenset({"a", "b"})

@@ -4,9 +4,9 @@ import pytest
 
 from agent.config import AgentConfig
 from orchestrator.controller.config import ControllerConfig
+from orchestrator.planner import Layout
 from orchestrator.planner.sizing import size_and_layout
 from orchestrator.spec.jobspec import InvalidSpec, validate
-from orchestrator.planner import Layout
 from protos import keel_pb2
 
 
