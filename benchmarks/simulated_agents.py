@@ -40,6 +40,7 @@ from etcd3.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from agent.link import BACKOFF_FIRST_S, jittered, status_refresh_s
 from common import keys, rpc
+from common.records import LeaderRecord, RecordError
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -122,8 +123,8 @@ class LeaderKey:
 
     def _set(self, raw: bytes) -> None:
         try:
-            address = json.loads(raw)["address"] if raw else ""
-        except (ValueError, KeyError):
+            address = LeaderRecord.from_json(keys.LEADER, raw).address if raw else ""
+        except RecordError:
             address = ""
         if address != self.address:
             self.address = address

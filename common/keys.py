@@ -11,7 +11,8 @@
     /keel/jobs/<job>/operation             the checkpoint-then-stop under way (replace, drain, ...)
     /keel/jobs/<job>/checkpoint_request    an operator's "checkpoint now" not yet satisfied
 
-Numbers in keys are zero-padded so that a key range lists them in order. Values are JSON.
+Numbers in keys are zero-padded so that a key range lists them in order. Each key's
+value is its record of ``common.records`` (JSON), read and written as that type only.
 """
 
 from __future__ import annotations

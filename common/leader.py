@@ -10,7 +10,6 @@ cluster (``cluster_id``; a cluster rebuilt from nothing numbers its revisions an
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from etcd3 import events
 
 from common import keys
 from common.etcd import EtcdClient
+from common.records import LeaderRecord, RecordError
 from common.watch import Watch
 
 log = structlog.get_logger()
@@ -32,14 +32,14 @@ class Leader:
     cluster_id: int
 
 
-def parse(raw: bytes, create_revision: int, cluster_id: int) -> Leader | None:
+def parse_leader(raw: bytes, create_revision: int, cluster_id: int) -> Leader | None:
     """The leader a key value names; None if it names none we can read."""
     try:
-        value = json.loads(raw)
-        return Leader(str(value["address"]), str(value["id"]), create_revision, cluster_id)
-    except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a leader key that is not a controller's record", raw=raw[:200])
+        record = LeaderRecord.from_json(keys.LEADER, raw)
+    except RecordError as error:
+        log.warning("ignoring a leader key that is not a controller's record", error=str(error))
         return None
+    return Leader(record.address, record.id, create_revision, cluster_id)
 
 
 class LeaderWatch:
@@ -77,11 +77,11 @@ class LeaderWatch:
 
     def _reset(self, kvs: list, cluster: int) -> None:
         self._cluster = cluster
-        self._set(parse(kvs[0].value, kvs[0].create_revision, cluster) if kvs else None)
+        self._set(parse_leader(kvs[0].value, kvs[0].create_revision, cluster) if kvs else None)
 
     def _events(self, changes: list) -> None:
         for event in changes:
             if isinstance(event, events.DeleteEvent):
                 self._set(None)
             else:
-                self._set(parse(event.value, event.create_revision, self._cluster))
+                self._set(parse_leader(event.value, event.create_revision, self._cluster))

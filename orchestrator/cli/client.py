@@ -81,9 +81,9 @@ class ControllerClient:
                 raise NoController(str(exc)) from None
             if leader is None:
                 raise NoController("no controller is published in etcd", unpublished=True)
-            address = leader["address"]
-            if not self.leaders or self.leaders[-1] != leader["id"]:
-                self.leaders.append(leader["id"])
+            address = leader.address
+            if not self.leaders or self.leaders[-1] != leader.id:
+                self.leaders.append(leader.id)
         if address != self.address:
             if self.channel is not None:
                 self.channel.close()

@@ -9,16 +9,16 @@ import re
 import time
 
 import structlog
-from google.protobuf import json_format
 
 from common import env
 from common.deadlines import DeadlineError
+from common.records import CordonRecord, EventRecord, PlanRecord
 from orchestrator.controller import observe
+from orchestrator.controller.checkpoint_records import CheckpointRecords
 from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import MAX_FAILURES, JobRuntime
 from orchestrator.controller.plans import plan_record
-from orchestrator.controller.records import CheckpointRecords
 from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed
@@ -58,7 +58,7 @@ class Executor:
         target: JobState,
         reason: str,
         now: float,
-        plan: dict | None = None,
+        plan: PlanRecord | None = None,
         restore_step: int | None = None,
         **changes,
     ) -> None:
@@ -69,7 +69,7 @@ class Executor:
         previous = job.state
         wall = time.time()
         if target.terminal:
-            changes["ended_at"] = wall
+            changes["ended_at_unix"] = wall
         # The accounting moves with the state, in the same write.
         goodput = job.goodput.copy()
         goodput.on_state(
@@ -77,23 +77,25 @@ class Executor:
             target,
             stop_requested=bool(job.stop_requested),
             generation=changes.get("generation", job.generation),
-            world_size=(plan or {}).get("world_size", job.world_size),
+            world_size=plan.world_size if plan else job.world_size,
             restore_step=restore_step,
         )
         state_seconds = dict(job.state_seconds)
         state_seconds[previous.value] = state_seconds.get(previous.value, 0.0) + max(
-            0.0, wall - job.state_entered_at
+            0.0, wall - job.state_entered_at_unix
         )
-        accounting = {
-            "goodput": goodput.record(),
-            "state_seconds": state_seconds,
-            "state_entered_at": wall,
-        }
-        record = job.record() | changes | accounting | {"state": target.value, "reason": reason}
+        record = job.record().replace(
+            **changes,
+            goodput=goodput.record(),
+            state_seconds=state_seconds,
+            state_entered_at_unix=wall,
+            state=target,
+            reason=reason,
+        )
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev, plan)
         for name, value in changes.items():
             setattr(job, name, value)
-        job.goodput, job.state_seconds, job.state_entered_at = goodput, state_seconds, wall
+        job.goodput, job.state_seconds, job.state_entered_at_unix = goodput, state_seconds, wall
         job.state, job.reason, job.state_since = target, reason, now
         self._track_recovery(job, target, wall)
         log.info(
@@ -193,7 +195,8 @@ class Executor:
             (frozenset(job.lost_nodes) if decision.use_suspects else observe.suspects(job))
             & job.nodes
         )
-        good = [r for r in self.store.checkpoints(job.name) if not r.get("quarantined")]
+        good = [r for r in self.store.checkpoints(job.name) if not r.quarantined]
+        restore = good[-1] if good else None
         plan = dict(
             generation=job.generation + 1,
             placement=placement,
@@ -202,23 +205,23 @@ class Executor:
             deadlines=chain,
             rendezvous=None,
             placed_agents={p.node: self.state.sessions[p.node].pid for p in placement},
-            restore_from=good[-1] if good else None,
-            restore_fallbacks=[r["path"] for r in reversed(good[:-1])][:RESTORE_FALLBACKS],
+            restore_from=restore.path if restore else "",
+            restore_fallbacks=[r.path for r in reversed(good[:-1])][:RESTORE_FALLBACKS],
         )
-        restore = plan["restore_from"]
         self.transition(
             job,
             JobState.STARTING,
             reason,
             now,
             plan_record(job, **plan),
-            restore_step=restore.get("step") if restore else None,
+            restore_step=restore.step if restore else None,
             generation=plan["generation"],
             planned_stop=False,
         )
         previous = job.nodes
         for name, value in plan.items():
             setattr(job, name, value)
+        job.restore_step = restore.step if restore else None
         out = [node for node in out if node not in job.nodes]  # a suspect used again is not out
         if out:
             newcomers = sorted(job.nodes - previous)
@@ -243,7 +246,7 @@ class Executor:
         job.node_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
-        job.step = restore.get("step", 0) if restore else 0
+        job.step = restore.step if restore else 0
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()
@@ -281,16 +284,15 @@ class Executor:
 
     def _start(self, job: JobRuntime, decision: Decision, now: float) -> None:
         job.deadlines = job.deadlines or self._deadlines(job, job.placement)
-        restore = job.restore_from
         reason = (
             f"generation {job.generation}: {job.world_size} ranks on "
             f"{len(job.placement)} nodes as {job.mesh}, "
             + (
                 "fresh start"
-                if not restore
-                else f"restoring step {restore['step']}"
-                if "step" in restore
-                else f"restoring {restore['path']}"
+                if not job.restore_from
+                else f"restoring step {job.restore_step}"
+                if job.restore_step is not None
+                else f"restoring {job.restore_from}"
             )
         )
         # Now with the rendezvous endpoint: everything a new leader (or this one, after
@@ -314,7 +316,7 @@ class Executor:
             env=dict(job.spec.env),
             restart_count=job.restarts,
             checkpoint_dir=job.spec.checkpoint_dir,
-            restore_from=job.restore_from["path"] if job.restore_from else "",
+            restore_from=job.restore_from,
             mesh=job.mesh,
             health=job.health.spec,
             deadlines=job.deadlines,
@@ -356,18 +358,18 @@ class Executor:
         cause = decision.root_cause
         if cause is not None:
             job.failures.append(
-                {
-                    "generation": job.generation,
-                    "node": cause.node,
-                    "rank": cause.rank,
-                    "pid": cause.pid,
-                    "exitCode": cause.exit_code,
-                    "signal": cause.signal,
-                    "traceback": cause.traceback[-8000:],
-                    "stderrTail": cause.stderr_tail[-4000:],
-                    "exitedAt": cause.exited_at,
-                    "lastStep": cause.last_step,
-                }
+                keel_pb2.Failure(
+                    generation=job.generation,
+                    node=cause.node,
+                    rank=cause.rank,
+                    pid=cause.pid,
+                    exit_code=cause.exit_code,
+                    signal=cause.signal,
+                    traceback=cause.traceback[-8000:],
+                    stderr_tail=cause.stderr_tail[-4000:],
+                    exited_at=cause.exited_at,
+                    last_step=cause.last_step,
+                )
             )
             del job.failures[:-MAX_FAILURES]
             job.health.event(
@@ -400,7 +402,7 @@ class Executor:
         )
         job.recovery = None
         if decision.cause:
-            detected = job.state_entered_at
+            detected = job.state_entered_at_unix
             kind = {"agent_restart": "agent_restarted"}.get(decision.cause, decision.cause)
             fault = next(
                 (
@@ -508,21 +510,21 @@ class Executor:
         elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
             self.begin(job, decision.operation, now, persist=True)
 
-    def cordon(self, node: str, reason: str, by: str, drain: bool, **extra) -> dict:
-        """Keep new generations off ``node`` (in etcd first, then here); ``extra`` is
-        kept in the record (the pid of an agent that drains its own node)."""
-        record = {"reason": reason, "by": by, "drain": drain, "at": time.time(), **extra}
+    def cordon(self, node: str, reason: str, by: str, drain: bool, pid: int = 0) -> CordonRecord:
+        """Keep new generations off ``node`` (in etcd first, then here); ``pid``: the
+        agent that drains its own node."""
+        record = CordonRecord(reason=reason, by=by, drain=drain, at_unix=time.time(), pid=pid)
         self.store.cordon(node, record)
         self.state.cordons[node] = record
         log.info("node cordoned", node=node, reason=reason, by=by, drain=drain)
         self.state.wake.set()
         return record
 
-    def uncordon(self, node: str, why: str) -> dict:
+    def uncordon(self, node: str, why: str) -> CordonRecord:
         """Let new generations go to ``node`` again (in etcd first); the cordon it had."""
         self.store.uncordon(node)
         was = self.state.cordons.pop(node)
-        log.info("node uncordoned", node=node, was=was["reason"], why=why)
+        log.info("node uncordoned", node=node, was=was.reason, why=why)
         self.state.wake.set()
         return was
 
@@ -588,13 +590,13 @@ class Executor:
         checkpoint = job.last_checkpoint
         if (
             checkpoint
-            and checkpoint["step"] > request["after_step"]
-            and checkpoint["generation"] == request["generation"]
+            and checkpoint.step > request.after_step
+            and checkpoint.generation == request.generation
         ):
             self.store.delete_checkpoint_request(job.name)
             job.checkpoint_request, job.checkpoint_request_sent = None, False
         elif not job.checkpoint_request_sent:
-            self.request_checkpoint(job, request["reason"], request["after_step"])
+            self.request_checkpoint(job, request.reason, request.after_step)
             job.checkpoint_request_sent = True
 
     def _drop_intents(self, job: JobRuntime) -> None:
@@ -640,7 +642,7 @@ class Executor:
                             checkpoint_recorded=keel_pb2.CheckpointRecorded(
                                 job=job.name,
                                 generation=job.generation,
-                                step=job.last_checkpoint["step"],
+                                step=job.last_checkpoint.step,
                             )
                         )
                     )
@@ -679,7 +681,7 @@ class Executor:
             if unsaved:
                 # Hang stacks are bounded as they arrive (JobHealth.add_stacks).
                 self.store.put_events(
-                    job.name, [(seq, json_format.MessageToDict(event)) for seq, event in unsaved]
+                    job.name, [(seq, EventRecord(event=event)) for seq, event in unsaved]
                 )
                 for seq, event in unsaved:
                     if health.unsaved.get(seq) is event:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import statistics
 
+from common.records import GoodputRecord
 from orchestrator.policy.lifecycle import JobState
 
 BUCKETS = (
@@ -270,29 +271,29 @@ class Goodput:
         self.last_step = step
 
     # ------------------------------------------------------------------ storage
-    def record(self) -> dict:
+    def record(self) -> GoodputRecord:
         """What etcd keeps (with the job's state, at each transition)."""
-        return {
-            "start": self.start,
-            "cursor": self.cursor,
-            "seconds": dict(self.seconds),
-            "phase": self.phase,
-            "ran": self.ran,
-            "ended": self.ended,
-            "at_risk": [list(e) for e in self.at_risk],
-            "generation": self.generation,
-            "world_size": self.world_size,
-            "last_step": self.last_step,
-        }
+        return GoodputRecord(
+            start_unix=self.start,
+            cursor_unix=self.cursor,
+            seconds=dict(self.seconds),
+            phase=self.phase,
+            ran=self.ran,
+            ended=self.ended,
+            at_risk=[tuple(e) for e in self.at_risk],
+            generation=self.generation,
+            world_size=self.world_size,
+            last_step=self.last_step,
+        )
 
     @classmethod
-    def from_record(cls, record: dict, straggler_slowdown: float) -> Goodput:
-        goodput = cls(record["start"], straggler_slowdown)
-        goodput.cursor = record["cursor"]
-        goodput.seconds.update({k: v for k, v in record["seconds"].items() if k in BUCKETS})
-        goodput.phase, goodput.ran = record["phase"], record["ran"]
-        goodput.ended = record["ended"]
-        goodput.at_risk = [list(e) for e in record["at_risk"]]
-        goodput.generation, goodput.world_size = record["generation"], record["world_size"]
-        goodput.last_step = record["last_step"]
+    def from_record(cls, record: GoodputRecord, straggler_slowdown: float) -> Goodput:
+        goodput = cls(record.start_unix, straggler_slowdown)
+        goodput.cursor = record.cursor_unix
+        goodput.seconds.update({k: v for k, v in record.seconds.items() if k in BUCKETS})
+        goodput.phase, goodput.ran = record.phase, record.ran
+        goodput.ended = record.ended
+        goodput.at_risk = [list(e) for e in record.at_risk]
+        goodput.generation, goodput.world_size = record.generation, record.world_size
+        goodput.last_step = record.last_step
         return goodput

@@ -8,6 +8,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from common.records import CheckpointRecord, CheckpointRequestRecord, JobStateRecord
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.policy.job import RankExit
@@ -60,13 +61,14 @@ class JobRuntime:
     generation: int = 0
     restarts: int = 0
     reason: str = ""
-    failures: list[dict] = field(default_factory=list)
+    failures: list[keel_pb2.Failure] = field(default_factory=list)
     placement: list[NodeRanks] = field(default_factory=list)
     world_size: int = 0  # of the current generation (the spec's until one starts)
     mesh: str = ""  # layout of the current generation
     rendezvous: tuple[str, int] | None = None
     deadlines: keel_pb2.Deadlines | None = None  # of the current generation, once placed
-    restore_from: dict | None = None
+    restore_from: str = ""  # the checkpoint path the generation restores ("": none)
+    restore_step: int | None = None  # its step, if its record is known
     restore_fallbacks: list[str] = field(default_factory=list)  # paths, newest first
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)
@@ -85,12 +87,12 @@ class JobRuntime:
     step_times: collections.deque = field(  # the latest reported step times, seconds
         default_factory=lambda: collections.deque(maxlen=64)
     )
-    last_checkpoint: dict | None = None
+    last_checkpoint: CheckpointRecord | None = None
     last_wait_reason: str = ""  # logged last (executor.apply), and when:
     last_wait_logged: float = 0.0
     health: JobHealth | None = None
     initial_loss_stored: bool = False
-    unrecorded: list[dict] = field(default_factory=list)  # commits not yet recorded in etcd
+    unrecorded: list[CheckpointRecord] = field(default_factory=list)  # not yet in etcd
     # Checkpoints ranks would not use (refused stale commits, failed verifications),
     # for the reconcile loop to record.
     checkpoint_problems: list = field(default_factory=list)
@@ -100,9 +102,9 @@ class JobRuntime:
     # The checkpoint-then-stop under way (persisted when it cannot be derived again from
     # the cordons and the stop request: a replacement, an exclusion).
     operation: Operation | None = None
-    # An operator's checkpoint request ({"generation", "after_step", "reason"}, persisted)
-    # and whether this leader has passed it on to the agents.
-    checkpoint_request: dict | None = None
+    # An operator's checkpoint request (persisted) and whether this leader has passed
+    # it on to the agents.
+    checkpoint_request: CheckpointRequestRecord | None = None
     checkpoint_request_sent: bool = False
     # The pid of the agent incarnation each node's ranks are planned for (persisted in
     # the plan): only that one may still be given their start.
@@ -113,19 +115,19 @@ class JobRuntime:
     # Its checkpoint records in etcd were pruned since it was read from there.
     records_pruned: bool = False
     # When it ended (wall clock, persisted): finished jobs are deleted a retention after.
-    ended_at: float | None = None
+    ended_at_unix: float | None = None
     # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
     retry_at: float = 0.0
     retry_backoff_s: float = 0.0
     # Accounting, persisted with the state at each transition (docs/metrics.md): where
     # the wall time went, generations ended by cause, checkpoints ranks would not use
     # by kind, and seconds spent in each state before the current one (entered at
-    # ``state_entered_at``, wall clock).
+    # ``state_entered_at_unix``, wall clock).
     goodput: Goodput | None = None
     restarts_by_cause: dict[str, int] = field(default_factory=dict)
     checkpoint_problem_counts: dict[str, int] = field(default_factory=dict)
     state_seconds: dict[str, float] = field(default_factory=dict)
-    state_entered_at: float = field(default_factory=time.time)
+    state_entered_at_unix: float = field(default_factory=time.time)
     # The latest generation change under way, for the recovery histograms: when its
     # fault happened, was detected, the old generation stopped and the new one started
     # (wall clock), and its cause. None when no recovery is under way.
@@ -228,24 +230,24 @@ class JobRuntime:
         """How many ranks of the current placement run on ``node``."""
         return sum(len(p.ranks) for p in self.placement if p.node == node)
 
-    def record(self) -> dict:
+    def record(self) -> JobStateRecord:
         """The job state as stored in etcd."""
-        return {
-            "state": self.state.value,
-            "generation": self.generation,
-            "restarts": self.restarts,
-            "reason": self.reason,
-            "failures": self.failures,
-            "initial_loss": self.initial_loss if self.has_loss else None,
-            "stop_requested": self.stop_requested,
-            "stop_now": self.stop_now,
-            "planned_stop": self.planned_stop,
-            "ended_at": self.ended_at,
-            "goodput": self.goodput.record(),
-            "restarts_by_cause": self.restarts_by_cause,
-            "checkpoint_problems": self.checkpoint_problem_counts,
-            "state_seconds": self.state_seconds,
-            "state_entered_at": self.state_entered_at,
-            "tokens": self.tokens,
-            "step": self.step,
-        }
+        return JobStateRecord(
+            state=self.state,
+            generation=self.generation,
+            restarts=self.restarts,
+            reason=self.reason,
+            failures=list(self.failures),
+            initial_loss=self.initial_loss if self.has_loss else None,
+            stop_requested=self.stop_requested,
+            stop_now=self.stop_now,
+            planned_stop=self.planned_stop,
+            ended_at_unix=self.ended_at_unix,
+            goodput=self.goodput.record(),
+            restarts_by_cause=dict(self.restarts_by_cause),
+            checkpoint_problems=dict(self.checkpoint_problem_counts),
+            state_seconds=dict(self.state_seconds),
+            state_entered_at_unix=self.state_entered_at_unix,
+            tokens=self.tokens,
+            step=self.step,
+        )

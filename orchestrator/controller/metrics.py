@@ -200,7 +200,7 @@ def exported(state: ControllerState, wall: float) -> list[JobRuntime]:
     return [
         job
         for _, job in sorted(state.jobs.items())
-        if not job.state.terminal or job.ended_at is None or wall - job.ended_at < grace
+        if not job.state.terminal or job.ended_at_unix is None or wall - job.ended_at_unix < grace
     ]
 
 
@@ -264,7 +264,7 @@ class JobCollector(Collector):
             states.add_metric([name, state.value], 1 if job.state is state else 0)
             seconds = job.state_seconds.get(state.value, 0.0)
             if job.state is state and not state.terminal:
-                seconds += max(0.0, wall - job.state_entered_at)
+                seconds += max(0.0, wall - job.state_entered_at_unix)
             in_state.add_metric([name, state.value], seconds)
         f.gauge("keel_job_step", "Highest step rank 0 reported", ["job_name"]).add_metric(
             labels, job.step
@@ -356,13 +356,13 @@ class JobCollector(Collector):
         if last:
             f.gauge(
                 "keel_checkpoint_last_step", "Step of the newest committed checkpoint", ["job_name"]
-            ).add_metric(labels, last["step"])
-            if last.get("recorded_at"):
+            ).add_metric(labels, last.step)
+            if last.recorded_at_unix:
                 f.gauge(
                     "keel_checkpoint_last_timestamp_seconds",
                     "When it was recorded, unix seconds",
                     ["job_name"],
-                ).add_metric(labels, last["recorded_at"])
+                ).add_metric(labels, last.recorded_at_unix)
                 f.gauge(
                     "keel_checkpoint_age_seconds", "Seconds since then", ["job_name"]
                 ).add_metric(labels, max(0.0, wall - last["recorded_at"]))

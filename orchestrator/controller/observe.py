@@ -98,13 +98,13 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         if hang is not None and job.state is JobState.RUNNING
         else ""
     )
-    checkpoint = job.last_checkpoint or {}
+    checkpoint = job.last_checkpoint
     ready = (
         operations.ready(
             now,
             job.operation,
-            checkpoint.get("step"),
-            checkpoint.get("generation", 0),
+            checkpoint.step if checkpoint else None,
+            checkpoint.generation if checkpoint else 0,
             job.generation,
         )
         if job.state is JobState.RUNNING
@@ -148,7 +148,9 @@ def spec(state: ControllerState, job: JobRuntime) -> Spec:
 
 def draining(state: ControllerState, job: JobRuntime) -> tuple[str, ...]:
     """The job's nodes that an operator is draining, sorted."""
-    return tuple(sorted(n for n in job.nodes if state.cordons.get(n, {}).get("drain")))
+    return tuple(
+        sorted(n for n in job.nodes if (c := state.cordons.get(n)) is not None and c.drain)
+    )
 
 
 def node_runs(session: AgentSession) -> convergence.NodeRuns | None:

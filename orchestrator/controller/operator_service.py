@@ -13,8 +13,8 @@ import time
 
 import grpc
 import structlog
-from google.protobuf import json_format
 
+from common.records import CheckpointRequestRecord, JobSpecRecord
 from orchestrator.controller import observe
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_health import JobHealth
@@ -82,9 +82,7 @@ class OperatorService:
                 health=JobHealth(spec.name, resolve_health(spec.health)),
             )
             try:
-                revision = self.store.create_job(
-                    spec.name, json_format.MessageToDict(spec), job.record()
-                )
+                revision = self.store.create_job(spec.name, JobSpecRecord(spec=spec), job.record())
             except Exception as exc:
                 self._unrecorded(exc, context)
             if not revision:
@@ -140,14 +138,10 @@ class OperatorService:
             ck = job.last_checkpoint
             status.last_checkpoint.CopyFrom(
                 keel_pb2.CommittedCheckpoint(
-                    step=ck["step"],
-                    path=ck["path"],
-                    generation=ck["generation"],
-                    samples=ck["samples"],
+                    step=ck.step, path=ck.path, generation=ck.generation, samples=ck.samples
                 )
             )
-        for failure in job.failures:
-            status.failures.append(json_format.ParseDict(failure, keel_pb2.Failure()))
+        status.failures.extend(job.failures)
         status.events.extend(job.health.events)
         status.preflight.extend(job.health.preflight_status())
         goodput = job.goodput
@@ -159,7 +153,7 @@ class OperatorService:
                 at_risk_s=goodput.at_risk_s,
             )
         )
-        status.submitted_at, status.ended_at = goodput.start, job.ended_at or 0.0
+        status.submitted_at, status.ended_at = goodput.start, job.ended_at_unix or 0.0
         return status
 
     def ListNodes(self, request, context):
@@ -183,22 +177,22 @@ class OperatorService:
     # ------------------------------------------------------------------ helpers
     def _node_info(self, name: str) -> keel_pb2.NodeInfo:
         session = self.state.sessions.get(name)
-        record = self.state.registered.get(name, {})
+        record = self.state.registered.get(name)
         cordon = self.state.cordons.get(name)
         job = self.state.job_on(name)
         return keel_pb2.NodeInfo(
             node=name,
-            host=record.get("host", session.host if session else ""),
-            slots=record.get("slots", session.slots if session else 0),
+            host=record.host if record else session.host if session else "",
+            slots=record.slots if record else session.slots if session else 0,
             connected=bool(session and session.connected),
-            lease_id=record.get("lease_id", 0),
+            lease_id=record.lease_id if record else 0,
             state=self.state.node_state(name),
             cordon_reason=(
                 ""
                 if cordon is None
-                else cordon["reason"]
-                if cordon["by"] == "operator"
-                else f"{cordon['reason']} (by the {cordon['by']})"
+                else cordon.reason
+                if cordon.by == "operator"
+                else f"{cordon.reason} (by the {cordon.by})"
             ),
             job=job.name if job is not None else "",
         )
@@ -260,7 +254,7 @@ class OperatorService:
                 )
             job = self.state.job_on(request.node)
             message = (
-                f"{request.node} was already {'draining' if existing['drain'] else 'cordoned'}"
+                f"{request.node} was already {'draining' if existing.drain else 'cordoned'}"
                 if existing
                 else f"{request.node} cordoned: no new generation goes there"
             )
@@ -390,11 +384,9 @@ class OperatorService:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"job {job.name} is {job.state.value}; only a running job can checkpoint",
                 )
-            request_ = {
-                "generation": job.generation,
-                "after_step": job.step,
-                "reason": "requested by the operator",
-            }
+            request_ = CheckpointRequestRecord(
+                generation=job.generation, after_step=job.step, reason="requested by the operator"
+            )
             try:
                 self.store.put_checkpoint_request(job.name, request_)
             except Exception as exc:

@@ -4,114 +4,86 @@ events, and the operator intents under way). The agents' replays tell it the res
 
 from __future__ import annotations
 
-import time
-
 import structlog
-from google.protobuf import json_format
 
+from common.records import RecordError, newest_good
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.plans import adopt_plan
 from orchestrator.controller.store import Store
-from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
 from orchestrator.spec.health import resolve as resolve_health
-from protos import keel_pb2
 
 log = structlog.get_logger()
 
 
 def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
-    """Every job in etcd. A job whose records this version cannot read is left out,
-    loudly, rather than keep every controller from leading; etcd errors propagate
-    (the campaign retries)."""
+    """Every job in etcd. A job whose spec, state or plan does not parse is left out,
+    loudly (``store.set_aside``), and left in etcd as it is, rather than keep every
+    controller from leading; etcd errors propagate (the campaign retries)."""
     jobs = {}
     for name in store.job_names():
         try:
             job = load_job(store, name, now)
-        except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
-            log.error(
-                "cannot read the job's records in etcd; not managing it",
-                job=name,
-                error=f"{type(exc).__name__}: {exc}",
-            )
+        except RecordError as error:
+            store.set_aside(error)
+            log.error("cannot read the job's records in etcd; not managing it", job=name)
             continue
         if job is not None:
             jobs[name] = job
     return jobs
 
 
-def newest_good(records: list[dict]) -> dict | None:
-    """The newest checkpoint record that is not quarantined, or None."""
-    return next((r for r in reversed(records) if not r.get("quarantined")), None)
-
-
 def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     """Job ``name`` as etcd has it (None if its spec or state is missing); ``now`` is
     when it entered its state, as far as this controller knows."""
-    spec_dict = store.job_spec(name)
-    state = store.job_state(name)
-    if spec_dict is None or state.value is None:
+    spec_record = store.job_spec(name)
+    read = store.job_state(name)
+    if spec_record is None or read.value is None:
         return None
-    spec = json_format.ParseDict(spec_dict, keel_pb2.JobSpec())
+    spec, state = spec_record.spec, read.value
     job = JobRuntime(
         spec=spec,
-        state=JobState(state.value["state"]),
+        state=state.state,
         health=JobHealth(name, resolve_health(spec.health)),
-        state_rev=state.mod_revision,
+        state_rev=read.mod_revision,
         state_since=now,
-        generation=state.value["generation"],
-        restarts=state.value["restarts"],
-        reason=state.value.get("reason", ""),
-        failures=state.value.get("failures", []),
-        stop_requested=state.value.get("stop_requested", ""),
-        stop_now=state.value.get("stop_now", False),
-        planned_stop=state.value.get("planned_stop", False),
-        ended_at=state.value.get("ended_at"),
-        restarts_by_cause=state.value.get("restarts_by_cause", {}),
-        checkpoint_problem_counts=state.value.get("checkpoint_problems", {}),
-        state_seconds=state.value.get("state_seconds", {}),
-        state_entered_at=state.value.get("state_entered_at", time.time()),
-        tokens=state.value.get("tokens", 0),
+        generation=state.generation,
+        restarts=state.restarts,
+        reason=state.reason,
+        failures=list(state.failures),
+        stop_requested=state.stop_requested,
+        stop_now=state.stop_now,
+        planned_stop=state.planned_stop,
+        ended_at_unix=state.ended_at_unix,
+        restarts_by_cause=dict(state.restarts_by_cause),
+        checkpoint_problem_counts=dict(state.checkpoint_problems),
+        state_seconds=dict(state.state_seconds),
+        state_entered_at_unix=state.state_entered_at_unix,
+        tokens=state.tokens,
     )
-    if state.value.get("goodput"):
-        job.goodput = Goodput.from_record(
-            state.value["goodput"], job.health.spec.straggler_slowdown
-        )
+    job.goodput = Goodput.from_record(state.goodput, job.health.spec.straggler_slowdown)
     records = store.checkpoints(name)
     plan = store.plan(name, job.generation) if job.generation else None
     if plan:
         adopt_plan(job, plan, records)
-    if job.state.terminal and job.ended_at is None:
-        # Ended under a version that did not record when: about when its last
-        # generation started, else now.
-        job.ended_at = plan["created_at"] if plan else time.time()
     job.last_checkpoint = newest_good(records)
     # The step as of the last transition, or the newest checkpoint's if later: what a
     # new leader exports until the agents' replays tell it the step they are at.
-    job.step = max(
-        state.value.get("step", 0), job.last_checkpoint["step"] if job.last_checkpoint else 0
-    )
-    if state.value.get("initial_loss") is not None:
-        job.initial_loss = job.loss = state.value["initial_loss"]
+    job.step = max(state.step, job.last_checkpoint.step if job.last_checkpoint else 0)
+    if state.initial_loss is not None:
+        job.initial_loss = job.loss = state.initial_loss
         job.has_loss = job.initial_loss_stored = True
     job.health.new_generation(job.generation, job.rank_nodes)
-    job.health.restore(
-        [
-            json_format.ParseDict(e, keel_pb2.Event(), ignore_unknown_fields=True)
-            for e in store.events(name)
-        ]
-    )
+    job.health.restore([record.event for record in store.events(name)])
     if not job.state.terminal:
         # Intents of an earlier generation no longer apply; the reconcile loop deletes them.
         operation = store.operation(name)
-        if operation is not None:
-            restored = Operation.from_record(operation)
-            if restored.generation == job.generation:
-                job.operation = restored
+        if operation is not None and operation.generation == job.generation:
+            job.operation = Operation.from_record(operation)
         request = store.checkpoint_request(name)
-        if request is not None and request["generation"] == job.generation:
+        if request is not None and request.generation == job.generation:
             job.checkpoint_request = request
     return job
 

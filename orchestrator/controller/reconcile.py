@@ -184,7 +184,9 @@ class Reconciler:
                     self._guarded(self.executor.records.prune, job)
                 if job.state in (JobState.PENDING, JobState.STOPPING):
                     job.goodput.commit_open(wall)
-                if past_retention(job.state, job.ended_at, wall, state.config.finished_job_ttl_s):
+                if past_retention(
+                    job.state, job.ended_at_unix, wall, state.config.finished_job_ttl_s
+                ):
                     self._forget(job)
                 self._spend(f"job {job.name}", began)
             began = time.monotonic()

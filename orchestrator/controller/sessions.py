@@ -31,6 +31,7 @@ import structlog
 
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.records import CheckpointRecord, NodeRecord
 from common.steps import summarize
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
@@ -141,12 +142,9 @@ class AgentService:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this controller serves at most {MAX_AGENTS} agents",
                 )
-        record = {
-            "host": hello.host,
-            "slots": hello.slots,
-            "pid": hello.pid,
-            "lease_id": hello.lease_id,
-        }
+        record = NodeRecord(
+            host=hello.host, slots=hello.slots, pid=hello.pid, lease_id=hello.lease_id
+        )
         with state.lock:
             # An agent reconnecting on the lease its record is on (after a failover, say):
             # the record is alive (it goes with its lease, and the watch says so), and
@@ -580,18 +578,18 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:
     """Queue a commit for the reconcile loop, which records it in etcd (an agent's
     message handler makes no etcd call); False if it is a replay already known."""
-    if job.last_checkpoint and job.last_checkpoint["step"] >= saved.step:
+    if job.last_checkpoint and job.last_checkpoint.step >= saved.step:
         return False  # a replay after a reconnect
-    if any(r["step"] == saved.step for r in job.unrecorded):
+    if any(r.step == saved.step for r in job.unrecorded):
         return False  # a replay of one already queued
     job.unrecorded.append(
-        {
-            "step": saved.step,
-            "path": saved.path,
-            "generation": saved.generation,
-            "samples": saved.samples,
-            "recorded_at": time.time(),
-        }
+        CheckpointRecord(
+            step=saved.step,
+            path=saved.path,
+            generation=saved.generation,
+            samples=saved.samples,
+            recorded_at_unix=time.time(),
+        )
     )
     return True
 

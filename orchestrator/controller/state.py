@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import queue
 import threading
 import uuid
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from etcd3 import events
 
 from common import keys
+from common.records import CordonRecord, NodeRecord, RecordError
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.store import Store
@@ -218,7 +218,7 @@ class ControllerState:
         self.nodes_touched()
 
     @property
-    def registered(self) -> dict[str, dict]:
+    def registered(self) -> dict[str, NodeRecord]:
         return self._registered
 
     @registered.setter
@@ -227,7 +227,7 @@ class ControllerState:
         self.nodes_touched()
 
     @property
-    def cordons(self) -> dict[str, dict]:
+    def cordons(self) -> dict[str, CordonRecord]:
         return self._cordons
 
     @cordons.setter
@@ -262,7 +262,7 @@ class ControllerState:
         cordon = self.cordons.get(node)
         if cordon is None:
             return "ready"
-        if cordon["drain"]:
+        if cordon.drain:
             return "draining" if self.job_on(node) is not None else "drained"
         return "cordoned"
 
@@ -307,7 +307,11 @@ class ControllerState:
     # ---------------------------------------------------------- the node records
     def nodes_read(self, kvs: list, _cluster: int) -> None:
         """The node records, read whole (the watch started or started again)."""
-        found = {keys.last_part(kv.key.decode()): json.loads(kv.value) for kv in kvs}
+        found = {}
+        for kv in kvs:
+            record = self._node_record(kv.key.decode(), kv.value)
+            if record is not None:
+                found[keys.last_part(kv.key.decode())] = record
         with self.lock:
             self.unsettled.update(set(self.registered) ^ set(found))
             self.registered = found
@@ -317,11 +321,23 @@ class ControllerState:
         with self.lock:
             for event in changes:
                 node = keys.last_part(event.key.decode())
-                if isinstance(event, events.DeleteEvent):
+                record = None
+                if not isinstance(event, events.DeleteEvent):
+                    record = self._node_record(event.key.decode(), event.value)
+                if record is None:
                     self.registered.pop(node, None)
                 else:
-                    self.registered[node] = json.loads(event.value)
+                    self.registered[node] = record
                 self.unsettled.add(node)
+
+    def _node_record(self, key: str, raw: bytes) -> NodeRecord | None:
+        """A node record from the watch; one that does not parse is set aside (the node
+        counts as unregistered until its agent registers it again)."""
+        try:
+            return NodeRecord.from_json(key, raw)
+        except RecordError as error:
+            self.store.set_aside(error)
+            return None
 
     def send(self, node: str, message: keel_pb2.ControllerMessage) -> bool:
         """Queue ``message`` for ``node``'s agent if its stream is up; whether it was."""

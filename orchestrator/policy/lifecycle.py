@@ -1,28 +1,9 @@
-"""The job lifecycle: states and the only transitions allowed between them."""
+"""The job lifecycle: the only transitions allowed between its states (``JobState``,
+stored with the job in ``common.records``)."""
 
 from __future__ import annotations
 
-import enum
-
-
-class JobState(str, enum.Enum):
-    PENDING = "PENDING"  # waiting for enough free slots for the next generation
-    STARTING = "STARTING"  # nodes chosen, waiting for the rendezvous endpoint
-    RUNNING = "RUNNING"  # plan written to etcd, ranks started
-    STOPPING = "STOPPING"  # a generation is being torn down after a failure
-    SUCCEEDED = "SUCCEEDED"  # every rank of a generation exited 0
-    FAILED = "FAILED"  # restarts exhausted or the spec cannot be run
-    CANCELLED = "CANCELLED"  # stopped by an operator
-
-    @property
-    def holds_nodes(self) -> bool:
-        """A generation is placed on nodes: being started, running, or being stopped."""
-        return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
-
+from common.records import JobState
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED}),

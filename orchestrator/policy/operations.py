@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from common.records import CordonRecord, OperationRecord
+
 # An operation waits this long for its checkpoint before going ahead from the last
 # committed one.
 CHECKPOINT_WAIT_S = 60.0
@@ -43,28 +45,28 @@ class Operation:
     def begin(self, step: int, now: float) -> Operation:
         return replace(self, after_step=step, requested_at=now)
 
-    def record(self) -> dict:
+    def record(self) -> OperationRecord:
         """What etcd keeps of it: the intent, not this leader's progress on it."""
-        return {
-            "node": self.node,
-            "reason": self.reason,
-            "policy": self.policy,
-            "generation": self.generation,
-            "with_node": self.with_node,
-            "checkpoint": self.checkpoint,
-            "origin": self.origin,
-        }
+        return OperationRecord(
+            node=self.node,
+            reason=self.reason,
+            policy=self.policy,
+            generation=self.generation,
+            with_node=self.with_node,
+            checkpoint=self.checkpoint,
+            origin=self.origin,
+        )
 
     @classmethod
-    def from_record(cls, record: dict) -> Operation:
+    def from_record(cls, record: OperationRecord) -> Operation:
         return cls(
-            node=record["node"],
-            reason=record["reason"],
-            policy=record["policy"],
-            generation=record["generation"],
-            with_node=record.get("with_node", ""),
-            checkpoint=record.get("checkpoint", True),
-            origin=record.get("origin", "operator"),
+            node=record.node,
+            reason=record.reason,
+            policy=record.policy,
+            generation=record.generation,
+            with_node=record.with_node,
+            checkpoint=record.checkpoint,
+            origin=record.origin,
         )
 
 
@@ -72,7 +74,7 @@ class Operation:
 BY_AGENT = "agent"
 
 
-def agent_cordon(leaving: str, pid: int, cordon: dict | None) -> tuple[str, str] | None:
+def agent_cordon(leaving: str, pid: int, cordon: CordonRecord | None) -> tuple[str, str] | None:
     """What a node's agent (process ``pid``) asks of the node's ``cordon`` (as stored,
     or None): ``("drain", reason)`` when it is leaving (``leaving``: why) and the node is
     not cordoned yet, as `keel drain` would; ``("lift", reason)`` when another agent
@@ -80,7 +82,7 @@ def agent_cordon(leaving: str, pid: int, cordon: dict | None) -> tuple[str, str]
     else None. An operator's cordon is never lifted here."""
     if leaving:
         return ("drain", f"drained by its agent: {leaving}") if cordon is None else None
-    if cordon is not None and cordon.get("by") == BY_AGENT and cordon.get("pid") != pid:
+    if cordon is not None and cordon.by == BY_AGENT and cordon.pid != pid:
         return "lift", f"a new agent (pid {pid}) runs on the node its predecessor drained"
     return None
 

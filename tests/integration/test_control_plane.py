@@ -124,8 +124,8 @@ def test_agents_register_and_a_killed_agents_record_expires_with_its_lease(clust
     nodes = wait_for(
         lambda: (n := cluster.store.nodes()) and len(n) == 2 and n, 30, what="both nodes registered"
     )
-    assert nodes["node-a"]["slots"] == 2 and nodes["node-a"]["host"] == "127.0.0.1"
-    assert cluster.store.lease_alive(nodes["node-a"]["lease_id"])
+    assert nodes["node-a"].slots == 2 and nodes["node-a"].host == "127.0.0.1"
+    assert cluster.store.lease_alive(nodes["node-a"].lease_id)
 
     a.send_signal(signal.SIGKILL)
     a.wait()

@@ -70,11 +70,12 @@ def test_a_controller_that_stepped_down_leads_again_while_its_key_is_still_there
     # the key is still A's, so A takes it again rather than waiting for it to lapse,
     # and its term is unchanged.
     assert store.campaign("ctl-a", "127.0.0.1:1", mine.id) == term
-    assert store.leader() == {"address": "127.0.0.1:1", "id": "ctl-a", "term": term}
+    leader = store.leader()
+    assert (leader.address, leader.id, leader.term) == ("127.0.0.1:1", "ctl-a", term)
     # Once A's lease is gone, the key goes with it: B leads with a larger term, and A
     # may not take it back.
     mine.revoke()
     later = store.campaign("ctl-b", "127.0.0.1:2", theirs.id)
     assert later > term
     assert store.campaign("ctl-a", "127.0.0.1:1", mine.id) is None
-    assert store.leader()["id"] == "ctl-b"
+    assert store.leader().id == "ctl-b"

@@ -298,14 +298,14 @@ def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, e
 
     def ended():
         value = cluster.store.job_state("ambiguous").value
-        return value if value and value["state"] in ("SUCCEEDED", "FAILED") else None
+        return value if value and value.state.terminal else None
 
     final = wait_for(ended, 240, 0.2, what="the job to end")
     log = (cluster.path / "controller.log").read_text()
     for state in ("STARTING", "RUNNING"):
         assert f"lost the reply to the write of ambiguous {state}" in log
     assert log.count("job rebuilt from etcd") >= 2
-    assert (final["state"], final["generation"], final["restarts"]) == ("SUCCEEDED", 1, 0), final
+    assert (final.state, final.generation, final.restarts) == ("SUCCEEDED", 1, 0), final
     assert audit_checkpoint(checkpoints / "step_00000030") == {
         "expected": 120,
         "consumed": 120,
@@ -455,26 +455,29 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     assert keel("submit", str(spec), *common).returncode == 0
 
     def job():
-        return cluster.store.job_state("drained").value or {}
+        return cluster.store.job_state("drained").value
 
-    wait_for(lambda: job().get("state") == "RUNNING", 120, 0.2, what="the job running")
+    def state():
+        return job() and job().state
+
+    wait_for(lambda: state() == "RUNNING", 120, 0.2, what="the job running")
     # No free node: the drain checkpoints, stops the generation, and the job waits.
     drained = keel("drain", "node-a", *common)
     assert drained.returncode == 0, drained.stderr
     wait_for(
-        lambda: job().get("state") == "PENDING",
+        lambda: state() == "PENDING",
         120,
         0.2,
         what="the drained generation stopped, the job waiting for a node",
     )
-    assert job()["planned_stop"] and job()["restarts"] == 0
+    assert job().planned_stop and job().restarts == 0
     cluster.controllers[0].kill()
     cluster.controllers[0].wait()
     wait_for(lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead")
     cluster.agent("node-c", slots="1")
-    wait_for(lambda: job().get("state") == "SUCCEEDED", 180, 0.5, what="the job to end")
+    wait_for(lambda: state() == "SUCCEEDED", 180, 0.5, what="the job to end")
     final = job()
-    assert (final["generation"], final["restarts"]) == (2, 0), final
+    assert (final.generation, final.restarts) == (2, 0), final
     events = keel("events", "drained", "--json", *common)
     assert events.returncode == 0, events.stderr
     replaced = [e for e in map(json.loads, events.stdout.splitlines()) if e["kind"] == "replaced"]
@@ -497,14 +500,16 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     its jobs, and no standby could win again. Now reads are paged, and the new leader
     trims what it loaded to the bounds; the job running beside it carries on."""
     from common import keys
+    from common.records import CheckpointRecord, EventRecord
+    from orchestrator.controller.checkpoint_records import RECORDS_KEPT
     from orchestrator.controller.job_health import MAX_EVENTS
-    from orchestrator.controller.records import RECORDS_KEPT
+    from protos import keel_pb2
 
     standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)
 
     def state_of(job):
         value = cluster.store.job_state(job).value
-        return value and value["state"]
+        return value and value.state
 
     history = cluster.path / "history.toml"
     history.write_text('name = "history"\nworld_size = 1\ncommand = ["true"]\n')
@@ -515,21 +520,19 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
         cluster.store.client,
         {
             **{
-                keys.event("history", seq): json.dumps(
-                    {"kind": "alert", "reason": f"event {seq} " + "x" * 1024, "seq": seq}
-                )
+                keys.event("history", seq): EventRecord(
+                    event=keel_pb2.Event(kind="alert", reason=f"event {seq} " + "x" * 1024, seq=seq)
+                ).to_json()
                 for seq in range(100, 10_100)
             },
             **{
-                keys.checkpoint("history", step): json.dumps(
-                    {
-                        "step": step,
-                        "path": str(checkpoints / f"step_{step:08d}"),
-                        "generation": 1,
-                        "samples": step * 4,
-                        "recorded_at": 0.0,
-                    }
-                )
+                keys.checkpoint("history", step): CheckpointRecord(
+                    step=step,
+                    path=str(checkpoints / f"step_{step:08d}"),
+                    generation=1,
+                    samples=step * 4,
+                    recorded_at_unix=0.0,
+                ).to_json()
                 for step in range(1, 10_001)
             },
         },
@@ -578,7 +581,7 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     stopped = keel("stop", "running", "--wait", "--timeout-s", "120", *common, timeout_s=180)
     assert stopped.returncode == 0, stopped.stderr
     final = cluster.store.job_state("running").value
-    assert (final["state"], final["generation"], final["restarts"]) == ("CANCELLED", 1, 0)
+    assert (final.state, final.generation, final.restarts) == ("CANCELLED", 1, 0)
     (last,) = committed_steps(checkpoints)
     expected = last * 4
     assert audit_checkpoint(checkpoints / f"step_{last:08d}") == {

@@ -5,12 +5,12 @@ was never reported and the watcher went on naming the old leader.)"""
 
 from __future__ import annotations
 
-import json
 import threading
 
 from common import keys
 from common.etcd import connect
 from common.leader import LeaderWatch
+from common.records import LeaderRecord
 from tests.conftest import wait_for
 
 
@@ -21,7 +21,7 @@ def test_a_leader_named_after_an_etcd_restart_is_seen(etcd):
     threading.excepthook = lambda args: crashed.append(args.exc_value)
     watch = LeaderWatch(client).start()
     try:
-        client.put(keys.LEADER, json.dumps({"address": "old:1", "id": "a"}))
+        client.put(keys.LEADER, LeaderRecord(address="old:1", id="a").to_json())
         wait_for(
             lambda: watch.current and watch.current.address == "old:1",
             30,
@@ -31,7 +31,7 @@ def test_a_leader_named_after_an_etcd_restart_is_seen(etcd):
 
         def name_new_leader() -> bool:  # the client may take a moment to retry etcd
             try:
-                client.put(keys.LEADER, json.dumps({"address": "new:2", "id": "b"}))
+                client.put(keys.LEADER, LeaderRecord(address="new:2", id="b").to_json())
             except Exception:
                 return False
             return True

@@ -80,7 +80,7 @@ def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: 
     assert "node-c cordoned" in cli("cordon", "node-c", "--reason", "bad fan").stdout
     assert nodes()["node-c"]["state"] == "cordoned"
     assert "3/3 nodes connected, 3 slots, 1 job(s), 1 cordoned" in cli("status").stdout
-    assert "bad fan" in cluster.store.cordons()["node-c"]["reason"]
+    assert "bad fan" in cluster.store.cordons()["node-c"].reason
     refused = cli("replace", "node-b", "--with", "node-c", ok=False)
     assert "node-c cannot take node-b's place: it is cordoned" in refused.stderr
     refused = cli("replace", "node-b", ok=False)

@@ -3,11 +3,11 @@ tables change (a session attached or detached, a node record put, deleted or rea
 whole, a cordon set or lifted, a job placed, started or ended) shows in the next
 reply, and a reply with nothing changed is the one already built."""
 
-import json
 from types import SimpleNamespace
 
 from etcd3 import events
 
+from common.records import CordonRecord, NodeRecord
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
@@ -46,17 +46,19 @@ def session(node: str) -> AgentSession:
     )
 
 
-def put(node: str, slots: int) -> events.PutEvent:
-    kv = SimpleNamespace(
-        key=f"/keel/nodes/{node}".encode(), value=json.dumps({"host": "h", "slots": slots}).encode()
-    )
+def node(slots: int) -> NodeRecord:
+    return NodeRecord(host="h", slots=slots, pid=1, lease_id=7)
+
+
+def put(name: str, slots: int) -> events.PutEvent:
+    kv = SimpleNamespace(key=f"/keel/nodes/{name}".encode(), value=node(slots).to_json().encode())
     return events.PutEvent(SimpleNamespace(kv=kv))
 
 
 def test_every_change_to_the_node_tables_shows_in_the_next_reply():
     state, operator = service()
     assert shown(operator) == {}
-    state.registered["a"] = {"host": "h", "slots": 8}
+    state.registered["a"] = node(8)
     assert shown(operator) == {"a": (False, "ready", "", 8, "")}
     a = session("a")
     state.attach(a)
@@ -69,10 +71,10 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
         [events.DeleteEvent(SimpleNamespace(kv=SimpleNamespace(key=b"/keel/nodes/b", value=b"")))]
     )
     assert "b" not in shown(operator)
-    state.nodes_read([SimpleNamespace(key=b"/keel/nodes/c", value=b'{"slots": 2}')], 0)
+    state.nodes_read([SimpleNamespace(key=b"/keel/nodes/c", value=node(2).to_json())], 0)
     # b's record is gone, a's too (a is still shown: its session, though down, is known)
     assert shown(operator) == {"a": (False, "ready", "", 8, ""), "c": (False, "ready", "", 2, "")}
-    state.cordons["c"] = {"drain": True, "reason": "disk", "by": "reconciler"}
+    state.cordons["c"] = CordonRecord(drain=True, reason="disk", by="reconciler", at_unix=0.0)
     assert shown(operator)["c"] == (False, "drained", "", 2, "disk (by the reconciler)")
     spec = keel_pb2.JobSpec(name="j", world_size=2, steps=10)
     job = JobRuntime(
@@ -97,9 +99,9 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
 def test_a_reply_with_nothing_changed_is_not_built_again():
     state, operator = service()
     for name in ("a", "b"):
-        state.registered[name] = {"slots": 8}
+        state.registered[name] = node(8)
         state.attach(session(name))
     first = operator.ListNodes(keel_pb2.ListNodesRequest(), context=None)
     assert operator.ListNodes(keel_pb2.ListNodesRequest(), context=None) is first
-    state.registered["b"] = {"slots": 4}
+    state.registered["b"] = node(4)
     assert operator.ListNodes(keel_pb2.ListNodesRequest(), context=None) is not first

@@ -7,6 +7,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from common.records import CordonRecord
 from orchestrator.controller import metrics, sessions
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_health import JobHealth
@@ -157,8 +158,8 @@ def test_a_controller_that_does_not_lead_exports_no_job():
 def test_an_ended_job_is_exported_for_the_grace_only():
     state, registry = controller(finished_job_metrics_s=60)
     old, recent = job("old"), job("recent")
-    old.state, old.ended_at = JobState.SUCCEEDED, time.time() - 61
-    recent.state, recent.ended_at = JobState.FAILED, time.time() - 5
+    old.state, old.ended_at_unix = JobState.SUCCEEDED, time.time() - 61
+    recent.state, recent.ended_at_unix = JobState.FAILED, time.time() - 5
     state.jobs.update(old=old, recent=recent)
     named = {dict(labels).get("job_name") for _, labels in series(registry)}
     assert named == {"recent", None}  # None: the node and agent series
@@ -175,7 +176,7 @@ def test_nodes_are_counted_by_state():
             node=name, host="h", slots=2, lease_id=1, pid=1, hello=keel_pb2.Hello(), term=1
         )
     state.sessions["e"].connected = False
-    state.cordons["d"] = {"drain": False, "reason": "r", "by": "operator"}
+    state.cordons["d"] = CordonRecord(drain=False, reason="r", by="operator", at_unix=0.0)
     nodes = {
         dict(labels)["state"]: value
         for family in registry.collect()

@@ -1,7 +1,8 @@
-"""The plan record: written from one JobRuntime, read back into another."""
+"""The plan record: written from one JobRuntime, stored, read back into another."""
 
 import pytest
 
+from common.records import CheckpointRecord, PlanRecord
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.plans import adopt_plan, plan_record
@@ -23,7 +24,12 @@ def job(state=JobState.PENDING) -> JobRuntime:
 
 
 def test_a_plan_read_back_gives_what_it_takes_to_start_the_generation_again():
-    records = [{"step": 10, "path": "/c/step_00000010"}, {"step": 20, "path": "/c/step_00000020"}]
+    records = [
+        CheckpointRecord(
+            step=step, path=f"/c/step_{step:08d}", generation=2, samples=0, recorded_at_unix=0.0
+        )
+        for step in (10, 20)
+    ]
     planned = dict(
         generation=3,
         placement=[NodeRanks("a", (0, 1)), NodeRanks("b", (2, 3))],
@@ -32,16 +38,19 @@ def test_a_plan_read_back_gives_what_it_takes_to_start_the_generation_again():
         rendezvous=("10.0.0.1", 29500),
         placed_agents={"a": 11, "b": 12},
         deadlines=keel_pb2.Deadlines(hang_floor_s=30.0, collective_timeout_s=60.0),
-        restore_from=records[1],
+        restore_from="/c/step_00000020",
         restore_fallbacks=["/c/step_00000010"],
     )
-    record = plan_record(job(), **planned)
-    assert record["command"] == ["python", "train.py"]
+    written = plan_record(job(), **planned)
+    assert written.command == ["python", "train.py"]
+    record = PlanRecord.from_json("/keel/jobs/j/generations/3", written.to_json())
+    assert record == written
     back = job(JobState.RUNNING)
     adopt_plan(back, record, records)
     for name, value in planned.items():
         if name != "generation":
             assert getattr(back, name) == value, name
+    assert back.restore_step == 20
 
 
 def test_a_plan_written_at_starting_has_no_rendezvous_yet():
@@ -54,13 +63,13 @@ def test_a_plan_written_at_starting_has_no_rendezvous_yet():
         rendezvous=None,
         placed_agents={"a": 5},
         deadlines=None,
-        restore_from=None,
+        restore_from="",
         restore_fallbacks=[],
     )
     back = job(JobState.STARTING)
-    adopt_plan(back, record, [])
+    adopt_plan(back, PlanRecord.from_json("plan", record.to_json()), [])
     assert back.rendezvous is None and back.placement == [NodeRanks("a", (0,))]
-    assert back.restore_from is None and back.deadlines is None
+    assert back.restore_from == "" and back.restore_step is None and back.deadlines is None
 
 
 def test_a_finished_jobs_plan_gives_its_layout_but_no_placement():
@@ -73,7 +82,7 @@ def test_a_finished_jobs_plan_gives_its_layout_but_no_placement():
         rendezvous=("h", 1),
         placed_agents={},
         deadlines=None,
-        restore_from=None,
+        restore_from="",
         restore_fallbacks=[],
     )
     back = job(JobState.SUCCEEDED)

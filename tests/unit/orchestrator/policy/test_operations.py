@@ -190,13 +190,14 @@ def test_an_operation_survives_etcd_as_an_intent_not_as_progress():
 
 
 def test_a_leaving_agent_drains_its_node_and_its_successor_takes_it_back():
+    from common.records import CordonRecord
     from orchestrator.policy.operations import agent_cordon
 
-    drained = {"by": "agent", "drain": True, "pid": 10, "reason": "drained by its agent"}
+    drained = CordonRecord(by="agent", drain=True, pid=10, reason="drained by its agent", at_unix=0)
     assert agent_cordon("SIGTERM", 10, None) == ("drain", "drained by its agent: SIGTERM")
     assert agent_cordon("SIGTERM", 10, drained) is None  # asked again: nothing new
     assert agent_cordon("", 10, drained) is None  # the same agent, back
     assert agent_cordon("", 11, drained)[0] == "lift"  # a new agent: the node is back
-    operator = {"by": "operator", "drain": True, "reason": "maintenance"}
+    operator = CordonRecord(by="operator", drain=True, reason="maintenance", at_unix=0)
     assert agent_cordon("", 11, operator) is None  # never an operator's
     assert agent_cordon("SIGTERM", 11, operator) is None  # already draining

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import structlog
 
+from common.records import newest_good
 from orchestrator.controller.job_runtime import JobRuntime
-from orchestrator.controller.rebuild import newest_good
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
 from protos import keel_pb2
@@ -38,21 +38,21 @@ class CheckpointRecords:
                 log.warning(
                     "could not record checkpoint; will retry",
                     job=job.name,
-                    step=record["step"],
+                    step=record.step,
                     error=str(exc),
                 )
                 continue
             job.unrecorded.remove(record)
-            job.goodput.settle(record["step"])
-            if job.last_checkpoint and job.last_checkpoint["step"] >= record["step"]:
+            job.goodput.settle(record.step)
+            if job.last_checkpoint and job.last_checkpoint.step >= record.step:
                 continue  # a late retry of an older one
             job.last_checkpoint = record
             log.info(
                 "checkpoint committed",
                 job=job.name,
-                generation=record["generation"],
-                step=record["step"],
-                path=record["path"],
+                generation=record.generation,
+                step=record.step,
+                path=record.path,
             )
             self.announce(job)
             self.prune(job)
@@ -67,7 +67,7 @@ class CheckpointRecords:
                 node,
                 keel_pb2.ControllerMessage(
                     checkpoint_recorded=keel_pb2.CheckpointRecorded(
-                        job=job.name, generation=job.generation, step=job.last_checkpoint["step"]
+                        job=job.name, generation=job.generation, step=job.last_checkpoint.step
                     )
                 ),
             )
@@ -76,11 +76,9 @@ class CheckpointRecords:
         """Keep the newest RECORDS_KEPT records, the restore point in use and its
         fallbacks."""
         records = self.store.checkpoints(job.name)
-        keep = {r["step"] for r in records[-RECORDS_KEPT:]}
-        needed = set(job.restore_fallbacks) | (
-            {job.restore_from["path"]} if job.restore_from else set()
-        )
-        doomed = [r["step"] for r in records if r["step"] not in keep and r["path"] not in needed]
+        keep = {r.step for r in records[-RECORDS_KEPT:]}
+        needed = set(job.restore_fallbacks) | ({job.restore_from} if job.restore_from else set())
+        doomed = [r.step for r in records if r.step not in keep and r.path not in needed]
         if doomed:
             self.store.delete_checkpoints(job.name, doomed)
             log.info(
@@ -97,16 +95,14 @@ class CheckpointRecords:
         while job.checkpoint_problems:
             problem = job.checkpoint_problems[0]
             if problem.kind == "quarantined":
-                records = {r["step"]: r for r in self.store.checkpoints(job.name)}
+                records = {r.step: r for r in self.store.checkpoints(job.name)}
                 record = records.get(problem.step)
-                if record is not None and record["path"] != problem.path:
+                if record is not None and record.path != problem.path:
                     record = None  # not the checkpoint etcd records for that step
-                if record is not None and not record.get("quarantined"):
-                    self.store.update_checkpoint(
-                        job.name,
-                        record | {"quarantined": True, "quarantine_reason": problem.reason},
-                    )
-                    records[problem.step] = record | {"quarantined": True}
+                if record is not None and not record.quarantined:
+                    record = record.replace(quarantined=True, quarantine_reason=problem.reason)
+                    self.store.update_checkpoint(job.name, record)
+                    records[problem.step] = record
                 job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
                 job.health.event(
                     "quarantined",
