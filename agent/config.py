@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.etcd import EtcdCredentials, host_port
+from common.etcd import EtcdCredentials, etcd_credentials, host_port
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.net import listen_address
-from common.tls import TlsFiles, etcd_credentials, first_identity, read_token, resolve_tls
+from common.tls import TlsFiles, first_identity, read_token, resolve_tls
 
 
 @dataclass(frozen=True)

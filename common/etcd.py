@@ -1,5 +1,6 @@
 """The one etcd client of every Keel process: it outlives etcd restarts and brief
-outages. Also the credentials it uses, and ``connect``.
+outages. Also the credentials it uses (from the ``common.flags.etcd_options`` flags, and
+as flags for a child daemon), and ``connect``.
 
 python3-etcd3's own client, as it comes, does not: after one UNAVAILABLE it refuses its
 endpoint for 300 s (``Endpoint.time_retry``), gRPC's reconnect back-off grows to two
@@ -23,6 +24,7 @@ from etcd3 import etcdrpc
 from etcd3.client import EtcdTokenCallCredentials
 
 from common.metrics import EtcdCallMetrics
+from common.rpc import MESSAGE_LIMITS
 
 ENDPOINT_RETRY_S = 0.5
 # gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
@@ -68,6 +70,36 @@ class EtcdCredentials:
         return {k: str(v) for k, v in found.items() if v}
 
 
+def etcd_credentials(
+    etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None, etcd_password=None, **_
+) -> EtcdCredentials | None:
+    """The etcd credentials of the ``common.flags.etcd_options`` flags; None if none
+    is given."""
+    if not (etcd_ca or etcd_cert or etcd_key or etcd_user or etcd_password):
+        return None
+    return EtcdCredentials(
+        ca=Path(etcd_ca) if etcd_ca else None,
+        cert=Path(etcd_cert) if etcd_cert else None,
+        key=Path(etcd_key) if etcd_key else None,
+        user=etcd_user or None,
+        password=etcd_password or None,
+    )
+
+
+def etcd_flags(credentials: EtcdCredentials | None) -> list[str]:
+    """The flags that hand ``credentials`` to a child daemon, bar the password (the
+    child reads that from KEEL_ETCD_PASSWORD)."""
+    if credentials is None:
+        return []
+    flags = {
+        "--etcd-ca": credentials.ca,
+        "--etcd-cert": credentials.cert,
+        "--etcd-key": credentials.key,
+        "--etcd-user": credentials.user,
+    }
+    return [part for flag, value in flags.items() if value for part in (flag, str(value))]
+
+
 def host_port(endpoint: str) -> tuple[str, int]:
     """An etcd endpoint "host:port", split; raises ValueError with the fix."""
     host, _, port = endpoint.strip().rpartition(":")
@@ -107,9 +139,6 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
             if secure
             else None
         )
-        # Here, not at the top: common.rpc imports common.tls, which imports this module.
-        from common.rpc import MESSAGE_LIMITS
-
         members = [
             _Endpoint(
                 host,

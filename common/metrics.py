@@ -9,13 +9,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-if TYPE_CHECKING:  # common.tls imports common.etcd, which uses this module
-    from common.tls import TlsFiles
+from common.tls import TlsFiles
 
 ETCD_SECONDS = Histogram(
     "keel_etcd_request_seconds",

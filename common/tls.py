@@ -1,5 +1,5 @@
-"""How every Keel process secures its connections: mutual TLS on gRPC, the token it
-sends, and TLS and user/password towards etcd.
+"""How every Keel process secures its gRPC connections: mutual TLS and the token it
+sends. (Its TLS and user/password towards etcd are ``common.etcd``'s credentials.)
 
 A *TLS directory* (``--tls-dir``, as written by ``keel certs init``) holds ``ca.pem``
 and, per party, ``<name>.pem``, ``<name>.key`` and ``<name>.token``. Precedence, for
@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 
 from common import env
-from common.etcd import EtcdCredentials
 
 
 @dataclass(frozen=True)
@@ -90,34 +89,3 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=True
     )
-
-
-# ----------------------------------------------------------------------- etcd
-def etcd_credentials(
-    etcd_ca=None, etcd_cert=None, etcd_key=None, etcd_user=None, etcd_password=None, **_
-) -> EtcdCredentials | None:
-    """The etcd credentials of the ``common.flags.etcd_options`` flags; None if none
-    is given."""
-    if not (etcd_ca or etcd_cert or etcd_key or etcd_user or etcd_password):
-        return None
-    return EtcdCredentials(
-        ca=Path(etcd_ca) if etcd_ca else None,
-        cert=Path(etcd_cert) if etcd_cert else None,
-        key=Path(etcd_key) if etcd_key else None,
-        user=etcd_user or None,
-        password=etcd_password or None,
-    )
-
-
-def etcd_flags(credentials: EtcdCredentials | None) -> list[str]:
-    """The flags that hand ``credentials`` to a child daemon, bar the password (the
-    child reads that from KEEL_ETCD_PASSWORD)."""
-    if credentials is None:
-        return []
-    flags = {
-        "--etcd-ca": credentials.ca,
-        "--etcd-cert": credentials.cert,
-        "--etcd-key": credentials.key,
-        "--etcd-user": credentials.user,
-    }
-    return [part for flag, value in flags.items() if value for part in (flag, str(value))]

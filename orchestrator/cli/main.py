@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from common import env, flags, logs, net
+from common.etcd import etcd_credentials
 from common.net import listen_address
-from common.tls import etcd_credentials
 from orchestrator.security import tls
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}

@@ -31,7 +31,7 @@ class ControllerConfig:
     # Step messages a second the agents send together, about: past it they are asked to
     # batch their step reports for longer (orchestrator.policy.pacing).
     report_messages_per_s: float = 1000.0
-    # Peak FLOP/s per accelerator name (substring), over metrics.PEAK_FLOPS, for MFU.
+    # Peak FLOP/s per accelerator name (substring), over exporter.PEAK_FLOPS, for MFU.
     peak_flops: dict[str, float] = field(default_factory=dict)
     address_file: Path | None = None  # write "host:port" here once serving
     tokens: Tokens | None = None  # per-role tokens (join, operator, reader)

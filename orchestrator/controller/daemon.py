@@ -24,7 +24,7 @@ from common.etcd import connect
 from common.net import listen_address
 from common.paths import write_atomically as write_address
 from common.watch import Watch
-from orchestrator.controller import metrics
+from orchestrator.controller import exporter
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.leadership import Leadership
@@ -93,7 +93,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         port = asyncio.run_coroutine_threadsafe(self._start_server(), self.loop).result()
         self.state.address = f"{config.advertise_host}:{port}"
         if config.metrics_listen is not None:
-            self.collector = metrics.register(self.state)
+            self.collector = exporter.register(self.state)
             self.metrics_server = common_metrics.serve(
                 listen_address(config.metrics_listen, config.advertise_host), config.tls
             )
@@ -154,7 +154,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             self.loop.call_soon_threadsafe(self.loop.stop)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
-            metrics.unregister(self.collector)
+            exporter.unregister(self.collector)
         log.info("controller stopped")
 
 

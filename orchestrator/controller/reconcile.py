@@ -25,7 +25,7 @@ import time
 
 import structlog
 
-from orchestrator.controller import metrics, observe
+from orchestrator.controller import exporter, metrics, observe
 from orchestrator.controller.errors import Terminal, next_backoff_s
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
@@ -190,7 +190,7 @@ class Reconciler:
                     self._forget(job)
                 self._spend(f"job {job.name}", began)
             began = time.monotonic()
-            metrics.prune({job.name for job in metrics.exported(state, wall)})
+            metrics.prune({job.name for job in exporter.exported(state, wall)})
             self._unsettle_moved_jobs()
             unsettled, state.unsettled = state.unsettled, set()
             fixes: list[tuple[str, convergence.Fixing]] = []

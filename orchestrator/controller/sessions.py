@@ -572,7 +572,8 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     job.token_window.add(latest, tokens)
     job.health.add_steps(node, tallies)
     job.goodput.steps(generation, tallies, time.time())
-    metrics.recovered(job)
+    if metrics.recovered(job.name, job.recovery, job.goodput.first_step):
+        job.recovery = None
 
 
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import env
-from common.etcd import EtcdCredentials, connect
+from common.etcd import EtcdCredentials, connect, etcd_flags
 from common.procs import terminate, tied_to_this_process
-from common.tls import TlsFiles, etcd_flags, resolve_tls
+from common.tls import TlsFiles, resolve_tls
 from orchestrator.controller.store import Store
 from orchestrator.local import prometheus
 from orchestrator.local.etcd_server import EmbeddedEtcd

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from common.tls import etcd_flags
+from common.etcd import etcd_flags
 from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.firing import ClusterFaults

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from common.etcd import EtcdCredentials
+from common.etcd import EtcdCredentials, etcd_credentials
 from common.flags import FILE
-from common.tls import TlsFiles, etcd_credentials, first_identity, read_token, resolve_tls
+from common.tls import TlsFiles, first_identity, read_token, resolve_tls
 from orchestrator.security.auth import Role, Tokens
 
 

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.records import CordonRecord
-from orchestrator.controller import metrics, sessions
+from orchestrator.controller import exporter, metrics, sessions
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
@@ -27,7 +27,7 @@ def controller(**config) -> tuple[ControllerState, CollectorRegistry]:
     )
     state.is_leader = True
     registry = CollectorRegistry()
-    registry.register(metrics.JobCollector(state))
+    registry.register(exporter.JobCollector(state))
     return state, registry
 
 
@@ -197,16 +197,16 @@ def test_nodes_are_counted_by_state():
     ],
 )
 def test_mfu_is_model_flops_over_the_accelerators_peak(accelerators, expected):
-    value = metrics.mfu(1e9, 1e5, accelerators, metrics.PEAK_FLOPS)
+    value = exporter.mfu(1e9, 1e5, accelerators, exporter.PEAK_FLOPS)
     assert value == (pytest.approx(expected) if expected is not None else None)
 
 
 def test_mfu_needs_the_parameter_count_and_takes_configured_peaks():
-    assert metrics.mfu(0, 1e5, ["NVIDIA H100"], metrics.PEAK_FLOPS) is None
-    peaks = {**metrics.PEAK_FLOPS, "MyChip": 1e15}
-    assert metrics.mfu(1e9, 1e5, ["mychip v2"], peaks) == pytest.approx(6e14 / 1e15)
+    assert exporter.mfu(0, 1e5, ["NVIDIA H100"], exporter.PEAK_FLOPS) is None
+    peaks = {**exporter.PEAK_FLOPS, "MyChip": 1e15}
+    assert exporter.mfu(1e9, 1e5, ["mychip v2"], peaks) == pytest.approx(6e14 / 1e15)
     # The longest matching name wins: "H100 NVL" is not an "H100" if both are known.
-    assert metrics.peak_flops("NVIDIA H100 NVL", {"H100": 1.0, "H100 NVL": 2.0}) == 2.0
+    assert exporter.peak_flops("NVIDIA H100 NVL", {"H100": 1.0, "H100 NVL": 2.0}) == 2.0
 
 
 def test_mfu_is_exported_while_running_on_known_accelerators():

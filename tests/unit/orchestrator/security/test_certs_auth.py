@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from agent.config import security_settings as agent_settings
-from common import tls as common_tls
+from common.etcd import etcd_credentials
 from orchestrator.security import certs, tls
 from orchestrator.security.auth import (
     METHOD_ROLES,
@@ -301,7 +301,7 @@ def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
         etcd_password="pw",
     )
     for credentials in (
-        common_tls.etcd_credentials(**flags),
+        etcd_credentials(**flags),
         agent_settings("n0", None, **flags)["etcd_credentials"],
     ):
         assert credentials.client_kwargs() == {
@@ -312,10 +312,10 @@ def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
             "password": "pw",
         }
         assert "pw" not in repr(credentials)
-    assert common_tls.etcd_credentials() is None
+    assert etcd_credentials() is None
     with pytest.raises(ValueError, match="--etcd-user and --etcd-password"):
-        common_tls.etcd_credentials(etcd_user="keel")
+        etcd_credentials(etcd_user="keel")
     with pytest.raises(ValueError, match="--etcd-cert and --etcd-key go together"):
-        common_tls.etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
+        etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
     with pytest.raises(ValueError, match="needs --etcd-ca"):
         agent_settings("n0", None, etcd_cert=flags["etcd_cert"], etcd_key=flags["etcd_key"])
