@@ -83,6 +83,40 @@ def checkpoint_request(name: str) -> str:
     return job(name) + "checkpoint_request"
 
 
+# What each key holds, as a bounded label (``kind_of``).
+KINDS = (
+    "leader",
+    "node",
+    "cordon",
+    "job_spec",
+    "job_state",
+    "plan",
+    "checkpoint",
+    "event",
+    "operation",
+    "checkpoint_request",
+    "other",
+)
+
+
+def kind_of(key: str) -> str:
+    """Which of ``KINDS`` ``key`` is."""
+    if key == LEADER:
+        return "leader"
+    if key.startswith(NODES):
+        return "node"
+    if key.startswith(CORDONS):
+        return "cordon"
+    job = job_of(key)
+    if job is None:
+        return "other"
+    rest = key[len(JOBS) + len(job) + 1 :]
+    part = rest.split("/", 1)[0]
+    named = {"spec": "job_spec", "state": "job_state", "generations": "plan"}
+    found = named.get(part, part.removesuffix("s"))
+    return found if found in KINDS else "other"
+
+
 def last_part(key: str) -> str:
     """The node name of a node or cordon key; the last part of any key."""
     return key.rsplit("/", 1)[1]

@@ -23,8 +23,9 @@ from common import metrics as common_metrics
 from common.etcd import connect
 from common.net import listen_address
 from common.paths import write_atomically as write_address
+from common.records import RecordError
 from common.watch import Watch
-from orchestrator.controller import exporter
+from orchestrator.controller import exporter, metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.leadership import Leadership
@@ -33,11 +34,18 @@ from orchestrator.controller.rebuild import load_jobs
 from orchestrator.controller.reconcile import Reconciler
 from orchestrator.controller.sessions import OPERATOR_THREADS, AgentService
 from orchestrator.controller.state import ControllerState
-from orchestrator.controller.store import Store
+from orchestrator.controller.store import Store, log_set_aside
 from orchestrator.security.auth import AioTokenInterceptor
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
+
+
+def _set_aside(error: RecordError) -> None:
+    """A stored value that does not parse: named in the log and counted, then passed
+    over; it stays in etcd for an operator to mend."""
+    metrics.RECORDS_SET_ASIDE.labels(keys.kind_of(error.key)).inc()
+    log_set_aside(error)
 
 
 class Controller(keel_pb2_grpc.ControllerServicer):
@@ -46,7 +54,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.state = ControllerState(
             config,
             Store(
-                connect(list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials)
+                connect(
+                    list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials
+                ),
+                set_aside=_set_aside,
             ),
         )
         self.leadership = Leadership(self.state, self._lead)

@@ -10,6 +10,7 @@ import threading
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from common import keys
 from protos import keel_pb2
 
 LEADER = Gauge("keel_controller_leader", "1 while this controller leads, 0 on standby")
@@ -33,6 +34,14 @@ AGENT_MESSAGES_REFUSED = Counter(
     "the node say them (see orchestrator.policy.authority)",
     ["kind"],
 )
+RECORDS_SET_ASIDE = Counter(
+    "keel_records_set_aside",
+    "Stored values in etcd that did not parse as their key's record and were "
+    "passed over (the value is left in etcd as it is)",
+    ["record"],
+)
+for _record in keys.KINDS:
+    RECORDS_SET_ASIDE.labels(_record)
 for _kind in keel_pb2.AgentMessage.DESCRIPTOR.oneofs_by_name["kind"].fields:
     AGENT_MESSAGES_REFUSED.labels(_kind.name)  # every kind at 0 from the start
 

@@ -70,13 +70,13 @@ class Versioned(Generic[R]):
     mod_revision: int
 
 
-def _log_set_aside(error: RecordError) -> None:
+def log_set_aside(error: RecordError) -> None:
     log.error("set aside a stored value that does not parse", key=error.key, error=error.problem)
 
 
 class Store:
     def __init__(
-        self, client: EtcdClient, set_aside: Callable[[RecordError], None] = _log_set_aside
+        self, client: EtcdClient, set_aside: Callable[[RecordError], None] = log_set_aside
     ):
         """``set_aside``: told of each value a prefix read passes over."""
         self.client = client

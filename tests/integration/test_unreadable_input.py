@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -15,10 +17,12 @@ import pytest
 from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.generation import Phase
+from common import keys
+from common.records import CordonRecord, GoodputRecord, JobSpecRecord, JobState, JobStateRecord
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
-from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
+from tests.integration.test_control_plane import TOKEN, cluster, stop  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -156,3 +160,105 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
             done.set()
             stream.cancel()
         lease.revoke()
+
+
+def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):  # noqa: F811
+    """A non-JSON cordon, a job state with a field of the wrong type and a node record
+    that is no record: the leader and, after it stops, its standby both lead past them.
+    Each is named in the log with its fault and counted; the unreadable cordon still
+    keeps its node off; etcd keeps every value as it was."""
+    client = cluster.store.client
+    spec = JobSpecRecord(spec=keel_pb2.JobSpec(name="bad-state", world_size=1, command=["true"]))
+    state = json.loads(
+        JobStateRecord(
+            state=JobState.PENDING,
+            generation=0,
+            restarts=0,
+            reason="submitted",
+            failures=[],
+            initial_loss=None,
+            stop_requested="",
+            stop_now=False,
+            planned_stop=False,
+            ended_at_unix=None,
+            goodput=GoodputRecord(
+                start_unix=0.0,
+                cursor_unix=0.0,
+                seconds={},
+                phase="waiting",
+                ran=False,
+                ended=False,
+                at_risk=[],
+                generation=0,
+                world_size=0,
+                last_step=0,
+            ),
+            restarts_by_cause={},
+            checkpoint_problems={},
+            state_seconds={},
+            state_entered_at_unix=0.0,
+            tokens=0,
+            step=0,
+        ).to_json()
+    )
+    bad = {
+        keys.cordon("not-a-node"): "not json {",
+        keys.job_state("bad-state"): json.dumps(state | {"generation": "two"}),
+        keys.node("ghost"): '{"host": 7}',
+    }
+    good_cordon = CordonRecord(reason="bad fan", by="operator", drain=False, at_unix=1.0)
+    client.put(keys.cordon("node-ok"), good_cordon.to_json())
+    client.put(keys.job_spec("bad-state"), spec.to_json())
+    for key, value in bad.items():
+        client.put(key, value)
+
+    def metrics_of(name):
+        launcher = ("-m", "orchestrator.cli", "controller", "--metrics-listen", "127.0.0.1:0")
+        launcher += ("--metrics-address-file", str(cluster.path / f"{name}.metrics"))
+        return launcher
+
+    cluster.controller(launcher=metrics_of("first"), name="first")
+    standby = cluster.controller(launcher=metrics_of("standby"), name="standby", lead=False)
+    stop(cluster.controllers[0])
+    wait_for(lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead")
+
+    def named(name):
+        """The bad keys that ``name``'s log names as set aside."""
+        lines = (cluster.path / f"{name}.log").read_text().splitlines()
+        return [key for key in bad if any(key in ln and "does not parse" in ln for ln in lines)]
+
+    for name in ("first", "standby"):
+        wait_for(lambda n=name: named(n) == list(bad), 30, what=f"{name} to name each bad value")
+    log = (cluster.path / "standby.log").read_text()
+    assert "Expected `int`, got `str` - at `$.generation`" in log
+    assert "cannot read the job's records in etcd; not managing it" in log
+    with grpc.insecure_channel(standby) as channel:
+        stub = keel_pb2_grpc.ControllerStub(channel)
+        meta = call_metadata(TOKEN)
+        assert stub.ListJobs(keel_pb2.ListJobsRequest(), metadata=meta, timeout=5).jobs == []
+        nodes = {
+            n.node: n
+            for n in stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=meta, timeout=5).nodes
+        }
+    assert set(nodes) == {"not-a-node", "node-ok"}  # the ghost's record is passed over
+    assert nodes["node-ok"].state == "cordoned" and nodes["node-ok"].cordon_reason == "bad fan"
+    assert nodes["not-a-node"].state == "cordoned"
+    assert "its cordon record does not parse" in nodes["not-a-node"].cordon_reason
+    assert "keel uncordon not-a-node" in nodes["not-a-node"].cordon_reason
+    scraped = (
+        urllib.request.urlopen(
+            f"http://{(cluster.path / 'standby.metrics').read_text().strip()}/metrics", timeout=5
+        )
+        .read()
+        .decode()
+    )
+    counted = {
+        record: float(value)
+        for record, value in re.findall(
+            r'^keel_records_set_aside_total\{record="(\w+)"\} (\S+)$', scraped, re.M
+        )
+    }
+    assert counted["cordon"] >= 1 and counted["job_state"] >= 1 and counted["node"] >= 1, counted
+    assert counted["plan"] == counted["checkpoint"] == 0
+    for key, value in bad.items():
+        assert client.get(key)[0].decode() == value

@@ -169,3 +169,23 @@ def test_the_newest_good_checkpoint_is_the_newest_not_quarantined(steps):
     ]
     good = [r for r in records if not r.quarantined]
     assert newest_good(records) == (good[-1] if good else None)
+
+
+KINDS = {
+    LeaderRecord: "leader",
+    NodeRecord: "node",
+    CordonRecord: "cordon",
+    JobSpecRecord: "job_spec",
+    JobStateRecord: "job_state",
+    PlanRecord: "plan",
+    CheckpointRecord: "checkpoint",
+    EventRecord: "event",
+    OperationRecord: "operation",
+    CheckpointRequestRecord: "checkpoint_request",
+}
+
+
+@pytest.mark.parametrize("key", sorted(EXAMPLES))
+def test_each_key_is_labelled_with_the_record_it_holds(key):
+    assert keys.kind_of(key) == KINDS[type(EXAMPLES[key])]
+    assert keys.kind_of("/keel/jobs/j/unknown") == keys.kind_of("/elsewhere") == "other"
