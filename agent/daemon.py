@@ -29,6 +29,7 @@ from agent.generation import Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
 from agent.local_server import AgentLocalService, serve
+from agent.policy.fencing import self_fence
 from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
@@ -590,19 +591,16 @@ class Agent:
 
     # =================================================================== fencing
     def _check_fence(self, now: float) -> None:
-        """Self-fencing: a node that has renewed no lease for a whole TTL and has no
-        controller to vouch for it is, as far as the cluster knows, lost, and its
-        replacement may start any moment: its ranks stop. Not while the controller has
-        said etcd is out of its reach too (an outage everyone sees, where nothing can be
-        replaced)."""
+        """Stop the ranks if ``policy.fencing.self_fence`` says the node is fenced."""
         state = self.generation
-        unrenewed_s = now - self.lease_ok_at
-        if (
-            state.phase is not Phase.RUNNING
-            or unrenewed_s < self.config.lease_ttl_s
-            or self.link.up
-            or self.held
-        ):
+        why = self_fence(
+            running=state.phase is Phase.RUNNING,
+            unrenewed_s=now - self.lease_ok_at,
+            lease_ttl_s=self.config.lease_ttl_s,
+            controller_up=self.link.up,
+            outage_seen_by_controller=self.held,
+        )
+        if not why:
             return
         current = state.start
         ranks = [
@@ -610,10 +608,6 @@ class Agent:
             for r in self.supervisor.of_generation(current.job, current.generation)
             if r.phase is RankPhase.RUNNING
         ]
-        why = (
-            f"self-fenced: no lease renewal for {unrenewed_s:.1f} s (TTL "
-            f"{self.config.lease_ttl_s:g} s) and no controller reachable"
-        )
         log.error(
             "stopping the ranks",
             job=current.job,

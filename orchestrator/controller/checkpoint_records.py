@@ -11,13 +11,10 @@ from common.records import newest_good
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
+from orchestrator.policy.retention import records_to_prune
 from protos import keel_pb2
 
 log = structlog.get_logger()
-
-# Records kept per job, newest first (and the restore point in use, whatever its age):
-# more than any retention keeps directories of, so every restore candidate has one.
-RECORDS_KEPT = 16
 
 
 class CheckpointRecords:
@@ -73,12 +70,11 @@ class CheckpointRecords:
             )
 
     def prune(self, job: JobRuntime) -> None:
-        """Keep the newest RECORDS_KEPT records, the restore point in use and its
-        fallbacks."""
+        """Delete the records ``policy.retention.records_to_prune`` names: all but the
+        newest, sparing the restore point in use and its fallbacks."""
         records = self.store.checkpoints(job.name)
-        keep = {r.step for r in records[-RECORDS_KEPT:]}
-        needed = set(job.restore_fallbacks) | ({job.restore_from} if job.restore_from else set())
-        doomed = [r.step for r in records if r.step not in keep and r.path not in needed]
+        in_use = {*job.restore_fallbacks, job.restore_from} - {""}
+        doomed = records_to_prune(records, in_use)
         if doomed:
             self.store.delete_checkpoints(job.name, doomed)
             log.info(

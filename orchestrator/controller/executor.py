@@ -26,6 +26,7 @@ from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.convergence import Fix, Fixing
+from orchestrator.policy.generation import nodes_left, restore_point
 from orchestrator.policy.guardrails import repeated_failures
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
@@ -39,10 +40,6 @@ log = structlog.get_logger()
 
 WAIT_LOG_S = 5.0  # a wait reason that only counts changes is logged this often at most
 _DIGITS = re.compile(r"\d+")
-
-# Older recorded checkpoints a generation may fall back to if its restore point fails
-# verification.
-RESTORE_FALLBACKS = 3
 
 
 class Executor:
@@ -191,12 +188,8 @@ class Executor:
         reason = decision.reason
         if target.shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
-        out = sorted(
-            (frozenset(job.lost_nodes) if decision.use_suspects else observe.suspects(job))
-            & job.nodes
-        )
-        good = [r for r in self.store.checkpoints(job.name) if not r.quarantined]
-        restore = good[-1] if good else None
+        leaving = frozenset(job.lost_nodes) if decision.use_suspects else observe.suspects(job)
+        restore = restore_point(self.store.checkpoints(job.name))
         plan = dict(
             generation=job.generation + 1,
             placement=placement,
@@ -205,8 +198,8 @@ class Executor:
             deadlines=chain,
             rendezvous=None,
             placed_agents={p.node: self.state.sessions[p.node].pid for p in placement},
-            restore_from=restore.path if restore else "",
-            restore_fallbacks=[r.path for r in reversed(good[:-1])][:RESTORE_FALLBACKS],
+            restore_from=restore.path,
+            restore_fallbacks=list(restore.fallbacks),
         )
         self.transition(
             job,
@@ -214,39 +207,25 @@ class Executor:
             reason,
             now,
             plan_record(job, **plan),
-            restore_step=restore.step if restore else None,
+            restore_step=restore.step,
             generation=plan["generation"],
             planned_stop=False,
         )
         previous = job.nodes
         for name, value in plan.items():
             setattr(job, name, value)
-        job.restore_step = restore.step if restore else None
-        out = [node for node in out if node not in job.nodes]  # a suspect used again is not out
-        if out:
-            newcomers = sorted(job.nodes - previous)
+        job.restore_step = restore.step
+        left = nodes_left(previous, job.nodes, leaving, target.shrink, mesh, world_size)
+        if left is not None:
             health.replacement_times.append(now)
-            if newcomers and not target.shrink:
-                health.event(
-                    "replaced",
-                    f"{', '.join(out)} replaced by {', '.join(newcomers)}",
-                    node=out[0],
-                    step=job.step,
-                )
-            else:
-                health.event(
-                    "excluded",
-                    f"{', '.join(out)} excluded; re-planned to {mesh} at world size {world_size}",
-                    node=out[0],
-                    step=job.step,
-                )
+            health.event(left.how.value, left.reason, node=left.out[0], step=job.step)
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
         job.placed_at = now
         job.node_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
-        job.step = restore.step if restore else 0
+        job.step = restore.step or 0
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()

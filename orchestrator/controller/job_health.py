@@ -5,8 +5,6 @@ are the pure functions of ``orchestrator.policy``."""
 
 from __future__ import annotations
 
-import collections
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,6 +12,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from orchestrator.controller import metrics
+from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
@@ -29,9 +28,6 @@ MAX_EVENT_BYTES = 2 * 1024 * 1024
 # in memory, in every GetJob reply and in etcd: it must stay well under gRPC's 4 MiB
 # and etcd's 1.5 MiB.
 HANG_STACKS_LIMIT = 192 * 1024
-# Preflight: a node whose bus bandwidth is below this share of the nodes' median is slow.
-PREFLIGHT_SLOW_SHARE = 0.5
-PREFLIGHT_SLOW_REASON = "preflight: collective bus bandwidth below half of its peers'"
 
 
 @dataclass(frozen=True)
@@ -256,25 +252,16 @@ class JobHealth:
                 mine[key] = result
         for name in sorted(self.slow_preflight_nodes() - self.preflight_flagged):
             self.preflight_flagged.add(name)
-            self.preflight_flags.append(SlowFlag(name, step, 0, PREFLIGHT_SLOW_REASON))
+            self.preflight_flags.append(SlowFlag(name, step, 0, preflight.SLOW_REASON))
 
     def slow_preflight_nodes(self) -> set[str]:
-        """Nodes below PREFLIGHT_SLOW_SHARE of the median on most of the collectives
-        and sizes they were compared on: one noisy figure (a busy host, a small
-        buffer timed once) does not make a node slow, a slow link does on all."""
-        if len(self.preflight) < 2:
-            return set()
-        compared: collections.Counter = collections.Counter()
-        below: collections.Counter = collections.Counter()
-        keys = {k for results in self.preflight.values() for k in results}
-        for key in keys:
-            figures = {n: r[key].busbw_gbps for n, r in self.preflight.items() if key in r}
-            if len(figures) < 2:
-                continue
-            median = statistics.median(figures.values())
-            compared.update(figures.keys())
-            below.update(n for n, bw in figures.items() if bw < PREFLIGHT_SLOW_SHARE * median)
-        return {n for n, count in below.items() if count > compared[n] / 2}
+        """``policy.preflight.slow_nodes`` of the figures so far."""
+        return preflight.slow_nodes(
+            {
+                node: {key: result.busbw_gbps for key, result in results.items()}
+                for node, results in self.preflight.items()
+            }
+        )
 
     def preflight_status(self) -> list[keel_pb2.NodePreflight]:
         slow = self.slow_preflight_nodes()

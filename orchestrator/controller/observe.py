@@ -5,38 +5,25 @@ from __future__ import annotations
 
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import AgentSession, ControllerState
-from orchestrator.policy import adoption, convergence, operations, remediation
+from orchestrator.policy import adoption, convergence, liveness, operations, remediation
 from orchestrator.policy.guardrails import restart_backoff_s
 from orchestrator.policy.job import Observed, Spec
 from orchestrator.policy.lifecycle import JobState
 
-# A controller that took over waits for a cluster still reconnecting to it at most
-# this many node-lost graces (a node that is truly gone is counted lost by then).
-TAKEOVER_GRACES = 6
-
 
 def node_usable(state: ControllerState, node: str, now: float) -> bool:
-    """Registered in etcd, and its agent's stream up (or down for less than the
-    node-lost grace; a controller that just took over gives every agent time to
-    reconnect: ``taking_over``)."""
-    if node not in state.registered:
-        return False
-    grace = state.config.node_lost_grace_s
+    """``liveness.node_usable`` of ``node``: registered in etcd, and its agent's stream
+    up (or down for less than the node-lost grace)."""
     session = state.sessions.get(node)
-    if session is None:
-        return taking_over(state, now)
-    return session.connected or now - session.disconnected_at < grace
-
-
-def taking_over(state: ControllerState, now: float) -> bool:
-    """Whether agents that have not reconnected since this controller began to lead are
-    still given time: for the node-lost grace, and past it while the cluster is still
-    coming back (an agent let in or told to back off within the last half grace: at
-    thousands of nodes the reconnect storm outlasts one grace on a busy leader, and
-    counting its tail lost would restart a healthy job), up to TAKEOVER_GRACES graces."""
-    grace, since = state.config.node_lost_grace_s, now - state.leader_since
-    return since < grace or (
-        since < TAKEOVER_GRACES * grace and now - state.agent_knocked_at < grace / 2
+    return liveness.node_usable(
+        registered=node in state.registered,
+        has_session=session is not None,
+        connected=session is not None and session.connected,
+        down_for_s=now - session.disconnected_at if session is not None else 0.0,
+        grace_s=state.config.node_lost_grace_s,
+        still_taking_over=liveness.taking_over(
+            now - state.leader_since, now - state.agent_knocked_at, state.config.node_lost_grace_s
+        ),
     )
 
 

@@ -203,7 +203,7 @@ class ControllerState:
         self.is_leader = False
         self.leader_since = 0.0  # monotonic
         # Monotonic: an agent was last let in, or told to back off and connect again
-        # (a cluster still reconnecting to a new leader: ``observe.taking_over``).
+        # (a cluster still reconnecting to a new leader: ``policy.liveness.taking_over``).
         self.agent_knocked_at = 0.0
         self.replies = AgentReplies()
 

@@ -149,7 +149,7 @@ def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd
         # A node whose record goes (its lease revoked) is known gone from the watch,
         # and squared with the plan again at the next tick.
         node = sorted(state.registered)[0]
-        state.store.client.revoke_lease(state.registered[node]["lease_id"])
+        state.store.client.revoke_lease(state.registered[node].lease_id)
         wait_for(lambda: node not in state.registered, 10, what="the watch to drop the record")
         wait_for(lambda: node in converged, 10, what="the node looked at again")
     finally:

@@ -50,13 +50,13 @@ def test_an_agent_whose_lease_vanished_registers_again(cluster):  # noqa: F811
     cluster.agent("node-a", ttl="3")
     first = wait_for(lambda: cluster.store.nodes().get("node-a"), 30, what="node-a registered")
     # As if the lease had expired while etcd was out of reach.
-    cluster.store.client.revoke_lease(first["lease_id"])
+    cluster.store.client.revoke_lease(first.lease_id)
     assert "node-a" not in cluster.store.nodes()
     again = wait_for(
         lambda: cluster.store.nodes().get("node-a"), 30, what="node-a registered on a new lease"
     )
-    assert again["lease_id"] != first["lease_id"]
-    assert cluster.store.lease_alive(again["lease_id"])
+    assert again.lease_id != first.lease_id
+    assert cluster.store.lease_alive(again.lease_id)
     assert "etcd lease lost; registering again" in (cluster.path / "node-a.log").read_text()
 
 

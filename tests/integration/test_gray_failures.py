@@ -501,8 +501,8 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     trims what it loaded to the bounds; the job running beside it carries on."""
     from common import keys
     from common.records import CheckpointRecord, EventRecord
-    from orchestrator.controller.checkpoint_records import RECORDS_KEPT
     from orchestrator.controller.job_health import MAX_EVENTS
+    from orchestrator.policy.retention import RECORDS_KEPT
     from protos import keel_pb2
 
     standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)

@@ -1,10 +1,12 @@
 """A controller that took over counts no node lost while the cluster is still coming
 back to it, and stops waiting once agents stop arriving, or after TAKEOVER_GRACES."""
 
+from common.records import NodeRecord
 from orchestrator.controller import observe
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Store
+from orchestrator.policy.liveness import TAKEOVER_GRACES
 
 GRACE = 10.0
 
@@ -15,7 +17,7 @@ def taken_over_at(t: float) -> ControllerState:
         Store(client=None),
     )
     state.is_leader, state.leader_since = True, t
-    state.registered["n1"] = {"slots": 8}
+    state.registered["n1"] = NodeRecord(host="h", slots=8, pid=1, lease_id=1)
     return state
 
 
@@ -31,9 +33,9 @@ def test_while_agents_keep_arriving_the_wait_goes_on_up_to_its_cap():
         state.agent_knocked_at = t
         assert observe.node_usable(state, "n1", t + GRACE / 2 - 0.1)
     assert not observe.node_usable(state, "n1", 1026.0 + GRACE / 2)  # none for half a grace
-    state.agent_knocked_at = 1000.0 + observe.TAKEOVER_GRACES * GRACE - 1
-    assert observe.node_usable(state, "n1", 1000.0 + observe.TAKEOVER_GRACES * GRACE - 0.5)
-    assert not observe.node_usable(state, "n1", 1000.0 + observe.TAKEOVER_GRACES * GRACE)
+    state.agent_knocked_at = 1000.0 + TAKEOVER_GRACES * GRACE - 1
+    assert observe.node_usable(state, "n1", 1000.0 + TAKEOVER_GRACES * GRACE - 0.5)
+    assert not observe.node_usable(state, "n1", 1000.0 + TAKEOVER_GRACES * GRACE)
 
 
 def test_a_node_without_a_record_is_not_usable_even_while_taking_over():

@@ -57,7 +57,8 @@ def test_restart_backoff_doubles_and_is_capped():
 
 
 def test_preflight_flags_a_node_far_below_its_peers_once():
-    from orchestrator.controller.job_health import PREFLIGHT_SLOW_REASON, JobHealth
+    from orchestrator.controller.job_health import JobHealth
+    from orchestrator.policy.preflight import SLOW_REASON as PREFLIGHT_SLOW_REASON
     from orchestrator.spec.health import DEFAULTS
     from protos import keel_pb2
 

@@ -1,0 +1,39 @@
+"""Whether a node still counts: the timeout judgements on its agent's stream. Pure:
+the controller passes what it knows of the node and the clock readings (monotonic
+seconds), and acts on the answer."""
+
+from __future__ import annotations
+
+# A controller that took over waits for a cluster still reconnecting to it at most
+# this many node-lost graces (a node that is truly gone is counted lost by then).
+TAKEOVER_GRACES = 6
+
+
+def taking_over(since_leading_s: float, since_knock_s: float, grace_s: float) -> bool:
+    """Whether agents that have not reconnected since this controller began to lead
+    (``since_leading_s`` ago) are still given time: for the node-lost grace, and past
+    it while the cluster is still coming back (an agent was let in or told to back off
+    ``since_knock_s`` ago, within the last half grace: at thousands of nodes the
+    reconnect storm outlasts one grace on a busy leader, and counting its tail lost
+    would restart a healthy job), up to TAKEOVER_GRACES graces."""
+    return since_leading_s < grace_s or (
+        since_leading_s < TAKEOVER_GRACES * grace_s and since_knock_s < grace_s / 2
+    )
+
+
+def node_usable(
+    registered: bool,
+    has_session: bool,
+    connected: bool,
+    down_for_s: float,
+    grace_s: float,
+    still_taking_over: bool,
+) -> bool:
+    """A node counts while it is registered in etcd and its agent's stream is up, or
+    down for less than the node-lost grace; a node whose agent has not connected to
+    this controller yet counts while the controller is still ``taking_over``."""
+    if not registered:
+        return False
+    if not has_session:
+        return still_taking_over
+    return connected or down_for_s < grace_s

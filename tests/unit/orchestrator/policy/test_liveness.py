@@ -1,0 +1,44 @@
+"""Whether a node still counts, judged from its record, its agent's stream and the
+clock."""
+
+import pytest
+
+from orchestrator.policy.liveness import TAKEOVER_GRACES, node_usable, taking_over
+
+GRACE = 10.0
+
+
+@pytest.mark.parametrize(
+    "since_leading_s, since_knock_s, expected",
+    [
+        (0.0, 1e9, True),  # just took over: every agent gets the grace
+        (GRACE - 0.1, 1e9, True),
+        (GRACE, 1e9, False),  # past the grace, and nobody arrives
+        (GRACE * 3, GRACE / 2 - 0.1, True),  # a storm still arriving
+        (GRACE * 3, GRACE / 2, False),  # none for half a grace
+        (TAKEOVER_GRACES * GRACE - 0.1, 0.0, True),
+        (TAKEOVER_GRACES * GRACE, 0.0, False),  # the cap, whatever still arrives
+    ],
+)
+def test_a_new_leader_waits_for_its_cluster_while_it_is_still_coming_back(
+    since_leading_s, since_knock_s, expected
+):
+    assert taking_over(since_leading_s, since_knock_s, GRACE) is expected
+
+
+@pytest.mark.parametrize(
+    "registered, has_session, connected, down_for_s, taking, expected",
+    [
+        (False, True, True, 0.0, True, False),  # no record: never, even while taking over
+        (True, True, True, 0.0, False, True),
+        (True, True, False, GRACE - 0.1, False, True),  # down, within the grace
+        (True, True, False, GRACE, False, False),
+        (True, False, False, 0.0, True, True),  # not connected here yet, while taking over
+        (True, False, False, 0.0, False, False),
+    ],
+)
+def test_a_node_counts_while_registered_and_its_stream_is_up_or_briefly_down(
+    registered, has_session, connected, down_for_s, taking, expected
+):
+    usable = node_usable(registered, has_session, connected, down_for_s, GRACE, taking)
+    assert usable is expected
