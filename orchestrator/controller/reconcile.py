@@ -407,7 +407,7 @@ FIXES_LOGGED = 5  # nodes a tick's convergence names one by one; past it, one li
 def _log_fixes(fixes: list) -> None:
     """What a tick's convergence told nodes to do: a line per node for a few, else one
     line with the count per fix and the first nodes (a mass start or restart squares
-    thousands at once: a line each was most of the tick's time at 4,000 nodes)."""
+    thousands at once, and a line for each would take most of the tick)."""
     if len(fixes) <= FIXES_LOGGED:
         for node, fixing in fixes:
             log.warning(

@@ -82,8 +82,8 @@ class CountedDict(dict):
 class LoopPost:
     """Hands messages from any thread to queues on one event loop, waking the loop once
     per batch, not once per message: a wake is a write to the loop's self-pipe, and a
-    start sent to 4,000 nodes was 4,000 of them, each contending for the GIL (2.5 s of
-    a tick, the state lock held)."""
+    start sent to every node of a large cluster would be one per node, each contending
+    for the GIL while the tick holds the state lock."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
