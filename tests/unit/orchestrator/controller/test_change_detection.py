@@ -89,7 +89,7 @@ def apply(table, operation):
         return KeyError
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(TABLES, OPERATIONS), max_size=40))
 def test_a_cache_kept_while_the_nodes_version_stands_is_what_the_tables_hold(steps):
     """After any sequence of changes through any dict method, or a table put in place
@@ -136,8 +136,8 @@ def placements(draw):
     return parts
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(placements(), min_size=1, max_size=10), st.data())
+@settings(max_examples=100, deadline=None)
+@given(st.lists(placements(), min_size=1, max_size=6), st.data())
 def test_a_jobs_placement_index_is_what_a_search_of_the_placement_gives(plans, data):
     """Each new plan's placement is put in place whole (often in memory a previous list
     was freed from); the index then answers as searching the placement does."""
@@ -216,7 +216,7 @@ def change(state: ControllerState, name: str, kind: str, value) -> None:
         runtime.vanished[value] = [0]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.sampled_from(["j", "k"]), CHANGES), max_size=4), max_size=12))
 def test_the_nodes_of_every_job_whose_plan_moved_are_looked_at(ticks):
     """Between ticks, random changes to two jobs; at each tick every node of a job

@@ -430,7 +430,7 @@ def windows(draw, uniform):
 KINDS = ["whole", "whole", "whole", "subset", "lost", "twice", "stray"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(window=windows(uniform=True))
 def test_a_uniform_window_on_arrays_scores_as_the_rule(window):
     """``_score_uniform``, the array form, gives the rule's floats and slowest ranks."""
@@ -440,7 +440,7 @@ def test_a_uniform_window_on_arrays_scores_as_the_rule(window):
     assert straggler._score_uniform(by_node) == score_window(blocks)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(window=windows(uniform=False) | windows(uniform=True))
 def test_any_window_from_sorted_medians_scores_as_the_rule(window):
     """``_score_sorted``, the form for any window, gives the rule's floats and slowest
@@ -452,7 +452,7 @@ def test_any_window_from_sorted_medians_scores_as_the_rule(window):
     assert straggler._score_sorted(medians, node_of) == score_window(blocks)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(window=windows(uniform=False) | windows(uniform=True), data=st.data())
 def test_evaluate_scores_a_window_as_the_rule(window, data):
     """``evaluate`` scores a window with whichever fast form applies, and the scores it
