@@ -209,9 +209,9 @@ class ControllerLink:
         """The next message for the stream ``closed`` belongs to; ``_ENDED`` once that
         stream has ended. gRPC pulls a stream's messages on a thread of its own, which
         may still be waiting on the outbox when the stream ends: a message it takes then
-        is kept, in order, for the next stream (before, it went to the ended stream and
-        was lost: a rendezvous answer sent just after a reconnect, and the generation
-        waited 30 s for it)."""
+        is kept, in order, for the next stream, not lost with the ended one (a rendezvous
+        answer sent just after a reconnect would be, and the generation would wait for
+        it)."""
         while not closed.is_set():
             taken = _NOTHING
             if not self._carried:

@@ -1,6 +1,6 @@
 """Warm processes: per slot, a process that has already started Python and imported
 torch (``agent.warm``) waits to become a rank, so a generation's ranks start without
-paying for either (seconds each; tens of seconds with CUDA contexts at scale).
+paying for either (most of a cold start: docs/BENCHMARKS.md, recovery).
 
 A rank whose command is this agent's interpreter running a script or ``-m`` module
 (``python -u X`` as ``keel run`` and ``keel up`` give it) takes one; any other command,

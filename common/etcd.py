@@ -116,9 +116,9 @@ class _Endpoint(etcd3.Endpoint):
 
 
 # python3-etcd3 0.13's watcher still calls ``six.itervalues`` when a watch stream fails
-# (etcd restarted, or out of reach) but no longer imports six: its thread died of a
-# NameError before telling the callbacks, so a watch that etcd's restart ended was never
-# reported, and a LeaderWatch went on naming the old leader for good
+# (etcd restarted, or out of reach) but no longer imports six: without this its thread
+# dies of a NameError before telling the callbacks, so a watch that etcd's restart ends
+# is never reported, and a LeaderWatch goes on naming the old leader for good
 # (tests/integration/test_leader_watch.py).
 if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = types.SimpleNamespace(itervalues=lambda mapping: iter(mapping.values()))

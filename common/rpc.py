@@ -9,8 +9,8 @@ fails with UNAVAILABLE. That must fit well inside the controller's node-lost gra
 gRPC pings only a connection that has been quiet for the keepalive time. The agents'
 streams to the controller (``AGENT_CHANNEL_OPTIONS``, and the controller's server) use
 ``AGENT_KEEPALIVE_TIME_S``, over the 4 s the controller's pacing asks of 4,000 agents
-between step reports: with a ping after 2 s quiet, 4,000 agents' pings cost the
-controller 14 % of a core (benchmarks.control_plane).
+between step reports, so that a stream that reports is never pinged (pings at 4,000
+agents cost the controller a share of a core: docs/BENCHMARKS.md, control_plane).
 A stalled agent is noticed by its etcd lease before that, a stalled leader by its
 agents through the leader key; the keepalive is for a stream a partition cut.
 """
@@ -52,9 +52,9 @@ AGENT_CHANNEL_OPTIONS = _channel_options(AGENT_KEEPALIVE_TIME_S)
 SERVER_OPTIONS = [
     # No bandwidth-delay probing: it pings a peer on the data it sends, to size flow
     # control for bulk transfers. Agents' messages are small and many (thousands of
-    # streams), and the probes were an eighth of a controller's CPU at 2,000 agents
-    # (benchmarks.control_plane); the default window still carries an operator's
-    # largest reply at LAN speed.
+    # streams), and the probes cost a controller a share of its CPU at thousands of
+    # agents (docs/BENCHMARKS.md, control_plane); the default window still carries an
+    # operator's largest reply at LAN speed.
     ("grpc.http2.bdp_probe", 0),
     ("grpc.keepalive_time_ms", int(AGENT_KEEPALIVE_TIME_S * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),

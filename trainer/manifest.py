@@ -3,10 +3,10 @@ the commit before the rename, so a restore can tell a complete checkpoint from o
 was torn, truncated or damaged since (``verify``).
 
 ``manifest.json``: ``{"step": N, "files": {"<relative path>": {"bytes": B, "crc32": C}}}``.
-CRC-32 (zlib's, about 1 GB/s on one core) catches torn and corrupted files; it is not
-meant to stop tampering. The files are checksummed on up to ``CRC_THREADS`` threads at
-once (zlib releases the GIL while it sums), so a checkpoint of one shard per rank is
-read back at the disk's pace rather than one core's.
+CRC-32 (zlib's) catches torn and corrupted files; it is not meant to stop tampering.
+The files are checksummed on up to ``CRC_THREADS`` threads at once (zlib releases the
+GIL while it sums), since one core sums slower than a disk reads: a checkpoint of one
+shard per rank is read back at the disk's pace rather than one core's.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def build_schedule(
     returns each micro-batch's share of the step's loss, so gradients add up to those
     of the mean."""
     # Imported here, not with the module: torch.distributed.pipelining brings in
-    # torch._dynamo, most of a second of every rank's start, and only pp > 1 needs it.
+    # torch._dynamo, a large part of every rank's start, and only pp > 1 needs it.
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,

@@ -171,9 +171,9 @@ class Controller(keel_pb2_grpc.ControllerServicer):
 
 # The controller keeps a large, long-lived heap (every rank's recent steps, every
 # agent's session) and makes a small object per step report: at the default thresholds
-# the cyclic garbage collector ran so often that it took half the time of recording a
-# report (benchmarks.control_plane). Collect young objects 100x less often; what
-# exists once serving (the imports, the code) is never scanned again.
+# the cyclic garbage collector ran so often that it took a large share of the time of
+# recording a report (docs/BENCHMARKS.md, control_plane). Collect young objects 100x
+# less often; what exists once serving (the imports, the code) is never scanned again.
 GC_THRESHOLDS = (70_000, 10, 10)
 
 

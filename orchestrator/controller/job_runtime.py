@@ -160,14 +160,15 @@ class JobRuntime:
         return self.spec.name
 
     def _by_node(self) -> dict[str, frozenset[int]]:
-        """The current placement's ranks by node, made once per placement (a new
-        placement is a new list): every agent message asks it."""
+        """The current placement's ranks by node, indexed once per placement, since
+        every agent message asks it. A new plan replaces ``placement`` whole, never
+        changes it in place, so the index stands while ``placement`` is the list it was
+        made of; that list is held here (``_indexed``), so a later list can never be
+        taken for it. A node holds one part of a placement."""
         if self._indexed is not self.placement:
-            by_node: dict[str, frozenset[int]] = {}
-            for part in self.placement:
-                by_node[part.node] = by_node.get(part.node, frozenset()) | frozenset(part.ranks)
+            by_node = {part.node: frozenset(part.ranks) for part in self.placement}
             self._parts = {part.node: part for part in self.placement}
-            self._positions = {id(part): i for i, part in enumerate(self.placement)}
+            self._positions = {part.node: i for i, part in enumerate(self.placement)}
             self._index, self._nodes, self._indexed = by_node, frozenset(by_node), self.placement
         return self._index
 
@@ -178,9 +179,10 @@ class JobRuntime:
 
     def group_rank(self, part: NodeRanks) -> int:
         """``part``'s position in the current placement (its node's group rank, as
-        torchrun's), without a search of the placement for each node."""
+        torchrun's): ``placement.index(part)``, without a search of the placement for
+        each node."""
         self._by_node()
-        return self._positions[id(part)]
+        return self._positions[part.node]
 
     @property
     def nodes(self) -> frozenset[str]:

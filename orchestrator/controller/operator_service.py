@@ -161,7 +161,8 @@ class OperatorService:
         state = self.state
         with self.lock:
             # Built again only when what it shows changed: the node tables, or which
-            # job holds which nodes (at 4,000 nodes a build is about 40 ms of the lock).
+            # job holds which nodes (a build holds the lock for a time that grows with
+            # the nodes: docs/BENCHMARKS.md, control_plane).
             key = (
                 state.nodes_version(),
                 tuple((job.name, job.state, job.nodes) for job in state.jobs.values()),

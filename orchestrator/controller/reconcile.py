@@ -50,8 +50,9 @@ class Reconciler:
         self.leadership = leadership
         self.executor = executor
         self.spent: dict[str, float] = {}  # this tick's seconds, by what took them
-        # Per job, its plan's shape when last looked at, and its nodes then.
-        self.shapes: dict[str, tuple[tuple, frozenset[str]]] = {}
+        # Per job, its plan's shape when last looked at, its placement and placed
+        # agents then, and its nodes then (``_unsettle_moved_jobs``).
+        self.shapes: dict[str, tuple[tuple, tuple, frozenset[str]]] = {}
         self.next_sweep = 0.0
 
     def loop(self, clock) -> None:
@@ -243,26 +244,33 @@ class Reconciler:
     def _unsettle_moved_jobs(self) -> None:
         """The nodes of a job whose plan moved (a new state, generation or placement,
         a node counted lost or confirmed stopped) are looked at this tick: what they
-        should run changed. O(jobs): a job's shape is made of sizes and identities."""
+        should run changed. O(jobs): a new plan replaces a job's placement and placed
+        agents whole, so they are compared by identity (the objects are held here, so
+        a later one can never be taken for them), and within a generation its lost,
+        stopped and vanished nodes only grow, so their sizes say whether they changed."""
         state = self.state
         for job in state.jobs.values():
             shape = (
                 job.state,
                 job.generation,
-                id(job.placement),
-                id(job.placed_agents),
                 len(job.lost_nodes),
                 len(job.stopped_nodes),
                 len(job.vanished),
             )
+            plan = (job.placement, job.placed_agents)
             known = self.shapes.get(job.name)
-            if known is None or known[0] != shape:
+            if (
+                known is None
+                or known[0] != shape
+                or known[1][0] is not plan[0]
+                or known[1][1] is not plan[1]
+            ):
                 state.unsettled.update(job.nodes)
                 if known is not None:
-                    state.unsettled.update(known[1])
-                self.shapes[job.name] = (shape, job.nodes)
+                    state.unsettled.update(known[2])
+                self.shapes[job.name] = (shape, plan, job.nodes)
         for name in [name for name in self.shapes if name not in state.jobs]:
-            state.unsettled.update(self.shapes.pop(name)[1])
+            state.unsettled.update(self.shapes.pop(name)[2])
 
     def _forget(self, job: JobRuntime) -> None:
         self._guarded(
@@ -401,7 +409,7 @@ FIXES_LOGGED = 5  # nodes a tick's convergence names one by one; past it, one li
 def _log_fixes(fixes: list) -> None:
     """What a tick's convergence told nodes to do: a line per node for a few, else one
     line with the count per fix and the first nodes (a mass start or restart squares
-    thousands at once: a line each was most of the tick's time at 4,000 nodes)."""
+    thousands at once, and a line for each would take most of the tick)."""
     if len(fixes) <= FIXES_LOGGED:
         for node, fixing in fixes:
             log.warning(

@@ -55,8 +55,8 @@ ADMISSION_QUEUE = 256  # Hellos waiting for that, past which Connect is refused
 INGEST_BATCH = 1024  # agent messages recorded per hold of the state lock, at most
 # After the first message of a batch, how long the recorder lets more gather: at
 # thousands of agents, a batch a message costs a thread wake-up and a pass of the GIL
-# each (a sixth of the recorder's CPU at 2,000 agents, benchmarks.control_plane); a
-# few milliseconds' delay is nothing to what an agent message asks of the controller.
+# each (docs/BENCHMARKS.md, control_plane); a few milliseconds' delay is nothing to
+# what an agent message asks of the controller.
 INGEST_GATHER_S = 0.005
 
 

@@ -25,9 +25,17 @@ from protos import keel_pb2
 
 
 class CountedDict(dict):
-    """A dict that counts its changes on its owner (``ControllerState.nodes_version``),
-    read at a dict's speed: what is built from the node tables (``ListNodes``) is kept
-    while none of them changed, however they were changed."""
+    """A dict that counts its changes on its owner (``owner.nodes_touched()``, read back
+    as ``ControllerState.nodes_version``), so that what is built from the node tables
+    (``ListNodes``) can be kept for as long as the version stands.
+
+    The contract: every dict method that can change it (``__setitem__``,
+    ``__delitem__``, ``__ior__``, ``pop``, ``popitem``, ``clear``, ``update``,
+    ``setdefault``) counts, before the change and whether or not one happens (a count
+    too many costs a rebuild, never a stale reply); so while the version stands the
+    keys and the values are the same objects. A value changed in place is not seen
+    here: whoever changes one (a session's ``connected``) calls ``nodes_touched``.
+    Reads are a dict's own."""
 
     __slots__ = ("_owner",)
 
@@ -74,8 +82,8 @@ class CountedDict(dict):
 class LoopPost:
     """Hands messages from any thread to queues on one event loop, waking the loop once
     per batch, not once per message: a wake is a write to the loop's self-pipe, and a
-    start sent to 4,000 nodes was 4,000 of them, each contending for the GIL (2.5 s of
-    a tick, the state lock held)."""
+    start sent to every node of a large cluster would be one per node, each contending
+    for the GIL while the tick holds the state lock."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop

@@ -2,8 +2,8 @@
 about the same number of step messages a second however many agents it serves. Pure.
 
 Each message costs the controller the same whatever it carries (gRPC's read, a hop to
-the thread that records it, the state lock: about 0.3 ms of a core at 1,000 agents);
-each report in it costs a little. An agent batches at its own pace (0.5 s) in a small
+the thread that records it, the state lock; docs/BENCHMARKS.md has the figure); each
+report in it costs a little. An agent batches at its own pace (0.5 s) in a small
 cluster; past ``messages_per_s / 2`` agents it is asked to batch for longer. Rank
 exits, checkpoints and status go at once whatever the pace, and a hang is judged by
 the agent itself: a longer batch delays only what the controller shows (the step,

@@ -3,10 +3,11 @@
 Ranks report ``(rank, node, step, step_time_s)``, where ``step_time_s`` is the rank's
 own compute time for the step, measured before it waits on its peers (after that wait
 every rank looks as slow as the slowest). ``evaluate`` buffers reports until a window
-of ``config.window`` steps is complete, scores every node against the median of the other nodes' ranks
-over that window, and flags a node only after ``config.patience`` slow windows in a
-row; a flagged node is cleared only after as many windows below ``config.recover``.
-No I/O, no clock reads: time here is counted in steps.
+of ``config.window`` steps is complete, scores every node against the median of the
+other nodes' ranks over that window (``score_window`` states the rule), and flags a
+node only after ``config.patience`` slow windows in a row; a flagged node is cleared
+only after as many windows below ``config.recover``. No I/O, no clock reads: time
+here is counted in steps.
 
 Windows lie on a fixed grid of steps, ``1..window``, ``window+1..2*window``, ..., so
 that the same reports give the same windows whatever order they arrive in. The state
@@ -20,6 +21,7 @@ import bisect
 import collections
 import itertools
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -102,7 +104,8 @@ class StepBlock(collections.namedtuple("StepBlock", "node step ranks step_times"
 @dataclass(frozen=True)
 class NodeScore:
     """A node's slowest rank's median step time over one window, as a multiple of the
-    median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks; ``slowest_rank`` is that rank."""
+    median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks;
+    ``slowest_rank`` is that rank."""
 
     node: str
     ratio: float
@@ -148,78 +151,39 @@ def initial_state() -> StragglerState:
     return StragglerState()
 
 
-def score_window(samples: Iterable[StepSample]) -> list[NodeScore]:
-    """Each node's score over the samples of one window, sorted by node: every rank's
-    median step time, and per node the ratio of its slowest rank (a node is as slow as
-    its slowest rank, since its peers wait for it) to the median of the ranks on the
-    other nodes. Leaving the node out keeps a slow node from raising its own yardstick:
-    on two nodes the cluster median would be the mean of the slow and the fast, and a
-    1.5x node would score only 1.2x."""
-    times: dict[int, list[float]] = {}
+def score_window(reports: Iterable[StepSample | StepBlock]) -> list[NodeScore]:
+    """The scoring rule: each node's score over the reports of one window, sorted by
+    node. A rank's time is the median of its step times (the first report of each step
+    counts, and a rank belongs to the node of its first report). A node's ratio is its
+    slowest rank's time (of ranks that tie, the lowest rank) over the median of the
+    times of the ranks on the other nodes, or of every rank when there is one node.
+
+    A node is as slow as its slowest rank, since its peers wait for it. Leaving the
+    node out of its own yardstick keeps a slow node from raising it: on two nodes the
+    cluster median would be the mean of the slow and the fast, and a 1.5x node would
+    score only 1.2x.
+
+    Written to be read, not to be fast: ``evaluate`` scores a window with
+    ``_score_uniform`` or ``_score_sorted``, the fast forms of this rule, which give the
+    same floats and the same slowest ranks (the straggler tests check them against it)."""
+    steps_of: dict[int, dict[int, float]] = {}
     node_of: dict[int, str] = {}
-    for rank, node, _, seconds in samples:
-        values = times.get(rank)
-        if values is None:
-            times[rank], node_of[rank] = [seconds], node
-        else:
-            values.append(seconds)
-    return _score({rank: _median(values) for rank, values in times.items()}, node_of)
-
-
-def _score(rank_median: dict[int, float], node_of: dict[int, str]) -> list[NodeScore]:
-    """``score_window`` from each rank's median and node. O(R log R) for R ranks: the
-    rank medians are sorted once, and each node's reference is read off that order by
-    skipping positions that hold the node's own medians (O(its ranks log R): which of
-    equal values are skipped does not change what is left)."""
-    ordered = sorted(rank_median.values())
-    by_node: dict[str, list[int]] = {}
-    for rank in sorted(rank_median):
-        by_node.setdefault(node_of[rank], []).append(rank)
+    for report in reports:
+        if type(report) is StepSample:
+            report = StepBlock(report.node, report.step, (report.rank,), (report.step_time_s,))
+        for rank, seconds in zip(report.ranks, report.step_times):
+            if rank not in steps_of:
+                steps_of[rank], node_of[rank] = {}, report.node
+            steps_of[rank].setdefault(report.step, seconds)
+    median = {rank: statistics.median(steps.values()) for rank, steps in steps_of.items()}
     scores = []
-    for node in sorted(by_node):
-        slowest = max(by_node[node], key=lambda rank: (rank_median[rank], -rank))
-        own, previous, position = [], None, 0
-        for value in sorted(rank_median[rank] for rank in by_node[node]):
-            # The first position holding ``value``, or the next one for a repeat of it.
-            position = position + 1 if value == previous else bisect.bisect_left(ordered, value)
-            own.append(position)
-            previous = value
-        reference = _median_without(ordered, own if len(own) < len(ordered) else [])
-        scores.append(
-            NodeScore(node, rank_median[slowest] / reference, len(by_node[node]), slowest)
-        )
+    for node in sorted(set(node_of.values())):
+        mine = sorted(rank for rank in median if node_of[rank] == node)
+        slowest = max(mine, key=lambda rank: (median[rank], -rank))
+        others = [median[rank] for rank in median if node_of[rank] != node]
+        reference = statistics.median(others or median.values())
+        scores.append(NodeScore(node, median[slowest] / reference, len(mine), slowest))
     return scores
-
-
-def _median(values: Sequence[float]) -> float:
-    """``statistics.median`` (the same float: the mean of the two middle values of an
-    even count), without its generality: it is called once per rank per window."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[middle]
-    return (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _median_without(ordered: list[float], skipped: list[int]) -> float:
-    """``statistics.median`` of ``ordered`` (sorted) without the positions ``skipped``
-    (sorted), without building that list."""
-
-    def nth(n: int) -> float:
-        # The n-th (from 0) element left once the skipped positions are taken out.
-        index = n
-        for skip in skipped:
-            if skip <= index:
-                index += 1
-            else:
-                break
-        return ordered[index]
-
-    count = len(ordered) - len(skipped)
-    middle = count // 2
-    if count % 2:
-        return nth(middle)
-    return (nth(middle - 1) + nth(middle)) / 2
 
 
 def evaluate(
@@ -268,16 +232,14 @@ def evaluate(
         by_node = _by_node(blocks)
         regular = _regular(by_node)
         shape = _uniform(by_node) if regular else None
-        # The usual case at scale: every rank seen reported every step of the window,
-        # each node once per step for the same number of ranks. Scored as arrays.
-        uniform = shape is not None and shape[0] == size and len(by_node) * shape[1] == len(ranks)
-        if uniform:
+        if shape is not None and shape[0] == size and len(by_node) * shape[1] == len(ranks):
+            # Every rank seen reported every step of the window: complete.
             reported = len(ranks)
         else:
             times, node_of = _rank_times(blocks, by_node, regular)
             # Complete when every rank seen so far is done with it: it reported all of
             # its steps, or a later one (then a missing one was lost, and waiting is
-            # futile). (The first test is the usual case, at C speed.)
+            # futile). The first test implies the second and is the cheap one.
             if not (
                 (times and len(times) == len(ranks) and min(map(len, times.values())) == size)
                 or all(
@@ -290,11 +252,12 @@ def evaluate(
         last_step = last
         if reported < config.min_ranks:
             continue
-        scores = tuple(
-            _score_uniform(by_node)
-            if uniform
-            else _score({rank: _median(values) for rank, values in times.items()}, node_of)
-        )
+        # score_window(blocks), by its fast forms.
+        if shape is not None:
+            scores = tuple(_score_uniform(by_node))
+        else:
+            rank_median = {rank: statistics.median(values) for rank, values in times.items()}
+            scores = tuple(_score_sorted(rank_median, node_of))
         for score in scores:
             streak = streaks.get(score.node)
             if streak is None:
@@ -379,7 +342,8 @@ def _rank_times(
     """Each rank's step times in a window (the first report of each of its steps counts)
     and its node (of its first report); ``by_node`` is ``_by_node(blocks)``, ``regular``
     ``_regular(by_node)``. In a regular window a node's ranks' times are its blocks'
-    columns, transposed at C speed; otherwise report by report, in arrival order."""
+    columns (``zip`` transposes them with no Python step per value); otherwise they
+    are gathered report by report, in arrival order."""
     times: dict[int, Sequence[float]] = {}
     node_of: dict[int, str] = {}
     if regular:
@@ -399,11 +363,11 @@ def _rank_times(
 
 
 def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
-    """``_score`` of a uniform window (``_uniform``), computed on arrays: the same
-    floats (a median of an even count is the mean of its two middle values, as
-    ``_median``'s; the ratio one division), a few times faster at thousands of nodes.
-    Each node's reference is the median of the sorted rank medians without the node's
-    own positions, found as ``_score`` finds them."""
+    """``score_window`` of a window that ``_uniform`` gives a shape, computed on arrays:
+    the fast form of the rule for the usual window at scale, where every node sent each
+    step once for as many ranks. The same floats: numpy's median of an even count is
+    the mean of its two middle values, as ``statistics.median``'s, and the ratio is one
+    division. Each node's reference is found as ``_score_sorted`` finds it, on arrays."""
     names = sorted(by_node)
     steps, width = len(by_node[names[0]]), len(by_node[names[0]][0].ranks)
     count = len(names)
@@ -443,6 +407,54 @@ def _score_uniform(by_node: dict[str, list[StepBlock]]) -> list[NodeScore]:
         NodeScore(name, ratio, width, rank)
         for name, ratio, rank in zip(names, (top / reference).tolist(), slowest.tolist())
     ]
+
+
+def _score_sorted(rank_median: dict[int, float], node_of: dict[int, str]) -> list[NodeScore]:
+    """``score_window`` from each rank's median and node: the fast form of the rule for
+    any window. The rule's reference for a node is the median of a list of every other
+    node's ranks, a sort of the whole window per node; here the rank medians are sorted
+    once, and each node's reference is read off that order by skipping the positions
+    that hold the node's own medians (which of equal values are skipped does not change
+    what is left), so a window of R ranks costs O(R log R)."""
+    ordered = sorted(rank_median.values())
+    by_node: dict[str, list[int]] = {}
+    for rank in sorted(rank_median):
+        by_node.setdefault(node_of[rank], []).append(rank)
+    scores = []
+    for node in sorted(by_node):
+        slowest = max(by_node[node], key=lambda rank: (rank_median[rank], -rank))
+        own, previous, position = [], None, 0
+        for value in sorted(rank_median[rank] for rank in by_node[node]):
+            # The first position holding ``value``, or the next one for a repeat of it.
+            position = position + 1 if value == previous else bisect.bisect_left(ordered, value)
+            own.append(position)
+            previous = value
+        reference = _median_without(ordered, own if len(own) < len(ordered) else [])
+        scores.append(
+            NodeScore(node, rank_median[slowest] / reference, len(by_node[node]), slowest)
+        )
+    return scores
+
+
+def _median_without(ordered: list[float], skipped: list[int]) -> float:
+    """``statistics.median`` of ``ordered`` (sorted) without the positions ``skipped``
+    (sorted), without building that list."""
+
+    def nth(n: int) -> float:
+        # The n-th (from 0) element left once the skipped positions are taken out.
+        index = n
+        for skip in skipped:
+            if skip <= index:
+                index += 1
+            else:
+                break
+        return ordered[index]
+
+    count = len(ordered) - len(skipped)
+    middle = count // 2
+    if count % 2:
+        return nth(middle)
+    return (nth(middle - 1) + nth(middle)) / 2
 
 
 def _flag(

@@ -109,7 +109,8 @@ def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd
         wait_for(
             lambda: len(state.registered) == AGENTS, 30, what="the watch to bring every node record"
         )
-        # Before, each stream held a server thread and a reader thread: 300 more here.
+        # A stream holds no thread of its own (a thread or two each would be hundreds
+        # more here).
         grown = threading.active_count() - threads_before
         assert grown < 20, f"{grown} threads more for {AGENTS} agent streams"
         # Settled (every Hello squared with the plan, the first sweep done): from now

@@ -1,6 +1,6 @@
 """Gray failures: parties that stall or are cut off while they keep running, and what
-they leave behind. Each test is named after what broke before Keel fenced it; each ends
-with the job at its target, its data exact, no failed restore, and nothing of a
+they leave behind. Each test is named after the failure and what Keel does about it;
+each ends with the job at its target, its data exact, no failed restore, and nothing of a
 superseded generation left running."""
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def assert_nothing_superseded_ran_on(run: Path) -> list[dict]:
     return entries
 
 
-def test_a_stalled_leader_no_longer_keeps_its_agents_or_writes_when_it_wakes(no_leaks):
+def test_a_stalled_leader_that_wakes_keeps_no_agents_and_leads_nothing(no_leaks):
+    """The leader controller stalls for 20 s at step 15: the agents follow the standby
+    within its node-lost grace and it adopts their ranks, so nothing restarts; the old
+    leader wakes superseded, steps down and leads nothing after."""
     run = no_leaks / "run"
     summary = run_up(
         run,
@@ -107,11 +110,11 @@ def test_a_stalled_leader_no_longer_keeps_its_agents_or_writes_when_it_wakes(no_
 TRAIN = [sys.executable, "-m", "trainer.train", "--global-batch", "4", "--no-preflight"]
 
 
-def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_leaks):
+def test_a_superseded_generation_that_runs_on_cannot_commit_or_delete(no_leaks):
     """Generation 1 runs on (its node was lost to the cluster, but not stopped) while
-    generation 2 starts on the same checkpoint directory. Before, generation 1 went on
-    committing there, and its retention (keep 2) deleted generation 2's checkpoints,
-    whose step numbers were lower; now its next commit is refused and it stops."""
+    generation 2 starts on the same checkpoint directory. Generation 1's next commit
+    is refused and it stops: were it let commit, its retention (keep 2) would delete
+    generation 2's checkpoints, whose step numbers are lower."""
     from common.net import free_port
 
     ckpt = no_leaks / "ckpt"
@@ -176,7 +179,9 @@ def test_a_superseded_generation_that_runs_on_can_no_longer_commit_or_delete(no_
 
 
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_restored(no_leaks):
-    """Before, a restart crashed on the damaged checkpoint until its restarts ran out."""
+    """Step 10's shard is damaged after its commit and rank 1 hangs at step 12: the
+    restart finds the checksum wrong, quarantines step 10 and restores step 5, and the
+    job completes with its data exact in one restart."""
     run = no_leaks / "run"
     newest = run / "checkpoints" / "step_00000010"
     stop = threading.Event()
@@ -268,13 +273,12 @@ def trainer_spec(directory: Path, name: str, steps: int, every: int, checkpoints
     return spec
 
 
-def test_a_state_write_whose_reply_was_lost_no_longer_strands_the_job(cluster, etcd):  # noqa: F811
+def test_a_state_write_whose_reply_is_lost_does_not_strand_the_job(cluster, etcd):  # noqa: F811
     """The controller's writes of the job's moves to STARTING and to RUNNING each commit
-    in etcd, but their replies are lost. Before, the job stayed STARTING on a placement
-    nobody was asked to prepare until it failed (a lost RUNNING reply alone left it
-    RUNNING with nothing started, for good); now the controller rebuilds the job from
-    etcd and tells the agents again until they run what etcd says, and the job
-    completes without a restart."""
+    in etcd, but their replies are lost (the job would otherwise stay STARTING on a
+    placement nobody was asked to prepare, or RUNNING with nothing started). The
+    controller rebuilds the job from etcd and tells the agents again until they run
+    what etcd says, and the job completes without a restart."""
     cluster.controller(
         launcher=[str(SCRIPTS / "lost_reply_controller.py")],
         env={"LOSE_REPLY_TO": "STARTING,RUNNING"},
@@ -332,9 +336,8 @@ SPARE_RUN = (
 
 def test_a_node_cut_off_from_the_cluster_stops_its_own_ranks_before_it_is_replaced(no_leaks):
     """node-1 loses etcd and the controller (its TCP proxy drops everything) but runs on.
-    Before, its agent only logged the lease it could not renew and its rank trained on
-    beside its replacement; now the agent stops its ranks once its lease has gone a
-    TTL unrenewed, and the spare takes over."""
+    Its agent stops its ranks once its lease has gone a TTL unrenewed, so they do not
+    train on beside their replacement, and the spare takes over."""
     run = no_leaks / "run"
     summary = run_up(run, *SPARE_RUN, "--inject", "partition_node:node=1,step=15,for=25")
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
@@ -385,13 +388,12 @@ def test_a_frozen_node_that_wakes_cannot_commit_over_its_replacement(no_leaks):
         assert json.loads((path / "ledger.json").read_text())["step"] == step
 
 
-def test_a_stalled_agent_no_longer_leaves_its_ranks_unsupervised(no_leaks):
+def test_the_rank_of_a_stalled_agent_stops_itself(no_leaks):
     """The only node's agent alone is stopped for 24 s; its rank runs on, and at step
     17 stops making progress (a hang nobody can see: the agent that would is stopped).
-    Before, such a rank stayed as it was, unsupervised, with its resources, for as long
-    as its agent was gone; now it stops itself once its agent has answered nothing for
-    the collective timeout (16 s here), and the job restarts on the node when its agent
-    is back.
+    The rank stops itself once its agent has answered nothing for the collective
+    timeout (16 s here), rather than stay unsupervised with its resources for as long
+    as its agent is gone, and the job restarts on the node when its agent is back.
 
     The stall is fired by `keel up` once it sees step 15 (up to a second late: the
     agent's flush, then its poll), and the rank hangs two steps later: the hang floor
@@ -444,11 +446,10 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     cluster, etcd
 ):  # noqa: F811
     """A drain stopped the job's generation (a checkpoint, then the stop) and the job
-    waits PENDING for a free node when the leader dies. Before, the drain was known only
-    from the cordons while the job ran: the new leader placed the next generation with
-    no idea which node it moved off, so no "replaced" event said so (seen as a keel-up
-    handover inside a drain). Now the stop keeps the operation in etcd until the
-    placement."""
+    waits PENDING for a free node when the leader dies. The stop keeps the operation in
+    etcd until the placement, so the new leader knows which node the job moves off and
+    says so in a "replaced" event (the cordons alone would not tell it: a keel-up
+    handover inside a drain)."""
     standby, common = a_leader_a_standby_and_two_nodes(cluster, etcd)
     checkpoints = cluster.path / "checkpoints"
     spec = trainer_spec(cluster.path, "drained", 40, 1000, checkpoints)
@@ -495,10 +496,9 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
 
 def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(cluster, etcd):  # noqa: F811
     """An ended job carries 10,000 events of 1 KiB and 10,000 checkpoint records, 11 MB
-    (what older versions could pile up). Before, each prefix was read in one range call:
-    past gRPC's 4 MiB receive limit a new leader held the leader key but could never load
-    its jobs, and no standby could win again. Now reads are paged, and the new leader
-    trims what it loaded to the bounds; the job running beside it carries on."""
+    (what older versions could pile up), past gRPC's 4 MiB receive limit for one range
+    call. A new leader reads them in pages, loads its jobs and trims what it loaded to
+    the bounds; the job running beside it carries on."""
     from common import keys
     from common.records import CheckpointRecord, EventRecord
     from orchestrator.controller.job_health import MAX_EVENTS

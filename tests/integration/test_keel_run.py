@@ -26,7 +26,9 @@ def rank_starts(*logs: Path) -> list[dict]:
 
 
 def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
-    """Before, ranks missed GROUP_RANK, ROLE_*, TORCHELASTIC_MAX_RESTARTS and more."""
+    """Each rank sees the variables torchrun sets (GROUP_RANK, ROLE_*,
+    TORCHELASTIC_MAX_RESTARTS and the rest) with torchrun's values, save the launch's
+    own ports, ids and error file."""
     under_torchrun, under_keel = no_leaks / "torchrun", no_leaks / "keel"
     under_torchrun.mkdir()
     under_keel.mkdir()
@@ -63,9 +65,9 @@ def test_keel_run_gives_a_script_the_environment_torchrun_gives_it(no_leaks):
 
 
 def test_a_script_whose_first_step_outlasts_every_timeout_runs_to_its_end(no_leaks):
-    """Before, the agent's first-step timeout declared a plain torchrun script hung, and
-    the controller excluded a node of a healthy job. Now only a rank that said it
-    reports steps (trainer.runtime attaches) is held to it."""
+    """A plain torchrun script is not held to the agent's first-step timeout, so no node
+    of a healthy job is excluded for it: only a rank that said it reports steps
+    (trainer.runtime attaches) is."""
     markers = no_leaks / "markers"
     markers.mkdir()
     ran = keel(

@@ -300,9 +300,9 @@ def test_the_reference_trainer_stuck_before_its_first_step_is_found_hung(no_leak
 
 
 def test_a_sigtermed_agent_drains_its_node_and_a_sigtermed_leader_hands_over(no_leaks):
-    """Before, SIGTERM to an agent (what a scheduler sends a node it shuts down) killed
-    its ranks with no checkpoint. Now its node is drained like `keel drain`: a checkpoint,
-    then the job moves to the spare without spending a restart, and the agent exits."""
+    """SIGTERM to an agent (what a scheduler sends a node it shuts down) drains its node
+    like `keel drain`, rather than kill its ranks with no checkpoint: a checkpoint, then
+    the job moves to the spare without spending a restart, and the agent exits."""
     summary = run_up(
         no_leaks / "run",
         "--controllers",
@@ -349,7 +349,8 @@ def test_a_sigtermed_agent_drains_its_node_and_a_sigtermed_leader_hands_over(no_
 
 
 def test_three_single_slot_nodes_train_the_reference_model(no_leaks):
-    """Before, refused: the reference trainer's 16 samples a step do not split 3 ways."""
+    """World size 3 trains the reference model, though its 16 samples a step do not
+    split 3 ways: every sample once, the loss going down."""
     summary = run_up(
         no_leaks / "run",
         "--nodes",

@@ -1,7 +1,8 @@
 """Following the leader key across an etcd restart (common/leader.LeaderWatch): the
 watch that etcd's crash ends is noticed, and a leader named after the restart is seen.
-(python3-etcd3 0.13's watcher died of a NameError on that path, so the end of the watch
-was never reported and the watcher went on naming the old leader.)"""
+(python3-etcd3 0.13's watcher dies of a NameError on that path: the end of the watch
+is never reported by it, and a watcher relying on it would go on naming the old
+leader.)"""
 
 from __future__ import annotations
 

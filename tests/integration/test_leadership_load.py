@@ -54,9 +54,9 @@ def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
 
 def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etcd):
     """SIGTERM to a leader (``shutdown``) hands the lead over once the tick under way has
-    made its writes. Before, the lease went at once: a tick that had put a placement in
-    etcd could not save the event saying which node it replaced, and the next leader
-    never showed it (keel up's drain-and-handover test, under load)."""
+    made its writes: a tick that put a placement in etcd also saves the event saying
+    which node it replaced, and the next leader shows it (were the lease let go at once,
+    that event would be lost: keel up's drain-and-handover test, under load)."""
     controller = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
     controller.serve()
     state, leadership = controller.state, controller.leadership

@@ -281,8 +281,8 @@ def test_keel_up_with_tls(no_leaks):
 
 
 def test_keel_ups_embedded_etcd_with_tls_takes_only_clients_with_a_certificate(tmp_path):
-    """Before, `keel up --tls` ran its etcd in plaintext without authentication: anyone
-    who could reach its port could rewrite every job."""
+    """`keel up --tls` runs its etcd with TLS and client certificates, so that no one
+    who merely reaches its port can rewrite every job."""
     from common.tls import resolve_tls
     from orchestrator.local.etcd_server import EmbeddedEtcd
 

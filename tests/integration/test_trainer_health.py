@@ -197,9 +197,9 @@ while True:   # trains fast, as a real rank would, until something stops it
 
 def test_a_rank_whose_agent_stops_answering_stops_itself():
     """The agent's socket accepts calls but never answers (a SIGSTOPped agent looks like
-    this). Before, the rank trained on unsupervised, and its reporter, busy timing out
-    one batch after another, never looked at how long the agent had been silent; now
-    it stops itself after the collective timeout."""
+    this). The rank stops itself after the collective timeout: its reporter, though
+    busy timing out one batch after another, counts how long the agent has been
+    silent."""
     from tests.conftest import local_agent
     from tests.unit.trainer.test_runtime import StuckAgent
 

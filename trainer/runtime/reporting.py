@@ -63,8 +63,7 @@ class _StepReporter:
 
     Queuing a report is an append to a deque: the thread is woken only when a batch
     is full or a report is urgent, not per step, because waking it each step (a
-    ``queue.Queue`` put) costs the training loop tens of microseconds of thread
-    switching."""
+    ``queue.Queue`` put) costs the training loop a thread switch each step."""
 
     _STOP = object()
 

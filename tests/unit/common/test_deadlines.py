@@ -10,8 +10,8 @@ def test_defaults_fit_and_derived_timeouts_grow_with_the_floor():
     d = resolve()
     assert (d.hang_floor_s, d.stop_grace_s, d.collective_timeout_s) == (30.0, 5.0, 60.0)
     assert d.startup_timeout_s >= 1.2 * (d.first_step_timeout_s + d.stop_grace_s)
-    # The case keel up --hang-floor-s 90 used to get wrong: a 60 s collective timeout
-    # would fire before the agent could name the hung rank.
+    # keel up --hang-floor-s 90: the collective timeout is raised past the floor, or at
+    # 60 s it would fire before the agent could name the hung rank.
     assert resolve(hang_floor_s=90).collective_timeout_s == 114.0  # 1.2 x (90 + 5)
     assert resolve(hang_floor_s=90, stop_grace_s=15).collective_timeout_s == 126.0
 

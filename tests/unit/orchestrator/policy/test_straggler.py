@@ -3,8 +3,11 @@ on node-0; 2, 3 on node-1), 40 steps of 0.1 s, noise drawn from seeded generator
 
 import random
 import re
+import statistics
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.policy import straggler
 from orchestrator.policy.straggler import (
@@ -389,3 +392,79 @@ def test_a_step_sent_again_counts_as_first_sent(form):
     state, flags, _ = evaluate(initial_state(), batches[0] + batches[1], config)
     assert state.last_step == 5 and flags == []
     assert [round(s.ratio, 6) for s in state.scores] == [1.0, 1.0]
+
+
+# Few distinct values, so that ties between ranks and nodes are common, and any others.
+STEP_TIME_S = st.sampled_from([0.1, 0.2, 0.25, 0.3, 1.0]) | st.floats(0.001, 10.0)
+
+
+@st.composite
+def windows(draw, uniform):
+    """``(size, blocks)``: one window of ``size`` steps as ``StepBlock``s in arrival order.
+    ``uniform``: every node sends each step once for as many ranks, as ``_score_uniform``
+    takes them; otherwise nodes differ in ranks, and reports may be lost, sent twice,
+    carry a rank of another node or list a node's ranks in another order."""
+    size = draw(st.integers(1, 6))
+    widths = draw(st.lists(st.integers(1, 4), min_size=1, max_size=6))
+    if uniform:
+        widths = [widths[0]] * len(widths)
+    ranks = draw(st.permutations(range(sum(widths))))
+    ranks_of = [tuple(ranks[sum(widths[:n]) : sum(widths[: n + 1])]) for n in range(len(widths))]
+    blocks = []
+    for step in range(1, size + 1):
+        for node, mine in enumerate(ranks_of):
+            kind = "whole" if uniform else draw(st.sampled_from(KINDS))
+            if kind == "lost":
+                continue
+            if kind == "subset":
+                mine = tuple(draw(st.permutations(mine)))[: draw(st.integers(1, len(mine)))]
+            if kind == "stray":
+                mine = mine + (draw(st.sampled_from(ranks)),)
+            times = tuple(draw(STEP_TIME_S) for _ in mine)
+            blocks.append(StepBlock(f"n{node}", step, mine, times))
+            if kind == "twice":
+                blocks.append(StepBlock(f"n{node}", step, mine, tuple(t * 3 for t in times)))
+    return size, draw(st.permutations(blocks))
+
+
+KINDS = ["whole", "whole", "whole", "subset", "lost", "twice", "stray"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=windows(uniform=True))
+def test_a_uniform_window_on_arrays_scores_as_the_rule(window):
+    """``_score_uniform``, the array form, gives the rule's floats and slowest ranks."""
+    _, blocks = window
+    by_node = straggler._by_node(blocks)
+    assert straggler._regular(by_node) and straggler._uniform(by_node) is not None
+    assert straggler._score_uniform(by_node) == score_window(blocks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=windows(uniform=False) | windows(uniform=True))
+def test_any_window_from_sorted_medians_scores_as_the_rule(window):
+    """``_score_sorted``, the form for any window, gives the rule's floats and slowest
+    ranks from the rank times ``_rank_times`` gathers, regular window or not."""
+    _, blocks = window
+    by_node = straggler._by_node(blocks)
+    times, node_of = straggler._rank_times(blocks, by_node, straggler._regular(by_node))
+    medians = {rank: statistics.median(values) for rank, values in times.items()}
+    assert straggler._score_sorted(medians, node_of) == score_window(blocks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(window=windows(uniform=False) | windows(uniform=True), data=st.data())
+def test_evaluate_scores_a_window_as_the_rule(window, data):
+    """``evaluate`` scores a window with whichever fast form applies, and the scores it
+    keeps are the rule's. Each rank's report of the next step closes the window (a step
+    it lost there is not waited for); windows of one step are left out, as their next
+    window would close and be scored too."""
+    size, blocks = window
+    ranks = sorted({rank for block in blocks for rank in block.ranks})
+    assume(size > 1 and ranks)
+    closing = [StepSample(rank, "n0", size + 1, 0.1) for rank in ranks]
+    arrived = data.draw(st.permutations(blocks + closing))
+    state, _, _ = evaluate(initial_state(), arrived, StragglerConfig(window=size))
+    assert state.last_step == size
+    window_reports = [report for report in arrived if report.step <= size]
+    assert state.scores == (tuple(score_window(window_reports)) if len(ranks) >= 2 else ())
