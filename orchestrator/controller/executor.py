@@ -12,7 +12,7 @@ import structlog
 
 from common import env
 from common.deadlines import DeadlineError
-from common.records import CordonRecord, EventRecord, PlanRecord
+from common.records import CordonRecord, EventRecord, JobSpecRecord, PlanRecord
 from orchestrator.controller import observe
 from orchestrator.controller.checkpoint_records import CheckpointRecords
 from orchestrator.controller.errors import Terminal
@@ -436,6 +436,23 @@ class Executor:
             Action.CANCEL: JobState.CANCELLED,
         }[decision.action]
         self.transition(job, target, decision.reason, now)
+
+    def create(self, job: JobRuntime) -> bool:
+        """Store a submitted job's spec and first state, then hold it here; False (and
+        nothing changed) if etcd has a job of that name already."""
+        revision = self.store.create_job(job.name, JobSpecRecord(spec=job.spec), job.record())
+        if not revision:
+            return False
+        job.state_rev = revision
+        self.state.jobs[job.name] = job
+        return True
+
+    def request_stop(self, job: JobRuntime, reason: str, now: bool) -> None:
+        """Record an operator's stop (``now``: without a final checkpoint) with the job's
+        state in etcd first, then here; the lifecycle policy carries it out."""
+        record = job.record().replace(stop_requested=reason, stop_now=now)
+        job.state_rev = self.store.update_job_state(job.name, record, job.state_rev)
+        job.stop_requested, job.stop_now = reason, now
 
     def forget(self, job: JobRuntime, why: str) -> None:
         """Delete an ended job's records from etcd (its checkpoints stay on disk)."""

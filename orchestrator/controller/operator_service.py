@@ -14,7 +14,7 @@ import time
 import grpc
 import structlog
 
-from common.records import CheckpointRequestRecord, JobSpecRecord
+from common.records import CheckpointRequestRecord
 from orchestrator.controller import observe
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_health import JobHealth
@@ -82,16 +82,14 @@ class OperatorService:
                 health=JobHealth(spec.name, resolve_health(spec.health)),
             )
             try:
-                revision = self.store.create_job(spec.name, JobSpecRecord(spec=spec), job.record())
+                created = self.executor.create(job)
             except Exception as exc:
                 self._unrecorded(exc, context)
-            if not revision:
+            if not created:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"job {spec.name!r} exists in etcd; choose another name",
                 )
-            job.state_rev = revision
-            self.state.jobs[spec.name] = job
         log.info(
             "job submitted",
             job=spec.name,
@@ -439,14 +437,9 @@ class OperatorService:
                 reason = "stopped by the operator" + (
                     f": {request.reason}" if request.reason else ""
                 )
-                before = job.stop_requested, job.stop_now
-                job.stop_requested, job.stop_now = reason, request.now
                 try:
-                    job.state_rev = self.store.update_job_state(
-                        job.name, job.record(), job.state_rev
-                    )
+                    self.executor.request_stop(job, reason, request.now)
                 except Exception as exc:
-                    job.stop_requested, job.stop_now = before
                     self._unrecorded(exc, context)
                 job.health.event("operator", reason, step=job.step)
                 log.info("job stop requested", job=job.name, reason=reason, now=request.now)
