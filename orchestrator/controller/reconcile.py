@@ -373,16 +373,19 @@ class Reconciler:
                     flag.node,
                     remediation.slow_node(
                         now,
-                        flag.node,
-                        job.name,
-                        job.state,
-                        job.generation,
-                        health.spec.straggler_policy,
-                        times,
-                        flag.node in state.cordons,
-                        job.operation is not None,
-                        health.replacement_times,
-                        health.spec.max_replacements_per_hour,
+                        remediation.SlowNode(
+                            node=flag.node,
+                            job=job.name,
+                            state=job.state,
+                            generation=job.generation,
+                            flag_times=times,
+                            cordoned=flag.node in state.cordons,
+                            operation_under_way=job.operation is not None,
+                            replacement_times=health.replacement_times,
+                        ),
+                        remediation.StragglerSpec(
+                            health.spec.straggler_policy, health.spec.max_replacements_per_hour
+                        ),
                     ),
                     now,
                 )

@@ -29,24 +29,38 @@ class SlowNodeDecision:
     operation: Operation | None = None  # REPLACE, EXCLUDE: the checkpoint-then-stop
 
 
-def slow_node(
-    now: float,
-    node: str,
-    job: str,
-    state: JobState,
-    generation: int,
-    policy: str,
-    flag_times: Sequence[float],
-    cordoned: bool,
-    operation_under_way: bool,
-    replacement_times: Sequence[float],
-    max_replacements_per_hour: int,
-) -> SlowNodeDecision:
-    """A node of ``job`` was just flagged slow. ``flag_times``: every flag of the node so
-    far, this one included; ``policy``: the job's straggler policy (replace, exclude,
-    alert); ``replacement_times``: the job's replacements so far."""
+@dataclass(frozen=True)
+class SlowNode:
+    """What is known when ``node`` of ``job`` (in ``state``, at ``generation``) was
+    just flagged slow. ``flag_times``: every flag of the node so far, this one
+    included; ``replacement_times``: the job's replacements so far."""
+
+    node: str
+    job: str
+    state: JobState
+    generation: int
+    flag_times: Sequence[float]
+    cordoned: bool
+    operation_under_way: bool
+    replacement_times: Sequence[float]
+
+
+@dataclass(frozen=True)
+class StragglerSpec:
+    """The job's straggler settings: ``policy`` replace, exclude or alert."""
+
+    policy: str
+    max_replacements_per_hour: int
+
+
+def slow_node(now: float, observed: SlowNode, spec: StragglerSpec) -> SlowNodeDecision:
+    """What to do about ``observed.node``, just flagged slow."""
+    node, job, state = observed.node, observed.job, observed.state
+    policy, max_replacements_per_hour = spec.policy, spec.max_replacements_per_hour
+    flag_times, replacement_times = observed.flag_times, observed.replacement_times
+    operation_under_way = observed.operation_under_way
     cordon = ""
-    if guardrails.should_cordon(flag_times, now) and not cordoned:
+    if guardrails.should_cordon(flag_times, now) and not observed.cordoned:
         cordon = f"flagged slow twice within an hour in job {job}"
     if policy == "alert":
         return SlowNodeDecision(Remedy.NOTHING, f"{job}'s straggler policy is alert", cordon)
@@ -72,7 +86,11 @@ def slow_node(
         reason,
         cordon,
         Operation(
-            node=node, reason=reason, policy=policy, generation=generation, origin="straggler"
+            node=node,
+            reason=reason,
+            policy=policy,
+            generation=observed.generation,
+            origin="straggler",
         ),
     )
 

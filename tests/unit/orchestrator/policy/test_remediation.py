@@ -5,7 +5,13 @@ import pytest
 from orchestrator.policy.guardrails import HOUR_S
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
-from orchestrator.policy.remediation import Remedy, slow_node, suspects
+from orchestrator.policy.remediation import (
+    Remedy,
+    SlowNode,
+    StragglerSpec,
+    slow_node,
+    suspects,
+)
 
 NOW = 10_000.0
 
@@ -19,9 +25,17 @@ def judge(
     replacements=(),
     per_hour=4,
 ):
-    return slow_node(
-        NOW, "b", "j", state, 3, policy, flags, cordoned, under_way, replacements, per_hour
+    observed = SlowNode(
+        node="b",
+        job="j",
+        state=state,
+        generation=3,
+        flag_times=flags,
+        cordoned=cordoned,
+        operation_under_way=under_way,
+        replacement_times=replacements,
     )
+    return slow_node(NOW, observed, StragglerSpec(policy, per_hour))
 
 
 @pytest.mark.parametrize(
