@@ -11,8 +11,8 @@ raises ``Deposed``; the controller then steps down at once. Writes that decide
 something compare the revision they read as well (``StaleRevision`` when it moved).
 
 Reads of a prefix are paginated (``common.etcd.read_prefix``: ``PAGE`` keys a call, fewer
-if a page of large values would pass the message limit) at one revision, so however much a prefix holds, a new
-leader can read it.
+if a page of large values would pass the message limit) at one revision, so however much a
+prefix holds, a new leader can read it.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Ranks report ``(rank, node, step, step_time_s)``, where ``step_time_s`` is the rank's
 own compute time for the step, measured before it waits on its peers (after that wait
 every rank looks as slow as the slowest). ``evaluate`` buffers reports until a window
-of ``config.window`` steps is complete, scores every node against the median of the other nodes' ranks
-over that window, and flags a node only after ``config.patience`` slow windows in a
-row; a flagged node is cleared only after as many windows below ``config.recover``.
+of ``config.window`` steps is complete, scores every node against the median of the
+other nodes' ranks over that window, and flags a node only after ``config.patience``
+slow windows in a row; a flagged node is cleared only after as many windows below
+``config.recover``.
 No I/O, no clock reads: time here is counted in steps.
 
 Windows lie on a fixed grid of steps, ``1..window``, ``window+1..2*window``, ..., so
@@ -102,7 +103,8 @@ class StepBlock(collections.namedtuple("StepBlock", "node step ranks step_times"
 @dataclass(frozen=True)
 class NodeScore:
     """A node's slowest rank's median step time over one window, as a multiple of the
-    median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks; ``slowest_rank`` is that rank."""
+    median of the other nodes' ranks (``ratio``), from ``ranks`` of its ranks;
+    ``slowest_rank`` is that rank."""
 
     node: str
     ratio: float

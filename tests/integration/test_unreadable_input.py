@@ -18,7 +18,7 @@ from agent.generation import Phase
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
-from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
+from tests.integration.conftest import TOKEN
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_t
     assert agent.supervisor.ranks == []
 
 
-def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(cluster):  # noqa: F811
+def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(cluster):
     client = cluster.store.client
     client.put("/keel/jobs/broken/spec", json.dumps({"name": "broken", "worldSize": "many"}))
     client.put(
