@@ -262,8 +262,9 @@ def main() -> int:
 
     committed = sum(big["shares"])
     print(
-        f"model dim {options.dim}, {options.layers} layers, {HEADS} heads: {committed / 1e6:.1f} MB per "
-        f"checkpoint (weights and AdamW moments, fp32); {options.rounds} timed rounds per launch; "
+        f"model dim {options.dim}, {options.layers} layers, {HEADS} heads: "
+        f"{committed / 1e6:.1f} MB per checkpoint (weights and AdamW moments, fp32); "
+        f"{options.rounds} timed rounds per launch; "
         f"checkpoints on {filesystem(workdir)}"
     )
     problems = {kind: problem for kind, problem in big["commit_problems"].items() if problem}
@@ -272,8 +273,9 @@ def main() -> int:
         + (
             "; ".join(f"{kind}: {p}" for kind, p in problems.items())
             if problems
-            else "sync and async saves each left step_N/ with .metadata, one shard file per rank, ledger.json and a "
-            "manifest.json that verifies, no staging directory; only the report to the agent was a no-op"
+            else "sync and async saves each left step_N/ with .metadata, one shard file per rank, "
+            "ledger.json and a manifest.json that verifies, no staging directory; only the report "
+            "to the agent was a no-op"
         )
     )
     table(
@@ -284,14 +286,16 @@ def main() -> int:
     )
     loads = [name for name in big["times"] if name.startswith("load")]
     table(
-        "restores (page cache dropped first), world 4; seconds, median (min–max) of the slowest rank",
+        "restores (page cache dropped first), world 4; "
+        "seconds, median (min–max) of the slowest rank",
         loads,
         big,
         [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")],
     )
     small_loads = [name for name in small["times"] if name.startswith("load")]
     table(
-        "restores (page cache dropped first), world 2; seconds, median (min–max) of the slowest rank",
+        "restores (page cache dropped first), world 2; "
+        "seconds, median (min–max) of the slowest rank",
         small_loads,
         small,
         [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")],
@@ -303,24 +307,28 @@ def main() -> int:
     print(f"\nbenchmark wall time {wall_s:.0f} s")
     sync_s, async_s, raw_s = at(big, "sync save"), at(big, "async save"), at(big, "raw write")
     print(
-        f"async save blocks the loop {async_s:.3f} s vs sync save {sync_s:.3f} s -> {async_s / sync_s:.3f} "
+        f"async save blocks the loop {async_s:.3f} s vs sync save {sync_s:.3f} s -> "
+        f"{async_s / sync_s:.3f} "
         f"({verdict(async_s / sync_s, TARGETS['async_over_sync'], True)})"
     )
     print(
-        f"save throughput {committed / sync_s / 1e6:.0f} MB/s vs raw write and fsync {committed / raw_s / 1e6:.0f} "
-        f"MB/s -> {raw_s / sync_s:.2f} ({verdict(raw_s / sync_s, TARGETS['save_over_raw'], False)})"
+        f"save throughput {committed / sync_s / 1e6:.0f} MB/s vs raw write and fsync "
+        f"{committed / raw_s / 1e6:.0f} MB/s -> {raw_s / sync_s:.2f} "
+        f"({verdict(raw_s / sync_s, TARGETS['save_over_raw'], False)})"
     )
     resharded = f"load {SAVE_LAYOUT} (world 4) -> {RESHARD_LAYOUT}"
     same = f"load {RESHARD_LAYOUT} (world 4) -> {RESHARD_LAYOUT}"
     print(
-        f"resharded load {SAVE_LAYOUT} -> {RESHARD_LAYOUT} (world 4) {at(big, resharded, 'load'):.3f} s vs "
-        f"same layout {at(big, same, 'load'):.3f} s -> {at(big, resharded, 'load') / at(big, same, 'load'):.2f} "
+        f"resharded load {SAVE_LAYOUT} -> {RESHARD_LAYOUT} (world 4) "
+        f"{at(big, resharded, 'load'):.3f} s vs same layout {at(big, same, 'load'):.3f} s -> "
+        f"{at(big, resharded, 'load') / at(big, same, 'load'):.2f} "
         f"(whole restore {at(big, resharded) / at(big, same):.2f}; no target)"
     )
     resharded = f"load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT}"
     same = f"load {SMALL_LAYOUT} (world 2) -> {SMALL_LAYOUT}"
     print(
-        f"resharded load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT} (world 2) {at(small, resharded, 'load'):.3f} s "
+        f"resharded load {SAVE_LAYOUT} (world 4) -> {SMALL_LAYOUT} (world 2) "
+        f"{at(small, resharded, 'load'):.3f} s "
         f"vs same layout {at(small, same, 'load'):.3f} s -> "
         f"{at(small, resharded, 'load') / at(small, same, 'load'):.2f} "
         f"(whole restore {at(small, resharded) / at(small, same):.2f}; no target)"

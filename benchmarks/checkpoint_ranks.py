@@ -143,7 +143,10 @@ def check_commit(committed: str, world_size: int) -> str:
     if staging:
         return f"staging left beside it: {staging}"
     if fence.owner(os.path.dirname(committed)) != GENERATION:
-        return f"the fence names generation {fence.owner(os.path.dirname(committed))}, not {GENERATION}"
+        return (
+            f"the fence names generation {fence.owner(os.path.dirname(committed))}, "
+            f"not {GENERATION}"
+        )
     return manifest.verify(committed)
 
 

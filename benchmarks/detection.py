@@ -44,7 +44,8 @@ milliseconds).
   every ``SCRAPE_S``), against the flagging threshold.
 
 With ``--runs`` above 1, the crash and hang arms alternate round by round, the order
-rotated each round; medians are over the rounds. Prints a table per scenario (medians, then each run), and last the figures::
+rotated each round; medians are over the rounds. Prints a table per scenario (medians,
+then each run), and last the figures::
 
     python -m benchmarks.detection [--runs 1] [--clean-steps 150] [--keep]
 """

@@ -163,14 +163,16 @@ def main() -> int:
     print(
         f"report overhead: {100 * (on - off) / off:+.2f} % of step time "
         f"(median step {1000 * on:.2f} ms with reporting, {1000 * off:.2f} ms without, "
-        f"{options.rounds} rounds × {options.steps} steps each way; world size 1, gloo, 1 CPU thread; "
+        f"{options.rounds} rounds × {options.steps} steps each way; "
+        "world size 1, gloo, 1 CPU thread; "
         f"the agent got {reports.value}/{sent} reports in {calls.value} calls)"
     )
     quartiles = statistics.quantiles(paired, n=4)
     print(
         f"spread: per-round differences median {statistics.median(paired):+.2f} %, middle half "
         f"{quartiles[0]:+.2f} % to {quartiles[2]:+.2f} %; the report_step call takes "
-        f"{1e6 * statistics.median(call_s):.1f} µs (median) = {100 * statistics.median(call_s) / off:.3f} % of a step"
+        f"{1e6 * statistics.median(call_s):.1f} µs (median) = "
+        f"{100 * statistics.median(call_s) / off:.3f} % of a step"
     )
     return 0
 

@@ -899,7 +899,8 @@ def main() -> int:
             f"(recovered {recovered}/{len(plain['torchrun'])}) -> {ratio(keel, torchrun)}"
         )
         print(
-            f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} -> {ratio(keel, cold)}"
+            f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} "
+            f"-> {ratio(keel, cold)}"
         )
     if options.scenario != "plain":
         keel_up, trainer_cold = median_total(trainer["keel"]), median_total(trainer["cold start"])

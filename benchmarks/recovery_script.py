@@ -13,14 +13,16 @@ Every rank appends its timestamps (unix seconds, ``time.time()``) to
 ``OUT/times-rank<R>.jsonl``, one JSON object a line with ``event``, ``t``, ``restart``
 (``TORCHELASTIC_RESTART_COUNT``) and ``pid``: ``start`` (the script's first line, before
 torch is imported), ``imported``, ``pg`` (``init_process_group`` returned), ``built``
-(the model and its optimizer made), ``restored`` (the snapshot loaded, or none found; with ``from_epoch``) and ``epoch``
-(an epoch's end, with ``epoch``)::
+(the model and its optimizer made), ``restored`` (the snapshot loaded, or none found;
+with ``from_epoch``) and ``epoch`` (an epoch's end, with ``epoch``)::
 
     python -u benchmarks/recovery_script.py OUT [--epochs 7] [--fail-epoch 4] [--iters 12]
 """
 
 import time
 
+# ``start`` is stamped before torch is imported, so every other import follows it.
+# ruff: noqa: E402
 T_START = time.time()
 
 import argparse

@@ -7,9 +7,9 @@ request, takes a generation's start and reports its ranks' steps (every ``--step
 one ``NodeStep`` a step for its 8 ranks, as the real agent sums them up), batched as
 the real agent batches them: a message a step, or one per interval the controller
 asks for (``Welcome``, ``ReportPace``) if longer; sends its status as the real agent
-does (when it changes, and unchanged every ``agent.link.status_refresh_s``), confirms a stop, and reconnects with jittered
-exponential back-off to whichever controller leads. It runs no rank process: what is
-measured is the control plane.
+does (when it changes, and unchanged every ``agent.link.status_refresh_s``), confirms a
+stop, and reconnects with jittered exponential back-off to whichever controller leads. It
+runs no rank process: what is measured is the control plane.
 
 The leases are kept alive on one LeaseKeepAlive stream per process, and the leader key
 is watched once per process (the real agent keeps its own lease and watch on its own

@@ -4,7 +4,8 @@
     /keel/nodes/<node>                     a node's registration, on its agent's lease
     /keel/cordons/<node>                   a cordoned (or draining) node: why, by whom, since when
     /keel/jobs/<job>/spec                  the submitted job spec
-    /keel/jobs/<job>/state                 lifecycle state, generation, restarts, the operator's stop
+    /keel/jobs/<job>/state                 lifecycle state, generation, restarts, the
+                                           operator's stop
     /keel/jobs/<job>/generations/<g>       the plan of generation g
     /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
     /keel/jobs/<job>/events/<seq>          detections and actions, numbered per job

@@ -448,7 +448,8 @@ class Checkpointer:
             for step in doomed:
                 self._remove(found[step], step, "expired")
         self.runtime.log(
-            f"retention (--keep-checkpoints {self.keep}) deleted checkpoints of steps {', '.join(map(str, doomed))}"
+            f"retention (--keep-checkpoints {self.keep}) deleted checkpoints of steps "
+            f"{', '.join(map(str, doomed))}"
         )
 
     def _remove(self, path: str, step: int, why: str) -> None:

@@ -44,7 +44,8 @@ def rank_samples(position: int, global_batch: int, dp_rank: int, dp_size: int) -
     if global_batch % dp_size != 0:
         raise ValueError(
             f"global batch {global_batch} does not divide by the {dp_size} data-parallel ranks; "
-            f"use a multiple of {dp_size}, e.g. --global-batch {max(dp_size, global_batch - global_batch % dp_size)}"
+            f"use a multiple of {dp_size}, "
+            f"e.g. --global-batch {max(dp_size, global_batch - global_batch % dp_size)}"
         )
     per_rank = global_batch // dp_size
     return position + dp_rank * per_rank, per_rank
@@ -57,7 +58,8 @@ class SyntheticTokens:
     def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
         if vocab < SUCCESSORS_PER_TOKEN:
             raise ValueError(
-                f"vocab {vocab} is too small for a chain with {SUCCESSORS_PER_TOKEN} successors per token; "
+                f"vocab {vocab} is too small for a chain with {SUCCESSORS_PER_TOKEN} "
+                "successors per token; "
                 f"use at least {SUCCESSORS_PER_TOKEN}"
             )
         if seq_len < 1:

@@ -82,7 +82,8 @@ def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: i
             )
     if config.max_seq_len % layout.tp:
         raise ValueError(
-            f"sequence parallelism splits the {config.max_seq_len}-token sequence over tp={layout.tp}; "
+            f"sequence parallelism splits the {config.max_seq_len}-token sequence "
+            f"over tp={layout.tp}; "
             f"use a sequence length that is a multiple of {layout.tp}"
         )
     if plan.pp_schedule not in PP_SCHEDULES:
@@ -97,9 +98,9 @@ def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: i
     stages = layout.pp * plan.virtual_stages
     if stages > config.layers:
         raise ValueError(
-            f"pp={layout.pp} × {plan.virtual_stages} stages per rank make {stages} pipeline stages but the "
-            f"model has {config.layers} layers; use at most {config.layers} stages (lower pp or --virtual-stages, "
-            f"or add layers)"
+            f"pp={layout.pp} × {plan.virtual_stages} stages per rank make {stages} pipeline "
+            f"stages but the model has {config.layers} layers; use at most {config.layers} "
+            "stages (lower pp or --virtual-stages, or add layers)"
         )
     if (
         layout.pp > 1
@@ -113,8 +114,8 @@ def validate(layout: Layout, config: ModelConfig, plan: BatchPlan, world_size: i
     if layout.pp > 1 and plan.pp_schedule == "interleaved_1f1b":
         if plan.virtual_stages < 2:
             raise ValueError(
-                f"interleaved_1f1b needs at least 2 stages per rank, got --virtual-stages {plan.virtual_stages}; "
-                f"use 2, or --pp-schedule 1f1b"
+                "interleaved_1f1b needs at least 2 stages per rank, "
+                f"got --virtual-stages {plan.virtual_stages}; use 2, or --pp-schedule 1f1b"
             )
         if plan.microbatches % layout.pp:
             raise ValueError(

@@ -41,7 +41,8 @@ class ModelConfig:
         if self.dim % self.heads != 0:
             raise ValueError(
                 f"model dim {self.dim} does not divide into {self.heads} heads; "
-                f"choose dim a multiple of heads (e.g. dim {self.heads * max(1, round(self.dim / self.heads))})"
+                "choose dim a multiple of heads "
+                f"(e.g. dim {self.heads * max(1, round(self.dim / self.heads))})"
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
@@ -171,7 +172,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             if x.shape[1] > self.config.max_seq_len:
                 raise ValueError(
-                    f"sequence of {x.shape[1]} tokens exceeds max_seq_len {self.config.max_seq_len}; raise max_seq_len"
+                    f"sequence of {x.shape[1]} tokens exceeds max_seq_len "
+                    f"{self.config.max_seq_len}; raise max_seq_len"
                 )
             x = self.tok_embeddings(x)
         for layer in self.layers.values():

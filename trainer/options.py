@@ -31,7 +31,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.train",
-        description="Keel's reference composite-parallel trainer on a synthetic Markov-chain token stream.",
+        description="Keel's reference composite-parallel trainer "
+        "on a synthetic Markov-chain token stream.",
         formatter_class=_HelpFormatter,
     )
     run = parser.add_argument_group("run")
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--global-batch",
         type=int,
         default=16,
-        help="samples per optimizer step over all ranks; must divide by data-parallel ranks × --grad-accum "
+        help="samples per optimizer step over all ranks; "
+        "must divide by data-parallel ranks × --grad-accum "
         "(× --microbatches with pipeline parallelism)",
     )
     run.add_argument("--seq-len", type=int, default=64, help="tokens per sample; must divide by tp")
@@ -84,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         metavar="NORM",
-        help="clip gradients to this global L2 norm (over every rank and stage); default no clipping",
+        help="clip gradients to this global L2 norm (over every rank and stage); "
+        "default no clipping",
     )
 
     parallel = parser.add_argument_group("parallelism")
@@ -92,7 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layout",
         default=None,
         help="ranks per mesh axis, e.g. dp_replicate=2,dp_shard=2 or dp_shard=2,tp=2 or tp=2,pp=2 "
-        "(axes dp_replicate, dp_shard, tp, pp; omitted ones are 1); default $KEEL_MESH, else dp_shard over all ranks",
+        "(axes dp_replicate, dp_shard, tp, pp; omitted ones are 1); "
+        "default $KEEL_MESH, else dp_shard over all ranks",
     )
     parallel.add_argument(
         "--pp-schedule",
@@ -104,7 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--microbatches",
         type=int,
         default=None,
-        help="pipeline micro-batches per pass (with pp > 1; at least pp for 1f1b schedules); default pp",
+        help="pipeline micro-batches per pass (with pp > 1; at least pp for 1f1b schedules); "
+        "default pp",
     )
     parallel.add_argument(
         "--virtual-stages",
@@ -116,8 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="FSDP2: free each block's gathered parameters after its forward and gather again for the backward; "
-        "default on without pipeline parallelism, off with it (every micro-batch would gather again)",
+        help="FSDP2: free each block's gathered parameters after its forward "
+        "and gather again for the backward; "
+        "default on without pipeline parallelism, off with it "
+        "(every micro-batch would gather again)",
     )
     parallel.add_argument(
         "--activation-checkpointing",
@@ -158,7 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         metavar="K",
-        help="after each commit keep the newest K committed checkpoints (and the one resumed from); 0 keeps all",
+        help="after each commit keep the newest K committed checkpoints "
+        "(and the one resumed from); 0 keeps all",
     )
 
     health = parser.add_argument_group("health")
@@ -166,7 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--startup-timeout-s",
         type=float,
         default=None,
-        help="collective timeout until the first step is done: rendezvous, start barrier, preflight, "
+        help="collective timeout until the first step is done: "
+        "rendezvous, start barrier, preflight, "
         f"checkpoint load, first step; default ${keel_runtime.env.DEADLINES['startup_timeout_s']} "
         f"(the job's deadline chain under Keel), else {STARTUP_TIMEOUT_S:g}",
     )
@@ -174,8 +183,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--collective-timeout-s",
         type=float,
         default=None,
-        help="collective timeout after the first step; a rank stuck in a collective fails after this long. "
-        "It must exceed the agent's hang floor plus its stop grace, so the agent names the hung rank first "
+        help="collective timeout after the first step; "
+        "a rank stuck in a collective fails after this long. "
+        "It must exceed the agent's hang floor plus its stop grace, "
+        "so the agent names the hung rank first "
         "(checked under Keel), and rank 0's checkpoint commit (fsync, then up to "
         f"{COMMIT_REPORT_S:g} s reporting it), which its peers wait out; default "
         f"${keel_runtime.env.DEADLINES['collective_timeout_s']}, else {COLLECTIVE_TIMEOUT_S:g}",
@@ -184,13 +195,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--preflight",
         action=argparse.BooleanOptionalAction,
         default=os.environ.get(keel_runtime.env.PREFLIGHT, "1") != "0",
-        help="time all_reduce, all_gather and reduce_scatter over all ranks before the first step and report "
+        help="time all_reduce, all_gather and reduce_scatter over all ranks "
+        "before the first step and report "
         "the bandwidths to the agent; default on unless $KEEL_PREFLIGHT=0. Skipped on one rank",
     )
     health.add_argument(
         "--preflight-sizes-mb",
         default=",".join(f"{size:g}" for size in preflight.DEFAULT_SIZES_MB),
-        help="comma-separated buffer sizes in MiB to time each collective at (the job's bucket sizes)",
+        help="comma-separated buffer sizes in MiB to time each collective at "
+        "(the job's bucket sizes)",
     )
     health.add_argument(
         "--preflight-budget-s",
@@ -231,7 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.preflight_sizes_mb = [float(size) for size in args.preflight_sizes_mb.split(",")]
     except ValueError:
         parser.error(
-            f"--preflight-sizes-mb {args.preflight_sizes_mb!r} is not a comma-separated list of numbers, "
+            f"--preflight-sizes-mb {args.preflight_sizes_mb!r} "
+            "is not a comma-separated list of numbers, "
             f"e.g. 1,8"
         )
     if min(args.preflight_sizes_mb) <= 0:
@@ -240,13 +254,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--preflight-budget-s must be positive; use --no-preflight to skip the sweep")
     if args.collective_timeout_s <= COMMIT_REPORT_S:
         parser.error(
-            f"--collective-timeout-s {args.collective_timeout_s:g} must exceed {COMMIT_REPORT_S:g} s, the longest "
+            f"--collective-timeout-s {args.collective_timeout_s:g} "
+            f"must exceed {COMMIT_REPORT_S:g} s, the longest "
             f"rank 0 reports a checkpoint while its peers wait in the next collective"
         )
     if args.startup_timeout_s < max(args.collective_timeout_s, args.preflight_budget_s):
         parser.error(
-            f"--startup-timeout-s {args.startup_timeout_s:g} must be at least --collective-timeout-s "
-            f"({args.collective_timeout_s:g}) and --preflight-budget-s ({args.preflight_budget_s:g}): "
+            f"--startup-timeout-s {args.startup_timeout_s:g} "
+            "must be at least --collective-timeout-s "
+            f"({args.collective_timeout_s:g}) "
+            f"and --preflight-budget-s ({args.preflight_budget_s:g}): "
             f"start-up covers the preflight and the first step"
         )
     return args

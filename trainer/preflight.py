@@ -112,7 +112,10 @@ def summary(sweep: Sweep, world_size: int, budget_s: float) -> str:
         ]
         if figures:
             parts.append(f"{collective} {', '.join(figures)}")
-    line = f"preflight over {world_size} ranks in {sweep.wall_s:.2f} s, busbw: {'; '.join(parts) or 'nothing measured'}"
+    line = (
+        f"preflight over {world_size} ranks in {sweep.wall_s:.2f} s, "
+        f"busbw: {'; '.join(parts) or 'nothing measured'}"
+    )
     if sweep.skipped:
         line += (
             f" (stopped early: the {budget_s:g} s budget ran out with {sweep.skipped} of "

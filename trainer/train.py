@@ -310,7 +310,8 @@ def train(
         torch.set_rng_state(state.rng_state)
         if rank == 0:
             rt.log(
-                f"resumed from {restore} at step={state.step} samples={state.samples} on {world_size} ranks as {layout}"
+                f"resumed from {restore} at step={state.step} samples={state.samples} "
+                f"on {world_size} ranks as {layout}"
             )
             if run.optimizers.peak_lr != args.lr:
                 rt.log(
@@ -406,7 +407,8 @@ def _loop(
                 rt.log(
                     f"the agent asked for a checkpoint: saving after step {step}"
                     if checkpointer
-                    else "the agent asked for a checkpoint, but there is no --checkpoint-dir: not saving"
+                    else "the agent asked for a checkpoint, but there is no --checkpoint-dir: "
+                    "not saving"
                 )
         if save:
             saved = TrainerState(

@@ -104,12 +104,14 @@ def start_barrier_message(rank: int, world_size: int, timeout_s: float, error_te
             ("ranks", "they", "their logs") if len(missing) > 1 else ("rank", "it", "its log")
         )
         return (
-            f"generation start: {who} {', '.join(map(str, missing))} did not reach the start barrier within "
-            f"{timeout_s:g} s ({arrived}/{world_size} ranks arrived): {they} died, hung, or started too slowly "
-            f"for --startup-timeout-s; look at {their} ({error_text.strip()})"
+            f"generation start: {who} {', '.join(map(str, missing))} did not reach the start "
+            f"barrier within {timeout_s:g} s ({arrived}/{world_size} ranks arrived): {they} died, "
+            f"hung, or started too slowly for --startup-timeout-s; look at {their} "
+            f"({error_text.strip()})"
         )
     return (
-        f"generation start: rank {rank} failed in the start barrier (rank 0 waits at most {timeout_s:g} s and "
+        f"generation start: rank {rank} failed in the start barrier "
+        f"(rank 0 waits at most {timeout_s:g} s and "
         f"names the missing ranks in its own error; look there first) ({error_text.strip()})"
     )
 

@@ -47,7 +47,8 @@ class ModelShape:
         if not 0 < self.params <= MAX_PARAMS:  # also refuses NaN and infinity
             raise ValueError(
                 f"ModelShape params={self.params!r}: give the parameter count "
-                f"(at most {MAX_PARAMS:g}), e.g. params=7e9, or build it with ModelShape.from_dims(...)"
+                f"(at most {MAX_PARAMS:g}), e.g. params=7e9, "
+                "or build it with ModelShape.from_dims(...)"
             )
         shape = {
             "layers": self.layers,

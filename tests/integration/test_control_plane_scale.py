@@ -24,7 +24,7 @@ from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.daemon import Controller
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import REPO, wait_for
-from tests.integration.test_control_plane import spawn
+from tests.integration.conftest import spawn
 from tests.integration.test_gray_failures import log_lines
 
 TOKEN = "t"
@@ -83,13 +83,16 @@ def key(args) -> str:
 def count_calls(obj, names: list[str], calls: list, record=lambda name, args: name) -> None:
     """Wrap ``obj``'s methods ``names`` so that each call appends ``record(name, args)``
     to ``calls``."""
+
+    def counting(real, name):
+        def counted(*args, **kwargs):
+            calls.append(record(name, args))
+            return real(*args, **kwargs)
+
+        return counted
+
     for name in names:
-
-        def counted(*args, _real=getattr(obj, name), _name=name, **kwargs):
-            calls.append(record(_name, args))
-            return _real(*args, **kwargs)
-
-        setattr(obj, name, counted)
+        setattr(obj, name, counting(getattr(obj, name), name))
 
 
 def test_agent_streams_hold_no_thread_and_a_tick_looks_only_at_what_changed(etcd, monkeypatch):

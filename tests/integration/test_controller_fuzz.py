@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
-from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
+from tests.integration.conftest import TOKEN
 
 text = st.text(max_size=80)
 uint32 = st.integers(min_value=0, max_value=2**32 - 1)
@@ -95,7 +95,7 @@ def etcd_snapshot(store) -> dict:
     }
 
 
-def test_random_requests_never_take_the_controller_down_or_touch_etcd(cluster):  # noqa: F811
+def test_random_requests_never_take_the_controller_down_or_touch_etcd(cluster):
     address = cluster.controller()
     before = etcd_snapshot(cluster.store)
     accepted: list[str] = []

@@ -19,7 +19,6 @@ import pytest
 
 from orchestrator.local.ledger_check import audit_checkpoint
 from tests.conftest import REPO, committed_steps, keel, wait_for
-from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 from tests.integration.test_keel_up import run_up
 from trainer import fence, manifest
 
@@ -247,7 +246,7 @@ straggler_policy = "alert"
 """
 
 
-def a_leader_a_standby_and_two_nodes(cluster, etcd) -> tuple[str, list[str]]:  # noqa: F811
+def a_leader_a_standby_and_two_nodes(cluster, etcd) -> tuple[str, list[str]]:
     """Start them; the standby's address, and the CLI's flags to reach the cluster."""
     cluster.controller()
     standby = cluster.controller(name="standby", lead=False)
@@ -273,7 +272,7 @@ def trainer_spec(directory: Path, name: str, steps: int, every: int, checkpoints
     return spec
 
 
-def test_a_state_write_whose_reply_is_lost_does_not_strand_the_job(cluster, etcd):  # noqa: F811
+def test_a_state_write_whose_reply_is_lost_does_not_strand_the_job(cluster, etcd):
     """The controller's writes of the job's moves to STARTING and to RUNNING each commit
     in etcd, but their replies are lost (the job would otherwise stay STARTING on a
     placement nobody was asked to prepare, or RUNNING with nothing started). The
@@ -444,7 +443,7 @@ def put_all(client, items: dict[str, str]) -> None:
 
 def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replaces_the_node(
     cluster, etcd
-):  # noqa: F811
+):
     """A drain stopped the job's generation (a checkpoint, then the stop) and the job
     waits PENDING for a free node when the leader dies. The stop keeps the operation in
     etcd until the placement, so the new leader knows which node the job moves off and
@@ -494,7 +493,7 @@ def test_a_leader_that_takes_over_between_a_drains_stop_and_its_placement_replac
     }
 
 
-def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(cluster, etcd):  # noqa: F811
+def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(cluster, etcd):
     """An ended job carries 10,000 events of 1 KiB and 10,000 checkpoint records, 11 MB
     (what older versions could pile up), past gRPC's 4 MiB receive limit for one range
     call. A new leader reads them in pages, loads its jobs and trims what it loaded to
@@ -592,7 +591,7 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
     }
 
 
-def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(cluster, etcd):  # noqa: F811
+def test_a_drain_the_stalled_controller_never_answers_ends_at_the_drain_timeout(cluster, etcd):
     """SIGTERM to an agent whose controller is frozen (SIGSTOP): its Leaving goes
     unanswered, so no checkpoint-and-move ever comes. The agent must not wait forever
     (a scheduler would SIGKILL it mid-checkpoint): after --drain-timeout-s it stops its

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from tests.conftest import REPO, keel, torchrun, wait_for
-from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 
 SCRIPTS = REPO / "tests" / "integration" / "scripts"
 
@@ -132,7 +131,7 @@ def test_a_script_that_fails_once_resumes_from_its_own_snapshot(no_leaks):
     assert "generation 1 failed: rank 1 on node-1 exited 7" in ran.stderr
 
 
-def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd):  # noqa: F811
+def test_keel_run_on_a_running_cluster_and_keel_logs_from_the_node(cluster, etcd):
     """--etcd-endpoints: the job is submitted to the cluster there and followed; each
     node runs --nproc-per-node ranks even where it has more slots; `keel logs` reads a
     rank's output from whichever node ran it."""

@@ -71,8 +71,8 @@ def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
     )
     assert result.returncode == 2
     assert (
-        "kind must be one of crash, hang, kill, kill_agent, kill_leader, lose_node, partition_node, restart_etcd, slow, stall_agent, stall_leader, stall_node"
-        in result.stderr
+        "kind must be one of crash, hang, kill, kill_agent, kill_leader, lose_node, "
+        "partition_node, restart_etcd, slow, stall_agent, stall_leader, stall_node" in result.stderr
     )
     assert not (tmp_path / "run" / "logs").exists()
     for layout, message in [

@@ -139,7 +139,8 @@ def test_the_tested_layouts_are_valid(layout):
             Layout(dp_shard=2, pp=2),
             {"microbatches": 1},
             CONFIG,
-            "1f1b needs at least one micro-batch per pipeline rank: --microbatches 1 < pp=2; use --microbatches 2",
+            "1f1b needs at least one micro-batch per pipeline rank: --microbatches 1 < pp=2; "
+            "use --microbatches 2",
         ),
         (
             Layout(dp_shard=2, pp=2),
@@ -151,7 +152,8 @@ def test_the_tested_layouts_are_valid(layout):
             Layout(dp_shard=4),
             {"grad_accum": 8},
             CONFIG,
-            "global batch 16 does not split into 4 data-parallel ranks × 8 accumulation steps = 32; use a multiple of 32",
+            "global batch 16 does not split into 4 data-parallel ranks "
+            "× 8 accumulation steps = 32; use a multiple of 32",
         ),
         (
             Layout(dp_shard=2, pp=2),

@@ -131,13 +131,16 @@ def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
             what="the standby to see the leader",
         )
         client, reads = standby.state.store.client, []
+
+        def counting(real, name):
+            def counted(*args, **kwargs):
+                reads.append(name)
+                return real(*args, **kwargs)
+
+            return counted
+
         for name in ("get", "get_response", "get_range_response", "get_prefix", "get_all"):
-
-            def counted(*args, _real=getattr(client, name), _name=name, **kwargs):
-                reads.append(_name)
-                return _real(*args, **kwargs)
-
-            setattr(client, name, counted)
+            setattr(client, name, counting(getattr(client, name), name))
         hello = keel_pb2.AgentMessage(hello=keel_pb2.Hello(node="node-x", slots=1, lease_id=1))
         with grpc.insecure_channel(standby_address) as channel:
             stub = keel_pb2_grpc.ControllerStub(channel)

@@ -10,10 +10,10 @@ import grpc
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import keel, wait_for
-from tests.integration.test_control_plane import TOKEN, cluster  # noqa: F401  (fixture)
+from tests.integration.conftest import TOKEN
 
 
-def test_status_nodes_jobs_and_events(cluster, etcd):  # noqa: F811
+def test_status_nodes_jobs_and_events(cluster, etcd):
     address = cluster.controller()
     cluster.agent("node-a")
     cluster.agent("node-b")

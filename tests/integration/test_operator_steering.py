@@ -7,7 +7,6 @@ import json
 import sys
 
 from tests.conftest import keel, wait_for
-from tests.integration.test_control_plane import cluster  # noqa: F401  (fixture)
 
 SPEC = """\
 name = "steer"
@@ -25,7 +24,7 @@ straggler_policy = "alert"
 """
 
 
-def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):  # noqa: F811
+def test_an_operator_steers_a_running_job_from_the_cli(cluster, etcd):
     cluster.controller()
     for node in ("node-a", "node-b", "node-c"):
         cluster.agent(node, slots="1")

@@ -21,7 +21,7 @@ from orchestrator.local.etcd_server import etcd_binary
 from orchestrator.security import certs
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
-from tests.integration.test_control_plane import spawn, stop
+from tests.integration.conftest import spawn, stop
 from tests.integration.test_keel_up import run_up
 
 

@@ -114,7 +114,9 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 from trainer import watchdog
 mode, store, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+dist.init_process_group(
+    "gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+)
 if mode == "timeout":
     watchdog.set_collective_timeout(1.5, [])
 if rank == 1:

@@ -63,7 +63,7 @@ def test_two_ranks_learn_commit_and_resume_on_one_rank(tmp_path, agent):
     }
     checkpoints = recorder.of("checkpoint")
     assert set(reported) == {(rank, step) for rank in (0, 1) for step in range(1, 13)}
-    for (rank, step), (generation, report) in reported.items():
+    for (_rank, step), (generation, report) in reported.items():
         assert generation == 3
         assert report.tokens == GLOBAL_BATCH // 2 * SEQ_LEN
         assert report.loss == pytest.approx(losses[step], abs=1e-6)

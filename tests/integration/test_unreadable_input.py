@@ -22,7 +22,7 @@ from common.records import CordonRecord, GoodputRecord, JobSpecRecord, JobState,
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
-from tests.integration.test_control_plane import TOKEN, cluster, stop  # noqa: F401  (fixture)
+from tests.integration.conftest import TOKEN, stop
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_t
     assert agent.supervisor.ranks == []
 
 
-def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(cluster):  # noqa: F811
+def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(cluster):
     client = cluster.store.client
     client.put("/keel/jobs/broken/spec", json.dumps({"name": "broken", "worldSize": "many"}))
     client.put(
@@ -162,7 +162,7 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
         lease.revoke()
 
 
-def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):  # noqa: F811
+def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):
     """A non-JSON cordon, a job state with a field of the wrong type and a node record
     that is no record: the leader and, after it stops, its standby both lead past them.
     Each is named in the log with its fault and counted; the unreadable cordon still

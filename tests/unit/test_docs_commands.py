@@ -85,3 +85,16 @@ def test_what_follows_the_target_of_keel_run_or_a_double_dash_is_not_checked():
     # A mention in prose need not be a whole command line.
     assert check_options(Invocation("here", ("plan", "--gpus")), complete=False) == []
     assert check_options(Invocation("here", ("plan", "--gpus"))) != []
+
+
+def test_the_readmes_test_command_is_the_one_ci_runs():
+    """The README's "Set up and run the tests" block is, word for word, a line `.ci/run`
+    runs, and it lints and checks the formatting before the tests."""
+    section = (REPO / "README.md").read_text().split("Set up and run the tests", 1)[1]
+    command = markdown_blocks(section, ("bash",))[0].strip()
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
+    assert command.split(" && ")[-3:] == [
+        ".venv/bin/ruff check .",
+        ".venv/bin/ruff format --check .",
+        ".venv/bin/python -m pytest",
+    ]

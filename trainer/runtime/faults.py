@@ -99,7 +99,10 @@ class FaultInjector:
             if fault.step != step:
                 continue
             if fault.kind in ONE_SHOT_FAULT_KINDS:
-                note = f"{fault.kind} step={step} rank={self.rank} generation={self.generation} pid={os.getpid()}"
+                note = (
+                    f"{fault.kind} step={step} rank={self.rank} "
+                    f"generation={self.generation} pid={os.getpid()}"
+                )
                 if not claim_fault(checkpoint_dir, index, note):
                     continue
             if fault.kind == "slow":

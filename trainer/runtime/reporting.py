@@ -95,7 +95,8 @@ class _StepReporter:
         if len(self._pending) >= MAX_PENDING_REPORTS:
             if not self._dropping:
                 self._log(
-                    f"{MAX_PENDING_REPORTS} step reports unsent; dropping new ones until the agent catches up"
+                    f"{MAX_PENDING_REPORTS} step reports unsent; "
+                    "dropping new ones until the agent catches up"
                 )
                 self._dropping = True
             return
@@ -444,7 +445,8 @@ class AgentReporter:
             )
         except grpc.RpcError as error:
             self.log(
-                f"cannot report checkpoint step={step} path={path} ({error.code().name}: {error.details()})"
+                f"cannot report checkpoint step={step} path={path} "
+                f"({error.code().name}: {error.details()})"
             )
             return False
         self._take_ack(ack)

@@ -139,7 +139,9 @@ def test_error_file_traceback_reads_torchelastic_format(tmp_path):
                 "message": {
                     "message": "RuntimeError: boom",
                     "extraInfo": {
-                        "py_callstack": "Traceback (most recent call last):\n  ...\nRuntimeError: boom",
+                        "py_callstack": (
+                            "Traceback (most recent call last):\n  ...\nRuntimeError: boom"
+                        ),
                         "timestamp": "1",
                     },
                 }

@@ -21,11 +21,13 @@ def test_defaults_fit_and_derived_timeouts_grow_with_the_floor():
     [
         (
             {"hang_floor_s": 90, "collective_timeout_s": 60},
-            "collective_timeout_s=60: must be at least 1.2 x (hang_floor_s=90 + stop_grace_s=5.0) = 114",
+            "collective_timeout_s=60: "
+            "must be at least 1.2 x (hang_floor_s=90 + stop_grace_s=5.0) = 114",
         ),
         (
             {"first_step_timeout_s": 300, "startup_timeout_s": 300},
-            "startup_timeout_s=300: must be at least 1.2 x (first_step_timeout_s=300 + stop_grace_s=5.0)",
+            "startup_timeout_s=300: "
+            "must be at least 1.2 x (first_step_timeout_s=300 + stop_grace_s=5.0)",
         ),
         (
             {"collective_timeout_s": 400, "startup_timeout_s": 380},

@@ -24,7 +24,7 @@ def test_the_oldest_events_go_past_the_count_bound(monkeypatch):
 def test_the_oldest_events_go_past_the_byte_bound(monkeypatch):
     monkeypatch.setattr(job_health, "MAX_EVENT_BYTES", 10_000)
     h = health()
-    for i in range(10):
+    for _ in range(10):
         h.event("alert", "x" * 3000)
     kept = sum(e.ByteSize() for e in h.events)
     assert len(h.events) == 3 and kept <= 10_000

@@ -119,8 +119,9 @@ def test_layout_text_round_trips_and_parse_errors_are_clear():
 def test_validate_layout_names_each_problem_and_its_fix():
     small = ModelShape(params=1e9, layers=12, hidden=18, heads=6, vocab=100)
     node8 = Cluster(world_size=8, gpus_per_node=8, gpu_memory_gb=80)
+    plain = Training()
 
-    def error(layout, model=small, cluster=node8, training=Training()):
+    def error(layout, model=small, cluster=node8, training=plain):
         with pytest.raises(LayoutError) as caught:
             validate_layout(layout, model, cluster, training)
         return str(caught.value)

@@ -103,7 +103,8 @@ def test_a_stop_now_asks_for_no_checkpoint():
             REPLACE.begin(10, 1.0),
             (10, 3),
             1.0 + CHECKPOINT_WAIT_S + 0.1,
-            "operator: replace b with c; no checkpoint within 60s, restoring the last committed one",
+            "operator: replace b with c; "
+            "no checkpoint within 60s, restoring the last committed one",
         ),
         (
             Operation("", "stopped by the operator", "stop", 3, checkpoint=False).begin(10, 1.0),

@@ -91,7 +91,8 @@ def test_toml_and_yaml_give_equal_specs(tmp_path):
         ),
         (
             {"health": {"hang_flor_s": 60}},
-            "job.toml: health.hang_flor_s: unknown field 'hang_flor_s'; did you mean 'hang_floor_s'?",
+            "job.toml: health.hang_flor_s: "
+            "unknown field 'hang_flor_s'; did you mean 'hang_floor_s'?",
         ),
         ({"zzz": 1}, "job.toml: zzz: unknown field 'zzz'; valid fields: name, world_size, command"),
         ({"max_restarts": "3"}, 'job.toml: max_restarts: expected an integer, got a string "3"'),

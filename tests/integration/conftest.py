@@ -1,0 +1,116 @@
+"""What the integration tests of the control plane share: a real controller and real
+agents on a test's own etcd (the ``cluster`` fixture), and how they start and stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from common.etcd import connect
+from orchestrator.controller.store import Store
+from tests.conftest import wait_for
+
+TOKEN = "s3cret-token"
+
+
+def spawn(args, log_path, env=None):
+    # The child keeps its own copy of the log's descriptor; ours is closed at once.
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+        )
+
+
+def stop(proc, grace_s=10):
+    """Stop a daemon now: SIGINT (SIGTERM would have an agent drain its node first)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def cluster(etcd, no_leaks):
+    tmp = no_leaks
+    (tmp / "token").write_text(TOKEN)
+    started = []
+
+    def controller(
+        launcher=("-m", "orchestrator.cli", "controller"), env=None, name="controller", lead=True
+    ):
+        """Start a controller (``launcher``: what runs it, before its options; it logs
+        to NAME.log) and, with ``lead``, wait for it to lead; returns its address."""
+        address_file = tmp / ("address" if name == "controller" else f"{name}.address")
+        address_file.unlink(missing_ok=True)
+        proc = spawn(
+            [
+                *launcher,
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--token-file",
+                str(tmp / "token"),
+                "--address-file",
+                str(address_file),
+            ],
+            tmp / f"{name}.log",
+            env,
+        )
+        started.append(proc)
+        Cluster.controllers.append(proc)
+        wait_for(
+            lambda: address_file.exists() or proc.poll() is not None, 30, what="controller address"
+        )
+        assert proc.poll() is None, (tmp / f"{name}.log").read_text()
+        address = address_file.read_text().strip()
+        if lead:
+            wait_for(
+                lambda: Cluster.store.controller_address() == address,
+                30,
+                what="the controller to lead",
+            )
+        return address
+
+    def agent(node, token_file="token", ttl="2", slots="2", extra=()):
+        proc = spawn(
+            [
+                "-m",
+                "agent",
+                "--node",
+                node,
+                "--slots",
+                slots,
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--token-file",
+                str(tmp / token_file),
+                "--run-dir",
+                str(tmp / node),
+                "--lease-ttl-s",
+                ttl,
+                *extra,
+            ],
+            tmp / f"{node}.log",
+        )
+        started.append(proc)
+        return proc
+
+    class Cluster:
+        store = Store(connect([etcd.endpoint], 5))
+        path = tmp
+        controllers: list[subprocess.Popen] = []
+
+    Cluster.controller, Cluster.agent = staticmethod(controller), staticmethod(agent)
+    yield Cluster
+    for proc in reversed(started):
+        stop(proc)
