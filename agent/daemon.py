@@ -566,23 +566,13 @@ class Agent:
                 )
 
     def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
-        """The generation's deadline chain as the controller resolved it (or, from a
-        controller that sends none, the job's health budgets and this agent's stop
-        grace), checked here too; raises DeadlineError."""
-        if start.HasField("deadlines"):
-            chain = deadlines.Deadlines(
-                **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
-            )
-        else:
-            health = start.health
-            chain = deadlines.Deadlines(
-                hang_floor_s=health.hang_floor_s,
-                first_step_timeout_s=health.first_step_timeout_s,
-                checkpoint_timeout_s=health.checkpoint_timeout_s,
-                stop_grace_s=self.config.stop_grace_s,
-                collective_timeout_s=deadlines.COLLECTIVE_TIMEOUT_S,
-                startup_timeout_s=deadlines.STARTUP_TIMEOUT_S,
-            )
+        """The generation's deadline chain as the controller resolved it, checked here
+        too; raises DeadlineError."""
+        if not start.HasField("deadlines"):
+            raise deadlines.DeadlineError(["the start of the generation carries no deadlines"])
+        chain = deadlines.Deadlines(
+            **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
+        )
         problems = deadlines.check(chain)
         if problems:
             raise deadlines.DeadlineError(problems)

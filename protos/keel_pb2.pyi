@@ -449,18 +449,16 @@ class StepReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ..., restore_s: _Optional[float] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
-    __slots__ = ("job", "generation", "reports", "replayed", "node_steps")
+    __slots__ = ("job", "generation", "node_steps", "replayed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    REPORTS_FIELD_NUMBER: _ClassVar[int]
-    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     NODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
-    reports: _containers.RepeatedCompositeFieldContainer[StepReport]
-    replayed: bool
     node_steps: _containers.RepeatedCompositeFieldContainer[NodeStep]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ..., node_steps: _Optional[_Iterable[_Union[NodeStep, _Mapping]]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., node_steps: _Optional[_Iterable[_Union[NodeStep, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class NodeStep(_message.Message):
     __slots__ = ("step", "ranks", "step_time_s", "tokens", "at", "checkpoint_s", "restore_s", "loss")
