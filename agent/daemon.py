@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from agent import hangs, leftovers, metrics, rank_logs
 from agent.config import AgentConfig
-from agent.generation import Generation, Phase
+from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
 from agent.local_server import AgentLocalService, serve
@@ -279,7 +279,7 @@ class Agent:
         """What this agent runs: the generation (running or being stopped), its live
         ranks, and the newest start it was given."""
         state = self.generation
-        status = keel_pb2.AgentStatus(phase=state.phase.value)
+        status = keel_pb2.AgentStatus(phase=WIRE_PHASES.to_wire(state.phase))
         current = state.start
         if current is not None:
             status.job, status.generation = current.job, current.generation

@@ -30,6 +30,7 @@ import structlog
 
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.wire_kinds import WIRE_HANG_PHASES, WIRE_PROBLEM_KINDS
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
@@ -358,9 +359,14 @@ class AgentService:
             job = self.state.jobs.get(body.job)
             if job is None or body.generation > job.generation:
                 return
+            try:
+                WIRE_PROBLEM_KINDS.from_wire(body.kind)
+            except ValueError as exc:
+                self._refused(session, kind, str(exc))
+                return
             # Marking a checkpoint quarantined changes what restores: only the current
             # generation's rank 0, which verified it, may.
-            if body.kind == "quarantined" and self._refused(
+            if body.kind == keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED and self._refused(
                 session,
                 kind,
                 (
@@ -615,6 +621,6 @@ def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
         health.hang_event.reason = (
             f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
             f"{report.stalled_for_s:.1f}s after step {report.last_step} "
-            f"(timeout {report.timeout_s:.1f}s, {report.phase})"
+            f"(timeout {report.timeout_s:.1f}s, {WIRE_HANG_PHASES.text(report.phase)})"
         )
     health.add_stacks(report.stacks)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 
+from common.proto_enums import ProtoEnum
+from protos import keel_pb2
+
 
 class JobState(str, enum.Enum):
     PENDING = "PENDING"  # waiting for enough free slots for the next generation
@@ -23,6 +26,10 @@ class JobState(str, enum.Enum):
     def terminal(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
+
+# The states on the wire (JobStatus.state); the strings above are what etcd stores and
+# operators read.
+WIRE_STATES = ProtoEnum(JobState, keel_pb2.JobState, "JOB_STATE_")
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED}),

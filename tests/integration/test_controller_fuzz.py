@@ -80,7 +80,9 @@ agent_messages = st.one_of(
     ),
     st.builds(
         lambda j, g: keel_pb2.AgentMessage(
-            hang_detected=keel_pb2.HangDetected(job=j, generation=g, phase="step", stacks={0: "x"})
+            hang_detected=keel_pb2.HangDetected(
+                job=j, generation=g, phase=keel_pb2.HANG_PHASE_STEP, stacks={0: "x"}
+            )
         ),
         text,
         uint64,
