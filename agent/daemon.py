@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from agent import hangs, leftovers, metrics, rank_logs
 from agent.config import AgentConfig
-from agent.generation import Generation, Phase
+from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
 from agent.local_server import AgentLocalService, serve
@@ -280,7 +280,7 @@ class Agent:
         """What this agent runs: the generation (running or being stopped), its live
         ranks, and the newest start it was given."""
         state = self.generation
-        status = keel_pb2.AgentStatus(phase=state.phase.value)
+        status = keel_pb2.AgentStatus(phase=WIRE_PHASES.to_wire(state.phase))
         current = state.start
         if current is not None:
             status.job, status.generation = current.job, current.generation
@@ -567,23 +567,13 @@ class Agent:
                 )
 
     def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
-        """The generation's deadline chain as the controller resolved it (or, from a
-        controller that sends none, the job's health budgets and this agent's stop
-        grace), checked here too; raises DeadlineError."""
-        if start.HasField("deadlines"):
-            chain = deadlines.Deadlines(
-                **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
-            )
-        else:
-            health = start.health
-            chain = deadlines.Deadlines(
-                hang_floor_s=health.hang_floor_s,
-                first_step_timeout_s=health.first_step_timeout_s,
-                checkpoint_timeout_s=health.checkpoint_timeout_s,
-                stop_grace_s=self.config.stop_grace_s,
-                collective_timeout_s=deadlines.COLLECTIVE_TIMEOUT_S,
-                startup_timeout_s=deadlines.STARTUP_TIMEOUT_S,
-            )
+        """The generation's deadline chain as the controller resolved it, checked here
+        too; raises DeadlineError."""
+        if not start.HasField("deadlines"):
+            raise deadlines.DeadlineError(["the start of the generation carries no deadlines"])
+        chain = deadlines.Deadlines(
+            **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
+        )
         problems = deadlines.check(chain)
         if problems:
             raise deadlines.DeadlineError(problems)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.proto_enums import ProtoEnum
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -27,6 +28,9 @@ class Phase(str, enum.Enum):
     RUNNING = "RUNNING"  # ``start`` was given; its ranks run (or some have exited)
     STOPPING = "STOPPING"  # ``stopping`` is being stopped; confirmed once all is reaped
 
+
+# The phases on the wire (AgentStatus.phase).
+WIRE_PHASES = ProtoEnum(Phase, keel_pb2.AgentPhase, "AGENT_PHASE_")
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.RUNNING, Phase.STOPPING}),

@@ -17,7 +17,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PHASES = ("first_step", "checkpoint", "step")
+from common.wire_kinds import HangPhase
+
+PHASES = tuple(HangPhase)
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ class Hang:
     last_step: int
     stalled_for_s: float
     timeout_s: float
-    phase: str
+    phase: HangPhase
     reason: str
 
 
-def phase_of(rank: RankProgress) -> str:
+def phase_of(rank: RankProgress) -> HangPhase:
     if rank.last_report_at is None:
-        return "first_step"
-    return "checkpoint" if rank.checkpointing else "step"
+        return HangPhase.FIRST_STEP
+    return HangPhase.CHECKPOINT if rank.checkpointing else HangPhase.STEP
 
 
 def hang_timeout_s(config: HangConfig, recent_step_times_s: Sequence[float], phase: str) -> float:

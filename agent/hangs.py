@@ -12,6 +12,7 @@ from agent.failure import tail
 from agent.hang import Hang, HangConfig, RankProgress, find_hang
 from agent.stacks import dump_since, parse_dump, where
 from agent.supervisor import RankProcess
+from common.wire_kinds import WIRE_HANG_PHASES, HangPhase
 from protos import keel_pb2
 
 STACK_DUMP_WAIT_S = 0.5  # faulthandler writes within milliseconds; slack for a busy node
@@ -67,5 +68,5 @@ def collect_stacks(
     if hang is not None:
         report.rank, report.pid, report.last_step = hang.rank, hang.pid, hang.last_step
         report.stalled_for_s, report.timeout_s = hang.stalled_for_s, hang.timeout_s
-        report.phase = hang.phase
+        report.phase = WIRE_HANG_PHASES.to_wire(HangPhase(hang.phase))
     return report

@@ -21,6 +21,7 @@ import grpc
 
 from common import env
 from common.paths import inside
+from common.wire_kinds import WIRE_PROBLEM_KINDS
 from protos import keel_pb2, keel_pb2_grpc
 
 MAX_REPORTS_PER_CALL = 4096
@@ -148,7 +149,9 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def ReportCheckpointProblem(self, request, context):
         who = self._caller(context, request.generation)
         self._only(context, who, 0, "a checkpoint problem (rank 0's to report)")
-        if request.kind not in ("stale_commit", "quarantined"):
+        try:
+            WIRE_PROBLEM_KINDS.from_wire(request.kind)
+        except ValueError:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind: stale_commit or quarantined")
         self._on_problem(request)
         return keel_pb2.LocalAck()

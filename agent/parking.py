@@ -92,7 +92,9 @@ class Parked:
         """Hand it its new rank."""
         self.adopted = True
         self.answers.put(
-            keel_pb2.NextGenerationAnswer(action="start", env=env, stdout=stdout, stderr=stderr)
+            keel_pb2.NextGenerationAnswer(
+                action=keel_pb2.NEXT_GENERATION_ACTION_START, env=env, stdout=stdout, stderr=stderr
+            )
         )
 
     def release(self, reason: str, now: float) -> None:
@@ -109,7 +111,11 @@ class Parked:
             reason=reason,
         )
         self.released_at = now
-        self.answers.put(keel_pb2.NextGenerationAnswer(action="exit", reason=reason))
+        self.answers.put(
+            keel_pb2.NextGenerationAnswer(
+                action=keel_pb2.NEXT_GENERATION_ACTION_EXIT, reason=reason
+            )
+        )
 
     def answer(self, hold_s: float = POLL_HOLD_S) -> keel_pb2.NextGenerationAnswer:
         """What to tell it now: its answer if there is one (within ``hold_s``), else wait.
@@ -117,8 +123,8 @@ class Parked:
         try:
             answer = self.answers.get(timeout=hold_s)
         except queue.Empty:
-            return keel_pb2.NextGenerationAnswer(action="wait")
-        if answer.action == "exit":
+            return keel_pb2.NextGenerationAnswer(action=keel_pb2.NEXT_GENERATION_ACTION_WAIT)
+        if answer.action == keel_pb2.NEXT_GENERATION_ACTION_EXIT:
             self.answers.put(answer)
         return answer
 
@@ -153,7 +159,7 @@ class ParkingLot:
         if parked is None:
             return None
         answer = parked.answer()
-        if answer.action == "start":
+        if answer.action == keel_pb2.NEXT_GENERATION_ACTION_START:
             self.by_token.pop(token, None)
         return answer
 

@@ -101,9 +101,8 @@ class Reports:
             if not reports or self._generation is None:
                 return None
             job, generation = self._generation
-        node_steps, unsummed = summarize(reports)
         return keel_pb2.StepReportBatch(
-            job=job, generation=generation, reports=unsummed, node_steps=node_steps
+            job=job, generation=generation, node_steps=summarize(reports)
         )
 
     def last_steps(self) -> dict[int, int]:
@@ -127,20 +126,21 @@ class Reports:
             self._replay.append(message)
 
     def replay(self) -> list[keel_pb2.AgentMessage]:
-        """What to send again right after a Hello: each rank's latest step report
-        (marked ``replayed``: progress only), then the exits and the newest commit."""
+        """What to send again right after a Hello: each rank's latest step report,
+        summed up per step (marked ``replayed``: progress only), then the exits and the
+        newest commit."""
         with self._lock:
             messages = []
             if self._generation is not None and self._latest:
                 job, generation = self._generation
-                latest = [
-                    report
-                    for _, report in sorted(self._latest.values(), key=lambda seen: seen[1].rank)
-                ]
+                latest = [report for _, report in self._latest.values()]
                 messages.append(
                     keel_pb2.AgentMessage(
                         steps=keel_pb2.StepReportBatch(
-                            job=job, generation=generation, reports=latest, replayed=True
+                            job=job,
+                            generation=generation,
+                            node_steps=summarize(latest),
+                            replayed=True,
                         )
                     )
                 )

@@ -57,6 +57,7 @@ from common.procs import tied_to_this_process
 from common.tls import call_metadata
 from orchestrator.controller.store import Store
 from orchestrator.local.etcd_server import EmbeddedEtcd, memory_backed_dir
+from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2, keel_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -315,7 +316,11 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
             except grpc.RpcError:
                 return None
 
-        if wait_for(lambda: (status := job()) is not None and status.state == "RUNNING", 300, 0.5):
+        if wait_for(
+            lambda: (status := job()) is not None and status.state == keel_pb2.JOB_STATE_RUNNING,
+            300,
+            0.5,
+        ):
             result.running_s = time.monotonic() - began
         else:
             result.note = f"the job did not run: {job()}"
@@ -374,11 +379,11 @@ def measure(nodes: int, duration_s: float, workdir: Path) -> Size:
         elif (after.generation, after.restarts, after.state) != (
             before.generation,
             before.restarts,
-            "RUNNING",
+            keel_pb2.JOB_STATE_RUNNING,
         ):
             result.restarted = (
                 f"yes: generation {before.generation}→{after.generation}, "
-                f"restarts {before.restarts}→{after.restarts}, {after.state}"
+                f"restarts {before.restarts}→{after.restarts}, {WIRE_STATES.text(after.state)}"
             )
         else:
             result.restarted = "no"

@@ -201,7 +201,7 @@ class Agent:
 
     def status(self) -> keel_pb2.AgentMessage:
         status = keel_pb2.AgentStatus(
-            phase="RUNNING" if self.start else "IDLE",
+            phase=keel_pb2.AGENT_PHASE_RUNNING if self.start else keel_pb2.AGENT_PHASE_IDLE,
             started_job=self.started[0],
             started_generation=self.started[1],
         )

@@ -1,8 +1,6 @@
 """Step reports summed up per step: the agent sends its ranks' reports to the
 controller as one ``NodeStep`` a step (``summarize``), so that what a message costs the
-controller grows with the steps it carries rather than with the node's ranks; the
-controller reads reports sent one per rank (an older agent, a test) through the same
-function. Pure."""
+controller grows with the steps it carries rather than with the node's ranks. Pure."""
 
 from __future__ import annotations
 
@@ -11,18 +9,16 @@ import math
 from protos import keel_pb2
 
 
-def summarize(
-    reports: list[keel_pb2.StepReport],
-) -> tuple[list[keel_pb2.NodeStep], list[keel_pb2.StepReport]]:
+def summarize(reports: list[keel_pb2.StepReport]) -> list[keel_pb2.NodeStep]:
     """The ranks' reports as one ``NodeStep`` per step, in step order (a rank's first
-    report of a step counts, as at the controller); and the reports a step cannot carry
-    (a step below 1, a step time that is not a finite number of seconds), which go as
-    they are, for the controller to refuse with its warning."""
+    report of a step counts, as at the controller); then each report a step cannot
+    carry (a step below 1, a step time that is not a finite number of seconds) as a
+    ``NodeStep`` of its own rank, for the controller to refuse with its warning."""
     by_step: dict[int, dict[int, keel_pb2.StepReport]] = {}
-    unsummed = []
+    unfit = []
     for report in reports:
         if not (report.step >= 1 and 0 <= report.step_time_s < math.inf):
-            unsummed.append(report)
+            unfit.append(report)
             continue
         by_step.setdefault(report.step, {}).setdefault(report.rank, report)
     node_steps = []
@@ -41,4 +37,17 @@ def summarize(
                 loss=ranks[order[0]].loss,
             )
         )
-    return node_steps, unsummed
+    node_steps.extend(
+        keel_pb2.NodeStep(
+            step=r.step,
+            ranks=[r.rank],
+            step_time_s=[r.step_time_s],
+            tokens=r.tokens,
+            at=r.at,
+            checkpoint_s=r.checkpoint_s,
+            restore_s=r.restore_s,
+            loss=r.loss,
+        )
+        for r in unfit
+    )
+    return node_steps

@@ -1,10 +1,85 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGENT_PHASE_UNSPECIFIED: _ClassVar[AgentPhase]
+    AGENT_PHASE_IDLE: _ClassVar[AgentPhase]
+    AGENT_PHASE_RUNNING: _ClassVar[AgentPhase]
+    AGENT_PHASE_STOPPING: _ClassVar[AgentPhase]
+
+class CheckpointProblemKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_PROBLEM_KIND_UNSPECIFIED: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_STALE_COMMIT: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_QUARANTINED: _ClassVar[CheckpointProblemKind]
+
+class HangPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANG_PHASE_UNSPECIFIED: _ClassVar[HangPhase]
+    HANG_PHASE_FIRST_STEP: _ClassVar[HangPhase]
+    HANG_PHASE_STEP: _ClassVar[HangPhase]
+    HANG_PHASE_CHECKPOINT: _ClassVar[HangPhase]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_STARTING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_STOPPING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_READY: _ClassVar[NodeState]
+    NODE_STATE_CORDONED: _ClassVar[NodeState]
+    NODE_STATE_DRAINING: _ClassVar[NodeState]
+    NODE_STATE_DRAINED: _ClassVar[NodeState]
+
+class NextGenerationAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEXT_GENERATION_ACTION_UNSPECIFIED: _ClassVar[NextGenerationAction]
+    NEXT_GENERATION_ACTION_WAIT: _ClassVar[NextGenerationAction]
+    NEXT_GENERATION_ACTION_START: _ClassVar[NextGenerationAction]
+    NEXT_GENERATION_ACTION_EXIT: _ClassVar[NextGenerationAction]
+AGENT_PHASE_UNSPECIFIED: AgentPhase
+AGENT_PHASE_IDLE: AgentPhase
+AGENT_PHASE_RUNNING: AgentPhase
+AGENT_PHASE_STOPPING: AgentPhase
+CHECKPOINT_PROBLEM_KIND_UNSPECIFIED: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_STALE_COMMIT: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_QUARANTINED: CheckpointProblemKind
+HANG_PHASE_UNSPECIFIED: HangPhase
+HANG_PHASE_FIRST_STEP: HangPhase
+HANG_PHASE_STEP: HangPhase
+HANG_PHASE_CHECKPOINT: HangPhase
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_STARTING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_STOPPING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_READY: NodeState
+NODE_STATE_CORDONED: NodeState
+NODE_STATE_DRAINING: NodeState
+NODE_STATE_DRAINED: NodeState
+NEXT_GENERATION_ACTION_UNSPECIFIED: NextGenerationAction
+NEXT_GENERATION_ACTION_WAIT: NextGenerationAction
+NEXT_GENERATION_ACTION_START: NextGenerationAction
+NEXT_GENERATION_ACTION_EXIT: NextGenerationAction
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
@@ -50,11 +125,11 @@ class AgentStatus(_message.Message):
     STARTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
-    phase: str
+    phase: AgentPhase
     running: _containers.RepeatedCompositeFieldContainer[RankAssignment]
     started_job: str
     started_generation: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[str] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[_Union[AgentPhase, str]] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ...) -> None: ...
 
 class CheckpointProblem(_message.Message):
     __slots__ = ("job", "generation", "step", "path", "kind", "reason")
@@ -68,9 +143,9 @@ class CheckpointProblem(_message.Message):
     generation: int
     step: int
     path: str
-    kind: str
+    kind: CheckpointProblemKind
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
     __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term")
@@ -156,10 +231,10 @@ class HangDetected(_message.Message):
     last_step: int
     stalled_for_s: float
     timeout_s: float
-    phase: str
+    phase: HangPhase
     stacks: _containers.ScalarMap[int, str]
     detected_at: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., last_step: _Optional[int] = ..., stalled_for_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., phase: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., detected_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., last_step: _Optional[int] = ..., stalled_for_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., phase: _Optional[_Union[HangPhase, str]] = ..., stacks: _Optional[_Mapping[int, str]] = ..., detected_at: _Optional[float] = ...) -> None: ...
 
 class CollectiveResult(_message.Message):
     __slots__ = ("collective", "size_bytes", "time_s", "algbw_gbps", "busbw_gbps")
@@ -449,18 +524,16 @@ class StepReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., at: _Optional[float] = ..., data_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., optimizer_s: _Optional[float] = ..., checkpoint_s: _Optional[float] = ..., checkpointing: _Optional[bool] = ..., restore_s: _Optional[float] = ...) -> None: ...
 
 class StepReportBatch(_message.Message):
-    __slots__ = ("job", "generation", "reports", "replayed", "node_steps")
+    __slots__ = ("job", "generation", "node_steps", "replayed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    REPORTS_FIELD_NUMBER: _ClassVar[int]
-    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     NODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
-    reports: _containers.RepeatedCompositeFieldContainer[StepReport]
-    replayed: bool
     node_steps: _containers.RepeatedCompositeFieldContainer[NodeStep]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[StepReport, _Mapping]]] = ..., replayed: _Optional[bool] = ..., node_steps: _Optional[_Iterable[_Union[NodeStep, _Mapping]]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., node_steps: _Optional[_Iterable[_Union[NodeStep, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class NodeStep(_message.Message):
     __slots__ = ("step", "ranks", "step_time_s", "tokens", "at", "checkpoint_s", "restore_s", "loss")
@@ -688,7 +761,7 @@ class JobStatus(_message.Message):
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     job: str
-    state: str
+    state: JobState
     reason: str
     generation: int
     world_size: int
@@ -709,7 +782,7 @@ class JobStatus(_message.Message):
     goodput: Goodput
     submitted_at: float
     ended_at: float
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("ratio", "accounted_s", "seconds", "at_risk_s")
@@ -792,10 +865,10 @@ class NodeInfo(_message.Message):
     slots: int
     connected: bool
     lease_id: int
-    state: str
+    state: NodeState
     cordon_reason: str
     job: str
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., connected: _Optional[bool] = ..., lease_id: _Optional[int] = ..., state: _Optional[str] = ..., cordon_reason: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., connected: _Optional[bool] = ..., lease_id: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., cordon_reason: _Optional[str] = ..., job: _Optional[str] = ...) -> None: ...
 
 class NodeRequest(_message.Message):
     __slots__ = ("node", "reason")
@@ -853,9 +926,9 @@ class StopJobReply(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
-    state: str
+    state: JobState
     message: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DeleteJobRequest(_message.Message):
     __slots__ = ("job",)
@@ -973,12 +1046,12 @@ class NextGenerationAnswer(_message.Message):
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    action: str
+    action: NextGenerationAction
     env: _containers.ScalarMap[str, str]
     stdout: str
     stderr: str
     reason: str
-    def __init__(self, action: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, action: _Optional[_Union[NextGenerationAction, str]] = ..., env: _Optional[_Mapping[str, str]] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LocalStepReports(_message.Message):
     __slots__ = ("generation", "reports")

@@ -16,7 +16,7 @@ import click
 import grpc
 
 from orchestrator.cli.operator import Client, connection_options
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 
 FOLLOW_POLL_S = 0.5
@@ -153,7 +153,7 @@ def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file, 
                 grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
-            if not (follow and waitable) or JobState(status.state).terminal:
+            if not (follow and waitable) or WIRE_STATES.from_wire(status.state).terminal:
                 raise click.ClickException(_rpc_problem(err)) from None
             if err.details() != said:
                 said = err.details()
@@ -168,7 +168,11 @@ def logs(job, rank, generation, follow, controller, etcd_endpoints, token_file, 
             current = status.generation
             click.echo(f"--- {job} generation {current} ---", err=True)
             continue
-        if JobState(status.state).terminal and cursor is not None and not cursor.running:
+        if (
+            WIRE_STATES.from_wire(status.state).terminal
+            and cursor is not None
+            and not cursor.running
+        ):
             _last_words(output, current, rank)
             return
         time.sleep(FOLLOW_POLL_S)

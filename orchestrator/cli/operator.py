@@ -12,11 +12,12 @@ import time
 
 import click
 import grpc
-from google.protobuf import json_format
 
 from common import env, flags
+from common.proto_enums import message_dict
 from orchestrator.cli.client import RPC_TIMEOUT_S, ControllerClient, NoController
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES
+from orchestrator.policy.node_state import WIRE_NODE_STATES
 from orchestrator.security import tls
 from protos import keel_pb2
 
@@ -118,9 +119,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _dict(message) -> dict:
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    return message_dict(message)
 
 
 def _job_row(job: keel_pb2.JobStatus) -> list[str]:
@@ -130,7 +129,7 @@ def _job_row(job: keel_pb2.JobStatus) -> list[str]:
     )
     return [
         job.job,
-        job.state,
+        WIRE_STATES.text(job.state),
         str(generation),
         str(job.world_size),
         job.mesh or "-",
@@ -188,7 +187,9 @@ def status(controller, etcd_endpoints, token_file, as_json, **security):
         )
         return
     connected = sum(1 for n in nodes if n.connected)
-    held = collections.Counter(n.state for n in nodes if n.state != "ready")
+    held = collections.Counter(
+        WIRE_NODE_STATES.text(n.state) for n in nodes if n.state != keel_pb2.NODE_STATE_READY
+    )
     click.echo(
         f"controller {client.address}: {connected}/{len(nodes)} nodes connected, "
         f"{sum(n.slots for n in nodes if n.connected)} slots, {len(jobs)} job(s)"
@@ -217,7 +218,7 @@ def nodes(controller, etcd_endpoints, token_file, as_json, **security):
                     n.host or "-",
                     str(n.slots),
                     "yes" if n.connected else "no",
-                    n.state,
+                    WIRE_NODE_STATES.text(n.state),
                     n.job or "-",
                     f"{n.lease_id:x}" if n.lease_id else "-",
                     n.cordon_reason or "-",
@@ -258,7 +259,7 @@ def events(job, follow, controller, etcd_endpoints, token_file, as_json, **secur
             if event.seq > shown:
                 click.echo(json.dumps(_dict(event)) if as_json else _event_line(event))
         shown = max([shown, *(e.seq for e in status_.events)])
-        if not follow or JobState(status_.state).terminal:
+        if not follow or WIRE_STATES.from_wire(status_.state).terminal:
             return
         time.sleep(FOLLOW_POLL_S)
 
@@ -327,7 +328,7 @@ def drain(
     layout if the job's min_nodes allows). NODE is drained once nothing runs there."""
     client = Client(controller, etcd_endpoints, token_file, **security)
     reply = client.call("DrainNode", keel_pb2.NodeRequest(node=node, reason=reason))
-    if wait and reply.node.state != "drained":
+    if wait and reply.node.state != keel_pb2.NODE_STATE_DRAINED:
         if not as_json:
             click.echo(reply.message)
 
@@ -337,14 +338,15 @@ def drain(
                 for n in client.call("ListNodes", keel_pb2.ListNodesRequest()).nodes
                 if n.node == node
             ]
-            if found and found[0].state == "draining":
+            if found and found[0].state == keel_pb2.NODE_STATE_DRAINING:
                 return None
-            return found or [keel_pb2.NodeInfo(node=node, state="gone")]
+            return found or [None]
 
         info = _wait(f"{node} to drain", timeout_s, drained)[0]
-        if info.state != "drained":
+        if info is None or info.state != keel_pb2.NODE_STATE_DRAINED:
+            shown = "gone" if info is None else WIRE_NODE_STATES.text(info.state)
             raise click.ClickException(
-                f"{node} is {info.state}, not drained (uncordoned while draining?)"
+                f"{node} is {shown}, not drained (uncordoned while draining?)"
             )
         reply = keel_pb2.NodeReply(node=info, message=f"{node} drained")
     _node_reply(reply, as_json)
@@ -392,9 +394,9 @@ def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_
         ck = status_.last_checkpoint
         if status_.HasField("last_checkpoint") and ck.step > reply.after_step:
             return ck
-        if JobState(status_.state).terminal or status_.generation != reply.generation:
+        if WIRE_STATES.from_wire(status_.state).terminal or status_.generation != reply.generation:
             raise click.ClickException(
-                f"job {reply.job} is {status_.state} in generation "
+                f"job {reply.job} is {WIRE_STATES.text(status_.state)} in generation "
                 f"{status_.generation}; no checkpoint after step "
                 f"{reply.after_step} was committed"
             )
@@ -463,11 +465,12 @@ def stop(
 
         def ended():
             found = client.call("GetJob", keel_pb2.GetJobRequest(job=job))
-            return found if JobState(found.state).terminal else None
+            return found if WIRE_STATES.from_wire(found.state).terminal else None
 
         status_ = _wait(f"job {job} to stop", timeout_s, ended)
+        shown = WIRE_STATES.text(status_.state)
         reply = keel_pb2.StopJobReply(
-            job=job, state=status_.state, message=f"job {job} {status_.state}: {status_.reason}"
+            job=job, state=status_.state, message=f"job {job} {shown}: {status_.reason}"
         )
     click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
 

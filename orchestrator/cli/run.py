@@ -30,7 +30,7 @@ from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.cli.logs import RankOutput
 from orchestrator.cli.operator import Client, connection_options
 from orchestrator.local.summary import Progress
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES
 from orchestrator.spec.jobspec import InvalidSpec, validate
 from protos import keel_pb2
 
@@ -209,7 +209,7 @@ def follow(
     try:
         while True:
             status = tracker.tick()
-            if JobState(status.state).terminal:
+            if WIRE_STATES.from_wire(status.state).terminal:
                 break
             if interrupts and not stop_sent:
                 tracker.progress.note(
@@ -241,14 +241,16 @@ def follow(
 def outcome(status: keel_pb2.JobStatus | None, error: str) -> int:
     """torchrun's exit status: 0 when every rank succeeded, else 1 (the reason on
     stderr)."""
-    if status is not None and status.state == JobState.SUCCEEDED.value and not error:
+    if status is not None and status.state == keel_pb2.JOB_STATE_SUCCEEDED and not error:
         click.echo(
             f"keel run: job {status.job} succeeded in {status.generation} "
             f"generation(s), {status.restarts} restart(s)",
             err=True,
         )
         return 0
-    reason = error or (f"{status.state}: {status.reason}" if status else "not started")
+    reason = error or (
+        f"{WIRE_STATES.text(status.state)}: {status.reason}" if status else "not started"
+    )
     if status is not None:
         for failure in status.failures:
             click.echo(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import structlog
 
 from common.records import newest_good
+from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
@@ -90,7 +91,8 @@ class CheckpointRecords:
         in its record, and is never a restore point again."""
         while job.checkpoint_problems:
             problem = job.checkpoint_problems[0]
-            if problem.kind == "quarantined":
+            kind = WIRE_PROBLEM_KINDS.from_wire(problem.kind)
+            if kind is CheckpointProblemKind.QUARANTINED:
                 records = {r.step: r for r in self.store.checkpoints(job.name)}
                 record = records.get(problem.step)
                 if record is not None and record.path != problem.path:
@@ -115,7 +117,7 @@ class CheckpointRecords:
                     f"refused: {problem.reason}",
                     step=problem.step,
                 )
-            job.checkpoint_problem_counts[problem.kind] = (
-                job.checkpoint_problem_counts.get(problem.kind, 0) + 1
+            job.checkpoint_problem_counts[kind.value] = (
+                job.checkpoint_problem_counts.get(kind.value, 0) + 1
             )
             job.checkpoint_problems.pop(0)

@@ -23,7 +23,8 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
 from orchestrator.policy import operations
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES, JobState
+from orchestrator.policy.node_state import WIRE_NODE_STATES, NodeState
 from orchestrator.policy.operations import Operation
 from orchestrator.spec.health import resolve as resolve_health
 from orchestrator.spec.jobspec import InvalidSpec, validate
@@ -117,7 +118,7 @@ class OperatorService:
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
         status = keel_pb2.JobStatus(
             job=job.name,
-            state=job.state.value,
+            state=WIRE_STATES.to_wire(job.state),
             reason=job.reason,
             generation=job.generation,
             world_size=job.world_size or job.spec.world_size,
@@ -185,7 +186,7 @@ class OperatorService:
             slots=record.slots if record else session.slots if session else 0,
             connected=bool(session and session.connected),
             lease_id=record.lease_id if record else 0,
-            state=self.state.node_state(name),
+            state=WIRE_NODE_STATES.to_wire(NodeState(self.state.node_state(name))),
             cordon_reason=(
                 ""
                 if cordon is None
@@ -448,7 +449,9 @@ class OperatorService:
                 message = f"job {job.name} checkpoints now, then stops"
             else:
                 message = f"job {job.name} is stopping"
-            return keel_pb2.StopJobReply(job=job.name, state=job.state.value, message=message)
+            return keel_pb2.StopJobReply(
+                job=job.name, state=WIRE_STATES.to_wire(job.state), message=message
+            )
 
     def ReadLog(self, request, context):
         """A rank's output from the node that ran it, relayed through that node's agent

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import math
 import queue
 import threading
@@ -32,7 +31,7 @@ import structlog
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.records import CheckpointRecord, NodeRecord
-from common.steps import summarize
+from common.wire_kinds import WIRE_HANG_PHASES, WIRE_PROBLEM_KINDS
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
@@ -275,7 +274,7 @@ class AgentService:
             job = self._job_for(body.job, body.generation)
             mine = job.ranks_on_node(session.node) if job is not None else frozenset()
             if body.replayed:
-                reports, invalid, theirs = _checked_replay(body.reports, mine)
+                reports, invalid, theirs = _checked_replay(body, mine)
             else:
                 reports, invalid, theirs = _checked_steps(body, mine)
             if invalid:
@@ -358,9 +357,14 @@ class AgentService:
             job = self.state.jobs.get(body.job)
             if job is None or body.generation > job.generation:
                 return
+            try:
+                WIRE_PROBLEM_KINDS.from_wire(body.kind)
+            except ValueError as exc:
+                self._refused(session, kind, str(exc))
+                return
             # Marking a checkpoint quarantined changes what restores: only the current
             # generation's rank 0, which verified it, may.
-            if body.kind == "quarantined" and self._refused(
+            if body.kind == keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED and self._refused(
                 session,
                 kind,
                 (
@@ -472,14 +476,13 @@ def _checked_steps(
     body: keel_pb2.StepReportBatch,
     mine: frozenset[int],
 ) -> tuple[list[StepTally], int, int | None]:
-    """The batch's steps (its ``NodeStep``s, and its per-rank ``reports`` summed up the
-    same way) of ``mine`` (the ranks the node hosts), numbered from 1 with finite step
-    times, as ``StepTally``; how many rank reports were not (the comparisons are false
-    for NaN); and the first rank reported that is not the node's (None if none).
-    Per entry, not per rank: a node's step costs about the same whatever its ranks."""
-    node_steps, unsummed = summarize(body.reports) if body.reports else ((), ())
-    checked, invalid, theirs = [], len(unsummed), None
-    for entry in itertools.chain(body.node_steps, node_steps):
+    """The batch's steps (its ``NodeStep``s) of ``mine`` (the ranks the node hosts),
+    numbered from 1 with finite step times, as ``StepTally``; how many rank reports
+    were not (the comparisons are false for NaN); and the first rank reported that is
+    not the node's (None if none). Per entry, not per rank: a node's step costs about
+    the same whatever its ranks."""
+    checked, invalid, theirs = [], 0, None
+    for entry in body.node_steps:
         ranks, times = tuple(entry.ranks), tuple(entry.step_time_s)
         count = len(ranks)
         if not (
@@ -526,25 +529,30 @@ def _only_mine(ranks: tuple, times: tuple, mine: frozenset[int]) -> tuple[tuple,
     return tuple(kept), tuple(kept.values()), other
 
 
-def _checked_replay(reports, mine: frozenset[int]) -> tuple[list, int, int | None]:
-    """The replayed reports (each rank's latest) of ``mine`` numbered from 1; how many
-    were not; the first rank reported that is not the node's (None if none)."""
+def _checked_replay(
+    body: keel_pb2.StepReportBatch, mine: frozenset[int]
+) -> tuple[list[keel_pb2.NodeStep], int, int | None]:
+    """The replayed steps (each rank's latest, summed up per step) numbered from 1 whose
+    first rank (the one whose loss they carry) is of ``mine``; how many rank reports
+    were not numbered from 1; the first rank reported that is not the node's (None if
+    none)."""
     checked, invalid, theirs = [], 0, None
-    for report in reports:
-        if not report.step >= 1:
-            invalid += 1
-        elif report.rank not in mine:
-            theirs = report.rank if theirs is None else theirs
-        else:
-            checked.append(report)
+    for entry in body.node_steps:
+        if not entry.step >= 1:
+            invalid += len(entry.ranks) or 1
+            continue
+        if theirs is None:
+            theirs = next((rank for rank in entry.ranks if rank not in mine), None)
+        if entry.ranks and entry.ranks[0] in mine:
+            checked.append(entry)
     return checked, invalid, theirs
 
 
-def _progress(job: JobRuntime, reports) -> None:
+def _progress(job: JobRuntime, node_steps: list[keel_pb2.NodeStep]) -> None:
     """The job's step and loss are rank 0's latest."""
-    for report in reports:
-        if report.rank == 0 and report.step >= job.step:
-            job.step, job.loss = report.step, report.loss
+    for entry in node_steps:
+        if entry.ranks[0] == 0 and entry.step >= job.step:
+            job.step, job.loss = entry.step, entry.loss
 
 
 def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]) -> None:
@@ -612,6 +620,6 @@ def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
         health.hang_event.reason = (
             f"rank {report.rank} (pid {report.pid}) on {node} made no progress for "
             f"{report.stalled_for_s:.1f}s after step {report.last_step} "
-            f"(timeout {report.timeout_s:.1f}s, {report.phase})"
+            f"(timeout {report.timeout_s:.1f}s, {WIRE_HANG_PHASES.text(report.phase)})"
         )
     health.add_stacks(report.stacks)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.local.ledger_check import audit_checkpoint
+from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 
 
@@ -53,8 +54,9 @@ class Progress:
         self.events_shown = max([self.events_shown, *(e.seq for e in status.events)])
         target = f"/{status.target_steps}" if status.target_steps else ""
         loss = f"{status.loss:.4f}" if status.has_loss else "-"
+        state = WIRE_STATES.text(status.state)
         text = (
-            f"{status.state:<9} gen {status.generation} world {status.world_size} "
+            f"{state:<9} gen {status.generation} world {status.world_size} "
             f"step {status.step}{target} loss {loss} "
             f"{status.tokens_per_s:,.0f} tok/s restarts {status.restarts}"
         )
@@ -114,7 +116,7 @@ def summarize(
         }
     return {
         "job": status.job,
-        "state": status.state,
+        "state": WIRE_STATES.text(status.state),
         "reason": error or status.reason,
         "steps": status.step,
         "target_steps": status.target_steps,

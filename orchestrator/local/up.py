@@ -23,7 +23,7 @@ from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.firing import ClusterFaults
 from orchestrator.local.options import UpOptions, job_spec
 from orchestrator.local.summary import Progress, print_summary, succeeded, summarize
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 
 POLL_S = 0.5
@@ -112,7 +112,7 @@ def up(options: UpOptions) -> int:
                     progress.note(fired.message)
                     if fired.kind in ("kill_leader", "stall_leader", "term_leader"):
                         struck_at = time.monotonic()
-                if JobState(status.state).terminal:
+                if WIRE_STATES.from_wire(status.state).terminal:
                     break
                 if stop:
                     error = "interrupted"

@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from orchestrator.policy.lifecycle import JobState
+from protos import keel_pb2
 
 RESEND_S = 2.0
 
@@ -37,7 +38,7 @@ class NodeRuns:
     pid: int  # of the agent incarnation the status came from
     job: str  # the generation it runs or stops; "" = none
     generation: int
-    phase: str  # IDLE, RUNNING or STOPPING
+    phase: int  # a keel_pb2.AgentPhase
     started_job: str  # the newest StartGeneration it was given
     started_generation: int
     received_at: float  # monotonic: when the controller got the status
@@ -71,7 +72,7 @@ def converge(
     if last_fix_at and (now - last_fix_at < RESEND_S or runs.received_at < last_fix_at + RESEND_S):
         return None  # told just now, or not heard from since it could have acted
     # A generation that is not current goes first: a new one may not start beside it.
-    if runs.job and runs.phase == "RUNNING":
+    if runs.job and runs.phase == keel_pb2.AGENT_PHASE_RUNNING:
         current = next((p for p in plans if p.job == runs.job), None)
         if (
             current is None
@@ -103,7 +104,7 @@ def converge(
             plan.state is JobState.STOPPING
             and not plan.confirmed_stopped
             and (runs.job, runs.generation) == (plan.job, plan.generation)
-            and runs.phase == "RUNNING"
+            and runs.phase == keel_pb2.AGENT_PHASE_RUNNING
         ):
             return Fixing(
                 Fix.STOP,

@@ -3,7 +3,13 @@ stored with the job in ``common.records``)."""
 
 from __future__ import annotations
 
+from common.proto_enums import ProtoEnum
 from common.records import JobState
+from protos import keel_pb2
+
+# The states on the wire (JobStatus.state); JobState's strings are what etcd stores and
+# operators read.
+WIRE_STATES = ProtoEnum(JobState, keel_pb2.JobState, "JOB_STATE_")
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED}),

@@ -55,7 +55,9 @@ agent_messages = st.one_of(
     st.builds(
         lambda j, g: keel_pb2.AgentMessage(
             steps=keel_pb2.StepReportBatch(
-                job=j, generation=g, reports=[keel_pb2.StepReport(rank=1, step=g % 1000)]
+                job=j,
+                generation=g,
+                node_steps=[keel_pb2.NodeStep(step=g % 1000, ranks=[1], step_time_s=[0.0])],
             )
         ),
         text,
@@ -78,7 +80,9 @@ agent_messages = st.one_of(
     ),
     st.builds(
         lambda j, g: keel_pb2.AgentMessage(
-            hang_detected=keel_pb2.HangDetected(job=j, generation=g, phase="step", stacks={0: "x"})
+            hang_detected=keel_pb2.HangDetected(
+                job=j, generation=g, phase=keel_pb2.HANG_PHASE_STEP, stacks={0: "x"}
+            )
         ),
         text,
         uint64,

@@ -26,7 +26,7 @@ from orchestrator.cli.client import ControllerClient
 from orchestrator.local.etcd_server import etcd_binary
 from orchestrator.local.options import UpOptions, job_spec
 from orchestrator.local.summary import summarize
-from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 from tests.conftest import REPO, wait_for
 from tests.integration import netns
@@ -242,11 +242,14 @@ def test_a_job_across_hosts_survives_a_partition_of_its_leader_and_a_node(networ
 
         def past_a_checkpoint() -> keel_pb2.JobStatus | None:
             status = job()
-            assert not JobState(status.state).terminal, (status, tail(logs, *CONTROLLERS))
+            assert not WIRE_STATES.from_wire(status.state).terminal, (
+                status,
+                tail(logs, *CONTROLLERS),
+            )
             return (
                 status
                 if (
-                    status.state == "RUNNING"
+                    status.state == keel_pb2.JOB_STATE_RUNNING
                     and status.last_checkpoint.step >= OPTIONS.checkpoint_every
                 )
                 else None
@@ -275,11 +278,14 @@ def test_a_job_across_hosts_survives_a_partition_of_its_leader_and_a_node(networ
 
         def ended() -> keel_pb2.JobStatus | None:
             status = job()
-            return status if JobState(status.state).terminal else None
+            return status if WIRE_STATES.from_wire(status.state).terminal else None
 
         final = wait_for(ended, 180, 0.5, what="the job to end")
         summary = summarize(final, time.monotonic() - started, tmp_path)
-        assert final.state == "SUCCEEDED", (summary, tail(logs, *CONTROLLERS, *NODES))
+        assert final.state == keel_pb2.JOB_STATE_SUCCEEDED, (
+            summary,
+            tail(logs, *CONTROLLERS, *NODES),
+        )
         assert final.step == final.target_steps == OPTIONS.steps
         assert final.generation > before.generation
         assert final.world_size == OPTIONS.world_size

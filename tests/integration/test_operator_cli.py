@@ -34,7 +34,7 @@ def test_status_nodes_jobs_and_events(cluster, etcd):
                 stub.GetJob(
                     keel_pb2.GetJobRequest(job="exits-3"), metadata=call_metadata(TOKEN), timeout=5
                 ).state
-                == "FAILED"
+                == keel_pb2.JOB_STATE_FAILED
             ),
             60,
             what="the job to fail",

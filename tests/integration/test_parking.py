@@ -86,10 +86,14 @@ def test_a_parked_process_becomes_only_a_rank_of_its_own_slot_job_and_command(sl
     assert lot.take(start(), slot(1)) is None, "given a rank once"
     # Its waiting NextGeneration call gets the rank, and the token is then forgotten.
     answer = lot.answer("t1")
-    assert (answer.action, dict(answer.env), answer.stdout) == ("start", {"RANK": "1"}, "/out")
+    assert (answer.action, dict(answer.env), answer.stdout) == (
+        keel_pb2.NEXT_GENERATION_ACTION_START,
+        {"RANK": "1"},
+        "/out",
+    )
     assert lot.answer("t1") is None and lot.answer("made-up") is None
     # Nothing to say yet: the call is held, then answered "wait".
-    assert lot.answer("t0").action == "wait"
+    assert lot.answer("t0").action == keel_pb2.NEXT_GENERATION_ACTION_WAIT
     # A stopped (SIGSTOPped) process would stall its rank: never handed one.
     stalled = lot.by_token["t0"]
     assert lot.take(start(), slot(0)) is stalled
@@ -109,9 +113,11 @@ def test_released_processes_hear_exit_and_are_killed_if_they_stay(sleeper):
     lot.release_all("generation 4 starts here without them", now=100.0)
     waiting.join(5)
     assert [(a.action, a.reason) for a in heard] == [
-        ("exit", "generation 4 starts here without them")
+        (keel_pb2.NEXT_GENERATION_ACTION_EXIT, "generation 4 starts here without them")
     ]
-    assert lot.answer("old").action == "exit", "said again to every later call"
+    assert lot.answer("old").action == keel_pb2.NEXT_GENERATION_ACTION_EXIT, (
+        "said again to every later call"
+    )
     lot.poll(now=100.0 + RELEASE_GRACE_S / 2)
     assert old.popen.poll() is None, "it has the grace to exit by itself"
     lot.poll(now=100.0 + RELEASE_GRACE_S)

@@ -68,20 +68,34 @@ def test_a_stop_asking_for_stacks_of_a_generation_it_does_not_run_is_just_confir
     assert agent.generation.phase is Phase.IDLE
 
 
-def test_a_start_with_a_health_budget_that_makes_no_sense_fails_its_ranks_with_the_reason(agent):
+def test_a_start_whose_deadlines_make_no_sense_fails_its_ranks_with_the_reason(agent):
     start = keel_pb2.StartGeneration(
         job="demo",
         generation=1,
         command=["python", "-c", "pass"],
         ranks=[keel_pb2.RankAssignment(rank=0, local_rank=0)],
-        health=keel_pb2.HealthSpec(
-            hang_floor_s=30, hang_k=3, first_step_timeout_s=10, checkpoint_timeout_s=60
+        health=keel_pb2.HealthSpec(hang_k=3),
+        deadlines=keel_pb2.Deadlines(
+            hang_floor_s=30,
+            first_step_timeout_s=10,
+            checkpoint_timeout_s=60,
+            collective_timeout_s=600,
+            startup_timeout_s=600,
         ),
     )
     agent._on_controller(keel_pb2.ControllerMessage(start_generation=start))
     (exited,) = sent(agent)
     assert (exited.rank_exited.rank, exited.rank_exited.exit_code) == (0, 127)
     assert "first_step_timeout_s=10" in exited.rank_exited.traceback
+    assert agent.supervisor.ranks == []
+
+    # A start without its deadline chain is no start the controller sends.
+    start.generation = 2
+    start.ClearField("deadlines")
+    agent._on_controller(keel_pb2.ControllerMessage(start_generation=start))
+    (exited,) = sent(agent)
+    assert (exited.rank_exited.generation, exited.rank_exited.exit_code) == (2, 127)
+    assert "carries no deadlines" in exited.rank_exited.traceback
     assert agent.supervisor.ranks == []
 
 
@@ -123,9 +137,9 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
                 steps=keel_pb2.StepReportBatch(
                     job="broken",
                     generation=1,
-                    reports=[
-                        keel_pb2.StepReport(rank=0, step=0, step_time_s=0.1),
-                        keel_pb2.StepReport(rank=1, step=3, step_time_s=float("inf")),
+                    node_steps=[
+                        keel_pb2.NodeStep(step=0, ranks=[0], step_time_s=[0.1]),
+                        keel_pb2.NodeStep(step=3, ranks=[1], step_time_s=[float("inf")]),
                     ],
                 )
             )

@@ -273,7 +273,7 @@ class Runtime:
         answer = agent.next_generation()
         agent.close()
         self._agent = None
-        if answer.action != "start":
+        if answer.action != keel_pb2.NEXT_GENERATION_ACTION_START:
             self.log(f"not needed for a next generation ({answer.reason}): exiting")
             sys.exit(0)
         take_environment(answer.env)

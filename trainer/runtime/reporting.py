@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from common import env
+from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from protos import keel_pb2, keel_pb2_grpc
 
 STEP_REPORT_DEADLINE_S = 2.0
@@ -378,17 +379,19 @@ class AgentReporter:
                 )
             except grpc.RpcError as error:
                 if error.code() is grpc.StatusCode.UNAUTHENTICATED:
-                    return keel_pb2.NextGenerationAnswer(action="exit", reason=error.details())
+                    return keel_pb2.NextGenerationAnswer(
+                        action=keel_pb2.NEXT_GENERATION_ACTION_EXIT, reason=error.details()
+                    )
                 if time.monotonic() - answered_at >= fence_s:
                     return keel_pb2.NextGenerationAnswer(
-                        action="exit",
+                        action=keel_pb2.NEXT_GENERATION_ACTION_EXIT,
                         reason=f"the agent has answered nothing for {fence_s:g} s "
                         f"({error.code().name}: {error.details()})",
                     )
                 time.sleep(0.2)
                 continue
             answered_at = time.monotonic()
-            if answer.action != "wait":
+            if answer.action != keel_pb2.NEXT_GENERATION_ACTION_WAIT:
                 return answer
 
     def report_preflight(self, results: Sequence, wall_s: float) -> bool:
@@ -454,7 +457,8 @@ class AgentReporter:
 
     def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
         """Tells the agent of a checkpoint this rank would not or could not use
-        (``kind``: "stale_commit" or "quarantined"); whether it acknowledged."""
+        (``kind``: a ``CheckpointProblemKind``, or its string); whether it
+        acknowledged."""
         try:
             self._stub.ReportCheckpointProblem(
                 keel_pb2.CheckpointProblem(
@@ -462,7 +466,7 @@ class AgentReporter:
                     generation=self.generation,
                     step=step,
                     path=path,
-                    kind=kind,
+                    kind=WIRE_PROBLEM_KINDS.to_wire(CheckpointProblemKind(kind)),
                     reason=reason,
                 ),
                 timeout=CHECKPOINT_REPORT_DEADLINE_S,

@@ -83,7 +83,7 @@ def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket)
         job="demo",
         generation=4,
         step=10,
-        kind="quarantined",
+        kind=keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED,
         path=str(ckpt / "step_00000010"),
         reason="bad",
     )
@@ -135,7 +135,11 @@ def test_restart_in_place_over_the_socket_is_a_ranks_own_business(socket):
     code, details = call(stub.NextGeneration, ask, rank1)
     assert code is grpc.StatusCode.UNAUTHENTICATED and "parked" in details
     recorder.answers[rank1] = keel_pb2.NextGenerationAnswer(
-        action="start", env={"RANK": "3"}, stdout="/o", stderr="/e"
+        action=keel_pb2.NEXT_GENERATION_ACTION_START, env={"RANK": "3"}, stdout="/o", stderr="/e"
     )
     answer = stub.NextGeneration(ask, metadata=((env.RANK_TOKEN_METADATA, rank1),), timeout=5)
-    assert (answer.action, dict(answer.env), answer.stdout) == ("start", {"RANK": "3"}, "/o")
+    assert (answer.action, dict(answer.env), answer.stdout) == (
+        keel_pb2.NEXT_GENERATION_ACTION_START,
+        {"RANK": "3"},
+        "/o",
+    )

@@ -16,7 +16,7 @@ def test_reports_of_the_running_generation_are_batched_and_others_dropped():
     reports.add_steps(2, [step(0, 1), step(1, 1)])
     reports.add_steps(2, [step(0, 2)])
     batch = reports.take_batch()
-    assert (batch.job, batch.generation, list(batch.reports)) == ("j", 2, [])
+    assert (batch.job, batch.generation) == ("j", 2)
     assert [(s.step, list(s.ranks)) for s in batch.node_steps] == [(1, [0, 1]), (2, [0])]
     assert reports.take_batch() is None
     assert reports.last_steps() == {0: 2, 1: 1}
@@ -42,9 +42,10 @@ def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_c
     reports.remember(keel_pb2.AgentMessage(rank_exited=keel_pb2.RankExited(rank=1)))
     reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=4)))
     latest, exited, commit = reports.replay()
-    assert latest.steps.replayed and [(r.rank, r.step) for r in latest.steps.reports] == [
-        (0, 5),
-        (1, 4),
+    assert latest.steps.replayed
+    assert [(list(s.ranks), s.step, s.loss) for s in latest.steps.node_steps] == [
+        ([1], 4, 0.25),
+        ([0], 5, 0.2),
     ]
     assert exited.rank_exited.rank == 1 and commit.checkpoint_saved.step == 4
     # A new generation starts from nothing.

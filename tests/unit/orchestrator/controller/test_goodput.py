@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.steps import summarize
 from orchestrator.controller.goodput import BUCKETS, Goodput
 from orchestrator.controller.sessions import _checked_steps
 from orchestrator.policy.lifecycle import JobState
@@ -20,7 +21,7 @@ def report(rank, step, at, own, checkpoint_s=0.0, restore_s=0.0):
 def tallies(reports):
     """The reports as the controller reads a node's message: a ``StepTally`` a step."""
     checked, invalid, _ = _checked_steps(
-        keel_pb2.StepReportBatch(reports=reports), frozenset(range(64))
+        keel_pb2.StepReportBatch(node_steps=summarize(reports)), frozenset(range(64))
     )
     assert not invalid
     return checked

@@ -15,6 +15,7 @@ from orchestrator.controller.operator_service import OperatorService
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
+from orchestrator.policy.node_state import WIRE_NODE_STATES
 from orchestrator.policy.placement import NodeRanks
 from orchestrator.spec.health import resolve
 from protos import keel_pb2
@@ -37,7 +38,10 @@ def service() -> tuple[ControllerState, OperatorService]:
 
 def shown(operator: OperatorService) -> dict[str, tuple]:
     reply = operator.ListNodes(keel_pb2.ListNodesRequest(), context=None)
-    return {n.node: (n.connected, n.state, n.job, n.slots, n.cordon_reason) for n in reply.nodes}
+    return {
+        n.node: (n.connected, WIRE_NODE_STATES.text(n.state), n.job, n.slots, n.cordon_reason)
+        for n in reply.nodes
+    }
 
 
 def session(node: str) -> AgentSession:

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.records import CordonRecord
+from common.steps import summarize
 from orchestrator.controller import exporter, metrics, sessions
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_health import JobHealth
@@ -90,7 +91,9 @@ def run_generation(
             for r in range(4)
         ]
         for node, ranks in (("n0", {0, 1}), (f"n{generation}", {2, 3})):
-            batch = keel_pb2.StepReportBatch(reports=[r for r in reports if r.rank in ranks])
+            batch = keel_pb2.StepReportBatch(
+                node_steps=summarize([r for r in reports if r.rank in ranks])
+            )
             sessions._steps(j, generation, node, sessions._checked_steps(batch, ranks)[0])
         j.health.score_now()
     return now

@@ -1,5 +1,5 @@
 """What the controller takes of an agent's step message: a node's steps, checked, one
-tuple a step, the same from a ``NodeStep`` as from the ranks' own reports."""
+tuple a step."""
 
 import math
 
@@ -36,7 +36,7 @@ def test_a_node_step_is_read_into_one_tally():
     )
 
 
-def test_the_ranks_own_reports_give_the_same_tallies_as_their_agents_summary():
+def test_the_agents_summary_of_its_ranks_reports_gives_a_tally_a_step():
     reports = [
         keel_pb2.StepReport(
             rank=rank,
@@ -49,11 +49,14 @@ def test_the_ranks_own_reports_give_the_same_tallies_as_their_agents_summary():
         for step in (1, 2)
         for rank in (7, 5, 4, 6)
     ]
-    as_reports = _checked_steps(keel_pb2.StepReportBatch(reports=reports), MINE)
-    summed = _checked_steps(keel_pb2.StepReportBatch(node_steps=summarize(reports)[0]), MINE)
-    assert as_reports == summed
-    first, _ = as_reports[0]
+    tallies, invalid, theirs = _checked_steps(
+        keel_pb2.StepReportBatch(node_steps=summarize(reports)), MINE
+    )
+    assert (invalid, theirs) == (0, None)
+    first, second = tallies
     assert (first.ranks, first.tokens, first.at, first.loss) == ((4, 5, 6, 7), 40, 107.0, 2.0)
+    assert (first.step, first.step_times) == (1, tuple(0.1 * rank + 1 for rank in (4, 5, 6, 7)))
+    assert (second.step, second.ranks, second.loss) == (2, (4, 5, 6, 7), 1.0)
 
 
 def test_unfit_steps_are_counted_and_dropped_and_a_foreign_rank_is_named():
@@ -66,8 +69,8 @@ def test_unfit_steps_are_counted_and_dropped_and_a_foreign_rank_is_named():
             node_step(1, [4, 5], [0.1]),  # a time missing
             node_step(1, [], []),  # no ranks
             node_step(2, [4, 9, 5, 4], [0.1, 0.2, 0.3, 0.4]),  # rank 9 is not the node's
+            node_step(0, [6], [0.1]),  # a rank's report the agent could not sum up
         ],
-        reports=[keel_pb2.StepReport(rank=6, step=0, step_time_s=0.1)],
     )
     tallies, invalid, theirs = _checked_steps(batch, MINE)
     assert invalid == 2 + 2 + 2 + 2 + 2 + 1 + 1

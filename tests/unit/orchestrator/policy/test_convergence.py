@@ -2,6 +2,7 @@
 
 from orchestrator.policy.convergence import RESEND_S, Fix, NodeRuns, PlanOnNode, converge
 from orchestrator.policy.lifecycle import JobState
+from protos import keel_pb2
 
 
 def runs(job="", generation=0, phase="IDLE", started=("", 0), pid=77, received_at=100.0):
@@ -10,7 +11,7 @@ def runs(job="", generation=0, phase="IDLE", started=("", 0), pid=77, received_a
         pid=pid,
         job=job,
         generation=generation,
-        phase=phase,
+        phase=keel_pb2.AgentPhase.Value(f"AGENT_PHASE_{phase}"),
         started_job=started[0],
         started_generation=started[1],
         received_at=received_at,
