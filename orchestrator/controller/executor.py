@@ -19,6 +19,7 @@ from orchestrator.controller.errors import Terminal
 from orchestrator.controller.job_health import SlowFlag
 from orchestrator.controller.job_runtime import MAX_FAILURES, JobRuntime
 from orchestrator.controller.plans import plan_record
+from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed
@@ -72,7 +73,7 @@ class Executor:
         goodput.on_state(
             wall,
             target,
-            stop_requested=bool(job.stop_requested),
+            stop_requested=bool(job.intents.stop_requested),
             generation=changes.get("generation", job.generation),
             world_size=plan.world_size if plan else job.world_size,
             restore_step=restore_step,
@@ -93,7 +94,7 @@ class Executor:
         for name, value in changes.items():
             setattr(job, name, value)
         job.goodput, job.state_seconds, job.state_entered_at_unix = goodput, state_seconds, wall
-        job.state, job.reason, job.state_since = target, reason, now
+        job.state, job.reason, job.state_since_mono = target, reason, now
         self._track_recovery(job, target, wall)
         log.info(
             "job state",
@@ -114,9 +115,10 @@ class Executor:
         if target.terminal:
             job.recovery = None
         elif target is JobState.PENDING:
-            recovery.setdefault("stopped_at", wall)
+            if recovery.stopped_at_unix is None:
+                recovery.stopped_at_unix = wall
         elif target is JobState.RUNNING:
-            recovery["started_at"] = wall
+            recovery.started_at_unix = wall
 
     def apply(self, job: JobRuntime, decision: Decision, now: float) -> None:
         """Carry out a lifecycle decision of ``policy.job.decide``."""
@@ -130,9 +132,9 @@ class Executor:
             shape = _DIGITS.sub("#", decision.reason)
             if decision.reason != job.last_wait_reason and (
                 shape != _DIGITS.sub("#", job.last_wait_reason)
-                or now - job.last_wait_logged >= WAIT_LOG_S
+                or now - job.last_wait_logged_mono >= WAIT_LOG_S
             ):
-                job.last_wait_reason, job.last_wait_logged = decision.reason, now
+                job.last_wait_reason, job.last_wait_logged_mono = decision.reason, now
                 log.info(
                     "waiting",
                     job=job.name,
@@ -163,7 +165,7 @@ class Executor:
     def _prepare(self, job: JobRuntime, decision: Decision, now: float) -> None:
         health = job.health
         avoid = observe.suspects(job) - frozenset(decision.use_suspects)
-        planned = job.operation if job.planned_stop else None
+        planned = job.intents.operation if job.planned_stop else None
         target = operations.target(
             planned,
             observe.free_slots(self.state, job, avoid),
@@ -218,14 +220,14 @@ class Executor:
         left = nodes_left(previous, job.nodes, leaving, target.shrink, mesh, world_size)
         if left is not None:
             health.replacement_times.append(now)
-            health.event(left.how.value, left.reason, node=left.out[0], step=job.step)
+            health.event(left.how.value, left.reason, node=left.out[0], step=job.progress.step)
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
-        job.placed_at = now
-        job.node_step_times.clear()
+        job.placed_at_mono = now
+        job.progress.node_step_times.clear()
         # The job is back at the step it restores: what an operation or a checkpoint
         # request of this generation waits to see passed.
-        job.step = restore.step or 0
+        job.progress.step = restore.step or 0
         job.exits.clear()
         job.stopped_nodes.clear()
         job.lost_nodes.clear()
@@ -365,12 +367,12 @@ class Executor:
         counts = dict(job.restarts_by_cause)
         if decision.cause:
             counts[decision.cause] = counts.get(decision.cause, 0) + 1
-        if decision.replacement and job.operation is not None:
+        if decision.replacement and job.intents.operation is not None:
             # The operation says which node the next generation moves off (and that it
             # is replaced): kept in etcd until then, for a leader that takes over
             # between this stop and the placement. A drain's is otherwise derived from
             # the cordons only while the job runs.
-            self.store.put_operation(job.name, job.operation.record())
+            self.store.put_operation(job.name, job.intents.operation.record())
         self.transition(
             job,
             JobState.STOPPING,
@@ -391,15 +393,15 @@ class Executor:
                 ),
                 None,
             )
-            job.recovery = {
-                "cause": decision.cause,
-                "detected_at": detected,
-                "fault_at": (
+            job.recovery = Recovery(
+                cause=decision.cause,
+                detected_at_unix=detected,
+                fault_at_unix=(
                     min(detected, fault.at - fault.detected_after_s)
                     if fault is not None
                     else detected
                 ),
-            }
+            )
         # Lost nodes too, if they are still connected: a node whose lease expired may
         # well be running.
         for node in job.nodes:
@@ -425,7 +427,7 @@ class Executor:
         # A failure after a healthy stretch (or the job's first) restarts at once; each
         # one after it in a row waits longer (the back-off observe.observed gives).
         job.repeated_failures = repeated_failures(
-            job.repeated_failures if job.placed_at else 0, now - job.placed_at
+            job.repeated_failures if job.placed_at_mono else 0, now - job.placed_at_mono
         )
         self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
 
@@ -452,7 +454,7 @@ class Executor:
         state in etcd first, then here; the lifecycle policy carries it out."""
         record = job.record().replace(stop_requested=reason, stop_now=now)
         job.state_rev = self.store.update_job_state(job.name, record, job.state_rev)
-        job.stop_requested, job.stop_now = reason, now
+        job.intents.stop_requested, job.intents.stop_now = reason, now
 
     def forget(self, job: JobRuntime, why: str) -> None:
         """Delete an ended job's records from etcd (its checkpoints stay on disk)."""
@@ -467,7 +469,7 @@ class Executor:
             "node_lost",
             f"{node}: agent stream down {down_for_s:.1f}s or its etcd lease expired",
             node=node,
-            step=job.step,
+            step=job.progress.step,
             detected_after_s=down_for_s,
         )
 
@@ -493,7 +495,7 @@ class Executor:
                     f"will be placed on it until `keel uncordon "
                     f"{node}`",
                     node=node,
-                    step=job.step,
+                    step=job.progress.step,
                 )
             except Deposed:
                 raise
@@ -502,7 +504,7 @@ class Executor:
                     "alert", f"could not cordon {node} ({decision.cordon}): {exc}", node=node
                 )
         if decision.remedy is Remedy.ALERT:
-            job.health.event("alert", decision.reason, node=node, step=job.step)
+            job.health.event("alert", decision.reason, node=node, step=job.progress.step)
         elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
             self.begin(job, decision.operation, now, persist=True)
 
@@ -544,9 +546,9 @@ class Executor:
             self.begin(job, decision.operation, now)
         elif decision.change is Change.CALL_OFF:
             # A checkpoint it asked for does no harm.
-            node = job.operation.node
-            job.operation = None
-            job.health.event("operator", decision.reason, node=node, step=job.step)
+            node = job.intents.operation.node
+            job.intents.operation = None
+            job.health.event("operator", decision.reason, node=node, step=job.progress.step)
 
     def begin(
         self, job: JobRuntime, operation: Operation, now: float, persist: bool = False
@@ -557,9 +559,9 @@ class Executor:
         derived again from the cordons and the stop request)."""
         if persist:
             self.store.put_operation(job.name, operation.record())
-        job.operation = operation.begin(job.step, now)
+        job.intents.operation = operation.begin(job.progress.step, now)
         if operation.checkpoint:
-            self.request_checkpoint(job, operation.reason, job.operation.after_step)
+            self.request_checkpoint(job, operation.reason, job.intents.operation.after_step)
         self.state.wake.set()
 
     def request_checkpoint(self, job: JobRuntime, reason: str, after_step: int) -> None:
@@ -582,7 +584,7 @@ class Executor:
     def pass_on_checkpoint_request(self, job: JobRuntime) -> None:
         """An operator's checkpoint request goes to the agents once per leadership, and
         is dropped once a checkpoint after its step is committed."""
-        request = job.checkpoint_request
+        request = job.intents.checkpoint_request
         checkpoint = job.last_checkpoint
         if (
             checkpoint
@@ -590,19 +592,19 @@ class Executor:
             and checkpoint.generation == request.generation
         ):
             self.store.delete_checkpoint_request(job.name)
-            job.checkpoint_request, job.checkpoint_request_sent = None, False
-        elif not job.checkpoint_request_sent:
+            job.intents.checkpoint_request, job.intents.checkpoint_request_sent = None, False
+        elif not job.intents.checkpoint_request_sent:
             self.request_checkpoint(job, request.reason, request.after_step)
-            job.checkpoint_request_sent = True
+            job.intents.checkpoint_request_sent = True
 
     def _drop_intents(self, job: JobRuntime) -> None:
         """A new generation: what was asked of the last one no longer applies."""
-        if job.operation is not None:
+        if job.intents.operation is not None:
             self.store.delete_operation(job.name)
-            job.operation = None
-        if job.checkpoint_request is not None:
+            job.intents.operation = None
+        if job.intents.checkpoint_request is not None:
             self.store.delete_checkpoint_request(job.name)
-            job.checkpoint_request, job.checkpoint_request_sent = None, False
+            job.intents.checkpoint_request, job.intents.checkpoint_request_sent = None, False
 
     # ================================================================= adoption
     def account(self, session: AgentSession, decisions: list[AccountDecision]) -> None:
@@ -622,7 +624,7 @@ class Executor:
             elif decision.action is Account.VANISHED:
                 job.vanished[session.node] = list(decision.ranks)
                 job.health.event(
-                    "agent_restarted", decision.reason, node=session.node, step=job.step
+                    "agent_restarted", decision.reason, node=session.node, step=job.progress.step
                 )
             elif decision.action is Account.ADOPT:
                 log.info(
@@ -661,9 +663,9 @@ class Executor:
     # ============================================================ bookkeeping
     def store_initial_loss(self, job: JobRuntime) -> None:
         """Stored once, so a controller taking over reports the job's real start."""
-        if job.has_loss and not job.initial_loss_stored:
+        if job.progress.has_loss and not job.progress.initial_loss_stored:
             job.state_rev = self.store.update_job_state(job.name, job.record(), job.state_rev)
-            job.initial_loss_stored = True
+            job.progress.initial_loss_stored = True
 
     def save_events(self, job: JobRuntime) -> None:
         """Write the job's new and changed events to etcd, so the next leader shows

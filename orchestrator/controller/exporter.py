@@ -139,18 +139,20 @@ class JobCollector(Collector):
                 seconds += max(0.0, wall - job.state_entered_at_unix)
             in_state.add_metric([name, state.value], seconds)
         f.gauge("keel_job_step", "Highest step rank 0 reported", ["job_name"]).add_metric(
-            labels, job.step
+            labels, job.progress.step
         )
         f.gauge(
             "keel_job_target_steps", "The job's step target (0: none)", ["job_name"]
         ).add_metric(labels, job.spec.steps)
-        if job.has_loss:
+        if job.progress.has_loss:
             f.gauge("keel_job_loss", "Rank 0's latest loss", ["job_name"]).add_metric(
-                labels, job.loss
+                labels, job.progress.loss
             )
-        f.counter("keel_job_tokens", "Tokens trained", ["job_name"]).add_metric(labels, job.tokens)
+        f.counter("keel_job_tokens", "Tokens trained", ["job_name"]).add_metric(
+            labels, job.progress.tokens
+        )
         running = job.state is JobState.RUNNING
-        rate = job.tokens_per_s() if running else 0.0
+        rate = job.progress.tokens_per_s() if running else 0.0
         f.gauge(
             "keel_job_tokens_per_second", "Tokens per second, latest reports", ["job_name"]
         ).add_metric(labels, rate)
@@ -189,7 +191,8 @@ class JobCollector(Collector):
             ["job_name", "rank"],
         )
         medians = {
-            rank: statistics.median(times) for rank, times in job.recent_rank_times().items()
+            rank: statistics.median(times)
+            for rank, times in job.progress.recent_rank_times().items()
         }
         for rank in sorted(medians, key=lambda r: (-medians[r], r))[:TOP_RANKS]:
             ranks.add_metric([name, str(rank)], medians[rank])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from common.records import CheckpointRecord, CheckpointRequestRecord, JobStateRecord
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
+from orchestrator.controller.recovery import Recovery
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
@@ -53,11 +54,69 @@ class TokenRate:
 
 
 @dataclass(eq=False)
+class Progress:
+    """What the ranks' step reports say of the job: rank 0's latest step in the current
+    generation (the step it restored until it reports one) and loss, the job's first
+    loss, its tokens, and the step times the straggler and status views read."""
+
+    step: int = 0
+    loss: float = 0.0
+    initial_loss: float = 0.0
+    has_loss: bool = False
+    initial_loss_stored: bool = False  # the first loss is in etcd (with the job state)
+    tokens: int = 0
+    token_window: TokenRate = field(default_factory=lambda: TokenRate(TOKENS_WINDOW_S))
+    step_times: collections.deque = field(  # the latest reported step times, seconds
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
+    # Each node's latest steps (ranks, their own step times in seconds), for the
+    # slowest ranks' series: kept a node's step at a time, read a rank at a time only
+    # when the series is scraped (``recent_rank_times``).
+    node_step_times: dict[str, collections.deque] = field(default_factory=dict)
+
+    def recent_rank_times(self) -> dict[int, list[float]]:
+        """Each rank's own step times (measured: > 0) in its node's latest
+        ``RECENT_STEPS`` steps."""
+        times: dict[int, list[float]] = {}
+        for recent in self.node_step_times.values():
+            for ranks, seconds in recent:
+                for rank, value in zip(ranks, seconds):
+                    if value > 0:
+                        times.setdefault(rank, []).append(value)
+        return times
+
+    def tokens_per_s(self) -> float:
+        """Tokens per second over the latest reports of the current generation."""
+        return self.token_window.per_s()
+
+
+@dataclass(eq=False)
+class Intents:
+    """What the operator or a policy asked of the job, not yet done: a stop (with the
+    operator's reason; ``stop_now``: without a final checkpoint; stored with the job's
+    state), the checkpoint-then-stop under way (stored when it cannot be derived again
+    from the cordons and the stop request: a replacement, an exclusion), and a
+    checkpoint request (stored) with whether this leader has passed it on."""
+
+    stop_requested: str = ""
+    stop_now: bool = False
+    operation: Operation | None = None
+    checkpoint_request: CheckpointRequestRecord | None = None
+    checkpoint_request_sent: bool = False
+
+
+@dataclass(eq=False)
 class JobRuntime:
+    """What the leader holds of one job: its spec; the persisted lifecycle (state,
+    generation, restarts, failures, the accounting; ``record()`` is what etcd stores);
+    the current generation's plan and what its agents reported of it; and, each
+    apart, its ``progress``, the ``intents`` under way, its ``health`` record and its
+    ``goodput``. ``*_mono`` times are monotonic seconds, ``*_unix`` wall-clock."""
+
     spec: keel_pb2.JobSpec
     state: JobState
     state_rev: int
-    state_since: float
+    state_since_mono: float
     generation: int = 0
     restarts: int = 0
     reason: str = ""
@@ -76,36 +135,17 @@ class JobRuntime:
     vanished: dict[str, list[int]] = field(
         default_factory=dict
     )  # node -> ranks gone with its agent
-    # progress, from step reports: rank 0's latest step in the current generation (the
-    # step it restored until it reports one)
-    step: int = 0
-    loss: float = 0.0
-    initial_loss: float = 0.0
-    has_loss: bool = False
-    tokens: int = 0
-    token_window: TokenRate = field(default_factory=lambda: TokenRate(TOKENS_WINDOW_S))
-    step_times: collections.deque = field(  # the latest reported step times, seconds
-        default_factory=lambda: collections.deque(maxlen=64)
-    )
+    progress: Progress = field(default_factory=lambda: Progress())
+    intents: Intents = field(default_factory=lambda: Intents())
     last_checkpoint: CheckpointRecord | None = None
     last_wait_reason: str = ""  # logged last (executor.apply), and when:
-    last_wait_logged: float = 0.0
+    last_wait_logged_mono: float = 0.0
     health: JobHealth | None = None
-    initial_loss_stored: bool = False
     unrecorded: list[CheckpointRecord] = field(default_factory=list)  # not yet in etcd
     # Checkpoints ranks would not use (refused stale commits, failed verifications),
     # for the reconcile loop to record.
     checkpoint_problems: list = field(default_factory=list)
-    stop_requested: str = ""  # the operator's stop, with their reason (persisted)
-    stop_now: bool = False  # ... without a final checkpoint
     planned_stop: bool = False  # the current generation was stopped on purpose (persisted)
-    # The checkpoint-then-stop under way (persisted when it cannot be derived again from
-    # the cordons and the stop request: a replacement, an exclusion).
-    operation: Operation | None = None
-    # An operator's checkpoint request (persisted) and whether this leader has passed
-    # it on to the agents.
-    checkpoint_request: CheckpointRequestRecord | None = None
-    checkpoint_request_sent: bool = False
     # The pid of the agent incarnation each node's ranks are planned for (persisted in
     # the plan): only that one may still be given their start.
     placed_agents: dict[str, int] = field(default_factory=dict)
@@ -116,8 +156,8 @@ class JobRuntime:
     records_pruned: bool = False
     # When it ended (wall clock, persisted): finished jobs are deleted a retention after.
     ended_at_unix: float | None = None
-    # Back-off after a reconcile error that may clear (etcd out of reach): monotonic.
-    retry_at: float = 0.0
+    # Back-off after a reconcile error that may clear (etcd out of reach).
+    retry_at_mono: float = 0.0
     retry_backoff_s: float = 0.0
     # Accounting, persisted with the state at each transition (docs/metrics.md): where
     # the wall time went, generations ended by cause, checkpoints ranks would not use
@@ -128,14 +168,9 @@ class JobRuntime:
     checkpoint_problem_counts: dict[str, int] = field(default_factory=dict)
     state_seconds: dict[str, float] = field(default_factory=dict)
     state_entered_at_unix: float = field(default_factory=time.time)
-    # The latest generation change under way, for the recovery histograms: when its
-    # fault happened, was detected, the old generation stopped and the new one started
-    # (wall clock), and its cause. None when no recovery is under way.
-    recovery: dict | None = None
-    # Each node's latest steps (ranks, their own step times in seconds), for the
-    # slowest ranks' series: kept a node's step at a time, read a rank at a time only
-    # when the series is scraped (``recent_rank_times``).
-    node_step_times: dict[str, collections.deque] = field(default_factory=dict)
+    # The latest generation change under way, for the recovery histograms; None when
+    # no recovery is under way.
+    recovery: Recovery | None = None
     # Which node ran each rank of the generations this leader placed (the newest
     # PLACEMENTS_KEPT), so their output can be read after they ended.
     placements: dict[int, dict[int, str]] = field(default_factory=dict)
@@ -145,9 +180,9 @@ class JobRuntime:
     _parts: dict = field(default_factory=dict, repr=False, compare=False)
     _positions: dict = field(default_factory=dict, repr=False, compare=False)
     _indexed: object = field(default=None, repr=False, compare=False)
-    # When the current generation was placed (monotonic), and how many generations in a
-    # row failed without a healthy stretch (policy.guardrails): the restart back-off.
-    placed_at: float = 0.0
+    # When the current generation was placed, and how many generations in a row failed
+    # without a healthy stretch (policy.guardrails): the restart back-off.
+    placed_at_mono: float = 0.0
     repeated_failures: int = 0
 
     def __post_init__(self):
@@ -198,17 +233,6 @@ class JobRuntime:
         """Each rank of the current placement, and its node."""
         return {rank: p.node for p in self.placement for rank in p.ranks}
 
-    def recent_rank_times(self) -> dict[int, list[float]]:
-        """Each rank's own step times (measured: > 0) in its node's latest
-        ``RECENT_STEPS`` steps."""
-        times: dict[int, list[float]] = {}
-        for recent in self.node_step_times.values():
-            for ranks, seconds in recent:
-                for rank, value in zip(ranks, seconds):
-                    if value > 0:
-                        times.setdefault(rank, []).append(value)
-        return times
-
     def remember_placement(self) -> None:
         """Keep the current generation's rank-to-node map among the recent ones."""
         self.placements[self.generation] = self.rank_nodes
@@ -224,10 +248,6 @@ class JobRuntime:
         )
         return ranks.get(rank)
 
-    def tokens_per_s(self) -> float:
-        """Tokens per second over the latest reports of the current generation."""
-        return self.token_window.per_s()
-
     def ranks_on(self, node: str) -> int:
         """How many ranks of the current placement run on ``node``."""
         return sum(len(p.ranks) for p in self.placement if p.node == node)
@@ -240,9 +260,9 @@ class JobRuntime:
             restarts=self.restarts,
             reason=self.reason,
             failures=list(self.failures),
-            initial_loss=self.initial_loss if self.has_loss else None,
-            stop_requested=self.stop_requested,
-            stop_now=self.stop_now,
+            initial_loss=self.progress.initial_loss if self.progress.has_loss else None,
+            stop_requested=self.intents.stop_requested,
+            stop_now=self.intents.stop_now,
             planned_stop=self.planned_stop,
             ended_at_unix=self.ended_at_unix,
             goodput=self.goodput.record(),
@@ -250,6 +270,6 @@ class JobRuntime:
             checkpoint_problems=dict(self.checkpoint_problem_counts),
             state_seconds=dict(self.state_seconds),
             state_entered_at_unix=self.state_entered_at_unix,
-            tokens=self.tokens,
-            step=self.step,
+            tokens=self.progress.tokens,
+            step=self.progress.step,
         )

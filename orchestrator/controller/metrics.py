@@ -11,6 +11,7 @@ import threading
 from prometheus_client import Counter, Gauge, Histogram
 
 from common import keys
+from orchestrator.controller.recovery import Recovery
 from protos import keel_pb2
 
 LEADER = Gauge("keel_controller_leader", "1 while this controller leads, 0 on standby")
@@ -122,27 +123,32 @@ def detected(job: str, kind: str, after_s: float, after_steps: int) -> None:
         _observe(STRAGGLER_DETECTION, after_steps, job)
 
 
-def recovered(job: str, recovery: dict | None, first: dict | None) -> bool:
+def recovered(job: str, recovery: Recovery | None, first: dict | None) -> bool:
     """Whether ``job``'s new generation has completed its first step (``first``, the
     goodput's ``first_step``) since its ``recovery`` began; if so, observe the recovery
     and its phases, and the caller ends it. Times in wall-clock seconds."""
     if (
         recovery is None
-        or "started_at" not in recovery
+        or recovery.started_at_unix is None
         or first is None
-        or first["end"] < recovery["started_at"]
+        or first["end"] < recovery.started_at_unix
     ):
         return False
-    stopped = recovery.get("stopped_at", recovery["detected_at"])
-    restore = min(first["restore_s"], max(0.0, first["end"] - recovery["started_at"]))
+    started = recovery.started_at_unix
+    stopped = (
+        recovery.stopped_at_unix
+        if recovery.stopped_at_unix is not None
+        else recovery.detected_at_unix
+    )
+    restore = min(first["restore_s"], max(0.0, first["end"] - started))
     phases = {
-        "detect": recovery["detected_at"] - recovery["fault_at"],
-        "stop": stopped - recovery["detected_at"],
-        "start": recovery["started_at"] - stopped,
+        "detect": recovery.detected_at_unix - recovery.fault_at_unix,
+        "stop": stopped - recovery.detected_at_unix,
+        "start": started - stopped,
         "restore": restore,
-        "first_step": first["end"] - recovery["started_at"] - restore,
+        "first_step": first["end"] - started - restore,
     }
-    _observe(RECOVERY, first["end"] - recovery["fault_at"], job)
+    _observe(RECOVERY, first["end"] - recovery.fault_at_unix, job)
     for phase, seconds in phases.items():
         _observe(RECOVERY_PHASE, seconds, job, phase)
     return True

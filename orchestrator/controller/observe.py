@@ -69,7 +69,9 @@ def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:
 def suspects(job: JobRuntime) -> frozenset[str]:
     """The nodes the job's next generation stays off if it can."""
     return remediation.suspects(
-        frozenset(job.lost_nodes), job.health.hung_node, job.operation if job.planned_stop else None
+        frozenset(job.lost_nodes),
+        job.health.hung_node,
+        job.intents.operation if job.planned_stop else None,
     )
 
 
@@ -89,7 +91,7 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
     ready = (
         operations.ready(
             now,
-            job.operation,
+            job.intents.operation,
             checkpoint.step if checkpoint else None,
             checkpoint.generation if checkpoint else 0,
             job.generation,
@@ -99,7 +101,7 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
     )
     return Observed(
         state=job.state,
-        state_since=job.state_since,
+        state_since=job.state_since_mono,
         restarts=job.restarts,
         generation=job.generation,
         generation_world_size=job.world_size,
@@ -117,9 +119,9 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         stopped_nodes=frozenset(job.stopped_nodes),
         hang=hang_reason,
         replace=ready,
-        replace_origin=job.operation.origin if job.operation else "operator",
+        replace_origin=job.intents.operation.origin if job.intents.operation else "operator",
         backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.repeated_failures),
-        stop_requested=job.stop_requested,
+        stop_requested=job.intents.stop_requested,
         planned_stop=job.planned_stop,
     )
 

@@ -78,7 +78,7 @@ class OperatorService:
                 spec=spec,
                 state=JobState.PENDING,
                 state_rev=0,
-                state_since=time.monotonic(),
+                state_since_mono=time.monotonic(),
                 reason="submitted",
                 health=JobHealth(spec.name, resolve_health(spec.health)),
             )
@@ -124,14 +124,16 @@ class OperatorService:
             world_size=job.world_size or job.spec.world_size,
             mesh=job.mesh,
             restarts=job.restarts,
-            step=job.step,
+            step=job.progress.step,
             target_steps=job.spec.steps,
-            loss=job.loss,
-            initial_loss=job.initial_loss,
-            has_loss=job.has_loss,
-            tokens_per_s=job.tokens_per_s(),
-            tokens=job.tokens,
-            step_time_s=statistics.median(job.step_times) if job.step_times else 0.0,
+            loss=job.progress.loss,
+            initial_loss=job.progress.initial_loss,
+            has_loss=job.progress.has_loss,
+            tokens_per_s=job.progress.tokens_per_s(),
+            tokens=job.progress.tokens,
+            step_time_s=statistics.median(job.progress.step_times)
+            if job.progress.step_times
+            else 0.0,
         )
         if job.last_checkpoint:
             ck = job.last_checkpoint
@@ -276,7 +278,7 @@ class OperatorService:
                 self._unrecorded(exc, context)
             message = f"{request.node} uncordoned: new generations may go there again"
             job = self.state.job_on(request.node)
-            pending = job.operation if job is not None else None
+            pending = job.intents.operation if job is not None else None
             if pending is not None and pending.policy == "drain" and pending.node == request.node:
                 # The reconcile loop calls it off: the node is no longer draining.
                 message += f"; the drain is called off and job {job.name} stays on it"
@@ -300,7 +302,7 @@ class OperatorService:
                     "operator",
                     f"drain of {request.node} requested",
                     node=request.node,
-                    step=job.step,
+                    step=job.progress.step,
                 )
                 message = (
                     f"draining {request.node}: job {job.name} checkpoints now, then "
@@ -319,11 +321,11 @@ class OperatorService:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{request.node} runs no running job; nothing to replace",
                 )
-            if job.operation is not None:
+            if job.intents.operation is not None:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"job {job.name} is already under way to "
-                    f"{job.operation.reason}; wait for its next generation",
+                    f"{job.intents.operation.reason}; wait for its next generation",
                 )
             if request.with_node:
                 self._known_node(request.with_node, context)
@@ -350,13 +352,13 @@ class OperatorService:
                 self.store.put_operation(job.name, operation.record())
             except Exception as exc:
                 self._unrecorded(exc, context)
-            job.operation = operation  # the reconcile loop begins it
+            job.intents.operation = operation  # the reconcile loop begins it
             self.state.wake.set()
             job.health.event(
                 "operator",
                 f"replacement of {request.node} with {into} requested",
                 node=request.node,
-                step=job.step,
+                step=job.progress.step,
             )
             return keel_pb2.NodeReply(
                 node=self._node_info(request.node),
@@ -385,20 +387,24 @@ class OperatorService:
                     f"job {job.name} is {job.state.value}; only a running job can checkpoint",
                 )
             request_ = CheckpointRequestRecord(
-                generation=job.generation, after_step=job.step, reason="requested by the operator"
+                generation=job.generation,
+                after_step=job.progress.step,
+                reason="requested by the operator",
             )
             try:
                 self.store.put_checkpoint_request(job.name, request_)
             except Exception as exc:
                 self._unrecorded(exc, context)
             # The reconcile loop passes it on to the agents.
-            job.checkpoint_request, job.checkpoint_request_sent = request_, False
+            job.intents.checkpoint_request, job.intents.checkpoint_request_sent = request_, False
             self.state.wake.set()
             job.health.event(
-                "operator", f"checkpoint requested after step {job.step}", step=job.step
+                "operator",
+                f"checkpoint requested after step {job.progress.step}",
+                step=job.progress.step,
             )
             return keel_pb2.CheckpointJobReply(
-                job=job.name, generation=job.generation, after_step=job.step
+                job=job.name, generation=job.generation, after_step=job.progress.step
             )
 
     def DeleteJob(self, request, context):
@@ -434,7 +440,7 @@ class OperatorService:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"job {job.name} already ended {job.state.value}",
                 )
-            if not job.stop_requested:
+            if not job.intents.stop_requested:
                 reason = "stopped by the operator" + (
                     f": {request.reason}" if request.reason else ""
                 )
@@ -442,10 +448,10 @@ class OperatorService:
                     self.executor.request_stop(job, reason, request.now)
                 except Exception as exc:
                     self._unrecorded(exc, context)
-                job.health.event("operator", reason, step=job.step)
+                job.health.event("operator", reason, step=job.progress.step)
                 log.info("job stop requested", job=job.name, reason=reason, now=request.now)
                 self.state.wake.set()
-            if job.state is JobState.RUNNING and not job.stop_now:
+            if job.state is JobState.RUNNING and not job.intents.stop_now:
                 message = f"job {job.name} checkpoints now, then stops"
             else:
                 message = f"job {job.name} is stopping"

@@ -9,7 +9,7 @@ import structlog
 from common.records import RecordError, newest_good
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
-from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.job_runtime import Intents, JobRuntime, Progress
 from orchestrator.controller.plans import adopt_plan
 from orchestrator.controller.store import Store
 from orchestrator.policy.operations import Operation
@@ -48,20 +48,19 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
         state=state.state,
         health=JobHealth(name, resolve_health(spec.health)),
         state_rev=read.mod_revision,
-        state_since=now,
+        state_since_mono=now,
         generation=state.generation,
         restarts=state.restarts,
         reason=state.reason,
         failures=list(state.failures),
-        stop_requested=state.stop_requested,
-        stop_now=state.stop_now,
+        intents=Intents(stop_requested=state.stop_requested, stop_now=state.stop_now),
         planned_stop=state.planned_stop,
         ended_at_unix=state.ended_at_unix,
         restarts_by_cause=dict(state.restarts_by_cause),
         checkpoint_problem_counts=dict(state.checkpoint_problems),
         state_seconds=dict(state.state_seconds),
         state_entered_at_unix=state.state_entered_at_unix,
-        tokens=state.tokens,
+        progress=Progress(tokens=state.tokens),
     )
     job.goodput = Goodput.from_record(state.goodput, job.health.spec.straggler_slowdown)
     records = store.checkpoints(name)
@@ -71,20 +70,20 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     job.last_checkpoint = newest_good(records)
     # The step as of the last transition, or the newest checkpoint's if later: what a
     # new leader exports until the agents' replays tell it the step they are at.
-    job.step = max(state.step, job.last_checkpoint.step if job.last_checkpoint else 0)
+    job.progress.step = max(state.step, job.last_checkpoint.step if job.last_checkpoint else 0)
     if state.initial_loss is not None:
-        job.initial_loss = job.loss = state.initial_loss
-        job.has_loss = job.initial_loss_stored = True
+        job.progress.initial_loss = job.progress.loss = state.initial_loss
+        job.progress.has_loss = job.progress.initial_loss_stored = True
     job.health.new_generation(job.generation, job.rank_nodes)
     job.health.restore([record.event for record in store.events(name)])
     if not job.state.terminal:
         # Intents of an earlier generation no longer apply; the reconcile loop deletes them.
         operation = store.operation(name)
         if operation is not None and operation.generation == job.generation:
-            job.operation = Operation.from_record(operation)
+            job.intents.operation = Operation.from_record(operation)
         request = store.checkpoint_request(name)
         if request is not None and request.generation == job.generation:
-            job.checkpoint_request = request
+            job.intents.checkpoint_request = request
     return job
 
 
@@ -92,21 +91,8 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
     """Give ``fresh`` (as etcd has the job) what this controller knew that etcd does
     not hold: the job's progress and health record always, and what its agents
     reported of the generation if etcd's is still the one they reported on."""
-    fresh.health = old.health
-    for name in (
-        "step",
-        "loss",
-        "initial_loss",
-        "has_loss",
-        "initial_loss_stored",
-        "tokens",
-        "token_window",
-        "step_times",
-        "unrecorded",
-        "checkpoint_problems",
-        "recovery",
-        "node_step_times",
-    ):
+    fresh.health, fresh.progress = old.health, old.progress
+    for name in ("unrecorded", "checkpoint_problems", "recovery"):
         setattr(fresh, name, getattr(old, name))
     if fresh.state is old.state and fresh.generation == old.generation:
         # No transition happened that this controller missed: its accounting is ahead
@@ -119,7 +105,9 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
         setattr(fresh, name, getattr(old, name))
     fresh.rendezvous = fresh.rendezvous or old.rendezvous
     fresh.deadlines = fresh.deadlines or old.deadlines
-    if old.operation is not None and (fresh.operation is None or old.operation.begun):
-        fresh.operation = old.operation
+    if old.intents.operation is not None and (
+        fresh.intents.operation is None or old.intents.operation.begun
+    ):
+        fresh.intents.operation = old.intents.operation
     if fresh.state is old.state:
-        fresh.state_since = old.state_since
+        fresh.state_since_mono = old.state_since_mono

@@ -172,7 +172,7 @@ class Reconciler:
             wall = time.time()
             for job in list(state.jobs.values()):
                 began = time.monotonic()
-                if not job.state.terminal and now >= job.retry_at:
+                if not job.state.terminal and now >= job.retry_at_mono:
                     before = job.state
                     self._attempt(job, now)
                     job = state.jobs[job.name]  # rebuilt from etcd, perhaps
@@ -318,7 +318,7 @@ class Reconciler:
         except Exception as exc:
             job.rebuild = True
             job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
-            job.retry_at = now + job.retry_backoff_s
+            job.retry_at_mono = now + job.retry_backoff_s
             if job.retry_backoff_s == next_backoff_s(0):
                 log.exception(
                     "reconcile failed; rebuilding from etcd after a back-off", job=job.name
@@ -331,7 +331,7 @@ class Reconciler:
                     retry_in_s=job.retry_backoff_s,
                 )
         else:
-            job.retry_backoff_s, job.retry_at = 0.0, 0.0
+            job.retry_backoff_s, job.retry_at_mono = 0.0, 0.0
 
     def _rebuild(self, job: JobRuntime, now: float) -> JobRuntime:
         """The job as etcd has it, read with the code a new leader uses, with what only
@@ -380,7 +380,7 @@ class Reconciler:
                             generation=job.generation,
                             flag_times=times,
                             cordoned=flag.node in state.cordons,
-                            operation_under_way=job.operation is not None,
+                            operation_under_way=job.intents.operation is not None,
                             replacement_times=health.replacement_times,
                         ),
                         remediation.StragglerSpec(
@@ -392,15 +392,15 @@ class Reconciler:
             executor.operate(
                 job,
                 operations.ensure(
-                    job.operation,
+                    job.intents.operation,
                     job.generation,
-                    job.stop_requested,
-                    job.stop_now,
+                    job.intents.stop_requested,
+                    job.intents.stop_now,
                     observe.draining(state, job),
                 ),
                 now,
             )
-            if job.checkpoint_request is not None:
+            if job.intents.checkpoint_request is not None:
                 executor.pass_on_checkpoint_request(job)
         decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
         executor.apply(job, decision, now)

@@ -398,7 +398,7 @@ class AgentService:
             if job is not None and not self._refused(
                 session, kind, rank_refusal(authority(job, session.node), body.rank)
             ):
-                job.health.add_preflight(session.node, body, job.step)
+                job.health.add_preflight(session.node, body, job.progress.step)
                 job.goodput.preflight(body.generation, body.wall_s)
                 wake.set()
         elif kind == "leaving":
@@ -551,8 +551,8 @@ def _checked_replay(
 def _progress(job: JobRuntime, node_steps: list[keel_pb2.NodeStep]) -> None:
     """The job's step and loss are rank 0's latest."""
     for entry in node_steps:
-        if entry.ranks[0] == 0 and entry.step >= job.step:
-            job.step, job.loss = entry.step, entry.loss
+        if entry.ranks[0] == 0 and entry.step >= job.progress.step:
+            job.progress.step, job.progress.loss = entry.step, entry.loss
 
 
 def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]) -> None:
@@ -560,10 +560,10 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     step times, progress, health and goodput."""
     if not tallies:
         return
-    tokens, latest, step_times = 0, 0.0, job.step_times
-    recent = job.node_step_times.get(node)
+    tokens, latest, step_times = 0, 0.0, job.progress.step_times
+    recent = job.progress.node_step_times.get(node)
     if recent is None:
-        recent = job.node_step_times[node] = collections.deque(maxlen=RECENT_STEPS)
+        recent = job.progress.node_step_times[node] = collections.deque(maxlen=RECENT_STEPS)
     for tally in tallies:  # per node step: 4,000 a second at scale, 8 ranks each
         tokens += tally.tokens
         if tally.at > latest:
@@ -572,12 +572,12 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
         step_times.extend(times if min(times) > 0 else [t for t in times if t > 0])
         recent.append((ranks, times))
         if ranks[0] == 0:
-            if not job.has_loss:
-                job.initial_loss, job.has_loss = tally.loss, True
-            if tally.step >= job.step:
-                job.step, job.loss = tally.step, tally.loss
-    job.tokens += tokens
-    job.token_window.add(latest, tokens)
+            if not job.progress.has_loss:
+                job.progress.initial_loss, job.progress.has_loss = tally.loss, True
+            if tally.step >= job.progress.step:
+                job.progress.step, job.progress.loss = tally.step, tally.loss
+    job.progress.tokens += tokens
+    job.progress.token_window.add(latest, tokens)
     job.health.add_steps(node, tallies)
     job.goodput.steps(generation, tallies, time.time())
     if metrics.recovered(job.name, job.recovery, job.goodput.first_step):

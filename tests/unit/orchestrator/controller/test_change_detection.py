@@ -119,7 +119,7 @@ def job(name: str = "j") -> JobRuntime:
         spec=spec,
         state=JobState.RUNNING,
         state_rev=1,
-        state_since=0.0,
+        state_since_mono=0.0,
         health=JobHealth(name, resolve(spec.health)),
     )
 

@@ -85,7 +85,7 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
         spec=spec,
         state=JobState.RUNNING,
         state_rev=1,
-        state_since=0.0,
+        state_since_mono=0.0,
         health=JobHealth("j", resolve(spec.health)),
     )
     state.jobs["j"] = job

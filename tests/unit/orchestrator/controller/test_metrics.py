@@ -13,6 +13,7 @@ from orchestrator.controller import exporter, metrics, sessions
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
+from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
@@ -40,7 +41,7 @@ def job(name: str = "j", params: float = 0.0) -> JobRuntime:
         spec=spec,
         state=JobState.RUNNING,
         state_rev=1,
-        state_since=0.0,
+        state_since_mono=0.0,
         health=JobHealth(name, resolve(spec.health)),
     )
 
@@ -70,18 +71,18 @@ def run_generation(
     j.generation = generation
     j.placement = [NodeRanks("n0", (0, 1)), NodeRanks(f"n{generation}", (2, 3))]
     j.health.new_generation(generation, j.rank_nodes)
-    j.node_step_times.clear()
-    j.recovery = {
-        "cause": "crash",
-        "fault_at": now - 3,
-        "detected_at": now - 2,
-        "stopped_at": now - 1,
-    }
+    j.progress.node_step_times.clear()
+    j.recovery = Recovery(
+        cause="crash",
+        fault_at_unix=now - 3,
+        detected_at_unix=now - 2,
+        stopped_at_unix=now - 1,
+    )
     j.goodput.on_state(
         now, JobState.STARTING, generation=generation, world_size=4, restore_step=first_step - 1
     )
     j.goodput.on_state(now, JobState.RUNNING)
-    j.recovery["started_at"] = now
+    j.recovery.started_at_unix = now
     for step in range(first_step, first_step + steps):
         now += 1.0
         reports = [
@@ -225,8 +226,8 @@ def test_mfu_is_exported_while_running_on_known_accelerators():
         hello=keel_pb2.Hello(accelerator="TestChip"),
         term=1,
     )
-    j.token_window.add(0.0, 0)
-    j.token_window.add(1.0, 1000)
+    j.progress.token_window.add(0.0, 0)
+    j.progress.token_window.add(1.0, 1000)
     value = dict((s.name, s.value) for family in registry.collect() for s in family.samples)[
         "keel_job_mfu_ratio"
     ]

@@ -18,7 +18,7 @@ def job(state=JobState.PENDING) -> JobRuntime:
         spec=spec,
         state=state,
         state_rev=1,
-        state_since=0.0,
+        state_since_mono=0.0,
         health=JobHealth("j", resolve(spec.health)),
     )
 
