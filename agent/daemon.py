@@ -28,7 +28,7 @@ from agent.config import AgentConfig
 from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
-from agent.local_server import AgentLocalService, serve
+from agent.local_server import AgentLocalService, LocalCallbacks, serve
 from agent.policy.fencing import self_fence
 from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
@@ -57,7 +57,31 @@ class Agent:
         self.etcd = EtcdClient(
             list(config.etcd_endpoints), config.etcd_timeout_s, config.etcd_credentials
         )
+        # The main loop's work, (kind, payload), from the other threads; what each kind
+        # does (``_event_handlers``), and what each kind of controller message does
+        # (``_commands``; the link itself takes Welcome and ReportPace).
         self.events: queue.Queue = queue.Queue()
+        self._event_handlers = {
+            "controller": self._on_controller,
+            "checkpoint": self._on_event_checkpoint,
+            "preflight": lambda report: self._send(preflight=report),
+            "park": lambda parked: self._park(*parked),
+            "leave": self._on_event_leave,
+            "problem": self._on_event_problem,
+            "wake": lambda _: None,
+        }
+        self._commands = {
+            "welcome": lambda _: None,
+            "report_pace": lambda _: None,
+            "prepare_rendezvous": self._do_prepare_rendezvous,
+            "start_generation": self._start,
+            "stop_generation": self._do_stop_generation,
+            "checkpoint_now": self._do_checkpoint_now,
+            "checkpoint_recorded": self._do_checkpoint_recorded,
+            "etcd_unreachable": self._do_etcd_unreachable,
+            "resync": self._do_resync,
+            "read_log": self._do_read_log,
+        }
         self.stopping = threading.Event()
         interface = net.interface_of(config.host)
         if interface is None:
@@ -120,16 +144,18 @@ class Agent:
             self.local_server = serve(
                 self.socket_path,
                 AgentLocalService(
-                    self.supervisor.identify,
-                    self._on_steps,
-                    self._on_checkpoint,
-                    lambda report: self.events.put(("preflight", report)),
-                    lambda problem: self.events.put(("problem", problem)),
-                    self.reports.recorded_step,
-                    self._on_attach,
-                    self.supervisor.leaving,
-                    self._on_park,
-                    self.supervisor.parking.answer,
+                    LocalCallbacks(
+                        identify=self.supervisor.identify,
+                        on_steps=self._on_steps,
+                        on_checkpoint=self._on_checkpoint,
+                        on_preflight=lambda report: self.events.put(("preflight", report)),
+                        on_problem=lambda problem: self.events.put(("problem", problem)),
+                        recorded_step=self.reports.recorded_step,
+                        on_attach=self._on_attach,
+                        leaving=self.supervisor.leaving,
+                        on_park=self._on_park,
+                        next_generation=self.supervisor.parking.answer,
+                    )
                 ),
                 workers=2 * self.config.slots + 8,
             )
@@ -400,32 +426,7 @@ class Agent:
         while not self.stopping.is_set():
             try:
                 kind, payload = self.events.get(timeout=self.config.tick_s)
-                if kind == "controller":
-                    self._on_controller(payload)
-                elif kind == "checkpoint":
-                    self._flush_steps()
-                    self._send(checkpoint_saved=payload)
-                    self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=payload))
-                elif kind == "preflight":
-                    self._send(preflight=payload)
-                elif kind == "park":
-                    self._park(*payload)
-                elif kind == "leave":
-                    log.info(
-                        "draining the node before stopping",
-                        drain_timeout_s=self.config.drain_timeout_s,
-                    )
-                    self.supervisor.parking.release_all("the node is draining", time.monotonic())
-                    self._send(leaving=self._leaving())
-                elif kind == "problem":
-                    log.warning(
-                        "a rank would not use a checkpoint",
-                        kind=payload.kind,
-                        step=payload.step,
-                        path=payload.path,
-                        reason=payload.reason,
-                    )
-                    self._send(checkpoint_problem=payload)
+                self._event_handlers[kind](payload)
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -460,59 +461,95 @@ class Agent:
             if self._leave_done(now):
                 self.stopping.set()
 
+    # ========================================================= the main loop's events
+    def _on_event_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
+        """Every rank saved a checkpoint: the steps before it go first, then the
+        commit, kept for replay."""
+        self._flush_steps()
+        self._send(checkpoint_saved=saved)
+        self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=saved))
+
+    def _on_event_leave(self, _payload: None) -> None:
+        """SIGTERM with ranks running: tell the controller, which moves the job off."""
+        log.info("draining the node before stopping", drain_timeout_s=self.config.drain_timeout_s)
+        self.supervisor.parking.release_all("the node is draining", time.monotonic())
+        self._send(leaving=self._leaving())
+
+    def _on_event_problem(self, problem: keel_pb2.CheckpointProblem) -> None:
+        """A rank would not use a checkpoint: the controller records why."""
+        log.warning(
+            "a rank would not use a checkpoint",
+            kind=problem.kind,
+            step=problem.step,
+            path=problem.path,
+            reason=problem.reason,
+        )
+        self._send(checkpoint_problem=problem)
+
+    # ====================================================== the controller's messages
     def _on_controller(self, message: keel_pb2.ControllerMessage) -> None:
+        """Do what ``message`` asks: the handler of its kind (``_commands``)."""
         kind = message.WhichOneof("kind")
-        if kind == "prepare_rendezvous":
-            prep = message.prepare_rendezvous
-            port = net.free_port(self.config.host, self.config.rendezvous_ports)
-            log.info("rendezvous port chosen", job=prep.job, generation=prep.generation, port=port)
-            self._send(
-                rendezvous_ready=keel_pb2.RendezvousReady(
-                    job=prep.job, generation=prep.generation, host=self.config.host, port=port
-                )
+        if kind is not None:
+            self._commands[kind](getattr(message, kind))
+
+    def _do_prepare_rendezvous(self, prep: keel_pb2.PrepareRendezvous) -> None:
+        """Bind a free port for the generation's rendezvous and publish it."""
+        port = net.free_port(self.config.host, self.config.rendezvous_ports)
+        log.info("rendezvous port chosen", job=prep.job, generation=prep.generation, port=port)
+        self._send(
+            rendezvous_ready=keel_pb2.RendezvousReady(
+                job=prep.job, generation=prep.generation, host=self.config.host, port=port
             )
-        elif kind == "start_generation":
-            self._start(message.start_generation)
-        elif kind == "stop_generation":
-            stop = message.stop_generation
-            ranks = self.supervisor.of_generation(stop.job, stop.generation)
-            running = [r for r in ranks if r.phase is RankPhase.RUNNING]
-            if stop.collect_stacks and running and not self.generation.hang_reported:
-                self._report_stacks(stop.job, stop.generation, running, hang=None)
-            self.supervisor.stop(ranks, time.monotonic())
-            self.generation.stop(stop.job, stop.generation, f"the controller: {stop.reason}")
-        elif kind == "resync":
-            for replayed in self.reports.replay():
-                self.link.send(replayed)
-            self._send(status=self._status())
-        elif kind == "checkpoint_recorded":
-            recorded = message.checkpoint_recorded
-            self.reports.recorded(recorded.generation, recorded.step)
-        elif kind == "etcd_unreachable":
-            self.held = True
-            log.warning(
-                "the controller cannot reach etcd either: keeping the ranks while "
-                "our lease cannot be renewed"
-            )
-        elif kind == "read_log":
-            request = message.read_log
-            running = any(
-                r.rank == request.rank and r.live
-                for r in self.supervisor.of_generation(request.job, request.generation)
-            )
-            self._send(
-                log_chunk=rank_logs.read(self.config.run_dir, self.config.node, request, running)
-            )
-        elif kind == "checkpoint_now":
-            request = message.checkpoint_now
-            self.reports.want_checkpoint(request.generation, request.after_step)
-            log.info(
-                "checkpoint requested",
-                job=request.job,
-                generation=request.generation,
-                after_step=request.after_step,
-                reason=request.reason,
-            )
+        )
+
+    def _do_stop_generation(self, stop: keel_pb2.StopGeneration) -> None:
+        """Stop the generation's ranks here (their stacks first, if asked)."""
+        ranks = self.supervisor.of_generation(stop.job, stop.generation)
+        running = [r for r in ranks if r.phase is RankPhase.RUNNING]
+        if stop.collect_stacks and running and not self.generation.hang_reported:
+            self._report_stacks(stop.job, stop.generation, running, hang=None)
+        self.supervisor.stop(ranks, time.monotonic())
+        self.generation.stop(stop.job, stop.generation, f"the controller: {stop.reason}")
+
+    def _do_resync(self, _resync: keel_pb2.Resync) -> None:
+        """A new leader: replay what it may not have, then the status."""
+        for replayed in self.reports.replay():
+            self.link.send(replayed)
+        self._send(status=self._status())
+
+    def _do_checkpoint_recorded(self, recorded: keel_pb2.CheckpointRecorded) -> None:
+        """The controller recorded a checkpoint: replays need nothing before it."""
+        self.reports.recorded(recorded.generation, recorded.step)
+
+    def _do_etcd_unreachable(self, _unreachable: keel_pb2.EtcdUnreachable) -> None:
+        """The controller cannot reach etcd either: no self-fencing meanwhile."""
+        self.held = True
+        log.warning(
+            "the controller cannot reach etcd either: keeping the ranks while "
+            "our lease cannot be renewed"
+        )
+
+    def _do_read_log(self, request: keel_pb2.ReadLog) -> None:
+        """Send a piece of a rank's output."""
+        running = any(
+            r.rank == request.rank and r.live
+            for r in self.supervisor.of_generation(request.job, request.generation)
+        )
+        self._send(
+            log_chunk=rank_logs.read(self.config.run_dir, self.config.node, request, running)
+        )
+
+    def _do_checkpoint_now(self, request: keel_pb2.CheckpointNow) -> None:
+        """Ask the ranks for a checkpoint of a step after ``after_step``."""
+        self.reports.want_checkpoint(request.generation, request.after_step)
+        log.info(
+            "checkpoint requested",
+            job=request.job,
+            generation=request.generation,
+            after_step=request.after_step,
+            reason=request.reason,
+        )
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
         if self.started == (start.job, start.generation):

@@ -38,39 +38,33 @@ class RankIdentity:
     checkpoint_dir: str
 
 
+@dataclass(frozen=True)
+class LocalCallbacks:
+    """What the agent does with its ranks' calls. ``identify(token)``: the rank a
+    token belongs to, None if none does; ``on_steps(generation, reports)`` returns the
+    step after which the controller asked this generation for a checkpoint, None if it
+    did not (answered to the trainer in the ack); ``recorded_step()``: the newest
+    checkpoint the controller recorded, for the acks; ``on_attach(who, rank,
+    restart_in_place)``; ``leaving(token)``: whether that rank is asked to leave its
+    generation (in the acks); ``on_park(token, request)`` returns None if the rank is
+    kept, else why not; ``next_generation(token)``: the answer for a parked process,
+    None if no parked process holds the token."""
+
+    identify: Callable[[str], RankIdentity | None]
+    on_steps: Callable[[int, list], int | None]
+    on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None]
+    on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None
+    on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None
+    recorded_step: Callable[[], int] = lambda: 0
+    on_attach: Callable[[RankIdentity, int, bool], None] = lambda who, rank, keep: None
+    leaving: Callable[[str], bool] = lambda token: False
+    on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no"
+    next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None] = lambda token: None
+
+
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
-    def __init__(
-        self,
-        identify: Callable[[str], RankIdentity | None],
-        on_steps: Callable[[int, list], int | None],
-        on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None],
-        on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None,
-        on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None,
-        recorded_step: Callable[[], int] = lambda: 0,
-        on_attach: Callable[[RankIdentity, int, bool], None] = lambda who, rank, keep: None,
-        leaving: Callable[[str], bool] = lambda token: False,
-        on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no",
-        next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None] = lambda token: None,
-    ):
-        """``identify(token)``: the rank a token belongs to, None if none does;
-        ``on_steps(generation, reports)`` returns the step after which the controller
-        asked this generation for a checkpoint, None if it did not (answered to the
-        trainer in the ack);
-        ``recorded_step()``: the newest checkpoint the controller recorded, for the acks;
-        ``on_attach(who, rank, restart_in_place)``; ``leaving(token)``: whether that
-        rank is asked to leave its generation (in the acks); ``on_park(token, request)``
-        returns None if the rank is kept, else why not; ``next_generation(token)``: the
-        answer for a parked process, None if no parked process holds the token."""
-        self._identify = identify
-        self._on_steps = on_steps
-        self._on_checkpoint = on_checkpoint
-        self._on_preflight = on_preflight
-        self._on_problem = on_problem
-        self._recorded_step = recorded_step
-        self._on_attach = on_attach
-        self._leaving = leaving
-        self._on_park = on_park
-        self._next_generation = next_generation
+    def __init__(self, callbacks: LocalCallbacks):
+        self.callbacks = callbacks
 
     @staticmethod
     def _token(context) -> str:
@@ -78,14 +72,14 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
 
     def _ack(self, context, **fields) -> keel_pb2.LocalAck:
         return keel_pb2.LocalAck(
-            recorded_step=self._recorded_step(),
-            leave_generation=self._leaving(self._token(context)),
+            recorded_step=self.callbacks.recorded_step(),
+            leave_generation=self.callbacks.leaving(self._token(context)),
             **fields,
         )
 
     def _caller(self, context, generation: int) -> RankIdentity:
         token = self._token(context)
-        who = self._identify(token) if token else None
+        who = self.callbacks.identify(token) if token else None
         if who is None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -109,7 +103,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def Attach(self, request, context):
         who = self._caller(context, request.generation)
         self._only(context, who, request.rank, "an attach")
-        self._on_attach(who, request.rank, request.restart_in_place)
+        self.callbacks.on_attach(who, request.rank, request.restart_in_place)
         return self._ack(context)
 
     def ReportSteps(self, request, context):
@@ -120,7 +114,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
             )
         for report in request.reports:
             self._only(context, who, report.rank, "a step report")
-        wanted = self._on_steps(request.generation, list(request.reports))
+        wanted = self.callbacks.on_steps(request.generation, list(request.reports))
         if wanted is None:
             return self._ack(context)
         return self._ack(context, checkpoint_now=True, checkpoint_after_step=wanted)
@@ -128,7 +122,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def ReportPreflight(self, request, context):
         who = self._caller(context, request.generation)
         self._only(context, who, request.rank, "a preflight report")
-        self._on_preflight(request)
+        self.callbacks.on_preflight(request)
         return keel_pb2.LocalAck()
 
     def ReportCheckpoint(self, request, context):
@@ -143,7 +137,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                 f"path {request.path!r} is not inside the job's checkpoint directory "
                 f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}",
             )
-        self._on_checkpoint(request)
+        self.callbacks.on_checkpoint(request)
         return self._ack(context)
 
     def ReportCheckpointProblem(self, request, context):
@@ -153,13 +147,13 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
             WIRE_PROBLEM_KINDS.from_wire(request.kind)
         except ValueError:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind: stale_commit or quarantined")
-        self._on_problem(request)
+        self.callbacks.on_problem(request)
         return keel_pb2.LocalAck()
 
     def Park(self, request, context):
         who = self._caller(context, request.generation)
         self._only(context, who, request.rank, "a park")
-        refused = self._on_park(self._token(context), request)
+        refused = self.callbacks.on_park(self._token(context), request)
         if refused:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"not kept for restart in place: {refused}"
@@ -167,7 +161,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         return keel_pb2.LocalAck()
 
     def NextGeneration(self, request, context):
-        answer = self._next_generation(self._token(context))
+        answer = self.callbacks.next_generation(self._token(context))
         if answer is None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,

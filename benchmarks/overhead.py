@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from agent.local_server import AgentLocalService, RankIdentity, serve
+from agent.local_server import AgentLocalService, LocalCallbacks, RankIdentity, serve
 from trainer import runtime, train
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.mesh import Layout
@@ -55,7 +55,13 @@ def agent(socket_path: str, token: str, ready, reports, calls) -> None:
 
     server = serve(
         socket_path,
-        AgentLocalService(lambda given: rank if given == token else None, on_steps, lambda _: None),
+        AgentLocalService(
+            LocalCallbacks(
+                identify=lambda given: rank if given == token else None,
+                on_steps=on_steps,
+                on_checkpoint=lambda _: None,
+            )
+        ),
     )
     ready.set()
     server.wait_for_termination()

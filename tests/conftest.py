@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_server import AgentLocalService, RankIdentity, serve
+from agent.local_server import AgentLocalService, LocalCallbacks, RankIdentity, serve
 from common.procs import poll
 from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary, memory_backed_dir
 from protos import keel_pb2
@@ -325,14 +325,16 @@ def local_agent(recorder):
     server = serve(
         socket_path,
         AgentLocalService(
-            recorder.identities.get,
-            recorder.on_steps,
-            recorder.on_checkpoint,
-            getattr(recorder, "on_preflight", lambda _report: None),
-            on_attach=recorder.on_attach,
-            leaving=recorder.leaving_tokens.__contains__,
-            on_park=recorder.on_park,
-            next_generation=recorder.answers.get,
+            LocalCallbacks(
+                identify=recorder.identities.get,
+                on_steps=recorder.on_steps,
+                on_checkpoint=recorder.on_checkpoint,
+                on_preflight=getattr(recorder, "on_preflight", lambda _report: None),
+                on_attach=recorder.on_attach,
+                leaving=recorder.leaving_tokens.__contains__,
+                on_park=recorder.on_park,
+                next_generation=recorder.answers.get,
+            )
         ),
     )
     try:

@@ -63,6 +63,11 @@ class AgentService:
     def __init__(self, state: ControllerState, leadership: Leadership):
         self.state = state
         self.leadership = leadership
+        # What each kind of agent message records (``_record``): one handler a kind.
+        self._handlers = {
+            kind.name: getattr(self, f"_on_{kind.name}")
+            for kind in keel_pb2.AgentMessage.DESCRIPTOR.oneofs_by_name["kind"].fields
+        }
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (session, message | None)
         self._post: LoopPost | None = None  # to the streams' outboxes (_post_on)
         self.admitting = ThreadPoolExecutor(ADMITTING, thread_name_prefix="admit")
@@ -266,150 +271,174 @@ class AgentService:
         return bool(refusal)
 
     def _record(self, session: AgentSession, message: keel_pb2.AgentMessage) -> None:
+        """Record what ``message`` says: the handler of its kind (``self._handlers``)."""
         kind = message.WhichOneof("kind")
-        body = getattr(message, kind) if kind else None
-        wake = self.state.wake
-        # The two an agent sends most often, first.
-        if kind == "steps":
-            job = self._job_for(body.job, body.generation)
-            mine = job.ranks_on_node(session.node) if job is not None else frozenset()
-            if body.replayed:
-                reports, invalid, theirs = _checked_replay(body, mine)
-            else:
-                reports, invalid, theirs = _checked_steps(body, mine)
-            if invalid:
-                log.warning(
-                    "ignoring step reports numbered below 1 or with a step time "
-                    "that is not a finite number of seconds",
-                    node=session.node,
-                    count=invalid,
-                )
-            if job is None:
-                return
-            if theirs is not None:
-                self._refused(session, kind, rank_refusal(authority(job, session.node), theirs))
-            if body.replayed:
-                _progress(job, reports)
-            else:
-                _steps(job, body.generation, session.node, reports)
-        elif kind == "status":
-            if session.status != body:
-                self.state.unsettled.add(session.node)
-            session.status, session.status_at = body, time.monotonic()
-        elif kind == "rendezvous_ready":
-            job = self._job_for(body.job, body.generation)
-            if (
-                job
-                and job.state is JobState.STARTING
-                and job.placement
-                and job.placement[0].node == session.node
-                and 0 < body.port < 65536
-            ):
-                job.rendezvous = (body.host, body.port)
-                wake.set()
-        elif kind == "rank_exited":
-            job = self._job_for(body.job, body.generation)
-            if job is None or self._refused(
-                session, kind, rank_refusal(authority(job, session.node), body.rank)
-            ):
-                return
-            job.exits[body.rank] = RankExit(
+        if kind is not None:
+            self._handlers[kind](session, getattr(message, kind))
+
+    def _on_steps(self, session: AgentSession, body) -> None:
+        """A node's steps (or their replay after a reconnect): the job's progress."""
+        job = self._job_for(body.job, body.generation)
+        mine = job.ranks_on_node(session.node) if job is not None else frozenset()
+        if body.replayed:
+            reports, invalid, theirs = _checked_replay(body, mine)
+        else:
+            reports, invalid, theirs = _checked_steps(body, mine)
+        if invalid:
+            log.warning(
+                "ignoring step reports numbered below 1 or with a step time "
+                "that is not a finite number of seconds",
                 node=session.node,
-                rank=body.rank,
-                pid=body.pid,
-                exit_code=body.exit_code,
-                signal=body.signal,
-                exited_at=body.exited_at,
-                stopped_by_agent=body.stopped_by_agent,
-                traceback=body.traceback,
-                stderr_tail=body.stderr_tail,
-                last_step=body.last_step,
-                reported_at=time.time(),
-                reaped_at=body.reaped_at,
+                count=invalid,
             )
-            log.info(
-                "rank exited",
-                job=job.name,
-                generation=job.generation,
-                node=session.node,
-                rank=body.rank,
-                exit_code=body.exit_code,
-                signal=body.signal,
-                stopped_by_agent=body.stopped_by_agent,
-            )
-            wake.set()
-        elif kind == "checkpoint_saved":
-            job = self._job_for(body.job, body.generation)
-            # A generation being stopped still commits what it saved before the stop.
-            if (
-                job is not None
-                and job.state in (JobState.RUNNING, JobState.STOPPING)
-                and not self._refused(
-                    session,
-                    kind,
-                    checkpoint_refusal(authority(job, session.node), body.step, body.path),
-                )
-                and _queue_commit(job, body)
-            ):
-                wake.set()
-        elif kind == "checkpoint_problem":
-            # Any generation's: a refused commit comes from a superseded one.
-            job = self.state.jobs.get(body.job)
-            if job is None or body.generation > job.generation:
-                return
-            try:
-                WIRE_PROBLEM_KINDS.from_wire(body.kind)
-            except ValueError as exc:
-                self._refused(session, kind, str(exc))
-                return
-            # Marking a checkpoint quarantined changes what restores: only the current
-            # generation's rank 0, which verified it, may.
-            if body.kind == keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED and self._refused(
-                session,
-                kind,
-                (
-                    ""
-                    if body.generation == job.generation and authority(job, session.node).commits
-                    else f"{session.node} reported a quarantine, but does not host rank 0 of "
-                    f"generation {job.generation}"
-                ),
-            ):
-                return
-            job.checkpoint_problems.append(body)
-            wake.set()
-        elif kind == "generation_stopped":
-            job = self._job_for(body.job, body.generation)
-            if job is not None:
-                job.stopped_nodes.add(session.node)
-                wake.set()
-        elif kind == "hang_detected":
-            job = self._job_for(body.job, body.generation)
-            if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
-                # A hang this agent found names its rank; the stacks it collected for
-                # another node's hang (no phase) name none, only the ranks they are of.
-                mine = authority(job, session.node)
-                named = [body.rank] if body.phase else sorted(body.stacks)
-                refusal = next(filter(None, (rank_refusal(mine, rank) for rank in named)), "")
-                if not self._refused(session, kind, refusal):
-                    _hang(job, session.node, body)
-                    wake.set()
-        elif kind == "preflight":
-            job = self._job_for(body.job, body.generation)
-            if job is not None and not self._refused(
-                session, kind, rank_refusal(authority(job, session.node), body.rank)
-            ):
-                job.health.add_preflight(session.node, body, job.progress.step)
-                job.goodput.preflight(body.generation, body.wall_s)
-                wake.set()
-        elif kind == "leaving":
-            # An intent, like an operator's drain: the reconcile loop records it.
-            session.leaving = body.reason or "its agent is shutting down"
+        if job is None:
+            return
+        if theirs is not None:
+            self._refused(session, "steps", rank_refusal(authority(job, session.node), theirs))
+        if body.replayed:
+            _progress(job, reports)
+        else:
+            _steps(job, body.generation, session.node, reports)
+
+    def _on_status(self, session: AgentSession, body) -> None:
+        """The agent's status: the reconcile loop squares a changed one with the plan."""
+        if session.status != body:
             self.state.unsettled.add(session.node)
-            wake.set()
-        elif kind == "log_chunk":
-            self.state.replies.deliver(body.request_id, (session.node, body))
-        elif kind == "hello":
-            log.warning("ignoring a second Hello on one stream", node=session.node)
+        session.status, session.status_at = body, time.monotonic()
+
+    def _on_rendezvous_ready(self, session: AgentSession, body) -> None:
+        """Rank 0's node bound the rendezvous endpoint."""
+        job = self._job_for(body.job, body.generation)
+        if (
+            job
+            and job.state is JobState.STARTING
+            and job.placement
+            and job.placement[0].node == session.node
+            and 0 < body.port < 65536
+        ):
+            job.rendezvous = (body.host, body.port)
+            self.state.wake.set()
+
+    def _on_rank_exited(self, session: AgentSession, body) -> None:
+        """A rank exited: kept for the lifecycle policy, which names the root cause."""
+        job = self._job_for(body.job, body.generation)
+        if job is None or self._refused(
+            session, "rank_exited", rank_refusal(authority(job, session.node), body.rank)
+        ):
+            return
+        job.exits[body.rank] = RankExit(
+            node=session.node,
+            rank=body.rank,
+            pid=body.pid,
+            exit_code=body.exit_code,
+            signal=body.signal,
+            exited_at=body.exited_at,
+            stopped_by_agent=body.stopped_by_agent,
+            traceback=body.traceback,
+            stderr_tail=body.stderr_tail,
+            last_step=body.last_step,
+            reported_at=time.time(),
+            reaped_at=body.reaped_at,
+        )
+        log.info(
+            "rank exited",
+            job=job.name,
+            generation=job.generation,
+            node=session.node,
+            rank=body.rank,
+            exit_code=body.exit_code,
+            signal=body.signal,
+            stopped_by_agent=body.stopped_by_agent,
+        )
+        self.state.wake.set()
+
+    def _on_checkpoint_saved(self, session: AgentSession, body) -> None:
+        """A checkpoint every rank wrote: queued to be recorded in etcd."""
+        job = self._job_for(body.job, body.generation)
+        # A generation being stopped still commits what it saved before the stop.
+        if (
+            job is not None
+            and job.state in (JobState.RUNNING, JobState.STOPPING)
+            and not self._refused(
+                session,
+                "checkpoint_saved",
+                checkpoint_refusal(authority(job, session.node), body.step, body.path),
+            )
+            and _queue_commit(job, body)
+        ):
+            self.state.wake.set()
+
+    def _on_checkpoint_problem(self, session: AgentSession, body) -> None:
+        """A checkpoint ranks would not use (a refused commit, a failed verification)."""
+        # Any generation's: a refused commit comes from a superseded one.
+        job = self.state.jobs.get(body.job)
+        if job is None or body.generation > job.generation:
+            return
+        try:
+            WIRE_PROBLEM_KINDS.from_wire(body.kind)
+        except ValueError as exc:
+            self._refused(session, "checkpoint_problem", str(exc))
+            return
+        # Marking a checkpoint quarantined changes what restores: only the current
+        # generation's rank 0, which verified it, may.
+        if body.kind == keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED and self._refused(
+            session,
+            "checkpoint_problem",
+            (
+                ""
+                if body.generation == job.generation and authority(job, session.node).commits
+                else f"{session.node} reported a quarantine, but does not host rank 0 of "
+                f"generation {job.generation}"
+            ),
+        ):
+            return
+        job.checkpoint_problems.append(body)
+        self.state.wake.set()
+
+    def _on_generation_stopped(self, session: AgentSession, body) -> None:
+        """The node's ranks of a generation are stopped."""
+        job = self._job_for(body.job, body.generation)
+        if job is not None:
+            job.stopped_nodes.add(session.node)
+            self.state.wake.set()
+
+    def _on_hang_detected(self, session: AgentSession, body) -> None:
+        """A hang the agent found, or the stacks it collected for another node's."""
+        job = self._job_for(body.job, body.generation)
+        if job is not None and job.state in (JobState.RUNNING, JobState.STOPPING):
+            # A hang this agent found names its rank; the stacks it collected for
+            # another node's hang (no phase) name none, only the ranks they are of.
+            mine = authority(job, session.node)
+            named = [body.rank] if body.phase else sorted(body.stacks)
+            refusal = next(filter(None, (rank_refusal(mine, rank) for rank in named)), "")
+            if not self._refused(session, "hang_detected", refusal):
+                _hang(job, session.node, body)
+                self.state.wake.set()
+
+    def _on_preflight(self, session: AgentSession, body) -> None:
+        """A rank's preflight figures."""
+        job = self._job_for(body.job, body.generation)
+        if job is not None and not self._refused(
+            session, "preflight", rank_refusal(authority(job, session.node), body.rank)
+        ):
+            job.health.add_preflight(session.node, body, job.progress.step)
+            job.goodput.preflight(body.generation, body.wall_s)
+            self.state.wake.set()
+
+    def _on_leaving(self, session: AgentSession, body) -> None:
+        """The agent is shutting down (SIGTERM): an intent, like an operator's drain."""
+        # An intent, like an operator's drain: the reconcile loop records it.
+        session.leaving = body.reason or "its agent is shutting down"
+        self.state.unsettled.add(session.node)
+        self.state.wake.set()
+
+    def _on_log_chunk(self, session: AgentSession, body) -> None:
+        """A piece of a rank's output asked for by ``ReadLog``."""
+        self.state.replies.deliver(body.request_id, (session.node, body))
+
+    def _on_hello(self, session: AgentSession, body) -> None:
+        """A second Hello on one stream is a mistake of the agent's: ignored."""
+        log.warning("ignoring a second Hello on one stream", node=session.node)
 
 
 def check_hello(hello: keel_pb2.Hello) -> str:

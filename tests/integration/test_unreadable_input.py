@@ -255,8 +255,11 @@ def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):
             for n in stub.ListNodes(keel_pb2.ListNodesRequest(), metadata=meta, timeout=5).nodes
         }
     assert set(nodes) == {"not-a-node", "node-ok"}  # the ghost's record is passed over
-    assert nodes["node-ok"].state == "cordoned" and nodes["node-ok"].cordon_reason == "bad fan"
-    assert nodes["not-a-node"].state == "cordoned"
+    assert (
+        nodes["node-ok"].state == keel_pb2.NODE_STATE_CORDONED
+        and nodes["node-ok"].cordon_reason == "bad fan"
+    )
+    assert nodes["not-a-node"].state == keel_pb2.NODE_STATE_CORDONED
     assert "its cordon record does not parse" in nodes["not-a-node"].cordon_reason
     assert "keel uncordon not-a-node" in nodes["not-a-node"].cordon_reason
     scraped = (
