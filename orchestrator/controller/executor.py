@@ -586,10 +586,8 @@ class Executor:
         is dropped once a checkpoint after its step is committed."""
         request = job.intents.checkpoint_request
         checkpoint = job.last_checkpoint
-        if (
-            checkpoint
-            and checkpoint.step > request.after_step
-            and checkpoint.generation == request.generation
+        if checkpoint is not None and operations.checkpoint_after(
+            checkpoint.step, checkpoint.generation, request.after_step, request.generation
         ):
             self.store.delete_checkpoint_request(job.name)
             job.intents.checkpoint_request, job.intents.checkpoint_request_sent = None, False

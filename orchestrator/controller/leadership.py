@@ -27,6 +27,7 @@ import structlog
 from common.leader import LeaderWatch
 from orchestrator.controller import metrics
 from orchestrator.controller.state import ControllerState
+from orchestrator.policy import liveness
 
 log = structlog.get_logger()
 
@@ -123,13 +124,13 @@ class Leadership:
         """Whether the leader lease is alive, as the keeper thread last found it (no
         etcd call here); steps down if it lapsed or could not be refreshed for a whole
         TTL. True while leading."""
-        ttl_s = self.state.config.leader_ttl_s
-        if self._lapsed is not None and self._lapsed is self.lease:
-            reason = "leader lease expired"
-        elif now - self.refreshed_at < ttl_s:
-            return True  # a refresh within the TTL (or an etcd hiccup shorter than it)
-        else:
-            reason = f"could not refresh the leader lease for {now - self.refreshed_at:.1f} s"
+        reason = liveness.step_down_reason(
+            self._lapsed is not None and self._lapsed is self.lease,
+            now - self.refreshed_at,
+            self.state.config.leader_ttl_s,
+        )
+        if not reason:
+            return True
         self.step_down(reason)
         return False
 

@@ -26,7 +26,7 @@ import time
 import structlog
 
 from orchestrator.controller import exporter, metrics, observe
-from orchestrator.controller.errors import Terminal, next_backoff_s
+from orchestrator.controller.errors import Terminal
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
@@ -34,6 +34,7 @@ from orchestrator.controller.rebuild import carry_over, load_job
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import adoption, convergence, operations, pacing, remediation
+from orchestrator.policy.guardrails import reconcile_retry_s
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState, past_retention
 from orchestrator.policy.straggler import evaluate
@@ -206,13 +207,12 @@ class Reconciler:
                 if fixing is not None:
                     self.executor.fix(session, fixing, now)
                     fixes.append((node, fixing))
-                if (
-                    fixing is not None
-                    or now - session.fixed_at < convergence.RESEND_S
-                    or not session.accounted
-                    or operations.agent_cordon(
-                        session.leaving, session.pid, state.cordons.get(node)
-                    )
+                if convergence.still_unsettled(
+                    fixing is not None,
+                    now - session.fixed_at,
+                    session.accounted,
+                    operations.agent_cordon(session.leaving, session.pid, state.cordons.get(node))
+                    is not None,
                 ):
                     state.unsettled.add(node)  # to be looked at again until it agrees
             _log_fixes(fixes)
@@ -317,9 +317,9 @@ class Reconciler:
             raise
         except Exception as exc:
             job.rebuild = True
-            job.retry_backoff_s = next_backoff_s(job.retry_backoff_s)
+            job.retry_backoff_s = reconcile_retry_s(job.retry_backoff_s)
             job.retry_at_mono = now + job.retry_backoff_s
-            if job.retry_backoff_s == next_backoff_s(0):
+            if job.retry_backoff_s == reconcile_retry_s(0):
                 log.exception(
                     "reconcile failed; rebuilding from etcd after a back-off", job=job.name
                 )

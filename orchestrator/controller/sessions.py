@@ -38,7 +38,12 @@ from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
-from orchestrator.policy.authority import NodeAuthority, checkpoint_refusal, rank_refusal
+from orchestrator.policy.authority import (
+    NodeAuthority,
+    checkpoint_refusal,
+    rank_refusal,
+    rendezvous_taken,
+)
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -309,12 +314,11 @@ class AgentService:
     def _on_rendezvous_ready(self, session: AgentSession, body) -> None:
         """Rank 0's node bound the rendezvous endpoint."""
         job = self._job_for(body.job, body.generation)
-        if (
-            job
-            and job.state is JobState.STARTING
-            and job.placement
-            and job.placement[0].node == session.node
-            and 0 < body.port < 65536
+        if job and rendezvous_taken(
+            job.state is JobState.STARTING,
+            job.placement[0].node if job.placement else "",
+            session.node,
+            body.port,
         ):
             job.rendezvous = (body.host, body.port)
             self.state.wake.set()

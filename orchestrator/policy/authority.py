@@ -50,6 +50,13 @@ def checkpoint_refusal(authority: NodeAuthority, step: int, path: str) -> str:
     return ""
 
 
+def rendezvous_taken(starting: bool, first_node: str, node: str, port: int) -> bool:
+    """Whether a rendezvous endpoint ``node`` reports is the generation's: the job is
+    being started, the node hosts the placement's first part (rank 0), and the port is
+    one (a late report of an earlier attempt, or of another node, is passed over)."""
+    return starting and bool(first_node) and node == first_node and 0 < port < 65536
+
+
 def within(path: str, directory: str) -> bool:
     """Whether absolute ``path`` names something strictly inside ``directory``, by its
     normalized text (the controller may not see the filesystem; the ranks resolve

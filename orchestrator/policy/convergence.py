@@ -113,3 +113,12 @@ def converge(
                 f"{runs.node} still runs generation {plan.generation}, which is being stopped",
             )
     return None
+
+
+def still_unsettled(fixed: bool, since_fix_s: float, accounted: bool, cordon_due: bool) -> bool:
+    """Whether a node is looked at again next tick rather than only when it says
+    something new: it was just told what to run (``fixed``, or ``since_fix_s`` within
+    RESEND_S, while the fix may still be on its way), its Hello is not squared with the
+    plan yet (not ``accounted``), or its agent's drain cordon is still to be set or
+    lifted (``cordon_due``)."""
+    return fixed or since_fix_s < RESEND_S or not accounted or cordon_due

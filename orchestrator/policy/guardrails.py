@@ -41,3 +41,16 @@ def repeated_failures(previous: int, lived_s: float) -> int:
     ``lived_s`` after it was placed: 1 when it had a healthy stretch, else one more
     than ``previous``."""
     return 1 if lived_s >= HEALTHY_STRETCH_S else previous + 1
+
+
+# A reconcile that failed (etcd out of reach, a bug) is tried again after a back-off
+# that starts here and doubles, up to RETRY_MAX_S: short, so that an etcd that is back
+# is used within a couple of ticks.
+RETRY_FIRST_S = 0.2
+RETRY_MAX_S = 2.0
+
+
+def reconcile_retry_s(previous_s: float) -> float:
+    """The wait before the next try after a failed reconcile whose last wait was
+    ``previous_s`` (0: none yet): RETRY_FIRST_S, doubling, at most RETRY_MAX_S."""
+    return min(RETRY_MAX_S, previous_s * 2) if previous_s else RETRY_FIRST_S

@@ -37,3 +37,14 @@ def node_usable(
     if not has_session:
         return still_taking_over
     return connected or down_for_s < grace_s
+
+
+def step_down_reason(lease_lapsed: bool, since_refresh_s: float, ttl_s: float) -> str:
+    """Why a leader steps down, or "" while it keeps the lead: its lease lapsed (etcd
+    said so), or it could not refresh it for a whole TTL (a refresh within it, or an
+    etcd hiccup shorter than it, keeps the lead)."""
+    if lease_lapsed:
+        return "leader lease expired"
+    if since_refresh_s < ttl_s:
+        return ""
+    return f"could not refresh the leader lease for {since_refresh_s:.1f} s"

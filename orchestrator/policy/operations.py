@@ -153,10 +153,8 @@ def ready(
         return ""
     if not pending.checkpoint:
         return f"{pending.reason}, without a final checkpoint"
-    if (
-        last_checkpoint_step is not None
-        and last_checkpoint_step > pending.after_step
-        and last_checkpoint_generation == generation
+    if last_checkpoint_step is not None and checkpoint_after(
+        last_checkpoint_step, last_checkpoint_generation, pending.after_step, generation
     ):
         return f"{pending.reason} after checkpoint at step {last_checkpoint_step}"
     if now - pending.requested_at > CHECKPOINT_WAIT_S:
@@ -165,6 +163,12 @@ def ready(
             f"restoring the last committed one"
         )
     return ""
+
+
+def checkpoint_after(step: int, generation: int, after_step: int, of_generation: int) -> bool:
+    """Whether a committed checkpoint (of ``step``, by ``generation``) is one asked for
+    after ``after_step`` in ``of_generation``: a later step, by that generation."""
+    return step > after_step and generation == of_generation
 
 
 @dataclass(frozen=True)

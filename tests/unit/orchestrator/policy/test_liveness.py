@@ -3,7 +3,12 @@ clock."""
 
 import pytest
 
-from orchestrator.policy.liveness import TAKEOVER_GRACES, node_usable, taking_over
+from orchestrator.policy.liveness import (
+    TAKEOVER_GRACES,
+    node_usable,
+    step_down_reason,
+    taking_over,
+)
 
 GRACE = 10.0
 
@@ -42,3 +47,18 @@ def test_a_node_counts_while_registered_and_its_stream_is_up_or_briefly_down(
 ):
     usable = node_usable(registered, has_session, connected, down_for_s, GRACE, taking)
     assert usable is expected
+
+
+@pytest.mark.parametrize(
+    "lapsed, since_refresh_s, reason",
+    [
+        (False, 0.0, ""),
+        (False, GRACE - 0.1, ""),  # an etcd hiccup shorter than the TTL keeps the lead
+        (False, GRACE, "could not refresh the leader lease for 10.0 s"),
+        (True, 0.0, "leader lease expired"),  # etcd said so: at once
+    ],
+)
+def test_a_leader_steps_down_when_its_lease_lapsed_or_went_unrefreshed_a_ttl(
+    lapsed, since_refresh_s, reason
+):
+    assert step_down_reason(lapsed, since_refresh_s, GRACE) == reason
