@@ -14,6 +14,7 @@ import structlog
 from orchestrator.controller import metrics
 from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
+from orchestrator.policy.retention import events_kept
 from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
 
@@ -118,12 +119,10 @@ class JobHealth:
         self._trim()
 
     def _trim(self) -> None:
-        total, keep = 0, 0
-        for event in reversed(self.events):
-            total += self.event_bytes[event.seq]
-            if keep == MAX_EVENTS or (keep and total > MAX_EVENT_BYTES):
-                break
-            keep += 1
+        """Drop the oldest events past ``policy.retention.events_kept``'s bounds."""
+        keep = events_kept(
+            [self.event_bytes[e.seq] for e in self.events], MAX_EVENTS, MAX_EVENT_BYTES
+        )
         for old in self.events[: len(self.events) - keep]:
             self.unsaved.pop(old.seq, None)
             self.event_bytes.pop(old.seq, None)

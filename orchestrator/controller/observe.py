@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import AgentSession, ControllerState
-from orchestrator.policy import adoption, convergence, liveness, operations, remediation
+from orchestrator.policy import (
+    adoption,
+    convergence,
+    liveness,
+    operations,
+    placement,
+    remediation,
+)
 from orchestrator.policy.guardrails import restart_backoff_s
 from orchestrator.policy.job import Observed, Spec
 from orchestrator.policy.lifecycle import JobState
@@ -47,18 +54,18 @@ def newly_lost(state: ControllerState, job: JobRuntime, now: float) -> list[str]
 def free_slots(
     state: ControllerState, job: JobRuntime, exclude: frozenset[str] = frozenset()
 ) -> dict[str, int]:
-    """Slots of connected, registered, uncordoned nodes that no other job holds, bar
-    ``exclude``; at most the job's ranks per node (torchrun's --nproc-per-node) each."""
+    """``placement.free_slots`` of the connected, registered nodes: the cordoned ones,
+    those another job holds and ``exclude`` are busy."""
     busy = set(state.cordons) | exclude
     for other in state.jobs.values():
         if other is not job and other.state.holds_nodes:
             busy |= other.nodes
-    cap = job.spec.ranks_per_node
-    return {
-        name: min(s.slots, cap) if cap else s.slots
+    connected = (
+        (name, s.slots)
         for name, s in state.sessions.items()
-        if s.connected and name in state.registered and name not in busy
-    }
+        if s.connected and name in state.registered
+    )
+    return placement.free_slots(connected, busy, job.spec.ranks_per_node)
 
 
 def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
 
@@ -13,6 +14,13 @@ class NodeRanks:
     @property
     def local_world_size(self) -> int:
         return len(self.ranks)
+
+
+def free_slots(nodes: Iterable[tuple[str, int]], busy: Set[str], cap: int) -> dict[str, int]:
+    """The slots a job may be placed on: each of ``nodes`` (name, slots; the usable
+    ones) that is not ``busy`` (cordoned, held by another job, or kept off), at most
+    ``cap`` each (the job's ranks per node, torchrun's --nproc-per-node; 0: no cap)."""
+    return {name: min(slots, cap) if cap else slots for name, slots in nodes if name not in busy}
 
 
 class NotEnoughSlots(ValueError):

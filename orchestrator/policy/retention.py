@@ -18,3 +18,16 @@ def records_to_prune(records: Sequence[CheckpointRecord], in_use: Collection[str
     and its fallbacks)."""
     keep = {r.step for r in records[-RECORDS_KEPT:]}
     return [r.step for r in records if r.step not in keep and r.path not in in_use]
+
+
+def events_kept(sizes: Sequence[int], max_events: int, max_bytes: int) -> int:
+    """How many of a job's newest events it keeps, given each event's size in bytes
+    (oldest first): at most ``max_events``, and no more than fit in ``max_bytes``, but
+    always the newest one, whatever its size."""
+    total, keep = 0, 0
+    for size in reversed(sizes):
+        total += size
+        if keep == max_events or (keep and total > max_bytes):
+            break
+        keep += 1
+    return keep

@@ -100,3 +100,19 @@ def test_all_but_the_newest_records_are_pruned_unless_a_restore_point_uses_them(
     assert records_to_prune(records, set()) == [1, 2, 3, 4, 5]
     assert records_to_prune(records, {"/c/step_00000002"}) == [1, 3, 4, 5]
     assert records_to_prune(records[:RECORDS_KEPT], set()) == []
+
+
+@pytest.mark.parametrize(
+    "sizes, kept",
+    [
+        ([], 0),
+        ([10, 10, 10], 3),
+        ([10] * 7, 5),  # at most five events
+        ([60, 30, 30], 2),  # what fits in 100 bytes, newest first
+        ([10, 500], 1),  # the newest is kept whatever its size
+    ],
+)
+def test_a_job_keeps_its_newest_events_within_the_bounds(sizes, kept):
+    from orchestrator.policy.retention import events_kept
+
+    assert events_kept(sizes, max_events=5, max_bytes=100) == kept

@@ -59,3 +59,13 @@ def test_only_rank_0s_node_of_a_starting_job_sets_its_rendezvous(
     starting, first, node, port, taken
 ):
     assert rendezvous_taken(starting, first, node, port) is taken
+
+
+def test_a_job_is_placed_on_free_nodes_at_most_its_ranks_per_node_each():
+    from orchestrator.policy.placement import free_slots
+
+    nodes = [("a", 8), ("b", 8), ("c", 4)]
+    assert free_slots(nodes, set(), 0) == {"a": 8, "b": 8, "c": 4}
+    assert free_slots(nodes, {"b"}, 0) == {"a": 8, "c": 4}
+    assert free_slots(nodes, {"b"}, 6) == {"a": 6, "c": 4}
+    assert free_slots([], set(), 2) == {}
