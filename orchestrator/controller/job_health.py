@@ -112,7 +112,7 @@ class JobHealth:
 
     def restore(self, events: list[keel_pb2.Event]) -> None:
         """The events a previous leader saved, oldest first; those past the bounds
-        (saved by a version that kept more) are dropped, from etcd too."""
+        are dropped, from etcd too."""
         self.events = list(events)
         self.event_bytes = {e.seq: e.ByteSize() for e in events}
         self.next_seq = events[-1].seq + 1 if events else 1

@@ -113,24 +113,20 @@ class Runtime:
 
     def __init__(
         self,
-        *,
-        rank: int,
-        world_size: int,
-        local_rank: int,
-        generation: int,
-        job: str,
-        mesh: dict[str, int],
-        checkpoint_dir: str | None,
-        restore_from: str | None,
-        restart_count: int,
-        agent_socket: str | None,
+        identity: Identity,
         faults: keel_pb2.FaultSchedule,
-        restore_fallbacks: tuple[str, ...] = (),
         fence_after_s: float | None = None,
-        agent_token: str = "",
-        node: str = "",
         restart_in_place: bool = False,
     ) -> None:
+        """The rank ``identity`` names, its scripted ``faults``; ``fence_after_s``: it
+        stops itself when its agent answers nothing for this long (None: never)."""
+        self.identity = identity
+        rank, world_size, generation = identity.rank, identity.world_size, identity.generation
+        job, agent_socket = identity.job, identity.agent_socket
+        local_rank, mesh, node = identity.local_rank, identity.mesh, identity.node
+        checkpoint_dir, restore_from = identity.checkpoint_dir, identity.restore_from
+        restore_fallbacks, restart_count = identity.restore_fallbacks, identity.restart_count
+        agent_token = identity.agent_token
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -335,7 +331,7 @@ def _settings(environ: Mapping[str, str]) -> dict:
     """``Runtime``'s arguments from ``environ``."""
     # Under Keel, a rank whose agent answers nothing for the collective timeout stops.
     return dict(
-        **vars(read_identity(environ)),
+        identity=read_identity(environ),
         faults=parse_fault_schedule(environ.get(env.FAULTS)),
         fence_after_s=job_deadlines(environ).get("collective_timeout_s"),
     )

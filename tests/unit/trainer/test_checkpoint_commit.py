@@ -17,23 +17,26 @@ from protos import keel_pb2
 from trainer import checkpoint_dir
 from trainer.checkpoint import Checkpointer
 from trainer.ledger import Ledger
-from trainer.runtime import Runtime
+from trainer.runtime import Identity, Runtime
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def runtime() -> Runtime:
     return Runtime(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        generation=2,
-        job="",
-        mesh={"dp_shard": 1},
-        checkpoint_dir=None,
-        restore_from=None,
-        restart_count=0,
-        agent_socket=None,
+        Identity(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            generation=2,
+            job="",
+            mesh={"dp_shard": 1},
+            checkpoint_dir=None,
+            restore_from=None,
+            restart_count=0,
+            agent_socket=None,
+            restore_fallbacks=(),
+        ),
         faults=keel_pb2.FaultSchedule(),
     )
 

@@ -12,25 +12,27 @@ from trainer import fence, manifest, restore
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_dir import committed_path
 from trainer.ledger import Ledger
-from trainer.runtime import Runtime
+from trainer.runtime import Identity, Runtime
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def runtime(generation=2, job="", restore_from=None, fallbacks=()) -> Runtime:
     return Runtime(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        generation=generation,
-        job=job,
-        mesh={"dp_shard": 1},
-        checkpoint_dir=None,
-        restore_from=restore_from,
-        restart_count=0,
-        agent_socket=None,
+        Identity(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            generation=generation,
+            job=job,
+            mesh={"dp_shard": 1},
+            checkpoint_dir=None,
+            restore_from=restore_from,
+            restart_count=0,
+            agent_socket=None,
+            restore_fallbacks=tuple(fallbacks),
+        ),
         faults=keel_pb2.FaultSchedule(),
-        restore_fallbacks=tuple(fallbacks),
     )
 
 
