@@ -22,10 +22,10 @@ lost: set[str] = set()
 
 def losing_the_reply(self, name, state, read_revision, plan=None):
     revision = update_job_state(self, name, state, read_revision, plan)
-    if state["state"] in TARGETS - lost:
-        lost.add(state["state"])
+    if state.state.value in TARGETS - lost:
+        lost.add(state.state.value)
         print(
-            f"lost the reply to the write of {name} {state['state']} (committed at "
+            f"lost the reply to the write of {name} {state.state.value} (committed at "
             f"revision {revision})",
             file=sys.stderr,
             flush=True,
