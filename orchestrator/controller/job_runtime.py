@@ -16,6 +16,7 @@ from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
 from orchestrator.policy.placement import NodeRanks
+from orchestrator.spec.health import resolve as resolve_health
 from protos import keel_pb2
 
 # Root causes of failed generations a job keeps, newest last (each up to ~12 KB of
@@ -189,6 +190,22 @@ class JobRuntime:
         if self.goodput is None:
             slowdown = self.health.spec.straggler_slowdown if self.health else 1.25
             self.goodput = Goodput(time.time(), slowdown)
+
+    @classmethod
+    def new(
+        cls, spec: keel_pb2.JobSpec, state: JobState, state_rev: int, since_mono: float, **fields
+    ) -> JobRuntime:
+        """Job ``spec`` in ``state`` (as stored at ``state_rev``, entered at
+        ``since_mono``), its health record made from the spec's health settings."""
+        health = JobHealth(spec.name, resolve_health(spec.health))
+        return cls(
+            spec=spec,
+            state=state,
+            state_rev=state_rev,
+            state_since_mono=since_mono,
+            health=health,
+            **fields,
+        )
 
     @property
     def name(self) -> str:

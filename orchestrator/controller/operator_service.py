@@ -17,7 +17,6 @@ import structlog
 from common.records import CheckpointRequestRecord
 from orchestrator.controller import observe
 from orchestrator.controller.executor import Executor
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
@@ -26,7 +25,6 @@ from orchestrator.policy import operations
 from orchestrator.policy.lifecycle import WIRE_STATES, JobState
 from orchestrator.policy.node_state import WIRE_NODE_STATES, NodeState
 from orchestrator.policy.operations import Operation
-from orchestrator.spec.health import resolve as resolve_health
 from orchestrator.spec.jobspec import InvalidSpec, validate
 from protos import keel_pb2
 
@@ -74,14 +72,7 @@ class OperatorService:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} exists; choose another name"
                 )
-            job = JobRuntime(
-                spec=spec,
-                state=JobState.PENDING,
-                state_rev=0,
-                state_since_mono=time.monotonic(),
-                reason="submitted",
-                health=JobHealth(spec.name, resolve_health(spec.health)),
-            )
+            job = JobRuntime.new(spec, JobState.PENDING, 0, time.monotonic(), reason="submitted")
             try:
                 created = self.executor.create(job)
             except Exception as exc:

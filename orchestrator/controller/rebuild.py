@@ -8,12 +8,10 @@ import structlog
 
 from common.records import RecordError, newest_good
 from orchestrator.controller.goodput import Goodput
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import Intents, JobRuntime, Progress
 from orchestrator.controller.plans import adopt_plan
 from orchestrator.controller.store import Store
 from orchestrator.policy.operations import Operation
-from orchestrator.spec.health import resolve as resolve_health
 
 log = structlog.get_logger()
 
@@ -43,12 +41,11 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     if spec_record is None or read.value is None:
         return None
     spec, state = spec_record.spec, read.value
-    job = JobRuntime(
-        spec=spec,
-        state=state.state,
-        health=JobHealth(name, resolve_health(spec.health)),
-        state_rev=read.mod_revision,
-        state_since_mono=now,
+    job = JobRuntime.new(
+        spec,
+        state.state,
+        read.mod_revision,
+        now,
         generation=state.generation,
         restarts=state.restarts,
         reason=state.reason,

@@ -8,14 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.controller.config import ControllerConfig
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.reconcile import Reconciler
 from orchestrator.controller.state import ControllerState, CountedDict
 from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.placement import NodeRanks
-from orchestrator.spec.health import resolve
 from protos import keel_pb2
 
 # The dict methods that only read: every other one can change a dict.
@@ -115,13 +113,7 @@ def test_a_cache_kept_while_the_nodes_version_stands_is_what_the_tables_hold(ste
 
 def job(name: str = "j") -> JobRuntime:
     spec = keel_pb2.JobSpec(name=name, world_size=2, steps=10)
-    return JobRuntime(
-        spec=spec,
-        state=JobState.RUNNING,
-        state_rev=1,
-        state_since_mono=0.0,
-        health=JobHealth(name, resolve(spec.health)),
-    )
+    return JobRuntime.new(spec, JobState.RUNNING, 1, 0.0)
 
 
 @st.composite

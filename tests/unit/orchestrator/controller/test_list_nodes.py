@@ -9,7 +9,6 @@ from etcd3 import events
 
 from common.records import CordonRecord, NodeRecord
 from orchestrator.controller.config import ControllerConfig
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.operator_service import OperatorService
 from orchestrator.controller.state import AgentSession, ControllerState
@@ -17,7 +16,6 @@ from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.node_state import WIRE_NODE_STATES
 from orchestrator.policy.placement import NodeRanks
-from orchestrator.spec.health import resolve
 from protos import keel_pb2
 
 
@@ -81,13 +79,7 @@ def test_every_change_to_the_node_tables_shows_in_the_next_reply():
     state.cordons["c"] = CordonRecord(drain=True, reason="disk", by="reconciler", at_unix=0.0)
     assert shown(operator)["c"] == (False, "drained", "", 2, "disk (by the reconciler)")
     spec = keel_pb2.JobSpec(name="j", world_size=2, steps=10)
-    job = JobRuntime(
-        spec=spec,
-        state=JobState.RUNNING,
-        state_rev=1,
-        state_since_mono=0.0,
-        health=JobHealth("j", resolve(spec.health)),
-    )
+    job = JobRuntime.new(spec, JobState.RUNNING, 1, 0.0)
     state.jobs["j"] = job
     job.placement = [NodeRanks("c", (0, 1))]
     assert shown(operator)["c"][1:3] == ("draining", "j")

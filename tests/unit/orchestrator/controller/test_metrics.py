@@ -11,14 +11,12 @@ from common.records import CordonRecord
 from common.steps import summarize
 from orchestrator.controller import exporter, metrics, sessions
 from orchestrator.controller.config import ControllerConfig
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.recovery import Recovery
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Store
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.placement import NodeRanks
-from orchestrator.spec.health import resolve
 from protos import keel_pb2
 
 
@@ -37,13 +35,7 @@ def job(name: str = "j", params: float = 0.0) -> JobRuntime:
     spec = keel_pb2.JobSpec(
         name=name, world_size=4, steps=10**6, model=keel_pb2.ModelShape(params=params)
     )
-    return JobRuntime(
-        spec=spec,
-        state=JobState.RUNNING,
-        state_rev=1,
-        state_since_mono=0.0,
-        health=JobHealth(name, resolve(spec.health)),
-    )
+    return JobRuntime.new(spec, JobState.RUNNING, 1, 0.0)
 
 
 def series(registry) -> list[tuple]:

@@ -3,24 +3,16 @@
 import pytest
 
 from common.records import CheckpointRecord, PlanRecord
-from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.plans import adopt_plan, plan_record
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.placement import NodeRanks
-from orchestrator.spec.health import resolve
 from protos import keel_pb2
 
 
 def job(state=JobState.PENDING) -> JobRuntime:
     spec = keel_pb2.JobSpec(name="j", world_size=4, command=["python", "train.py"])
-    return JobRuntime(
-        spec=spec,
-        state=state,
-        state_rev=1,
-        state_since_mono=0.0,
-        health=JobHealth("j", resolve(spec.health)),
-    )
+    return JobRuntime.new(spec, state, 1, 0.0)
 
 
 def test_a_plan_read_back_gives_what_it_takes_to_start_the_generation_again():
