@@ -32,12 +32,22 @@ class Leader:
     cluster_id: int
 
 
-def parse_leader(raw: bytes, create_revision: int, cluster_id: int) -> Leader | None:
-    """The leader a key value names; None if it names none we can read."""
+def _log_unreadable(error: RecordError) -> None:
+    log.warning("ignoring a leader key that is not a controller's record", error=str(error))
+
+
+def parse_leader(
+    raw: bytes,
+    create_revision: int,
+    cluster_id: int,
+    set_aside: Callable[[RecordError], None] = _log_unreadable,
+) -> Leader | None:
+    """The leader a key value names; None if it names none we can read (``set_aside``
+    is told why)."""
     try:
         record = LeaderRecord.from_json(keys.LEADER, raw)
     except RecordError as error:
-        log.warning("ignoring a leader key that is not a controller's record", error=str(error))
+        set_aside(error)
         return None
     return Leader(record.address, record.id, create_revision, cluster_id)
 
@@ -46,10 +56,16 @@ class LeaderWatch:
     """The leader key, followed (``common.watch.Watch``)."""
 
     def __init__(
-        self, etcd: EtcdClient, on_change: Callable[[Leader | None], None] = lambda _: None
+        self,
+        etcd: EtcdClient,
+        on_change: Callable[[Leader | None], None] = lambda _: None,
+        set_aside: Callable[[RecordError], None] = _log_unreadable,
     ):
+        """``on_change``: told of each new leader; ``set_aside``: of each value of the
+        key that is no controller's record."""
         self.etcd = etcd
         self.on_change = on_change
+        self.set_aside = set_aside
         self.current: Leader | None = None
         self._known = False
         self._cluster = 0
@@ -77,11 +93,17 @@ class LeaderWatch:
 
     def _reset(self, kvs: list, cluster: int) -> None:
         self._cluster = cluster
-        self._set(parse_leader(kvs[0].value, kvs[0].create_revision, cluster) if kvs else None)
+        self._set(
+            parse_leader(kvs[0].value, kvs[0].create_revision, cluster, self.set_aside)
+            if kvs
+            else None
+        )
 
     def _events(self, changes: list) -> None:
         for event in changes:
             if isinstance(event, events.DeleteEvent):
                 self._set(None)
             else:
-                self._set(parse_leader(event.value, event.create_revision, self._cluster))
+                self._set(
+                    parse_leader(event.value, event.create_revision, self._cluster, self.set_aside)
+                )

@@ -42,7 +42,9 @@ class Leadership:
         self.refreshed_at = 0.0  # monotonic: the lease was last refreshed
         self.refreshes = 0  # how many times the keeper refreshed it
         self._lapsed = None  # a lease etcd said had expired
-        self.leader = LeaderWatch(state.store.client)  # who leads, as etcd says
+        self.leader = LeaderWatch(
+            state.store.client, set_aside=state.store.set_aside
+        )  # who leads, as etcd says
 
     def start(self) -> None:
         """Keep whatever lease this controller holds alive, every third of a TTL, on a

@@ -1,4 +1,4 @@
-"""A generation's plan as etcd keeps it (``/keel/jobs/<job>/plans/<generation>``):
+"""A generation's plan as etcd keeps it (``/keel/jobs/<job>/generations/<generation>``):
 written with the move to STARTING (where the ranks go) and again with the move to
 RUNNING (with the rendezvous endpoint), so that a controller that takes over, or this
 one after a write whose reply it lost, can prepare or start the generation again

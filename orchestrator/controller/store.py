@@ -197,7 +197,9 @@ class Store:
         raw, meta = self.client.get(keys.LEADER)
         if raw is None:
             return None
-        return parse_leader(raw, meta.create_revision, meta.response_header.cluster_id)
+        return parse_leader(
+            raw, meta.create_revision, meta.response_header.cluster_id, self.set_aside
+        )
 
     def controller_address(self) -> str | None:
         value = self.leader()
