@@ -25,8 +25,11 @@ def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
         try:
             job = load_job(store, name, now)
         except RecordError as error:
-            store.set_aside(error)
-            log.error("cannot read the job's records in etcd; not managing it", job=name)
+            log.error(
+                "cannot read the job's records in etcd; not managing it",
+                job=name,
+                key=error.key,
+            )
             continue
         if job is not None:
             jobs[name] = job

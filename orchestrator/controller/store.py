@@ -4,9 +4,10 @@ Every key is in ``common.keys``; every value is its key's record of ``common.rec
 read and written as that type only. Writes happen on membership and generation changes
 only, never per step.
 
-A value that does not parse: a read of one key raises ``RecordError``; a read of a
-prefix sets it aside (``set_aside`` is told, the rest is returned), so one bad value
-never keeps a controller from reading the others, or from leading.
+A value that does not parse is reported to ``set_aside`` (the controller logs and counts
+it); a read of one key then raises ``RecordError``, a read of a prefix passes over it
+and returns the rest, so one bad value never keeps a controller from reading the
+others, or from leading.
 
 Fencing: a leader's term is the create revision of its leader key, fixed when the key
 is created and larger for every later leader. Every write of a leader is a transaction
@@ -85,10 +86,16 @@ class Store:
 
     # ------------------------------------------------------------------ helpers
     def _get(self, key: str, kind: type[R]) -> Versioned[R]:
+        """The record at ``key``; one that does not parse is reported to ``set_aside``
+        and raises RecordError."""
         raw, meta = self.client.get(key)
         if raw is None:
             return Versioned(None, 0)
-        return Versioned(kind.from_json(key, raw), meta.mod_revision)
+        try:
+            return Versioned(kind.from_json(key, raw), meta.mod_revision)
+        except RecordError as error:
+            self.set_aside(error)
+            raise
 
     def _prefix(self, prefix: str, kind: type[R]) -> dict[str, R]:
         """Every record under ``prefix`` by key, in key order, read page by page at
@@ -324,6 +331,5 @@ class Store:
         goes on without it, and the operator can ask again)."""
         try:
             return self._get(key, kind).value
-        except RecordError as error:
-            self.set_aside(error)
+        except RecordError:
             return None
