@@ -38,6 +38,22 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
 
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_CRASH: _ClassVar[EventKind]
+    EVENT_KIND_HANG: _ClassVar[EventKind]
+    EVENT_KIND_STRAGGLER: _ClassVar[EventKind]
+    EVENT_KIND_NODE_LOST: _ClassVar[EventKind]
+    EVENT_KIND_AGENT_RESTARTED: _ClassVar[EventKind]
+    EVENT_KIND_REPLACED: _ClassVar[EventKind]
+    EVENT_KIND_EXCLUDED: _ClassVar[EventKind]
+    EVENT_KIND_CORDONED: _ClassVar[EventKind]
+    EVENT_KIND_ALERT: _ClassVar[EventKind]
+    EVENT_KIND_OPERATOR: _ClassVar[EventKind]
+    EVENT_KIND_QUARANTINED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_REFUSED: _ClassVar[EventKind]
+
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
@@ -71,6 +87,19 @@ JOB_STATE_STOPPING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_CRASH: EventKind
+EVENT_KIND_HANG: EventKind
+EVENT_KIND_STRAGGLER: EventKind
+EVENT_KIND_NODE_LOST: EventKind
+EVENT_KIND_AGENT_RESTARTED: EventKind
+EVENT_KIND_REPLACED: EventKind
+EVENT_KIND_EXCLUDED: EventKind
+EVENT_KIND_CORDONED: EventKind
+EVENT_KIND_ALERT: EventKind
+EVENT_KIND_OPERATOR: EventKind
+EVENT_KIND_QUARANTINED: EventKind
+EVENT_KIND_CHECKPOINT_REFUSED: EventKind
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_CORDONED: NodeState
@@ -824,7 +853,7 @@ class Event(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: EventKind
     node: str
     rank: int
     step: int
@@ -836,7 +865,7 @@ class Event(_message.Message):
     generation: int
     at: float
     seq: int
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class NodePreflight(_message.Message):
     __slots__ = ("node", "generation", "results", "slow")

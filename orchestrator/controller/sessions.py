@@ -39,6 +39,7 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import NodeAuthority, checkpoint_refusal, rank_refusal
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -639,7 +640,7 @@ def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
         if not report.phase:
             return  # stacks for a stop that was not a hang
         health.hang_event = health.event(
-            "hang",
+            EventKind.HANG,
             "",
             node=node,
             rank=report.rank,
