@@ -27,6 +27,19 @@ class HangPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANG_PHASE_STEP: _ClassVar[HangPhase]
     HANG_PHASE_CHECKPOINT: _ClassVar[HangPhase]
 
+class StragglerPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STRAGGLER_POLICY_UNSPECIFIED: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_REPLACE: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_EXCLUDE: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_ALERT: _ClassVar[StragglerPolicy]
+
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_UNSPECIFIED: _ClassVar[Precision]
+    PRECISION_BF16: _ClassVar[Precision]
+    PRECISION_FP32: _ClassVar[Precision]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -79,6 +92,13 @@ HANG_PHASE_UNSPECIFIED: HangPhase
 HANG_PHASE_FIRST_STEP: HangPhase
 HANG_PHASE_STEP: HangPhase
 HANG_PHASE_CHECKPOINT: HangPhase
+STRAGGLER_POLICY_UNSPECIFIED: StragglerPolicy
+STRAGGLER_POLICY_REPLACE: StragglerPolicy
+STRAGGLER_POLICY_EXCLUDE: StragglerPolicy
+STRAGGLER_POLICY_ALERT: StragglerPolicy
+PRECISION_UNSPECIFIED: Precision
+PRECISION_BF16: Precision
+PRECISION_FP32: Precision
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_STARTING: JobState
@@ -666,7 +686,7 @@ class HealthSpec(_message.Message):
     STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    straggler_policy: str
+    straggler_policy: StragglerPolicy
     hang_floor_s: float
     hang_k: float
     first_step_timeout_s: float
@@ -679,7 +699,7 @@ class HealthSpec(_message.Message):
     stop_grace_s: float
     collective_timeout_s: float
     startup_timeout_s: float
-    def __init__(self, straggler_policy: _Optional[str] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, straggler_policy: _Optional[_Union[StragglerPolicy, str]] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("params", "layers", "hidden", "heads", "vocab")
@@ -707,9 +727,9 @@ class TrainingShape(_message.Message):
     micro_batch: int
     global_batch: int
     microbatches: int
-    precision: str
+    precision: Precision
     gpu_memory_gb: float
-    def __init__(self, seq_len: _Optional[int] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[str] = ..., gpu_memory_gb: _Optional[float] = ...) -> None: ...
+    def __init__(self, seq_len: _Optional[int] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., gpu_memory_gb: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec",)

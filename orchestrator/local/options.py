@@ -19,6 +19,7 @@ from common import env
 from common.etcd import EtcdCredentials, host_port
 from orchestrator import planner
 from orchestrator.local.faults import parse_schedule
+from orchestrator.policy.remediation import WIRE_STRAGGLER_POLICIES, StragglerPolicy
 from orchestrator.spec.jobspec import validate
 from protos import keel_pb2
 
@@ -148,13 +149,15 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
                 seq_len=reference["seq_len"],
                 micro_batch=1,
                 global_batch=reference["global_batch"],
-                precision="fp32",
+                precision=keel_pb2.PRECISION_FP32,
                 gpu_memory_gb=_slot_memory_gb(options.world_size),
             )
         )
     spec.health.CopyFrom(
         keel_pb2.HealthSpec(
-            straggler_policy=options.straggler_policy,
+            straggler_policy=WIRE_STRAGGLER_POLICIES.to_wire(
+                StragglerPolicy(options.straggler_policy)
+            ),
             hang_floor_s=options.hang_floor_s,
             first_step_timeout_s=options.first_step_timeout_s or max(options.hang_floor_s, 120.0),
             checkpoint_timeout_s=max(options.hang_floor_s, 120.0),
