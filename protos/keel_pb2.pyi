@@ -81,6 +81,24 @@ class NextGenerationAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NEXT_GENERATION_ACTION_WAIT: _ClassVar[NextGenerationAction]
     NEXT_GENERATION_ACTION_START: _ClassVar[NextGenerationAction]
     NEXT_GENERATION_ACTION_EXIT: _ClassVar[NextGenerationAction]
+
+class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAULT_KIND_UNSPECIFIED: _ClassVar[FaultKind]
+    FAULT_KIND_CRASH: _ClassVar[FaultKind]
+    FAULT_KIND_KILL: _ClassVar[FaultKind]
+    FAULT_KIND_HANG: _ClassVar[FaultKind]
+    FAULT_KIND_SLOW: _ClassVar[FaultKind]
+    FAULT_KIND_LOSE_NODE: _ClassVar[FaultKind]
+    FAULT_KIND_KILL_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_RESTART_ETCD: _ClassVar[FaultKind]
+    FAULT_KIND_KILL_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_TERM_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_TERM_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_NODE: _ClassVar[FaultKind]
+    FAULT_KIND_PARTITION_NODE: _ClassVar[FaultKind]
 AGENT_PHASE_UNSPECIFIED: AgentPhase
 AGENT_PHASE_IDLE: AgentPhase
 AGENT_PHASE_RUNNING: AgentPhase
@@ -129,6 +147,21 @@ NEXT_GENERATION_ACTION_UNSPECIFIED: NextGenerationAction
 NEXT_GENERATION_ACTION_WAIT: NextGenerationAction
 NEXT_GENERATION_ACTION_START: NextGenerationAction
 NEXT_GENERATION_ACTION_EXIT: NextGenerationAction
+FAULT_KIND_UNSPECIFIED: FaultKind
+FAULT_KIND_CRASH: FaultKind
+FAULT_KIND_KILL: FaultKind
+FAULT_KIND_HANG: FaultKind
+FAULT_KIND_SLOW: FaultKind
+FAULT_KIND_LOSE_NODE: FaultKind
+FAULT_KIND_KILL_LEADER: FaultKind
+FAULT_KIND_RESTART_ETCD: FaultKind
+FAULT_KIND_KILL_AGENT: FaultKind
+FAULT_KIND_TERM_AGENT: FaultKind
+FAULT_KIND_TERM_LEADER: FaultKind
+FAULT_KIND_STALL_LEADER: FaultKind
+FAULT_KIND_STALL_AGENT: FaultKind
+FAULT_KIND_STALL_NODE: FaultKind
+FAULT_KIND_PARTITION_NODE: FaultKind
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
@@ -1131,14 +1164,14 @@ class Fault(_message.Message):
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     DOWN_S_FIELD_NUMBER: _ClassVar[int]
     FOR_S_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: FaultKind
     rank: int
     node: int
     step: int
     factor: float
     down_s: float
     for_s: float
-    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ..., for_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ..., for_s: _Optional[float] = ...) -> None: ...
 
 class FaultSchedule(_message.Message):
     __slots__ = ("faults",)
