@@ -27,6 +27,15 @@ class HangPhase(str, enum.Enum):
     STEP = "step"
 
 
+class Collective(str, enum.Enum):
+    """A collective the preflight sweep times (trainer to agent to controller, and in
+    ``keel status`` and ``keel up``'s summary)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
 class FaultKind(str, enum.Enum):
     """What a scripted fault does, as ``keel up --inject KIND:...`` spells it (keel up to
     the ranks, in ``KEEL_FAULTS``)."""
@@ -54,3 +63,4 @@ WIRE_PROBLEM_KINDS = ProtoEnum(
 )
 WIRE_HANG_PHASES = ProtoEnum(HangPhase, keel_pb2.HangPhase, "HANG_PHASE_")
 WIRE_FAULT_KINDS = ProtoEnum(FaultKind, keel_pb2.FaultKind, "FAULT_KIND_")
+WIRE_COLLECTIVES = ProtoEnum(Collective, keel_pb2.Collective, "COLLECTIVE_")

@@ -27,6 +27,13 @@ class HangPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANG_PHASE_STEP: _ClassVar[HangPhase]
     HANG_PHASE_CHECKPOINT: _ClassVar[HangPhase]
 
+class Collective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_UNSPECIFIED: _ClassVar[Collective]
+    COLLECTIVE_ALL_REDUCE: _ClassVar[Collective]
+    COLLECTIVE_ALL_GATHER: _ClassVar[Collective]
+    COLLECTIVE_REDUCE_SCATTER: _ClassVar[Collective]
+
 class StragglerPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STRAGGLER_POLICY_UNSPECIFIED: _ClassVar[StragglerPolicy]
@@ -110,6 +117,10 @@ HANG_PHASE_UNSPECIFIED: HangPhase
 HANG_PHASE_FIRST_STEP: HangPhase
 HANG_PHASE_STEP: HangPhase
 HANG_PHASE_CHECKPOINT: HangPhase
+COLLECTIVE_UNSPECIFIED: Collective
+COLLECTIVE_ALL_REDUCE: Collective
+COLLECTIVE_ALL_GATHER: Collective
+COLLECTIVE_REDUCE_SCATTER: Collective
 STRAGGLER_POLICY_UNSPECIFIED: StragglerPolicy
 STRAGGLER_POLICY_REPLACE: StragglerPolicy
 STRAGGLER_POLICY_EXCLUDE: StragglerPolicy
@@ -325,12 +336,12 @@ class CollectiveResult(_message.Message):
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     ALGBW_GBPS_FIELD_NUMBER: _ClassVar[int]
     BUSBW_GBPS_FIELD_NUMBER: _ClassVar[int]
-    collective: str
+    collective: Collective
     size_bytes: int
     time_s: float
     algbw_gbps: float
     busbw_gbps: float
-    def __init__(self, collective: _Optional[str] = ..., size_bytes: _Optional[int] = ..., time_s: _Optional[float] = ..., algbw_gbps: _Optional[float] = ..., busbw_gbps: _Optional[float] = ...) -> None: ...
+    def __init__(self, collective: _Optional[_Union[Collective, str]] = ..., size_bytes: _Optional[int] = ..., time_s: _Optional[float] = ..., algbw_gbps: _Optional[float] = ..., busbw_gbps: _Optional[float] = ...) -> None: ...
 
 class PreflightReport(_message.Message):
     __slots__ = ("job", "generation", "rank", "world_size", "results", "wall_s")

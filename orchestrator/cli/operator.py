@@ -13,6 +13,7 @@ import time
 import click
 import grpc
 
+import common.wire_kinds  # noqa: F401  its mirrors, for message_dict (JobStatus.preflight)
 from common import env, flags
 from common.proto_enums import message_dict
 from orchestrator.cli.client import RPC_TIMEOUT_S, ControllerClient, NoController

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.wire_kinds import WIRE_COLLECTIVES
 from orchestrator.controller import metrics
 from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
@@ -270,7 +271,11 @@ class JobHealth:
             keel_pb2.NodePreflight(
                 node=node,
                 generation=self.generation,
-                results=[results[k] for k in sorted(results)],
+                # Shown by collective name, then size.
+                results=[
+                    results[k]
+                    for k in sorted(results, key=lambda k: (WIRE_COLLECTIVES.text(k[0]), k[1]))
+                ],
                 slow=node in slow,
             )
             for node, results in sorted(self.preflight.items())

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.wire_kinds import WIRE_COLLECTIVES
 from orchestrator.local.ledger_check import audit_checkpoint
 from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES
@@ -165,7 +166,7 @@ def summarize(
                 "slow": p.slow,
                 "results": [
                     {
-                        "collective": r.collective,
+                        "collective": WIRE_COLLECTIVES.text(r.collective),
                         "size_bytes": r.size_bytes,
                         "time_s": r.time_s,
                         "algbw_gbps": r.algbw_gbps,

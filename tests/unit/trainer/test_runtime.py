@@ -373,7 +373,7 @@ def test_preflight_reports_reach_the_agent(agent):
     )
     assert [
         (r.collective, r.size_bytes, r.time_s, r.algbw_gbps, r.busbw_gbps) for r in report.results
-    ] == [("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)]
+    ] == [(keel_pb2.COLLECTIVE_ALL_REDUCE, 1 << 20, 0.001, 1.048576, 1.048576)]
     rt.close()
     plain = runtime.init({"RANK": "0", "WORLD_SIZE": "2"})
     assert plain.report_preflight([], wall_s=0.1) is False
