@@ -255,7 +255,7 @@ def job_spec(nodes: int) -> keel_pb2.JobSpec:
         name="bench", world_size=nodes * RANKS_PER_NODE, command=["simulated"], max_restarts=3
     )
     spec.health.preflight_off = True
-    spec.health.straggler_policy = "alert"
+    spec.health.straggler_policy = keel_pb2.STRAGGLER_POLICY_ALERT
     return spec
 
 

@@ -10,7 +10,7 @@ import enum
 from typing import Generic, TypeVar
 
 from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from google.protobuf.message import Message
 
@@ -49,11 +49,22 @@ class ProtoEnum(Generic[Member]):
                 f"{self.wire.DESCRIPTOR.name} value {value} is no {self.python.__name__}"
             ) from None
 
+    def from_text(self, text: str) -> int:
+        """The proto value of the member whose string is ``text`` (what an operator
+        writes: "replace"); ValueError for any other text."""
+        return self.to_wire(self.python(text))
+
     def text(self, value: int) -> str:
         """What an operator reads for proto value ``value``: its member's string, ""
         for UNSPECIFIED (as an unset string field read before)."""
         member = self._from_wire.get(value)
         return "" if member is None else member.value
+
+
+def mirror(enum_type: EnumDescriptor) -> ProtoEnum | None:
+    """The ProtoEnum of the proto enum ``enum_type``, or None if no Python enum mirrors it
+    (or the module that builds its mirror was not imported)."""
+    return _MIRRORED.get(enum_type.full_name)
 
 
 def message_dict(message: Message) -> dict:

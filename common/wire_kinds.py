@@ -27,7 +27,40 @@ class HangPhase(str, enum.Enum):
     STEP = "step"
 
 
+class Collective(str, enum.Enum):
+    """A collective the preflight sweep times (trainer to agent to controller, and in
+    ``keel status`` and ``keel up``'s summary)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+class FaultKind(str, enum.Enum):
+    """What a scripted fault does, as ``keel up --inject KIND:...`` spells it (keel up to
+    the ranks, in ``KEEL_FAULTS``)."""
+
+    # Rank faults: the trainer applies them.
+    CRASH = "crash"
+    KILL = "kill"
+    HANG = "hang"
+    SLOW = "slow"
+    # Cluster faults: keel up fires them.
+    LOSE_NODE = "lose_node"
+    KILL_LEADER = "kill_leader"
+    RESTART_ETCD = "restart_etcd"
+    KILL_AGENT = "kill_agent"
+    TERM_AGENT = "term_agent"
+    TERM_LEADER = "term_leader"
+    STALL_LEADER = "stall_leader"
+    STALL_AGENT = "stall_agent"
+    STALL_NODE = "stall_node"
+    PARTITION_NODE = "partition_node"
+
+
 WIRE_PROBLEM_KINDS = ProtoEnum(
     CheckpointProblemKind, keel_pb2.CheckpointProblemKind, "CHECKPOINT_PROBLEM_KIND_"
 )
 WIRE_HANG_PHASES = ProtoEnum(HangPhase, keel_pb2.HangPhase, "HANG_PHASE_")
+WIRE_FAULT_KINDS = ProtoEnum(FaultKind, keel_pb2.FaultKind, "FAULT_KIND_")
+WIRE_COLLECTIVES = ProtoEnum(Collective, keel_pb2.Collective, "COLLECTIVE_")

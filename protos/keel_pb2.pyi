@@ -27,6 +27,26 @@ class HangPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANG_PHASE_STEP: _ClassVar[HangPhase]
     HANG_PHASE_CHECKPOINT: _ClassVar[HangPhase]
 
+class Collective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_UNSPECIFIED: _ClassVar[Collective]
+    COLLECTIVE_ALL_REDUCE: _ClassVar[Collective]
+    COLLECTIVE_ALL_GATHER: _ClassVar[Collective]
+    COLLECTIVE_REDUCE_SCATTER: _ClassVar[Collective]
+
+class StragglerPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STRAGGLER_POLICY_UNSPECIFIED: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_REPLACE: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_EXCLUDE: _ClassVar[StragglerPolicy]
+    STRAGGLER_POLICY_ALERT: _ClassVar[StragglerPolicy]
+
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_UNSPECIFIED: _ClassVar[Precision]
+    PRECISION_BF16: _ClassVar[Precision]
+    PRECISION_FP32: _ClassVar[Precision]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -37,6 +57,22 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_CRASH: _ClassVar[EventKind]
+    EVENT_KIND_HANG: _ClassVar[EventKind]
+    EVENT_KIND_STRAGGLER: _ClassVar[EventKind]
+    EVENT_KIND_NODE_LOST: _ClassVar[EventKind]
+    EVENT_KIND_AGENT_RESTARTED: _ClassVar[EventKind]
+    EVENT_KIND_REPLACED: _ClassVar[EventKind]
+    EVENT_KIND_EXCLUDED: _ClassVar[EventKind]
+    EVENT_KIND_CORDONED: _ClassVar[EventKind]
+    EVENT_KIND_ALERT: _ClassVar[EventKind]
+    EVENT_KIND_OPERATOR: _ClassVar[EventKind]
+    EVENT_KIND_QUARANTINED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_REFUSED: _ClassVar[EventKind]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +88,24 @@ class NextGenerationAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NEXT_GENERATION_ACTION_WAIT: _ClassVar[NextGenerationAction]
     NEXT_GENERATION_ACTION_START: _ClassVar[NextGenerationAction]
     NEXT_GENERATION_ACTION_EXIT: _ClassVar[NextGenerationAction]
+
+class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAULT_KIND_UNSPECIFIED: _ClassVar[FaultKind]
+    FAULT_KIND_CRASH: _ClassVar[FaultKind]
+    FAULT_KIND_KILL: _ClassVar[FaultKind]
+    FAULT_KIND_HANG: _ClassVar[FaultKind]
+    FAULT_KIND_SLOW: _ClassVar[FaultKind]
+    FAULT_KIND_LOSE_NODE: _ClassVar[FaultKind]
+    FAULT_KIND_KILL_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_RESTART_ETCD: _ClassVar[FaultKind]
+    FAULT_KIND_KILL_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_TERM_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_TERM_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_LEADER: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_AGENT: _ClassVar[FaultKind]
+    FAULT_KIND_STALL_NODE: _ClassVar[FaultKind]
+    FAULT_KIND_PARTITION_NODE: _ClassVar[FaultKind]
 AGENT_PHASE_UNSPECIFIED: AgentPhase
 AGENT_PHASE_IDLE: AgentPhase
 AGENT_PHASE_RUNNING: AgentPhase
@@ -63,6 +117,17 @@ HANG_PHASE_UNSPECIFIED: HangPhase
 HANG_PHASE_FIRST_STEP: HangPhase
 HANG_PHASE_STEP: HangPhase
 HANG_PHASE_CHECKPOINT: HangPhase
+COLLECTIVE_UNSPECIFIED: Collective
+COLLECTIVE_ALL_REDUCE: Collective
+COLLECTIVE_ALL_GATHER: Collective
+COLLECTIVE_REDUCE_SCATTER: Collective
+STRAGGLER_POLICY_UNSPECIFIED: StragglerPolicy
+STRAGGLER_POLICY_REPLACE: StragglerPolicy
+STRAGGLER_POLICY_EXCLUDE: StragglerPolicy
+STRAGGLER_POLICY_ALERT: StragglerPolicy
+PRECISION_UNSPECIFIED: Precision
+PRECISION_BF16: Precision
+PRECISION_FP32: Precision
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_STARTING: JobState
@@ -71,6 +136,19 @@ JOB_STATE_STOPPING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_CRASH: EventKind
+EVENT_KIND_HANG: EventKind
+EVENT_KIND_STRAGGLER: EventKind
+EVENT_KIND_NODE_LOST: EventKind
+EVENT_KIND_AGENT_RESTARTED: EventKind
+EVENT_KIND_REPLACED: EventKind
+EVENT_KIND_EXCLUDED: EventKind
+EVENT_KIND_CORDONED: EventKind
+EVENT_KIND_ALERT: EventKind
+EVENT_KIND_OPERATOR: EventKind
+EVENT_KIND_QUARANTINED: EventKind
+EVENT_KIND_CHECKPOINT_REFUSED: EventKind
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_CORDONED: NodeState
@@ -80,6 +158,21 @@ NEXT_GENERATION_ACTION_UNSPECIFIED: NextGenerationAction
 NEXT_GENERATION_ACTION_WAIT: NextGenerationAction
 NEXT_GENERATION_ACTION_START: NextGenerationAction
 NEXT_GENERATION_ACTION_EXIT: NextGenerationAction
+FAULT_KIND_UNSPECIFIED: FaultKind
+FAULT_KIND_CRASH: FaultKind
+FAULT_KIND_KILL: FaultKind
+FAULT_KIND_HANG: FaultKind
+FAULT_KIND_SLOW: FaultKind
+FAULT_KIND_LOSE_NODE: FaultKind
+FAULT_KIND_KILL_LEADER: FaultKind
+FAULT_KIND_RESTART_ETCD: FaultKind
+FAULT_KIND_KILL_AGENT: FaultKind
+FAULT_KIND_TERM_AGENT: FaultKind
+FAULT_KIND_TERM_LEADER: FaultKind
+FAULT_KIND_STALL_LEADER: FaultKind
+FAULT_KIND_STALL_AGENT: FaultKind
+FAULT_KIND_STALL_NODE: FaultKind
+FAULT_KIND_PARTITION_NODE: FaultKind
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
@@ -243,12 +336,12 @@ class CollectiveResult(_message.Message):
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     ALGBW_GBPS_FIELD_NUMBER: _ClassVar[int]
     BUSBW_GBPS_FIELD_NUMBER: _ClassVar[int]
-    collective: str
+    collective: Collective
     size_bytes: int
     time_s: float
     algbw_gbps: float
     busbw_gbps: float
-    def __init__(self, collective: _Optional[str] = ..., size_bytes: _Optional[int] = ..., time_s: _Optional[float] = ..., algbw_gbps: _Optional[float] = ..., busbw_gbps: _Optional[float] = ...) -> None: ...
+    def __init__(self, collective: _Optional[_Union[Collective, str]] = ..., size_bytes: _Optional[int] = ..., time_s: _Optional[float] = ..., algbw_gbps: _Optional[float] = ..., busbw_gbps: _Optional[float] = ...) -> None: ...
 
 class PreflightReport(_message.Message):
     __slots__ = ("job", "generation", "rank", "world_size", "results", "wall_s")
@@ -637,7 +730,7 @@ class HealthSpec(_message.Message):
     STOP_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    straggler_policy: str
+    straggler_policy: StragglerPolicy
     hang_floor_s: float
     hang_k: float
     first_step_timeout_s: float
@@ -650,7 +743,7 @@ class HealthSpec(_message.Message):
     stop_grace_s: float
     collective_timeout_s: float
     startup_timeout_s: float
-    def __init__(self, straggler_policy: _Optional[str] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, straggler_policy: _Optional[_Union[StragglerPolicy, str]] = ..., hang_floor_s: _Optional[float] = ..., hang_k: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., straggler_slowdown: _Optional[float] = ..., straggler_window: _Optional[int] = ..., straggler_patience: _Optional[int] = ..., preflight_off: _Optional[bool] = ..., max_replacements_per_hour: _Optional[int] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ModelShape(_message.Message):
     __slots__ = ("params", "layers", "hidden", "heads", "vocab")
@@ -678,9 +771,9 @@ class TrainingShape(_message.Message):
     micro_batch: int
     global_batch: int
     microbatches: int
-    precision: str
+    precision: Precision
     gpu_memory_gb: float
-    def __init__(self, seq_len: _Optional[int] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[str] = ..., gpu_memory_gb: _Optional[float] = ...) -> None: ...
+    def __init__(self, seq_len: _Optional[int] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., microbatches: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., gpu_memory_gb: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec",)
@@ -824,7 +917,7 @@ class Event(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: EventKind
     node: str
     rank: int
     step: int
@@ -836,7 +929,7 @@ class Event(_message.Message):
     generation: int
     at: float
     seq: int
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., detected_after_s: _Optional[float] = ..., detected_after_steps: _Optional[int] = ..., root_cause: _Optional[str] = ..., stacks: _Optional[_Mapping[int, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class NodePreflight(_message.Message):
     __slots__ = ("node", "generation", "results", "slow")
@@ -1082,14 +1175,14 @@ class Fault(_message.Message):
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     DOWN_S_FIELD_NUMBER: _ClassVar[int]
     FOR_S_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: FaultKind
     rank: int
     node: int
     step: int
     factor: float
     down_s: float
     for_s: float
-    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ..., for_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ..., down_s: _Optional[float] = ..., for_s: _Optional[float] = ...) -> None: ...
 
 class FaultSchedule(_message.Message):
     __slots__ = ("faults",)

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+from trainer.runtime import Collective
+
+COLLECTIVES = tuple(Collective)
 DEFAULT_SIZES_MB = (1.0, 8.0)
 DEFAULT_BUDGET_S = 10.0
 WARMUP_CALLS = 2
@@ -41,7 +43,7 @@ class Result:
     """One measurement: ``collective`` over ``size_bytes`` (as nccl-tests counts them),
     ``time_s`` the median seconds per call, bandwidths in GB/s (1e9 bytes)."""
 
-    collective: str
+    collective: Collective
     size_bytes: int
     time_s: float
     algbw_gbps: float
@@ -58,17 +60,21 @@ class Sweep:
     skipped: int
 
 
-def bus_bandwidth(collective: str, size_bytes: int, time_s: float, n: int) -> tuple[float, float]:
+def bus_bandwidth(
+    collective: Collective, size_bytes: int, time_s: float, n: int
+) -> tuple[float, float]:
     """``(algbw, busbw)`` in GB/s (1e9 bytes per second) of ``collective`` moving
     ``size_bytes`` in ``time_s`` seconds over ``n`` ranks, as nccl-tests computes
     them. Pure."""
     factors = {
-        "all_reduce": 2 * (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
+        Collective.ALL_REDUCE: 2 * (n - 1) / n,
+        Collective.ALL_GATHER: (n - 1) / n,
+        Collective.REDUCE_SCATTER: (n - 1) / n,
     }
     if collective not in factors:
-        raise ValueError(f"unknown collective {collective!r}; one of {', '.join(COLLECTIVES)}")
+        raise ValueError(
+            f"unknown collective {collective!r}; one of {', '.join(c.value for c in COLLECTIVES)}"
+        )
     algbw = size_bytes / time_s / GB
     return algbw, algbw * factors[collective]
 
@@ -111,7 +117,7 @@ def summary(sweep: Sweep, world_size: int, budget_s: float) -> str:
             if r.collective == collective
         ]
         if figures:
-            parts.append(f"{collective} {', '.join(figures)}")
+            parts.append(f"{collective.value} {', '.join(figures)}")
     line = (
         f"preflight over {world_size} ranks in {sweep.wall_s:.2f} s, "
         f"busbw: {'; '.join(parts) or 'nothing measured'}"
@@ -132,13 +138,15 @@ def _slowest_elapsed(elapsed_s: float, device: torch.device) -> float:
     return elapsed.item()
 
 
-def _collective(collective: str, size: int, n: int, device: torch.device) -> Callable[[], None]:
+def _collective(
+    collective: Collective, size: int, n: int, device: torch.device
+) -> Callable[[], None]:
     """A call of ``collective`` on buffers of ``size`` bytes as nccl-tests counts them."""
     whole = torch.zeros(size // _ELEMENT_BYTES, dtype=_DTYPE, device=device)
     share = torch.zeros(size // _ELEMENT_BYTES // n, dtype=_DTYPE, device=device)
-    if collective == "all_reduce":
+    if collective is Collective.ALL_REDUCE:
         return lambda: dist.all_reduce(whole)
-    if collective == "all_gather":
+    if collective is Collective.ALL_GATHER:
         return lambda: dist.all_gather_single(whole, share)
     return lambda: dist.reduce_scatter_single(share, whole)
 

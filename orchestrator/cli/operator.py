@@ -13,15 +13,18 @@ import time
 import click
 import grpc
 
+import common.wire_kinds  # noqa: F401  its mirrors, for message_dict (JobStatus.preflight)
 from common import env, flags
 from common.proto_enums import message_dict
 from orchestrator.cli.client import RPC_TIMEOUT_S, ControllerClient, NoController
+from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES
 from orchestrator.policy.node_state import WIRE_NODE_STATES
 from orchestrator.security import tls
 from protos import keel_pb2
 
 FOLLOW_POLL_S = 1.0
+STRAGGLER = WIRE_EVENT_KINDS.to_wire(EventKind.STRAGGLER)  # Event.kind of a slow node
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
@@ -125,7 +128,7 @@ def _dict(message) -> dict:
 def _job_row(job: keel_pb2.JobStatus) -> list[str]:
     generation = job.generation
     stragglers = sorted(
-        {e.node for e in job.events if e.kind == "straggler" and e.generation == generation}
+        {e.node for e in job.events if e.kind == STRAGGLER and e.generation == generation}
     )
     return [
         job.job,
@@ -162,8 +165,9 @@ JOB_HEADERS = [
 def _event_line(event: keel_pb2.Event) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event.at))
     rank = f" rank {event.rank}" if event.HasField("rank") else ""
+    kind = WIRE_EVENT_KINDS.text(event.kind)
     return (
-        f"{when}  gen {event.generation}  {event.kind:<9} {event.node or '-'}{rank} "
+        f"{when}  gen {event.generation}  {kind:<9} {event.node or '-'}{rank} "
         f"step {event.step}: {event.reason}"
     )
 

@@ -12,6 +12,7 @@ from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.retention import records_to_prune
 from protos import keel_pb2
 
@@ -103,7 +104,7 @@ class CheckpointRecords:
                     records[problem.step] = record
                 job.last_checkpoint = newest_good([records[s] for s in sorted(records)])
                 job.health.event(
-                    "quarantined",
+                    EventKind.QUARANTINED,
                     f"checkpoint of step {problem.step} failed "
                     f"verification and was set aside: "
                     f"{problem.reason}",
@@ -111,7 +112,7 @@ class CheckpointRecords:
                 )
             else:
                 job.health.event(
-                    "checkpoint_refused",
+                    EventKind.CHECKPOINT_REFUSED,
                     f"generation {problem.generation}'s "
                     f"commit of step {problem.step} was "
                     f"refused: {problem.reason}",

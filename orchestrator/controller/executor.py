@@ -27,6 +27,7 @@ from orchestrator.planner.sizing import size_and_layout
 from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.convergence import Fix, Fixing
+from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.generation import nodes_left, restore_point
 from orchestrator.policy.guardrails import repeated_failures
 from orchestrator.policy.job import Action, Decision
@@ -176,9 +177,9 @@ class Executor:
             job.ranks_on(planned.node) if planned and planned.node else 0,
         )
         if decision.alert:
-            health.event("alert", decision.alert, node=decision.use_suspects[0])
+            health.event(EventKind.ALERT, decision.alert, node=decision.use_suspects[0])
         if target.alert:
-            health.event("alert", target.alert, node=target.alert_node)
+            health.event(EventKind.ALERT, target.alert, node=target.alert_node)
         try:
             world_size, mesh = size_and_layout(
                 job.spec, target.free_slots, target.shrink, target.ceiling
@@ -220,7 +221,7 @@ class Executor:
         left = nodes_left(previous, job.nodes, leaving, target.shrink, mesh, world_size)
         if left is not None:
             health.replacement_times.append(now)
-            health.event(left.how.value, left.reason, node=left.out[0], step=job.progress.step)
+            health.event(left.how, left.reason, node=left.out[0], step=job.progress.step)
         health.new_generation(job.generation, job.rank_nodes)
         job.remember_placement()
         job.placed_at_mono = now
@@ -354,7 +355,7 @@ class Executor:
             )
             del job.failures[:-MAX_FAILURES]
             job.health.event(
-                "crash",
+                EventKind.CRASH,
                 decision.reason,
                 node=cause.node,
                 rank=cause.rank,
@@ -389,7 +390,7 @@ class Executor:
                 (
                     e
                     for e in reversed(job.health.events)
-                    if e.kind == kind and e.generation == job.generation
+                    if WIRE_EVENT_KINDS.text(e.kind) == kind and e.generation == job.generation
                 ),
                 None,
             )
@@ -466,7 +467,7 @@ class Executor:
     def mark_lost(self, job: JobRuntime, node: str, down_for_s: float) -> None:
         job.lost_nodes.add(node)
         job.health.event(
-            "node_lost",
+            EventKind.NODE_LOST,
             f"{node}: agent stream down {down_for_s:.1f}s or its etcd lease expired",
             node=node,
             step=job.progress.step,
@@ -476,7 +477,7 @@ class Executor:
     def flag_slow(self, job: JobRuntime, flag: SlowFlag, now: float) -> list[float]:
         """Record that ``flag.node`` was found slow; every flag time of it so far."""
         job.health.event(
-            "straggler",
+            EventKind.STRAGGLER,
             flag.reason,
             node=flag.node,
             step=flag.step,
@@ -490,7 +491,7 @@ class Executor:
             try:
                 self.cordon(node, decision.cordon, by="straggler detector", drain=False)
                 job.health.event(
-                    "cordoned",
+                    EventKind.CORDONED,
                     f"{node} {decision.cordon}; no new generation "
                     f"will be placed on it until `keel uncordon "
                     f"{node}`",
@@ -501,10 +502,12 @@ class Executor:
                 raise
             except Exception as exc:
                 job.health.event(
-                    "alert", f"could not cordon {node} ({decision.cordon}): {exc}", node=node
+                    EventKind.ALERT,
+                    f"could not cordon {node} ({decision.cordon}): {exc}",
+                    node=node,
                 )
         if decision.remedy is Remedy.ALERT:
-            job.health.event("alert", decision.reason, node=node, step=job.progress.step)
+            job.health.event(EventKind.ALERT, decision.reason, node=node, step=job.progress.step)
         elif decision.remedy in (Remedy.REPLACE, Remedy.EXCLUDE):
             self.begin(job, decision.operation, now, persist=True)
 
@@ -548,7 +551,7 @@ class Executor:
             # A checkpoint it asked for does no harm.
             node = job.intents.operation.node
             job.intents.operation = None
-            job.health.event("operator", decision.reason, node=node, step=job.progress.step)
+            job.health.event(EventKind.OPERATOR, decision.reason, node=node, step=job.progress.step)
 
     def begin(
         self, job: JobRuntime, operation: Operation, now: float, persist: bool = False
@@ -622,7 +625,10 @@ class Executor:
             elif decision.action is Account.VANISHED:
                 job.vanished[session.node] = list(decision.ranks)
                 job.health.event(
-                    "agent_restarted", decision.reason, node=session.node, step=job.progress.step
+                    EventKind.AGENT_RESTARTED,
+                    decision.reason,
+                    node=session.node,
+                    step=job.progress.step,
                 )
             elif decision.action is Account.ADOPT:
                 log.info(

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.wire_kinds import WIRE_COLLECTIVES
 from orchestrator.controller import metrics
 from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
+from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.retention import events_kept
 from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
@@ -78,9 +80,9 @@ class JobHealth:
         )
 
     # ------------------------------------------------------------------ events
-    def event(self, kind: str, reason: str, **fields) -> keel_pb2.Event:
+    def event(self, kind: EventKind, reason: str, **fields) -> keel_pb2.Event:
         event = keel_pb2.Event(
-            kind=kind,
+            kind=WIRE_EVENT_KINDS.to_wire(kind),
             reason=reason,
             generation=self.generation,
             at=time.time(),
@@ -90,12 +92,12 @@ class JobHealth:
         self.next_seq += 1
         self.events.append(event)
         self.changed(event)
-        metrics.detected(self.job, kind, event.detected_after_s, event.detected_after_steps)
+        metrics.detected(self.job, kind.value, event.detected_after_s, event.detected_after_steps)
         log.info(
             "event",
             job=self.job,
             generation=self.generation,
-            kind=kind,
+            kind=kind.value,
             node=event.node,
             rank=event.rank if event.HasField("rank") else None,
             step=event.step,
@@ -268,7 +270,11 @@ class JobHealth:
             keel_pb2.NodePreflight(
                 node=node,
                 generation=self.generation,
-                results=[results[k] for k in sorted(results)],
+                # Shown by collective name, then size.
+                results=[
+                    results[k]
+                    for k in sorted(results, key=lambda k: (WIRE_COLLECTIVES.text(k[0]), k[1]))
+                ],
                 slow=node in slow,
             )
             for node, results in sorted(self.preflight.items())

@@ -22,6 +22,7 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
 from orchestrator.policy import operations
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES, JobState
 from orchestrator.policy.node_state import WIRE_NODE_STATES, NodeState
 from orchestrator.policy.operations import Operation
@@ -290,7 +291,7 @@ class OperatorService:
                 )
             else:
                 job.health.event(
-                    "operator",
+                    EventKind.OPERATOR,
                     f"drain of {request.node} requested",
                     node=request.node,
                     step=job.progress.step,
@@ -346,7 +347,7 @@ class OperatorService:
             job.intents.operation = operation  # the reconcile loop begins it
             self.state.wake.set()
             job.health.event(
-                "operator",
+                EventKind.OPERATOR,
                 f"replacement of {request.node} with {into} requested",
                 node=request.node,
                 step=job.progress.step,
@@ -390,7 +391,7 @@ class OperatorService:
             job.intents.checkpoint_request, job.intents.checkpoint_request_sent = request_, False
             self.state.wake.set()
             job.health.event(
-                "operator",
+                EventKind.OPERATOR,
                 f"checkpoint requested after step {job.progress.step}",
                 step=job.progress.step,
             )
@@ -439,7 +440,7 @@ class OperatorService:
                     self.executor.request_stop(job, reason, request.now)
                 except Exception as exc:
                     self._unrecorded(exc, context)
-                job.health.event("operator", reason, step=job.progress.step)
+                job.health.event(EventKind.OPERATOR, reason, step=job.progress.step)
                 log.info("job stop requested", job=job.name, reason=reason, now=request.now)
                 self.state.wake.set()
             if job.state is JobState.RUNNING and not job.intents.stop_now:

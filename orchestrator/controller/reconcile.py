@@ -384,7 +384,10 @@ class Reconciler:
                             replacement_times=health.replacement_times,
                         ),
                         remediation.StragglerSpec(
-                            health.spec.straggler_policy, health.spec.max_replacements_per_hour
+                            remediation.WIRE_STRAGGLER_POLICIES.from_wire(
+                                health.spec.straggler_policy
+                            ),
+                            health.spec.max_replacements_per_hour,
                         ),
                     ),
                     now,

@@ -44,6 +44,7 @@ from orchestrator.policy.authority import (
     rank_refusal,
     rendezvous_taken,
 )
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.security.auth import certificate_mismatch
@@ -643,7 +644,7 @@ def _hang(job: JobRuntime, node: str, report: keel_pb2.HangDetected) -> None:
         if not report.phase:
             return  # stacks for a stop that was not a hang
         health.hang_event = health.event(
-            "hang",
+            EventKind.HANG,
             "",
             node=node,
             rank=report.rank,

@@ -37,38 +37,39 @@ Cluster faults, applied by `keel up` once rank 0 has reported step N:
 
 from __future__ import annotations
 
+from common.wire_kinds import WIRE_FAULT_KINDS, FaultKind
 from protos import keel_pb2
 
 FIELDS = {
-    "crash": {"rank", "step"},
-    "kill": {"rank", "step"},
-    "hang": {"rank", "step"},
-    "slow": {"rank", "step", "factor"},
-    "lose_node": {"node", "step"},
-    "kill_leader": {"step"},
-    "restart_etcd": {"step"},
-    "kill_agent": {"node", "step"},
-    "term_agent": {"node", "step"},
-    "term_leader": {"step"},
-    "stall_leader": {"step", "for"},
-    "stall_agent": {"node", "step", "for"},
-    "stall_node": {"node", "step", "for"},
-    "partition_node": {"node", "step", "for"},
+    FaultKind.CRASH: {"rank", "step"},
+    FaultKind.KILL: {"rank", "step"},
+    FaultKind.HANG: {"rank", "step"},
+    FaultKind.SLOW: {"rank", "step", "factor"},
+    FaultKind.LOSE_NODE: {"node", "step"},
+    FaultKind.KILL_LEADER: {"step"},
+    FaultKind.RESTART_ETCD: {"step"},
+    FaultKind.KILL_AGENT: {"node", "step"},
+    FaultKind.TERM_AGENT: {"node", "step"},
+    FaultKind.TERM_LEADER: {"step"},
+    FaultKind.STALL_LEADER: {"step", "for"},
+    FaultKind.STALL_AGENT: {"node", "step", "for"},
+    FaultKind.STALL_NODE: {"node", "step", "for"},
+    FaultKind.PARTITION_NODE: {"node", "step", "for"},
 }
-OPTIONAL = {"restart_etcd": {"down"}}
+OPTIONAL = {FaultKind.RESTART_ETCD: {"down"}}
 # Fired by `keel up` itself rather than by a rank.
 CLUSTER_FAULTS = frozenset(
     {
-        "lose_node",
-        "kill_leader",
-        "restart_etcd",
-        "kill_agent",
-        "term_agent",
-        "term_leader",
-        "stall_leader",
-        "stall_agent",
-        "stall_node",
-        "partition_node",
+        FaultKind.LOSE_NODE,
+        FaultKind.KILL_LEADER,
+        FaultKind.RESTART_ETCD,
+        FaultKind.KILL_AGENT,
+        FaultKind.TERM_AGENT,
+        FaultKind.TERM_LEADER,
+        FaultKind.STALL_LEADER,
+        FaultKind.STALL_AGENT,
+        FaultKind.STALL_NODE,
+        FaultKind.PARTITION_NODE,
     }
 )
 
@@ -77,14 +78,22 @@ class BadFault(ValueError):
     pass
 
 
+def kind_of(fault: keel_pb2.Fault) -> FaultKind:
+    """What ``fault`` (one ``parse_fault`` made) does."""
+    return WIRE_FAULT_KINDS.from_wire(fault.kind)
+
+
 def parse_fault(text: str) -> keel_pb2.Fault:
-    kind, sep, rest = text.strip().partition(":")
-    if kind not in FIELDS:
-        raise BadFault(f"fault {text!r}: kind must be one of {', '.join(sorted(FIELDS))}")
+    name, sep, rest = text.strip().partition(":")
+    if name not in FIELDS:
+        raise BadFault(
+            f"fault {text!r}: kind must be one of {', '.join(sorted(k.value for k in FIELDS))}"
+        )
+    kind = FaultKind(name)
     allowed = FIELDS[kind] | OPTIONAL.get(kind, set())
     if not sep or not rest:
         raise BadFault(
-            f"fault {text!r}: write it as {kind}:"
+            f"fault {text!r}: write it as {kind.value}:"
             + ",".join(f"{f}=..." for f in sorted(FIELDS[kind]))
         )
     values = {}
@@ -98,7 +107,7 @@ def parse_fault(text: str) -> keel_pb2.Fault:
     missing = FIELDS[kind] - values.keys()
     if missing:
         raise BadFault(f"fault {text!r}: missing {', '.join(sorted(missing))}")
-    fault = keel_pb2.Fault(kind=kind)
+    fault = keel_pb2.Fault(kind=WIRE_FAULT_KINDS.to_wire(kind))
     try:
         for key in ("rank", "node", "step"):
             if key not in values:

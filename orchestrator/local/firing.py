@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from common import env, procs
+from common.wire_kinds import FaultKind
 from orchestrator.local.cluster import LocalCluster
-from orchestrator.local.faults import CLUSTER_FAULTS
+from orchestrator.local.faults import CLUSTER_FAULTS, kind_of
 from protos import keel_pb2
 
 ETCD_DOWN_S = 2.0  # restart_etcd: how long etcd stays down unless its down= says
@@ -23,9 +24,9 @@ ETCD_DOWN_S = 2.0  # restart_etcd: how long etcd stays down unless its down= say
 
 @dataclass(frozen=True)
 class Fired:
-    """A fault fired: ``kind`` (a ``Fault.kind``), at ``step``, described by ``message``."""
+    """A fault fired: ``kind``, at ``step``, described by ``message``."""
 
-    kind: str
+    kind: FaultKind
     step: int
     message: str
 
@@ -50,14 +51,15 @@ class ClusterFaults:
         if env.FAULTS not in spec.env:
             return cls([])
         schedule = json_format.Parse(spec.env[env.FAULTS], keel_pb2.FaultSchedule())
-        return cls([f for f in schedule.faults if f.kind in CLUSTER_FAULTS])
+        return cls([f for f in schedule.faults if kind_of(f) in CLUSTER_FAULTS])
 
     def fire(self, step: int, cluster: LocalCluster, leader: str | None) -> list[Fired]:
         """Fire every pending fault due at ``step``; ``leader``: the leading controller's
         address, if one leads (a ``kill_leader`` waits for one)."""
         fired = []
         for fault in [f for f in self.pending if step >= f.step]:
-            if fault.kind == "lose_node":
+            kind = kind_of(fault)
+            if kind is FaultKind.LOSE_NODE:
                 agent = cluster.agents[fault.node]
                 os.killpg(agent.pid, signal.SIGKILL)
                 self.lost.add(fault.node)
@@ -65,7 +67,7 @@ class ClusterFaults:
                     f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
                     f"ranks killed) at step {step}"
                 )
-            elif fault.kind == "kill_agent":
+            elif kind is FaultKind.KILL_AGENT:
                 agent = cluster.agents[fault.node]
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
@@ -75,7 +77,7 @@ class ClusterFaults:
                     f"step {step} and started again (pid "
                     f"{cluster.agents[fault.node].pid})"
                 )
-            elif fault.kind == "term_agent":
+            elif kind is FaultKind.TERM_AGENT:
                 agent = cluster.agents[fault.node]
                 agent.send_signal(signal.SIGTERM)
                 self.lost.add(fault.node)  # it exits once its node is drained
@@ -83,20 +85,20 @@ class ClusterFaults:
                     f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
                     f"SIGTERM at step {step}: its node drains"
                 )
-            elif fault.kind == "restart_etcd":
+            elif kind is FaultKind.RESTART_ETCD:
                 down_s = fault.down_s or ETCD_DOWN_S
                 cluster.etcd.restart(down_s=down_s)
                 message = (
                     f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
                 )
-            elif fault.kind == "stall_agent":
+            elif kind is FaultKind.STALL_AGENT:
                 agent = cluster.agents[fault.node]
                 self._stall([agent.pid], fault.for_s)
                 message = (
                     f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
                     f"step {step} for {fault.for_s:g} s; its ranks run on"
                 )
-            elif fault.kind == "stall_node":
+            elif kind is FaultKind.STALL_NODE:
                 agent = cluster.agents[fault.node]
                 stalled = [agent.pid, *procs.descendants(agent.pid)]
                 self._stall(stalled, fault.for_s)
@@ -105,7 +107,7 @@ class ClusterFaults:
                     f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
                     f"processes under it stopped)"
                 )
-            elif fault.kind == "partition_node":
+            elif kind is FaultKind.PARTITION_NODE:
                 cluster.proxies[fault.node].cut()
                 self._later(fault.for_s, cluster.proxies[fault.node].heal)
                 message = (
@@ -114,11 +116,11 @@ class ClusterFaults:
                 )
             elif leader in cluster.addresses:
                 index = cluster.addresses.index(leader)
-                if fault.kind == "kill_leader":
+                if kind is FaultKind.KILL_LEADER:
                     os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
                     self.killed_controllers.add(index)
                     message = f"injected: leader controller {leader} killed at step {step}"
-                elif fault.kind == "term_leader":
+                elif kind is FaultKind.TERM_LEADER:
                     cluster.controllers[index].send_signal(signal.SIGTERM)
                     self.killed_controllers.add(index)
                     message = (
@@ -134,7 +136,7 @@ class ClusterFaults:
             else:
                 continue  # no leader right now: fire once one leads
             self.pending.remove(fault)
-            fired.append(Fired(fault.kind, step, message))
+            fired.append(Fired(kind, step, message))
         return fired
 
     def _stall(self, pids: list[int], for_s: float) -> None:

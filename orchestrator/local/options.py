@@ -17,8 +17,10 @@ from google.protobuf import json_format
 
 from common import env
 from common.etcd import EtcdCredentials, host_port
+from common.wire_kinds import FaultKind
 from orchestrator import planner
-from orchestrator.local.faults import parse_schedule
+from orchestrator.local.faults import kind_of, parse_schedule
+from orchestrator.policy.remediation import WIRE_STRAGGLER_POLICIES, StragglerPolicy
 from orchestrator.spec.jobspec import validate
 from protos import keel_pb2
 
@@ -148,13 +150,15 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
                 seq_len=reference["seq_len"],
                 micro_batch=1,
                 global_batch=reference["global_batch"],
-                precision="fp32",
+                precision=keel_pb2.PRECISION_FP32,
                 gpu_memory_gb=_slot_memory_gb(options.world_size),
             )
         )
     spec.health.CopyFrom(
         keel_pb2.HealthSpec(
-            straggler_policy=options.straggler_policy,
+            straggler_policy=WIRE_STRAGGLER_POLICIES.to_wire(
+                StragglerPolicy(options.straggler_policy)
+            ),
             hang_floor_s=options.hang_floor_s,
             first_step_timeout_s=options.first_step_timeout_s or max(options.hang_floor_s, 120.0),
             checkpoint_timeout_s=max(options.hang_floor_s, 120.0),
@@ -223,21 +227,23 @@ def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions
         late = [f for f in faults if f.step > options.steps]
         if late:
             raise ValueError(
-                f"{late[0].kind} at step {late[0].step} would never fire: the "
+                f"{kind_of(late[0]).value} at step {late[0].step} would never fire: the "
                 f"job runs --steps {options.steps}"
             )
-    if options.etcd_endpoints and any(f.kind == "restart_etcd" for f in faults):
+    if options.etcd_endpoints and any(kind_of(f) is FaultKind.RESTART_ETCD for f in faults):
         raise ValueError(
             "restart_etcd restarts the embedded etcd; drop --etcd-endpoints "
             "(and unset KEEL_ETCD_ENDPOINTS)"
         )
-    leader_kills = sum(1 for f in faults if f.kind in ("kill_leader", "term_leader"))
+    leader_kills = sum(
+        1 for f in faults if kind_of(f) in (FaultKind.KILL_LEADER, FaultKind.TERM_LEADER)
+    )
     if leader_kills >= options.controllers:
         raise ValueError(
             f"{leader_kills} kill_leader/term_leader fault(s) need as many "
             f"standbys: give --controllers {leader_kills + 1}"
         )
-    lost = [f.node for f in faults if f.kind in ("lose_node", "term_agent")]
+    lost = [f.node for f in faults if kind_of(f) in (FaultKind.LOSE_NODE, FaultKind.TERM_AGENT)]
     twice = sorted({n for n in lost if lost.count(n) > 1})
     if twice:
         raise ValueError(
@@ -246,11 +252,17 @@ def _check_cluster_can_fire(schedule: keel_pb2.FaultSchedule, options: UpOptions
     touched = [
         f
         for f in faults
-        if f.kind in ("kill_agent", "stall_agent", "stall_node", "partition_node")
+        if kind_of(f)
+        in (
+            FaultKind.KILL_AGENT,
+            FaultKind.STALL_AGENT,
+            FaultKind.STALL_NODE,
+            FaultKind.PARTITION_NODE,
+        )
         and f.node in set(lost)
     ]
     if touched:
         raise ValueError(
             f"node {touched[0].node} is lost by lose_node or term_agent; "
-            f"{touched[0].kind} cannot also act on it"
+            f"{kind_of(touched[0]).value} cannot also act on it"
         )

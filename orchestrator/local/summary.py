@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from common.wire_kinds import WIRE_COLLECTIVES
 from orchestrator.local.ledger_check import audit_checkpoint
+from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 
@@ -42,12 +44,13 @@ class Progress:
             )
         self.failures_shown = max([self.failures_shown, *(f.generation for f in status.failures)])
         for event in [e for e in status.events if e.seq > self.events_shown]:
-            if event.kind != "crash":  # crashes are shown above with their traceback
+            kind = WIRE_EVENT_KINDS.text(event.kind)
+            if kind != EventKind.CRASH:  # crashes are shown above with their traceback
                 self._line(
-                    f"event: {event.kind} {event.node} — {event.reason}"
+                    f"event: {kind} {event.node} — {event.reason}"
                     + (
                         f"; {event.root_cause.splitlines()[0]}"
-                        if event.kind == "hang" and event.root_cause
+                        if kind == EventKind.HANG and event.root_cause
                         else ""
                     )
                 )
@@ -163,7 +166,7 @@ def summarize(
                 "slow": p.slow,
                 "results": [
                     {
-                        "collective": r.collective,
+                        "collective": WIRE_COLLECTIVES.text(r.collective),
                         "size_bytes": r.size_bytes,
                         "time_s": r.time_s,
                         "algbw_gbps": r.algbw_gbps,
@@ -179,17 +182,18 @@ def summarize(
 
 
 def _event_json(event: keel_pb2.Event) -> dict:
+    kind = WIRE_EVENT_KINDS.text(event.kind)
     out = {
-        "kind": event.kind,
+        "kind": kind,
         "node": event.node,
         "rank": event.rank if event.HasField("rank") else None,
         "step": event.step,
         "generation": event.generation,
         "reason": event.reason,
     }
-    if event.kind in ("crash", "hang", "node_lost"):
+    if kind in (EventKind.CRASH, EventKind.HANG, EventKind.NODE_LOST):
         out["detected_after_s"] = round(event.detected_after_s, 3)
-    if event.kind == "straggler":
+    if kind == EventKind.STRAGGLER:
         out["detected_after_steps"] = event.detected_after_steps
     if event.root_cause:
         out["root_cause"] = event.root_cause

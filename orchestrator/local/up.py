@@ -18,8 +18,10 @@ from pathlib import Path
 import grpc
 
 from common.etcd import etcd_flags
+from common.wire_kinds import FaultKind
 from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.local.cluster import LocalCluster
+from orchestrator.local.faults import kind_of
 from orchestrator.local.firing import ClusterFaults
 from orchestrator.local.options import UpOptions, job_spec
 from orchestrator.local.summary import Progress, print_summary, succeeded, summarize
@@ -27,6 +29,8 @@ from orchestrator.policy.lifecycle import WIRE_STATES
 from protos import keel_pb2
 
 POLL_S = 0.5
+# Faults that strike the leading controller: what follows them is a failover, timed.
+LEADER_FAULTS = (FaultKind.KILL_LEADER, FaultKind.STALL_LEADER, FaultKind.TERM_LEADER)
 
 
 def wait_for_agents(
@@ -51,7 +55,9 @@ def up(options: UpOptions) -> int:
     spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
     faults = ClusterFaults.of(spec)
     cluster = LocalCluster(
-        options, workdir, proxied=any(f.kind == "partition_node" for f in faults.pending)
+        options,
+        workdir,
+        proxied=any(kind_of(f) is FaultKind.PARTITION_NODE for f in faults.pending),
     )
     status, error, leader_changes = None, "", 0
     failovers_s: list[float] = []  # from killing or stalling a leader to its successor answering
@@ -110,7 +116,7 @@ def up(options: UpOptions) -> int:
                 cluster.refresh_targets()
                 for fired in faults.fire(status.step, cluster, client.address):
                     progress.note(fired.message)
-                    if fired.kind in ("kill_leader", "stall_leader", "term_leader"):
+                    if fired.kind in LEADER_FAULTS:
                         struck_at = time.monotonic()
                 if WIRE_STATES.from_wire(status.state).terminal:
                     break

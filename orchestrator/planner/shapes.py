@@ -4,16 +4,26 @@ figures it works with. Units: bytes, FLOP/s, bytes/s; 1 GB = 1e9 bytes."""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 GB = 1e9  # GPU datasheets count 10^9 bytes to the GB; so does every figure here
 
+
+class Precision(str, enum.Enum):
+    """The numeric format training runs in, as ``keel plan --precision`` and spec files
+    spell it."""
+
+    BF16 = "bf16"  # mixed precision
+    FP32 = "fp32"
+
+
 # Bytes per parameter of (weights, gradients, optimizer state) under Adam.
-STATE_BYTES_PER_PARAM = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+STATE_BYTES_PER_PARAM = {Precision.BF16: (2, 2, 12), Precision.FP32: (4, 4, 8)}
 # Bytes per activation element. Korthikanti's coefficients count 16-bit activations;
 # fp32 doubles them (the 1-byte dropout masks they include make that a slight overcount).
-ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
+ACTIVATION_BYTES = {Precision.BF16: 2, Precision.FP32: 4}
 # AdamW keeps the same two moments as Adam; other optimizers need other state figures.
 OPTIMIZERS = ("adam", "adamw")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

@@ -3,9 +3,13 @@ told of the spec's model, training and cluster. Pure."""
 
 from __future__ import annotations
 
+from common.proto_enums import ProtoEnum
 from orchestrator.planner.ranking import best
-from orchestrator.planner.shapes import Cluster, ModelShape, Training
+from orchestrator.planner.shapes import Cluster, ModelShape, Precision, Training
 from protos import keel_pb2
+
+# TrainingShape.precision; the planner takes the strings.
+WIRE_PRECISIONS = ProtoEnum(Precision, keel_pb2.Precision, "PRECISION_")
 
 
 def model_shape(spec: keel_pb2.JobSpec) -> ModelShape:
@@ -22,7 +26,8 @@ def training_shape(spec: keel_pb2.JobSpec) -> Training:
         "micro_batch": t.micro_batch,
         "global_batch": t.global_batch or None,
         "microbatches": t.microbatches,
-        "precision": t.precision,
+        # Unset: the planner's default. Raises ValueError for a value this build lacks.
+        "precision": WIRE_PRECISIONS.from_wire(t.precision).value if t.precision else None,
     }
     return Training(**{k: v for k, v in fields.items() if v})
 

@@ -4,11 +4,11 @@ after placement, and persists and reports what these return."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.records import CheckpointRecord
+from orchestrator.policy.event_kind import EventKind
 
 # Older recorded checkpoints a generation may fall back to if its restore point fails
 # verification.
@@ -35,16 +35,13 @@ def restore_point(records: Iterable[CheckpointRecord]) -> RestorePoint:
     return RestorePoint(good[-1].path, good[-1].step, older)
 
 
-class Left(str, enum.Enum):
-    REPLACED = "replaced"  # newcomers took the nodes' ranks, at the same layout
-    EXCLUDED = "excluded"  # re-planned without them
-
-
 @dataclass(frozen=True)
 class NodesLeft:
-    """Nodes the new generation runs without (``out``, sorted), and how."""
+    """Nodes the new generation runs without (``out``, sorted), and how: REPLACED
+    (newcomers took their ranks, at the same layout) or EXCLUDED (re-planned without
+    them), the event that says so."""
 
-    how: Left
+    how: EventKind
     out: tuple[str, ...]
     reason: str
 
@@ -66,9 +63,11 @@ def nodes_left(
         return None
     newcomers = sorted(after - before)
     if newcomers and not shrunk:
-        return NodesLeft(Left.REPLACED, out, f"{', '.join(out)} replaced by {', '.join(newcomers)}")
+        return NodesLeft(
+            EventKind.REPLACED, out, f"{', '.join(out)} replaced by {', '.join(newcomers)}"
+        )
     return NodesLeft(
-        Left.EXCLUDED,
+        EventKind.EXCLUDED,
         out,
         f"{', '.join(out)} excluded; re-planned to {mesh} at world size {world_size}",
     )

@@ -9,9 +9,23 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.proto_enums import ProtoEnum
 from orchestrator.policy import guardrails
 from orchestrator.policy.lifecycle import JobState
 from orchestrator.policy.operations import Operation
+from protos import keel_pb2
+
+
+class StragglerPolicy(str, enum.Enum):
+    """What is done with a node found persistently slow, as a spec file and ``keel up
+    --straggler-policy`` spell it."""
+
+    REPLACE = "replace"  # checkpoint, then a spare takes its ranks
+    EXCLUDE = "exclude"  # checkpoint, then the job is re-planned without it
+    ALERT = "alert"  # only report it
+
+
+WIRE_STRAGGLER_POLICIES = ProtoEnum(StragglerPolicy, keel_pb2.StragglerPolicy, "STRAGGLER_POLICY_")
 
 
 class Remedy(str, enum.Enum):
@@ -47,9 +61,9 @@ class SlowNode:
 
 @dataclass(frozen=True)
 class StragglerSpec:
-    """The job's straggler settings: ``policy`` replace, exclude or alert."""
+    """The job's straggler settings."""
 
-    policy: str
+    policy: StragglerPolicy
     max_replacements_per_hour: int
 
 
@@ -62,7 +76,7 @@ def slow_node(now: float, observed: SlowNode, spec: StragglerSpec) -> SlowNodeDe
     cordon = ""
     if guardrails.should_cordon(flag_times, now) and not observed.cordoned:
         cordon = f"flagged slow twice within an hour in job {job}"
-    if policy == "alert":
+    if policy is StragglerPolicy.ALERT:
         return SlowNodeDecision(Remedy.NOTHING, f"{job}'s straggler policy is alert", cordon)
     if operation_under_way or state is not JobState.RUNNING:
         return SlowNodeDecision(
@@ -80,15 +94,15 @@ def slow_node(now: float, observed: SlowNode, spec: StragglerSpec) -> SlowNodeDe
             f"already",
             cordon,
         )
-    reason = f"{policy} straggler {node}"
+    reason = f"{policy.value} straggler {node}"
     return SlowNodeDecision(
-        Remedy.REPLACE if policy == "replace" else Remedy.EXCLUDE,
+        Remedy.REPLACE if policy is StragglerPolicy.REPLACE else Remedy.EXCLUDE,
         reason,
         cordon,
         Operation(
             node=node,
             reason=reason,
-            policy=policy,
+            policy=policy.value,
             generation=observed.generation,
             origin="straggler",
         ),

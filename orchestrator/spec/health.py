@@ -10,12 +10,11 @@ from __future__ import annotations
 import math
 
 from common import deadlines
+from orchestrator.policy.remediation import WIRE_STRAGGLER_POLICIES, StragglerPolicy
 from protos import keel_pb2
 
-POLICIES = ("replace", "exclude", "alert")
-
 DEFAULTS = keel_pb2.HealthSpec(
-    straggler_policy="replace",
+    straggler_policy=WIRE_STRAGGLER_POLICIES.to_wire(StragglerPolicy.REPLACE),
     # 10 x the median step catches a stalled rank within seconds on a sub-second step;
     # the floor keeps jittery short steps from tripping it.
     hang_floor_s=30.0,
@@ -55,9 +54,12 @@ def resolve(spec: keel_pb2.HealthSpec) -> keel_pb2.HealthSpec:
     ]
     if problems:
         raise InvalidHealth("; ".join(problems))
-    if resolved.straggler_policy not in POLICIES:
+    try:
+        WIRE_STRAGGLER_POLICIES.from_wire(resolved.straggler_policy)
+    except ValueError:
         problems.append(
-            f"straggler_policy {resolved.straggler_policy!r}: use one of {', '.join(POLICIES)}"
+            f"straggler_policy {resolved.straggler_policy}: use one of "
+            f"{', '.join(p.value for p in StragglerPolicy)}"
         )
     if resolved.hang_k < 2:
         problems.append(

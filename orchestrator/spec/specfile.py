@@ -1,7 +1,9 @@
 """Job spec files for ``keel submit SPEC``: TOML or YAML, checked against the JobSpec proto.
 
 The schema is ``keel_pb2.JobSpec.DESCRIPTOR``, so a field added to the proto is accepted
-here without a change. Every problem is reported at once, one line each, as
+here without a change. An enum field is written as its Python enum's string
+(``straggler_policy = "alert"``, ``common.proto_enums``), not as the proto value's name.
+Every problem is reported at once, one line each, as
 ``FILE: FIELD.PATH: what is wrong and how to fix it``.
 """
 
@@ -17,6 +19,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from common.proto_enums import mirror
 from orchestrator.spec import jobspec
 from protos import keel_pb2
 
@@ -88,7 +91,9 @@ def parse(data: object, source: str) -> keel_pb2.JobSpec:
     if problems:
         raise _error(source, problems)
     try:
-        spec = json_format.ParseDict(data, keel_pb2.JobSpec())
+        spec = json_format.ParseDict(
+            _proto_spelling(data, keel_pb2.JobSpec.DESCRIPTOR), keel_pb2.JobSpec()
+        )
     except json_format.ParseError as exc:  # a value the checks above let through
         raise _error(source, [str(exc)]) from None
     try:
@@ -173,8 +178,43 @@ def _check_value(value: object, field: FieldDescriptor, where: str, problems: li
         problem = f"expected a finite number, got {_show(value)}"
     elif kind == FieldDescriptor.CPPTYPE_BOOL and not isinstance(value, bool):
         problem = f"expected true or false, got {_show(value)}"
+    elif kind == FieldDescriptor.CPPTYPE_ENUM and value not in _spellings(field):
+        problem = f"expected one of {', '.join(_spellings(field))}, got {_show(value)}"
     if problem:
         problems.append(f"{where}: {problem}")
+
+
+def _spellings(field: FieldDescriptor) -> list[str]:
+    """How a spec file writes the values of the enum ``field``: its Python enum's
+    strings, or the proto's value names for an enum no Python enum mirrors."""
+    mirrored = mirror(field.enum_type)
+    if mirrored is None:
+        return [v.name for v in field.enum_type.values if v.number != 0]
+    return [member.value for member in mirrored.python]
+
+
+def _proto_spelling(data: dict, descriptor: Descriptor) -> dict:
+    """``data``, checked, with each enum value written as the proto value's name, which
+    is what ``json_format`` reads."""
+    out = dict(data)
+    for key, value in data.items():
+        field = descriptor.fields_by_name[key]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            continue  # JobSpec's maps hold strings only
+        if field.is_repeated:
+            out[key] = [_proto_value(item, field) for item in value]
+        else:
+            out[key] = _proto_value(value, field)
+    return out
+
+
+def _proto_value(value: object, field: FieldDescriptor) -> object:
+    if field.message_type is not None:
+        return _proto_spelling(value, field.message_type)
+    mirrored = mirror(field.enum_type) if field.enum_type is not None else None
+    if mirrored is None:
+        return value
+    return field.enum_type.values_by_number[mirrored.from_text(value)].name
 
 
 def _finite(value: int | float) -> bool:

@@ -28,7 +28,7 @@ specs = st.builds(
     min_nodes=uint32,
     health=st.builds(
         keel_pb2.HealthSpec,
-        straggler_policy=text,
+        straggler_policy=st.integers(min_value=0, max_value=2**31 - 1),  # unknown ones too
         hang_floor_s=st.floats(allow_nan=True),
         hang_k=st.floats(allow_nan=True),
     ),

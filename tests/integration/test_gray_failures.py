@@ -520,7 +520,9 @@ def test_a_job_with_ten_thousand_events_and_checkpoint_records_still_fails_over(
         {
             **{
                 keys.event("history", seq): EventRecord(
-                    event=keel_pb2.Event(kind="alert", reason=f"event {seq} " + "x" * 1024, seq=seq)
+                    event=keel_pb2.Event(
+                        kind=keel_pb2.EVENT_KIND_ALERT, reason=f"event {seq} " + "x" * 1024, seq=seq
+                    )
                 ).to_json()
                 for seq in range(100, 10_100)
             },

@@ -61,7 +61,7 @@ def test_a_torchrun_style_script_is_restarted_after_failing_once_and_completes(n
         assert (markers / f"done-{rank}").read_text() == "restart=1 world=4\n"
     # --etcd-endpoints: the state lives in the given etcd, and no embedded one ran.
     state = Store(connect([etcd.endpoint], 5)).job_state("keel-up").value
-    assert (state["state"], state["generation"], state["restarts"]) == ("SUCCEEDED", 2, 1)
+    assert (state.state, state.generation, state.restarts) == ("SUCCEEDED", 2, 1)
     assert not (no_leaks / "run" / "logs" / "etcd.log").exists()
 
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from common.etcd import connect
+from common.records import EventRecord
 from common.tls import call_metadata
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.daemon import Controller
@@ -62,7 +63,11 @@ def test_a_leader_handing_over_lets_the_tick_under_way_write_what_it_decided(etc
     state, leadership = controller.state, controller.leadership
     wait_for(lambda: state.is_leader, 30, what="the controller to lead")
     reader = Store(connect([etcd.endpoint], 5))
-    event = {"kind": "replaced", "reason": "node-1 replaced by node-2"}
+    event = EventRecord(
+        event=keel_pb2.Event(
+            kind=keel_pb2.EVENT_KIND_REPLACED, reason="node-1 replaced by node-2", seq=1
+        )
+    )
     revoked, written_before_revoke = threading.Event(), []
     revoke = leadership.lease.revoke
 

@@ -289,10 +289,10 @@ def test_a_job_across_hosts_survives_a_partition_of_its_leader_and_a_node(networ
         assert final.step == final.target_steps == OPTIONS.steps
         assert final.generation > before.generation
         assert final.world_size == OPTIONS.world_size
-        assert [e.node for e in final.events if e.kind == "node_lost"] == ["node-1"], summary[
-            "events"
-        ]
-        replaced = [e for e in final.events if e.kind == "replaced"]
+        assert [e.node for e in final.events if e.kind == keel_pb2.EVENT_KIND_NODE_LOST] == [
+            "node-1"
+        ], summary["events"]
+        replaced = [e for e in final.events if e.kind == keel_pb2.EVENT_KIND_REPLACED]
         assert replaced and replaced[0].node == "node-1" and "node-2" in replaced[0].reason, (
             summary["events"]
         )

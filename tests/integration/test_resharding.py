@@ -136,7 +136,9 @@ def test_checkpoints_load_bit_for_bit_under_any_layout_and_world_size(tmp_path):
 def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_once(tmp_path):
     ckpt = tmp_path / "ckpt"
     faults = json_format.MessageToJson(
-        keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=3, step=9)])
+        keel_pb2.FaultSchedule(
+            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=3, step=9)]
+        )
     )
     # A schedule whose learning rate changes every step, so that resuming it at the
     # wrong position would show in the losses.

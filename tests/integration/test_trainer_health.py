@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from common.wire_kinds import WIRE_COLLECTIVES
 from tests.conftest import REPO, committed_steps, step_losses, torchrun
 from trainer import preflight
 from trainer.preflight import bus_bandwidth
@@ -91,11 +92,14 @@ def test_phases_flagged_saves_requested_checkpoint_and_preflight(tmp_path, agent
         assert report.wall_s > 0
         measured = sorted((r.collective, r.size_bytes) for r in report.results)
         assert measured == sorted(
-            (c, int(size)) for c in preflight.COLLECTIVES for size in PREFLIGHT_SIZES
+            (WIRE_COLLECTIVES.to_wire(c), int(size))
+            for c in preflight.COLLECTIVES
+            for size in PREFLIGHT_SIZES
         )
         for result in report.results:
             assert result.time_s > 0
-            algbw, busbw = bus_bandwidth(result.collective, result.size_bytes, result.time_s, 2)
+            collective = WIRE_COLLECTIVES.from_wire(result.collective)
+            algbw, busbw = bus_bandwidth(collective, result.size_bytes, result.time_s, 2)
             assert result.algbw_gbps == pytest.approx(
                 result.size_bytes / result.time_s / 1e9, rel=1e-12
             )

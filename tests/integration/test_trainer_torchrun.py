@@ -139,7 +139,9 @@ def test_first_step_loss_is_the_same_on_one_and_two_ranks():
 
 def test_injected_crash_is_torchruns_root_cause_and_leaves_its_marker(tmp_path):
     faults = json_format.MessageToJson(
-        keel_pb2.FaultSchedule(faults=[keel_pb2.Fault(kind="crash", rank=1, step=2)])
+        keel_pb2.FaultSchedule(
+            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=1, step=2)]
+        )
     )
     run = torchrun(
         2,

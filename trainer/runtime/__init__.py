@@ -50,6 +50,7 @@ from common import env, logs
 from common.adopt import take_environment, take_output
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
 from common.paths import inside
+from common.wire_kinds import Collective
 from protos import keel_pb2
 from trainer.runtime.faults import (
     FaultInjector,
@@ -80,6 +81,7 @@ MAX_IN_PLACE_RESTARTS = 32
 
 __all__ = [
     "CHECKPOINT_REPORT_DEADLINE_S",
+    "Collective",
     "FLUSH_WAIT_S",
     "MESH_DIM_NAMES",
     "GenerationEnded",

@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 from google.protobuf import json_format
 
+from common.wire_kinds import WIRE_FAULT_KINDS, FaultKind
 from protos import keel_pb2
 
-RANK_FAULT_KINDS = ("crash", "kill", "hang", "slow")
+RANK_FAULT_KINDS = (FaultKind.CRASH, FaultKind.KILL, FaultKind.HANG, FaultKind.SLOW)
 # A restarted generation replays the steps after its checkpoint; these must not fire
 # again there, or a crash at step 7 would crash every generation forever.
-ONE_SHOT_FAULT_KINDS = ("crash", "kill", "hang")
+ONE_SHOT_FAULT_KINDS = (FaultKind.CRASH, FaultKind.KILL, FaultKind.HANG)
 
 
 def parse_fault_schedule(text: str | None) -> keel_pb2.FaultSchedule:
@@ -29,7 +30,7 @@ def parse_fault_schedule(text: str | None) -> keel_pb2.FaultSchedule:
         return schedule
     json_format.Parse(text, schedule)
     for index, fault in enumerate(schedule.faults):
-        if fault.kind == "slow" and fault.factor < 1.0:
+        if fault.kind == keel_pb2.FAULT_KIND_SLOW and fault.factor < 1.0:
             raise ValueError(
                 f"KEEL_FAULTS fault #{index} is slow with factor {fault.factor}; "
                 f"give a step-time multiplier of at least 1, e.g. factor 3"
@@ -44,7 +45,9 @@ def rank_faults(schedule: keel_pb2.FaultSchedule, rank: int) -> list[tuple[int, 
     return [
         (index, fault)
         for index, fault in enumerate(schedule.faults)
-        if fault.kind in RANK_FAULT_KINDS and fault.HasField("rank") and fault.rank == rank
+        if WIRE_FAULT_KINDS.text(fault.kind) in RANK_FAULT_KINDS
+        and fault.HasField("rank")
+        and fault.rank == rank
     ]
 
 
@@ -98,21 +101,22 @@ class FaultInjector:
         for index, fault in self._faults:
             if fault.step != step:
                 continue
-            if fault.kind in ONE_SHOT_FAULT_KINDS:
+            kind = WIRE_FAULT_KINDS.from_wire(fault.kind)  # rank_faults kept known kinds only
+            if kind in ONE_SHOT_FAULT_KINDS:
                 note = (
-                    f"{fault.kind} step={step} rank={self.rank} "
+                    f"{kind.value} step={step} rank={self.rank} "
                     f"generation={self.generation} pid={os.getpid()}"
                 )
                 if not claim_fault(checkpoint_dir, index, note):
                     continue
-            if fault.kind == "slow":
+            if kind is FaultKind.SLOW:
                 self.slow_factor = fault.factor
                 self._log(f"injected slow-down x{fault.factor:g} from step {step} (fault #{index})")
                 continue
-            self._log(f"injecting {fault.kind} at step {step} (fault #{index})")
-            if fault.kind == "crash":
+            self._log(f"injecting {kind.value} at step {step} (fault #{index})")
+            if kind is FaultKind.CRASH:
                 raise RuntimeError(f"injected crash at step {step} on rank {self.rank}")
-            if fault.kind == "kill":
+            if kind is FaultKind.KILL:
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # hang: alive, silent, until the agent kills us
                 time.sleep(3600)

@@ -17,7 +17,12 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from common import env
-from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
+from common.wire_kinds import (
+    WIRE_COLLECTIVES,
+    WIRE_PROBLEM_KINDS,
+    CheckpointProblemKind,
+    Collective,
+)
 from protos import keel_pb2, keel_pb2_grpc
 
 STEP_REPORT_DEADLINE_S = 2.0
@@ -407,7 +412,7 @@ class AgentReporter:
             world_size=self.world_size,
             results=[
                 keel_pb2.CollectiveResult(
-                    collective=result.collective,
+                    collective=WIRE_COLLECTIVES.to_wire(Collective(result.collective)),
                     size_bytes=result.size_bytes,
                     time_s=result.time_s,
                     algbw_gbps=result.algbw_gbps,

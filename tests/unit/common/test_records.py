@@ -84,7 +84,9 @@ EXAMPLES = {
     keys.checkpoint("j", 5): CheckpointRecord(
         step=5, path="/c/step_00000005", generation=2, samples=80, recorded_at_unix=5.0
     ),
-    keys.event("j", 1): EventRecord(event=keel_pb2.Event(kind="crash", node="a", rank=0, seq=1)),
+    keys.event("j", 1): EventRecord(
+        event=keel_pb2.Event(kind=keel_pb2.EVENT_KIND_CRASH, node="a", rank=0, seq=1)
+    ),
     keys.operation("j"): OperationRecord(
         node="a", reason="operator: replace a", policy="replace", generation=2
     ),

@@ -47,31 +47,37 @@ def rank_env(rank: int, faults: str, checkpoint_dir=None, generation: int = 1) -
 def test_rank_faults_keeps_only_this_ranks_rank_faults_with_their_schedule_index():
     schedule = parse_fault_schedule(
         schedule_json(
-            keel_pb2.Fault(kind="lose_node", node=0, step=3),
-            keel_pb2.Fault(kind="crash", rank=1, step=7),
-            keel_pb2.Fault(kind="crash", rank=0, step=7),
-            keel_pb2.Fault(kind="slow", rank=1, step=2, factor=3.0),
-            keel_pb2.Fault(kind="hang", step=4),  # no rank: not for any rank to apply
-            keel_pb2.Fault(kind="kill", rank=1, step=9),
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_LOSE_NODE, node=0, step=3),
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=1, step=7),
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=0, step=7),
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_SLOW, rank=1, step=2, factor=3.0),
+            keel_pb2.Fault(
+                kind=keel_pb2.FAULT_KIND_HANG, step=4
+            ),  # no rank: not for any rank to apply
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_KILL, rank=1, step=9),
         )
     )
     selected = rank_faults(schedule, 1)
     assert [(index, fault.kind, fault.step) for index, fault in selected] == [
-        (1, "crash", 7),
-        (3, "slow", 2),
-        (5, "kill", 9),
+        (1, keel_pb2.FAULT_KIND_CRASH, 7),
+        (3, keel_pb2.FAULT_KIND_SLOW, 2),
+        (5, keel_pb2.FAULT_KIND_KILL, 9),
     ]
     assert [index for index, _ in rank_faults(schedule, 0)] == [2]
 
 
 def test_rank_zero_is_a_rank_not_a_missing_field():
-    schedule = parse_fault_schedule(schedule_json(keel_pb2.Fault(kind="crash", rank=0, step=1)))
+    schedule = parse_fault_schedule(
+        schedule_json(keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=0, step=1))
+    )
     assert len(rank_faults(schedule, 0)) == 1
 
 
 def test_slow_needs_a_factor_of_at_least_one():
     with pytest.raises(ValueError, match="factor of at least 1|multiplier of at least 1"):
-        parse_fault_schedule(schedule_json(keel_pb2.Fault(kind="slow", rank=0, step=1)))
+        parse_fault_schedule(
+            schedule_json(keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_SLOW, rank=0, step=1))
+        )
 
 
 def test_no_schedule_means_no_faults():
@@ -82,7 +88,7 @@ def test_no_schedule_means_no_faults():
 
 
 def test_crash_fires_at_its_step_on_its_rank_only(tmp_path):
-    faults = schedule_json(keel_pb2.Fault(kind="crash", rank=1, step=3))
+    faults = schedule_json(keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=1, step=3))
     other = runtime.init(rank_env(0, faults, tmp_path))
     target = runtime.init(rank_env(1, faults, tmp_path))
     for step in (1, 2, 3, 4):
@@ -94,8 +100,8 @@ def test_crash_fires_at_its_step_on_its_rank_only(tmp_path):
 
 def test_crash_is_one_shot_across_generations(tmp_path):
     faults = schedule_json(
-        keel_pb2.Fault(kind="lose_node", node=1, step=1),
-        keel_pb2.Fault(kind="crash", rank=0, step=2),
+        keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_LOSE_NODE, node=1, step=1),
+        keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=0, step=2),
     )
     first = runtime.init(rank_env(0, faults, tmp_path, generation=1))
     with pytest.raises(RuntimeError):
@@ -108,13 +114,13 @@ def test_crash_is_one_shot_across_generations(tmp_path):
 
 
 def test_without_a_checkpoint_dir_a_crash_fires_every_time():
-    faults = schedule_json(keel_pb2.Fault(kind="crash", rank=0, step=1))
+    faults = schedule_json(keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=0, step=1))
     for _ in range(2):
         with pytest.raises(RuntimeError, match="injected crash at step 1 on rank 0"):
             runtime.init(rank_env(0, faults)).inject_faults(1)
 
 
-@pytest.mark.parametrize("kind", ["kill", "hang"])
+@pytest.mark.parametrize("kind", [keel_pb2.FAULT_KIND_KILL, keel_pb2.FAULT_KIND_HANG])
 def test_spent_kill_and_hang_do_not_fire_again(tmp_path, kind):
     faults = schedule_json(keel_pb2.Fault(kind=kind, rank=1, step=5))
     assert claim_fault(str(tmp_path), 0, "an earlier generation fired it")
@@ -134,7 +140,11 @@ def test_claim_fault_is_exclusive_per_directory(tmp_path):
 def test_slow_stretches_every_step_from_its_step_on(tmp_path):
     rt = runtime.init(
         rank_env(
-            1, schedule_json(keel_pb2.Fault(kind="slow", rank=1, step=3, factor=3.0)), tmp_path
+            1,
+            schedule_json(
+                keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_SLOW, rank=1, step=3, factor=3.0)
+            ),
+            tmp_path,
         )
     )
     rt.inject_faults(2)
@@ -363,7 +373,7 @@ def test_preflight_reports_reach_the_agent(agent):
     )
     assert [
         (r.collective, r.size_bytes, r.time_s, r.algbw_gbps, r.busbw_gbps) for r in report.results
-    ] == [("all_reduce", 1 << 20, 0.001, 1.048576, 1.048576)]
+    ] == [(keel_pb2.COLLECTIVE_ALL_REDUCE, 1 << 20, 0.001, 1.048576, 1.048576)]
     rt.close()
     plain = runtime.init({"RANK": "0", "WORLD_SIZE": "2"})
     assert plain.report_preflight([], wall_s=0.1) is False

@@ -2,6 +2,7 @@
 
 from orchestrator.controller import job_health
 from orchestrator.controller.job_health import JobHealth
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.lifecycle import JobState, past_retention
 from orchestrator.spec.health import resolve
 from protos import keel_pb2
@@ -15,7 +16,7 @@ def test_the_oldest_events_go_past_the_count_bound(monkeypatch):
     monkeypatch.setattr(job_health, "MAX_EVENTS", 5)
     h = health()
     for i in range(8):
-        h.event("alert", f"number {i}")
+        h.event(EventKind.ALERT, f"number {i}")
     assert [e.seq for e in h.events] == [4, 5, 6, 7, 8]
     # Each dropped one is deleted from etcd next; the unsaved ones are just the kept.
     assert h.dropped == [1, 2, 3] and sorted(h.unsaved) == [4, 5, 6, 7, 8]
@@ -25,15 +26,15 @@ def test_the_oldest_events_go_past_the_byte_bound(monkeypatch):
     monkeypatch.setattr(job_health, "MAX_EVENT_BYTES", 10_000)
     h = health()
     for _ in range(10):
-        h.event("alert", "x" * 3000)
+        h.event(EventKind.ALERT, "x" * 3000)
     kept = sum(e.ByteSize() for e in h.events)
     assert len(h.events) == 3 and kept <= 10_000
     assert h.dropped == list(range(1, 8))
     # An event that grows (a hang's stacks arriving) pushes older ones out too.
-    hang = h.event("hang", "rank 1 hung")
+    hang = h.event(EventKind.HANG, "rank 1 hung")
     hang.stacks[0] = "y" * 6000
     h.changed(hang)
-    assert [e.kind for e in h.events] == ["alert", "hang"]
+    assert [e.kind for e in h.events] == [keel_pb2.EVENT_KIND_ALERT, keel_pb2.EVENT_KIND_HANG]
     # Even an event past the bound by itself is kept: the newest always is.
     hang.stacks[1] = "z" * 20_000
     h.changed(hang)
@@ -42,12 +43,14 @@ def test_the_oldest_events_go_past_the_byte_bound(monkeypatch):
 
 def test_restored_events_past_the_bounds_are_dropped_from_etcd_too(monkeypatch):
     monkeypatch.setattr(job_health, "MAX_EVENTS", 100)
-    saved = [keel_pb2.Event(kind="alert", reason="r", seq=i) for i in range(1, 10_001)]
+    saved = [
+        keel_pb2.Event(kind=keel_pb2.EVENT_KIND_ALERT, reason="r", seq=i) for i in range(1, 10_001)
+    ]
     h = health()
     h.restore(saved)
     assert [e.seq for e in h.events] == list(range(9901, 10_001))
     assert h.dropped == list(range(1, 9901)) and h.unsaved == {}
-    assert h.event("alert", "next").seq == 10_001
+    assert h.event(EventKind.ALERT, "next").seq == 10_001
 
 
 def test_an_ended_job_is_kept_for_its_retention_then_deleted():

@@ -8,14 +8,19 @@ from protos import keel_pb2
 
 def test_parse_each_rank_fault():
     crash = parse_fault("crash:rank=1,step=12")
-    assert (crash.kind, crash.rank, crash.step) == ("crash", 1, 12)
+    assert (crash.kind, crash.rank, crash.step) == (keel_pb2.FAULT_KIND_CRASH, 1, 12)
     kill = parse_fault("kill:step=3,rank=0")
-    assert (kill.kind, kill.rank, kill.step) == ("kill", 0, 3)
-    assert parse_fault("hang:rank=2,step=5").kind == "hang"
+    assert (kill.kind, kill.rank, kill.step) == (keel_pb2.FAULT_KIND_KILL, 0, 3)
+    assert parse_fault("hang:rank=2,step=5").kind == keel_pb2.FAULT_KIND_HANG
     slow = parse_fault("slow:rank=3,step=10,factor=1.5")
     assert slow.factor == pytest.approx(1.5)
     lose = parse_fault("lose_node:node=1,step=20")
-    assert (lose.kind, lose.node, lose.step, lose.HasField("rank")) == ("lose_node", 1, 20, False)
+    assert (lose.kind, lose.node, lose.step, lose.HasField("rank")) == (
+        keel_pb2.FAULT_KIND_LOSE_NODE,
+        1,
+        20,
+        False,
+    )
     assert parse_fault("restart_etcd:step=4").down_s == 0.0  # keel up's default
     assert parse_fault("restart_etcd:step=4,down=7.5").down_s == pytest.approx(7.5)
 
@@ -127,9 +132,9 @@ def test_faults_its_cluster_can_fire_are_accepted(tmp_path):
     )
     schedule = json_format.Parse(spec.env["KEEL_FAULTS"], keel_pb2.FaultSchedule())
     assert [f.kind for f in schedule.faults] == [
-        "kill_leader",
-        "kill_agent",
-        "kill_agent",
-        "lose_node",
-        "restart_etcd",
+        keel_pb2.FAULT_KIND_KILL_LEADER,
+        keel_pb2.FAULT_KIND_KILL_AGENT,
+        keel_pb2.FAULT_KIND_KILL_AGENT,
+        keel_pb2.FAULT_KIND_LOSE_NODE,
+        keel_pb2.FAULT_KIND_RESTART_ETCD,
     ]

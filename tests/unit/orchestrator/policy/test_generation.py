@@ -4,9 +4,9 @@ checkpoint records are kept, each as a table."""
 import pytest
 
 from common.records import CheckpointRecord
+from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.generation import (
     RESTORE_FALLBACKS,
-    Left,
     RestorePoint,
     nodes_left,
     restore_point,
@@ -60,20 +60,20 @@ A, B, C, D = "a", "b", "c", "d"
     [
         ({A, B}, {A, B}, set(), False, None),
         ({A, B}, {A, B}, {B}, False, None),  # a suspect used again is not out
-        ({A, B}, {A, C}, {B}, False, (Left.REPLACED, ("b",), "b replaced by c")),
+        ({A, B}, {A, C}, {B}, False, (EventKind.REPLACED, ("b",), "b replaced by c")),
         (
             {A, B, C},
             {A, D},
             {B, C},
             False,
-            (Left.REPLACED, ("b", "c"), "b, c replaced by d"),
+            (EventKind.REPLACED, ("b", "c"), "b, c replaced by d"),
         ),
         (
             {A, B},
             {A},
             {B},
             True,
-            (Left.EXCLUDED, ("b",), "b excluded; re-planned to dp_shard=2 at world size 2"),
+            (EventKind.EXCLUDED, ("b",), "b excluded; re-planned to dp_shard=2 at world size 2"),
         ),
         # a newcomer on a smaller layout still means the node was excluded
         (
@@ -81,7 +81,11 @@ A, B, C, D = "a", "b", "c", "d"
             {C},
             {A, B},
             True,
-            (Left.EXCLUDED, ("a", "b"), "a, b excluded; re-planned to dp_shard=2 at world size 2"),
+            (
+                EventKind.EXCLUDED,
+                ("a", "b"),
+                "a, b excluded; re-planned to dp_shard=2 at world size 2",
+            ),
         ),
         ({A}, {A, B}, {C}, False, None),  # a node that was never the job's is not out
     ],

@@ -66,7 +66,7 @@ def test_preflight_flags_a_node_far_below_its_peers_once():
         return keel_pb2.PreflightReport(
             results=[
                 keel_pb2.CollectiveResult(
-                    collective="all_reduce", size_bytes=1 << 20, busbw_gbps=busbw
+                    collective=keel_pb2.COLLECTIVE_ALL_REDUCE, size_bytes=1 << 20, busbw_gbps=busbw
                 )
             ]
         )
@@ -98,7 +98,9 @@ def test_one_noisy_preflight_figure_does_not_make_a_node_slow():
         return keel_pb2.PreflightReport(
             results=[
                 keel_pb2.CollectiveResult(
-                    collective="all_reduce", size_bytes=1 << (20 + i), busbw_gbps=bw
+                    collective=keel_pb2.COLLECTIVE_ALL_REDUCE,
+                    size_bytes=1 << (20 + i),
+                    busbw_gbps=bw,
                 )
                 for i, bw in enumerate(busbws)
             ]

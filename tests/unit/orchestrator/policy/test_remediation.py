@@ -8,6 +8,7 @@ from orchestrator.policy.operations import Operation
 from orchestrator.policy.remediation import (
     Remedy,
     SlowNode,
+    StragglerPolicy,
     StragglerSpec,
     slow_node,
     suspects,
@@ -35,7 +36,7 @@ def judge(
         operation_under_way=under_way,
         replacement_times=replacements,
     )
-    return slow_node(NOW, observed, StragglerSpec(policy, per_hour))
+    return slow_node(NOW, observed, StragglerSpec(StragglerPolicy(policy), per_hour))
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,11 @@ def planned_spec(**kw):
     spec.model.CopyFrom(keel_pb2.ModelShape(params=1.2e5, layers=2, hidden=64, heads=4, vocab=256))
     spec.training.CopyFrom(
         keel_pb2.TrainingShape(
-            seq_len=64, micro_batch=1, global_batch=16, precision="fp32", gpu_memory_gb=4
+            seq_len=64,
+            micro_batch=1,
+            global_batch=16,
+            precision=keel_pb2.PRECISION_FP32,
+            gpu_memory_gb=4,
         )
     )
     return spec
@@ -122,7 +126,7 @@ def test_health_settings_are_validated_with_the_fix():
     assert resolve(keel_pb2.HealthSpec()).hang_floor_s == 30.0
     for spec, message in [
         (keel_pb2.HealthSpec(hang_floor_s=float("nan")), "hang_floor_s=nan: must be a finite"),
-        (keel_pb2.HealthSpec(straggler_policy="panic"), "use one of replace, exclude, alert"),
+        (keel_pb2.HealthSpec(straggler_policy=99), "99: use one of replace, exclude, alert"),
         (keel_pb2.HealthSpec(hang_floor_s=0.5), "must be at least 1 s"),
         (keel_pb2.HealthSpec(hang_floor_s=500), "first_step_timeout_s=300.0: must be at least"),
         (keel_pb2.HealthSpec(straggler_slowdown=1.05), "must be above 1.1"),
@@ -138,7 +142,7 @@ def test_health_settings_are_validated_with_the_fix():
     [
         (dict(params=float("inf")), {}, "params=inf: give the parameter count"),
         (dict(params=-1.0), {}, "params=-1.0: give the parameter count"),
-        (dict(params=1e9), dict(precision="fp16"), "precision='fp16'"),
+        (dict(params=1e9), dict(precision=9), "Precision value 9 is no Precision"),
         (dict(params=1e9), dict(gpu_memory_gb=float("nan")), "gpu_memory_gb=nan"),
     ],
 )

@@ -1,6 +1,7 @@
 import pytest
 
 from orchestrator.spec.specfile import SpecFileError, load, parse
+from protos import keel_pb2
 
 GOOD_TOML = """\
 name = "llama-7b"
@@ -73,9 +74,15 @@ def test_a_good_spec_loads_the_same_from_toml_and_yaml(tmp_path, name, text):
     assert spec.checkpoint_dir == "/ck/llama"
     assert spec.mesh == "dp_shard=2,tp=2"
     assert dict(spec.env) == {"NCCL_DEBUG": "WARN"}
-    assert spec.health.straggler_policy == "alert"
+    assert spec.health.straggler_policy == keel_pb2.STRAGGLER_POLICY_ALERT
     assert spec.health.hang_floor_s == 45.0
     assert spec.training.seq_len == 2048
+
+
+def test_enum_fields_are_written_as_operators_spell_them():
+    spec = parse({**GOOD, "training": {"precision": "fp32"}}, "job.toml")
+    assert spec.training.precision == keel_pb2.PRECISION_FP32
+    assert not spec.HasField("health")  # unset: the default policy, replace
 
 
 def test_toml_and_yaml_give_equal_specs(tmp_path):
@@ -145,6 +152,23 @@ def test_toml_and_yaml_give_equal_specs(tmp_path):
             "job.toml: model.params: expected a finite number, got a number Infinity",
         ),
         ({"model": {"params": 10**400}}, "job.toml: model.params: expected a finite number"),
+        (
+            {"health": {"straggler_policy": "panic"}},
+            "job.toml: health.straggler_policy: expected one of replace, exclude, alert, "
+            'got a string "panic"',
+        ),
+        (
+            {"health": {"straggler_policy": "STRAGGLER_POLICY_ALERT"}},
+            "job.toml: health.straggler_policy: expected one of replace, exclude, alert",
+        ),
+        (
+            {"training": {"precision": "fp16"}},
+            'job.toml: training.precision: expected one of bf16, fp32, got a string "fp16"',
+        ),
+        (
+            {"training": {"precision": 2}},
+            "job.toml: training.precision: expected one of bf16, fp32, got an integer 2",
+        ),
     ],
 )
 def test_structural_problems_name_file_field_and_fix(extra, expected):
