@@ -54,90 +54,100 @@ class ClusterFaults:
         return cls([f for f in schedule.faults if kind_of(f) in CLUSTER_FAULTS])
 
     def fire(self, step: int, cluster: LocalCluster, leader: str | None) -> list[Fired]:
-        """Fire every pending fault due at ``step``; ``leader``: the leading controller's
-        address, if one leads (a ``kill_leader`` waits for one)."""
+        """Fire every pending fault due at ``step`` (``FIRING``: what each kind does);
+        ``leader``: the leading controller's address, if one leads (a fault of the
+        leader waits for one)."""
         fired = []
         for fault in [f for f in self.pending if step >= f.step]:
             kind = kind_of(fault)
-            if kind is FaultKind.LOSE_NODE:
-                agent = cluster.agents[fault.node]
-                os.killpg(agent.pid, signal.SIGKILL)
-                self.lost.add(fault.node)
-                message = (
-                    f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
-                    f"ranks killed) at step {step}"
-                )
-            elif kind is FaultKind.KILL_AGENT:
-                agent = cluster.agents[fault.node]
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-                cluster.agents[fault.node] = cluster.start_agent(fault.node)
-                message = (
-                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed at "
-                    f"step {step} and started again (pid "
-                    f"{cluster.agents[fault.node].pid})"
-                )
-            elif kind is FaultKind.TERM_AGENT:
-                agent = cluster.agents[fault.node]
-                agent.send_signal(signal.SIGTERM)
-                self.lost.add(fault.node)  # it exits once its node is drained
-                message = (
-                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
-                    f"SIGTERM at step {step}: its node drains"
-                )
-            elif kind is FaultKind.RESTART_ETCD:
-                down_s = fault.down_s or ETCD_DOWN_S
-                cluster.etcd.restart(down_s=down_s)
-                message = (
-                    f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
-                )
-            elif kind is FaultKind.STALL_AGENT:
-                agent = cluster.agents[fault.node]
-                self._stall([agent.pid], fault.for_s)
-                message = (
-                    f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
-                    f"step {step} for {fault.for_s:g} s; its ranks run on"
-                )
-            elif kind is FaultKind.STALL_NODE:
-                agent = cluster.agents[fault.node]
-                stalled = [agent.pid, *procs.descendants(agent.pid)]
-                self._stall(stalled, fault.for_s)
-                message = (
-                    f"injected: node-{fault.node} frozen at step {step} for "
-                    f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
-                    f"processes under it stopped)"
-                )
-            elif kind is FaultKind.PARTITION_NODE:
-                cluster.proxies[fault.node].cut()
-                self._later(fault.for_s, cluster.proxies[fault.node].heal)
-                message = (
-                    f"injected: node-{fault.node} cut from etcd and the controllers at "
-                    f"step {step} for {fault.for_s:g} s; it runs on"
-                )
-            elif leader in cluster.addresses:
-                index = cluster.addresses.index(leader)
-                if kind is FaultKind.KILL_LEADER:
-                    os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
-                    self.killed_controllers.add(index)
-                    message = f"injected: leader controller {leader} killed at step {step}"
-                elif kind is FaultKind.TERM_LEADER:
-                    cluster.controllers[index].send_signal(signal.SIGTERM)
-                    self.killed_controllers.add(index)
-                    message = (
-                        f"injected: leader controller {leader} sent SIGTERM at step "
-                        f"{step}: it hands the lead over"
-                    )
-                else:
-                    self._stall([cluster.controllers[index].pid], fault.for_s)
-                    message = (
-                        f"injected: leader controller {leader} stopped at step {step} "
-                        f"for {fault.for_s:g} s"
-                    )
+            if kind in OF_THE_LEADER:
+                if leader not in cluster.addresses:
+                    continue  # no leader right now: fire once one leads
+                message = self._of_the_leader(kind, fault, step, cluster, leader)
             else:
-                continue  # no leader right now: fire once one leads
+                message = FIRING[kind](self, fault, step, cluster)
             self.pending.remove(fault)
             fired.append(Fired(kind, step, message))
         return fired
+
+    def _lose_node(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        agent = cluster.agents[fault.node]
+        os.killpg(agent.pid, signal.SIGKILL)
+        self.lost.add(fault.node)
+        return (
+            f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
+            f"ranks killed) at step {step}"
+        )
+
+    def _kill_agent(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        agent = cluster.agents[fault.node]
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        cluster.agents[fault.node] = cluster.start_agent(fault.node)
+        return (
+            f"injected: node-{fault.node}'s agent (pid {agent.pid}) killed at "
+            f"step {step} and started again (pid "
+            f"{cluster.agents[fault.node].pid})"
+        )
+
+    def _term_agent(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        agent = cluster.agents[fault.node]
+        agent.send_signal(signal.SIGTERM)
+        self.lost.add(fault.node)  # it exits once its node is drained
+        return (
+            f"injected: node-{fault.node}'s agent (pid {agent.pid}) sent "
+            f"SIGTERM at step {step}: its node drains"
+        )
+
+    def _restart_etcd(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        down_s = fault.down_s or ETCD_DOWN_S
+        cluster.etcd.restart(down_s=down_s)
+        return f"injected: etcd killed at step {step}, back after {down_s:g} s on its data"
+
+    def _stall_agent(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        agent = cluster.agents[fault.node]
+        self._stall([agent.pid], fault.for_s)
+        return (
+            f"injected: node-{fault.node}'s agent (pid {agent.pid}) stopped at "
+            f"step {step} for {fault.for_s:g} s; its ranks run on"
+        )
+
+    def _stall_node(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        agent = cluster.agents[fault.node]
+        stalled = [agent.pid, *procs.descendants(agent.pid)]
+        self._stall(stalled, fault.for_s)
+        return (
+            f"injected: node-{fault.node} frozen at step {step} for "
+            f"{fault.for_s:g} s (agent pid {agent.pid} and {len(stalled) - 1} "
+            f"processes under it stopped)"
+        )
+
+    def _partition_node(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:
+        cluster.proxies[fault.node].cut()
+        self._later(fault.for_s, cluster.proxies[fault.node].heal)
+        return (
+            f"injected: node-{fault.node} cut from etcd and the controllers at "
+            f"step {step} for {fault.for_s:g} s; it runs on"
+        )
+
+    def _of_the_leader(
+        self, kind: FaultKind, fault: keel_pb2.Fault, step: int, cluster: LocalCluster, leader: str
+    ) -> str:
+        """kill_leader, term_leader and stall_leader, of the controller that leads."""
+        index = cluster.addresses.index(leader)
+        if kind is FaultKind.KILL_LEADER:
+            os.killpg(cluster.controllers[index].pid, signal.SIGKILL)
+            self.killed_controllers.add(index)
+            return f"injected: leader controller {leader} killed at step {step}"
+        if kind is FaultKind.TERM_LEADER:
+            cluster.controllers[index].send_signal(signal.SIGTERM)
+            self.killed_controllers.add(index)
+            return (
+                f"injected: leader controller {leader} sent SIGTERM at step "
+                f"{step}: it hands the lead over"
+            )
+        self._stall([cluster.controllers[index].pid], fault.for_s)
+        return f"injected: leader controller {leader} stopped at step {step} for {fault.for_s:g} s"
 
     def _stall(self, pids: list[int], for_s: float) -> None:
         with self.lock:
@@ -172,3 +182,16 @@ class ClusterFaults:
         self._resume(list(self.stopped))
         for proxy in cluster.proxies:
             proxy.heal()
+
+
+# What each cluster fault does to a node, etcd or the leader (``ClusterFaults.fire``).
+OF_THE_LEADER = frozenset({FaultKind.KILL_LEADER, FaultKind.TERM_LEADER, FaultKind.STALL_LEADER})
+FIRING = {
+    FaultKind.LOSE_NODE: ClusterFaults._lose_node,
+    FaultKind.KILL_AGENT: ClusterFaults._kill_agent,
+    FaultKind.TERM_AGENT: ClusterFaults._term_agent,
+    FaultKind.RESTART_ETCD: ClusterFaults._restart_etcd,
+    FaultKind.STALL_AGENT: ClusterFaults._stall_agent,
+    FaultKind.STALL_NODE: ClusterFaults._stall_node,
+    FaultKind.PARTITION_NODE: ClusterFaults._partition_node,
+}

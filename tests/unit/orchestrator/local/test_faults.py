@@ -138,3 +138,11 @@ def test_faults_its_cluster_can_fire_are_accepted(tmp_path):
         keel_pb2.FAULT_KIND_LOSE_NODE,
         keel_pb2.FAULT_KIND_RESTART_ETCD,
     ]
+
+
+def test_keel_up_knows_how_to_fire_every_cluster_fault_once():
+    from orchestrator.local.faults import CLUSTER_FAULTS
+    from orchestrator.local.firing import FIRING, OF_THE_LEADER
+
+    assert set(FIRING) | OF_THE_LEADER == CLUSTER_FAULTS
+    assert not set(FIRING) & OF_THE_LEADER
