@@ -97,9 +97,15 @@ class Store:
             self.set_aside(error)
             raise
 
-    def _prefix(self, prefix: str, kind: type[R]) -> dict[str, R]:
+    def _prefix(
+        self,
+        prefix: str,
+        kind: type[R],
+        instead: Callable[[str, RecordError], R | None] = lambda key, error: None,
+    ) -> dict[str, R]:
         """Every record under ``prefix`` by key, in key order, read page by page at
-        the revision of the first page; values that do not parse are set aside."""
+        the revision of the first page. A value that does not parse is set aside, and
+        ``instead(key, error)`` stands for it, unless that is None."""
         kvs, _, _ = read_prefix(self.client, prefix)
         found = {}
         for kv in kvs:
@@ -108,6 +114,9 @@ class Store:
                 found[key] = kind.from_json(key, kv.value)
             except RecordError as error:
                 self.set_aside(error)
+                standing = instead(key, error)
+                if standing is not None:
+                    found[key] = standing
         return found
 
     def _keys(self, prefix: str) -> list[str]:
@@ -164,21 +173,18 @@ class Store:
         """Every cordon by node. A cordon whose value does not parse still keeps its
         node cordoned (the key says an operator or a policy wanted it off), with a
         reason that says so; ``keel uncordon`` deletes it."""
-        found = {}
-        for kv in read_prefix(self.client, keys.CORDONS)[0]:
-            key = kv.key.decode()
-            try:
-                found[keys.last_part(key)] = CordonRecord.from_json(key, kv.value)
-            except RecordError as error:
-                self.set_aside(error)
-                found[keys.last_part(key)] = CordonRecord(
-                    reason=f"its cordon record does not parse ({error.problem}); "
-                    f"`keel uncordon {keys.last_part(key)}` lifts it",
-                    by="unreadable record",
-                    drain=False,
-                    at_unix=0.0,
-                )
-        return found
+
+        def still_cordoned(key: str, error: RecordError) -> CordonRecord:
+            return CordonRecord(
+                reason=f"its cordon record does not parse ({error.problem}); "
+                f"`keel uncordon {keys.last_part(key)}` lifts it",
+                by="unreadable record",
+                drain=False,
+                at_unix=0.0,
+            )
+
+        found = self._prefix(keys.CORDONS, CordonRecord, still_cordoned)
+        return {keys.last_part(key): record for key, record in found.items()}
 
     # ------------------------------------------------------------------- leader
     def campaign(self, controller_id: str, address: str, lease_id: int) -> int | None:

@@ -5,9 +5,11 @@ controller cannot read, and step reports it cannot use."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import shutil
+import signal
 import threading
 import urllib.request
 
@@ -22,7 +24,7 @@ from common.records import CordonRecord, GoodputRecord, JobSpecRecord, JobState,
 from common.tls import call_metadata
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
-from tests.integration.conftest import TOKEN, stop
+from tests.integration.conftest import TOKEN
 
 
 @pytest.fixture
@@ -178,7 +180,7 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
 
 def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):
     """A non-JSON cordon, a job state with a field of the wrong type and a node record
-    that is no record: the leader and, after it stops, its standby both lead past them.
+    that is no record: the leader and, after it stalls, its standby both lead past them.
     Each is named in the log with its fault and counted; the unreadable cordon still
     keeps its node off; etcd keeps every value as it was."""
     client = cluster.store.client
@@ -233,8 +235,22 @@ def test_a_standby_takes_the_lead_past_stored_values_that_do_not_parse(cluster):
 
     cluster.controller(launcher=metrics_of("first"), name="first")
     standby = cluster.controller(launcher=metrics_of("standby"), name="standby", lead=False)
-    stop(cluster.controllers[0])
-    wait_for(lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead")
+    # The leader stalls (a gray failure, not a clean stop): the standby takes over once
+    # its lease lapses, and the old leader, woken, leads nothing.
+    first = cluster.controllers[0]
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: cluster.store.controller_address() == standby, 60, what="the standby to lead"
+        )
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    wait_for(
+        lambda: "stepped down" in (cluster.path / "first.log").read_text(),
+        30,
+        what="the woken leader to step down",
+    )
+    assert cluster.store.controller_address() == standby
 
     def named(name):
         """The bad keys that ``name``'s log names as set aside."""

@@ -123,43 +123,33 @@ class Runtime:
         """The rank ``identity`` names, its scripted ``faults``; ``fence_after_s``: it
         stops itself when its agent answers nothing for this long (None: never)."""
         self.identity = identity
-        rank, world_size, generation = identity.rank, identity.world_size, identity.generation
-        job, agent_socket = identity.job, identity.agent_socket
-        local_rank, mesh, node = identity.local_rank, identity.mesh, identity.node
-        checkpoint_dir, restore_from = identity.checkpoint_dir, identity.restore_from
-        restore_fallbacks, restart_count = identity.restore_fallbacks, identity.restart_count
-        agent_token = identity.agent_token
-        self.rank = rank
-        self.world_size = world_size
-        self.local_rank = local_rank
-        self.generation = generation
-        self.job = job
-        self.mesh = mesh
-        self.checkpoint_dir = checkpoint_dir
-        self.restore_from = restore_from
-        self.restore_fallbacks = restore_fallbacks
-        self.restart_count = restart_count
-        self.agent_socket = agent_socket
+        rank, generation, job = identity.rank, identity.generation, identity.job
+        self.rank, self.world_size, self.local_rank = rank, identity.world_size, identity.local_rank
+        self.generation, self.job, self.mesh = generation, job, identity.mesh
+        self.checkpoint_dir, self.restore_from = identity.checkpoint_dir, identity.restore_from
+        self.restore_fallbacks = identity.restore_fallbacks
+        self.restart_count = identity.restart_count
+        self.agent_socket = identity.agent_socket
         self.restart_in_place = restart_in_place
         # Connections from before this generation are not its to sever.
         self._connections_before = set(tcp_connections().values()) if restart_in_place else set()
         self.restarted_in_place = getattr(self, "restarted_in_place", 0)
-        under_keel = {"job": job, "generation": generation, "node": node}
+        under_keel = {"job": job, "generation": generation, "node": identity.node}
         logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
         self._faults = FaultInjector(faults, rank, generation, self.log)
         self._agent = (
             AgentReporter(
-                agent_socket,
+                identity.agent_socket,
                 rank=rank,
-                world_size=world_size,
+                world_size=identity.world_size,
                 generation=generation,
                 job=job,
                 log=self.log,
                 fence_after_s=fence_after_s,
-                token=agent_token,
+                token=identity.agent_token,
                 restart_in_place=restart_in_place,
             )
-            if agent_socket
+            if identity.agent_socket
             else None
         )
 
