@@ -10,12 +10,14 @@ from __future__ import annotations
 
 # ------------------------------------------------------------- set for each rank
 JOB = "KEEL_JOB"  # the job's name; "" or unset outside Keel
+JOB_ID = "KEEL_JOB_ID"  # the job's unique id (its lineage's); "" outside Keel
 GENERATION = "KEEL_GENERATION"  # the generation the rank belongs to, from 1
 NODE = "KEEL_NODE"  # the node it runs on (for its log lines)
 MESH = "KEEL_MESH"  # its layout, e.g. "dp_shard=2,tp=2"
 CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"  # the committed checkpoint to load; "" = fresh start
 RESTORE_FALLBACKS = "KEEL_RESTORE_FALLBACKS"  # older recorded ones, newest first, os.pathsep-joined
+RESUME_FROM = "KEEL_RESUME_FROM"  # another lineage's checkpoint (or directory) to start from
 AGENT_SOCKET = "KEEL_AGENT_SOCKET"  # the agent's Unix socket (AgentLocal); new per agent
 RANK_TOKEN = "KEEL_RANK_TOKEN"  # the rank's credential on that socket; new per rank
 RANK_TOKEN_METADATA = "x-keel-rank-token"  # ... sent as this call metadata
@@ -58,12 +60,14 @@ TORCHRUN_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 # What the agent sets for every rank; a job's spec may not set these.
 SET_FOR_RANKS = frozenset(TORCHRUN) | {
     JOB,
+    JOB_ID,
     GENERATION,
     NODE,
     MESH,
     CHECKPOINT_DIR,
     RESTORE_FROM,
     RESTORE_FALLBACKS,
+    RESUME_FROM,
     AGENT_SOCKET,
     *DEADLINES.values(),
 }

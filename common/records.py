@@ -126,9 +126,12 @@ class CordonRecord(Record):
 # --------------------------------------------------------------------------- jobs
 @dataclass(frozen=True, kw_only=True)
 class JobSpecRecord(Record):
-    """``/keel/jobs/<job>/spec``: the job as submitted."""
+    """``/keel/jobs/<job>/spec``: the job as submitted, and ``job_id``, the unique id
+    the controller gave it then: the id of the lineage its checkpoints belong to ("" in
+    a record written before jobs had ids; the leader that reads one gives it an id)."""
 
     spec: keel_pb2.JobSpec
+    job_id: str = ""
 
 
 class JobState(str, enum.Enum):

@@ -16,6 +16,10 @@ class CheckpointProblemKind(str, enum.Enum):
 
     STALE_COMMIT = "stale_commit"  # its commit was refused: a newer generation owns the directory
     QUARANTINED = "quarantined"  # it failed verification and was renamed aside
+    UNREACHABLE = "unreachable"  # it could not be read on the reporting node: the node's problem
+    SAVE_FAILED = "save_failed"  # a save failed (no space, I/O); training goes on
+    FENCE_TIMEOUT = "fence_timeout"  # the fence lock was held past its deadline
+    FOREIGN_LINEAGE = "foreign_lineage"  # the directory holds another lineage's checkpoints
 
 
 class HangPhase(str, enum.Enum):

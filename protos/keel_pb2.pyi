@@ -19,6 +19,10 @@ class CheckpointProblemKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKPOINT_PROBLEM_KIND_UNSPECIFIED: _ClassVar[CheckpointProblemKind]
     CHECKPOINT_PROBLEM_KIND_STALE_COMMIT: _ClassVar[CheckpointProblemKind]
     CHECKPOINT_PROBLEM_KIND_QUARANTINED: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_UNREACHABLE: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_SAVE_FAILED: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_FENCE_TIMEOUT: _ClassVar[CheckpointProblemKind]
+    CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE: _ClassVar[CheckpointProblemKind]
 
 class HangPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +37,12 @@ class Collective(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COLLECTIVE_ALL_REDUCE: _ClassVar[Collective]
     COLLECTIVE_ALL_GATHER: _ClassVar[Collective]
     COLLECTIVE_REDUCE_SCATTER: _ClassVar[Collective]
+
+class OnNoCheckpoint(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_NO_CHECKPOINT_UNSPECIFIED: _ClassVar[OnNoCheckpoint]
+    ON_NO_CHECKPOINT_FAIL: _ClassVar[OnNoCheckpoint]
+    ON_NO_CHECKPOINT_FRESH_START: _ClassVar[OnNoCheckpoint]
 
 class StragglerPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -113,6 +123,10 @@ AGENT_PHASE_STOPPING: AgentPhase
 CHECKPOINT_PROBLEM_KIND_UNSPECIFIED: CheckpointProblemKind
 CHECKPOINT_PROBLEM_KIND_STALE_COMMIT: CheckpointProblemKind
 CHECKPOINT_PROBLEM_KIND_QUARANTINED: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_UNREACHABLE: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_SAVE_FAILED: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_FENCE_TIMEOUT: CheckpointProblemKind
+CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE: CheckpointProblemKind
 HANG_PHASE_UNSPECIFIED: HangPhase
 HANG_PHASE_FIRST_STEP: HangPhase
 HANG_PHASE_STEP: HangPhase
@@ -121,6 +135,9 @@ COLLECTIVE_UNSPECIFIED: Collective
 COLLECTIVE_ALL_REDUCE: Collective
 COLLECTIVE_ALL_GATHER: Collective
 COLLECTIVE_REDUCE_SCATTER: Collective
+ON_NO_CHECKPOINT_UNSPECIFIED: OnNoCheckpoint
+ON_NO_CHECKPOINT_FAIL: OnNoCheckpoint
+ON_NO_CHECKPOINT_FRESH_START: OnNoCheckpoint
 STRAGGLER_POLICY_UNSPECIFIED: StragglerPolicy
 STRAGGLER_POLICY_REPLACE: StragglerPolicy
 STRAGGLER_POLICY_EXCLUDE: StragglerPolicy
@@ -225,20 +242,22 @@ class AgentStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[_Union[AgentPhase, str]] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ...) -> None: ...
 
 class CheckpointProblem(_message.Message):
-    __slots__ = ("job", "generation", "step", "path", "kind", "reason")
+    __slots__ = ("job", "generation", "step", "path", "kind", "reason", "suspect_node")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_NODE_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     step: int
     path: str
     kind: CheckpointProblemKind
     reason: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    suspect_node: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ..., suspect_node: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
     __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term")
@@ -468,7 +487,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir", "cold_start")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir", "cold_start", "job_id", "resume_from")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +516,8 @@ class StartGeneration(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     COLD_START_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -518,7 +539,9 @@ class StartGeneration(_message.Message):
     max_restarts: int
     working_dir: str
     cold_start: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ...) -> None: ...
+    job_id: str
+    resume_from: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ..., job_id: _Optional[str] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
@@ -675,7 +698,7 @@ class GenerationStopped(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health", "ranks_per_node", "working_dir", "cold_start")
+    __slots__ = ("name", "world_size", "command", "env", "max_restarts", "steps", "checkpoint_dir", "mesh", "min_nodes", "model", "training", "health", "ranks_per_node", "working_dir", "cold_start", "resume_from", "on_no_checkpoint")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -698,6 +721,8 @@ class JobSpec(_message.Message):
     RANKS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     COLD_START_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    ON_NO_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     world_size: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -713,7 +738,9 @@ class JobSpec(_message.Message):
     ranks_per_node: int
     working_dir: str
     cold_start: bool
-    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., ranks_per_node: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ...) -> None: ...
+    resume_from: str
+    on_no_checkpoint: OnNoCheckpoint
+    def __init__(self, name: _Optional[str] = ..., world_size: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., mesh: _Optional[str] = ..., min_nodes: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., training: _Optional[_Union[TrainingShape, _Mapping]] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., ranks_per_node: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ..., resume_from: _Optional[str] = ..., on_no_checkpoint: _Optional[_Union[OnNoCheckpoint, str]] = ...) -> None: ...
 
 class HealthSpec(_message.Message):
     __slots__ = ("straggler_policy", "hang_floor_s", "hang_k", "first_step_timeout_s", "checkpoint_timeout_s", "straggler_slowdown", "straggler_window", "straggler_patience", "preflight_off", "max_replacements_per_hour", "stop_grace_s", "collective_timeout_s", "startup_timeout_s")
@@ -830,7 +857,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s", "goodput", "submitted_at", "ended_at")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s", "goodput", "submitted_at", "ended_at", "job_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -853,6 +880,7 @@ class JobStatus(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     reason: str
@@ -875,7 +903,8 @@ class JobStatus(_message.Message):
     goodput: Goodput
     submitted_at: float
     ended_at: float
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
+    job_id: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("ratio", "accounted_s", "seconds", "at_risk_s")

@@ -299,6 +299,9 @@ class Executor:
             restart_count=job.restarts,
             checkpoint_dir=job.spec.checkpoint_dir,
             restore_from=job.restore_from,
+            job_id=job.job_id,
+            # Another lineage's checkpoint starts the job only until it has its own.
+            resume_from=job.spec.resume_from if not job.restore_from else "",
             mesh=job.mesh,
             health=job.health.spec,
             deadlines=job.deadlines,
@@ -443,7 +446,9 @@ class Executor:
     def create(self, job: JobRuntime) -> bool:
         """Store a submitted job's spec and first state, then hold it here; False (and
         nothing changed) if etcd has a job of that name already."""
-        revision = self.store.create_job(job.name, JobSpecRecord(spec=job.spec), job.record())
+        revision = self.store.create_job(
+            job.name, JobSpecRecord(spec=job.spec, job_id=job.job_id), job.record()
+        )
         if not revision:
             return False
         job.state_rev = revision

@@ -118,6 +118,7 @@ class JobRuntime:
     state: JobState
     state_rev: int
     state_since_mono: float
+    job_id: str = ""  # unique, made at submit: the job's lineage (JobSpecRecord)
     generation: int = 0
     restarts: int = 0
     reason: str = ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import uuid
 
 import grpc
 import structlog
@@ -73,7 +74,14 @@ class OperatorService:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} exists; choose another name"
                 )
-            job = JobRuntime.new(spec, JobState.PENDING, 0, time.monotonic(), reason="submitted")
+            job = JobRuntime.new(
+                spec,
+                JobState.PENDING,
+                0,
+                time.monotonic(),
+                reason="submitted",
+                job_id=uuid.uuid4().hex,
+            )
             try:
                 created = self.executor.create(job)
             except Exception as exc:
@@ -110,6 +118,7 @@ class OperatorService:
     def _status(self, job: JobRuntime) -> keel_pb2.JobStatus:
         status = keel_pb2.JobStatus(
             job=job.name,
+            job_id=job.job_id,
             state=WIRE_STATES.to_wire(job.state),
             reason=job.reason,
             generation=job.generation,

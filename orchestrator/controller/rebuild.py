@@ -4,6 +4,8 @@ events, and the operator intents under way). The agents' replays tell it the res
 
 from __future__ import annotations
 
+import uuid
+
 import structlog
 
 from common.records import RecordError, newest_good
@@ -44,11 +46,16 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     if spec_record is None or read.value is None:
         return None
     spec, state = spec_record.spec, read.value
+    if not spec_record.job_id:
+        # Written before jobs had ids: the id it gets now is its lineage's from here on.
+        spec_record = spec_record.replace(job_id=uuid.uuid4().hex)
+        store.put_job_spec(name, spec_record)
     job = JobRuntime.new(
         spec,
         state.state,
         read.mod_revision,
         now,
+        job_id=spec_record.job_id,
         generation=state.generation,
         restarts=state.restarts,
         reason=state.reason,

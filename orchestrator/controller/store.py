@@ -230,6 +230,10 @@ class Store:
         )
         return responses[1].response_put.header.revision if ok else 0
 
+    def put_job_spec(self, name: str, spec: JobSpecRecord) -> None:
+        """Rewrite a job's spec record (a job read without an id gets one)."""
+        self._write([self._put(keys.job_spec(name), spec)])
+
     def job_spec(self, name: str) -> JobSpecRecord | None:
         return self._get(keys.job_spec(name), JobSpecRecord).value
 

@@ -18,7 +18,10 @@ class Identity:
     them; ``generation`` (0 without Keel), ``job`` ("" without Keel), ``mesh``
     (dimension → size), ``checkpoint_dir`` and ``restore_from`` (paths or None) and
     ``agent_socket`` (None without an agent) as Keel does; ``restore_fallbacks``: older
-    recorded checkpoints to restore if ``restore_from`` fails verification."""
+    recorded checkpoints to restore if ``restore_from`` fails verification;
+    ``job_id``: the job's unique id, its lineage's ("" without Keel); ``resume_from``:
+    another lineage's checkpoint (or checkpoint directory) to start from while the job
+    has recorded none of its own (None: none)."""
 
     rank: int
     world_size: int
@@ -33,6 +36,8 @@ class Identity:
     agent_socket: str | None
     agent_token: str = ""  # this rank's credential on the agent's socket
     node: str = ""  # the node it runs on, as its agent names it ("" without)
+    job_id: str = ""
+    resume_from: str | None = None
 
 
 def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
@@ -75,6 +80,8 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         agent_socket=environ.get(env.AGENT_SOCKET) or None,
         agent_token=environ.get(env.RANK_TOKEN, ""),
         node=environ.get(env.NODE, ""),
+        job_id=environ.get(env.JOB_ID, ""),
+        resume_from=environ.get(env.RESUME_FROM) or None,
     )
 
 
