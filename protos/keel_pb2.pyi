@@ -83,6 +83,9 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_OPERATOR: _ClassVar[EventKind]
     EVENT_KIND_QUARANTINED: _ClassVar[EventKind]
     EVENT_KIND_CHECKPOINT_REFUSED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_SUSPECTED: _ClassVar[EventKind]
+    EVENT_KIND_FRESH_START: _ClassVar[EventKind]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -166,6 +169,9 @@ EVENT_KIND_ALERT: EventKind
 EVENT_KIND_OPERATOR: EventKind
 EVENT_KIND_QUARANTINED: EventKind
 EVENT_KIND_CHECKPOINT_REFUSED: EventKind
+EVENT_KIND_CHECKPOINT_FAILED: EventKind
+EVENT_KIND_SUSPECTED: EventKind
+EVENT_KIND_FRESH_START: EventKind
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_CORDONED: NodeState

@@ -22,6 +22,9 @@ class EventKind(str, enum.Enum):
     OPERATOR = "operator"  # an operator's request
     QUARANTINED = "quarantined"  # a checkpoint failed verification and was set aside
     CHECKPOINT_REFUSED = "checkpoint_refused"  # a stale generation's commit was refused
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (no space, I/O); training went on
+    SUSPECTED = "suspected"  # a node is suspected: the next placement avoids it
+    FRESH_START = "fresh_start"  # recorded checkpoints, none verifiable: step 0 as the spec allows
 
 
 WIRE_EVENT_KINDS = ProtoEnum(EventKind, keel_pb2.EventKind, "EVENT_KIND_")
