@@ -33,7 +33,7 @@ from agent.policy.fencing import self_fence
 from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
-from common import deadlines, net
+from common import deadlines, lineage, net
 from common import metrics as common_metrics
 from common.etcd import EtcdClient
 from common.leader import LeaderWatch
@@ -578,6 +578,10 @@ class Agent:
             self._maybe_confirm_stop()  # nothing of it is left now
         self.generation.begin(start)
         self.reports.begin(start.job, start.generation)
+        refused = self._foreign_lineage(start)
+        if refused:
+            self._refuse_start(start, refused)
+            return
         try:
             chain = self._deadlines(start)
             self.hang_config = HangConfig(
@@ -591,17 +595,49 @@ class Agent:
             # A health budget that makes no sense, or a command that cannot be executed
             # at all: report it as the ranks' failure, with the reason.
             log.error("cannot start ranks", error=str(exc), command=list(start.command))
-            for assignment in start.ranks:
-                self._send(
-                    rank_exited=keel_pb2.RankExited(
-                        job=start.job,
-                        generation=start.generation,
-                        rank=assignment.rank,
-                        exit_code=127,
-                        traceback=f"cannot start {list(start.command)}: {exc}",
-                        exited_at=time.time(),
-                    )
+            self._not_started(start, 127, f"cannot start {list(start.command)}: {exc}")
+
+    @staticmethod
+    def _foreign_lineage(start: keel_pb2.StartGeneration) -> str:
+        """Why the generation may not start here ("" if it may): this node runs its rank
+        0, which claims the checkpoint directory, and the directory holds another
+        lineage's checkpoints. Refused before any rank starts, so that nothing of the
+        job touches them. A directory this node cannot read is the ranks' to report."""
+        if not start.checkpoint_dir or not start.job_id or all(a.rank for a in start.ranks):
+            return ""
+        try:
+            return lineage.refusal(start.checkpoint_dir, start.job_id, start.restore_from)
+        except OSError:
+            return ""
+
+    def _refuse_start(self, start: keel_pb2.StartGeneration, why: str) -> None:
+        """Tell the controller the generation cannot start (a foreign lineage: terminal),
+        and that its ranks here failed with that reason."""
+        log.error("refusing to start the generation", job=start.job, reason=why)
+        self._send(
+            checkpoint_problem=keel_pb2.CheckpointProblem(
+                job=start.job,
+                generation=start.generation,
+                path=start.checkpoint_dir,
+                kind=keel_pb2.CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE,
+                reason=why,
+            )
+        )
+        self._not_started(start, 1, f"not started: {why}")
+
+    def _not_started(self, start: keel_pb2.StartGeneration, exit_code: int, why: str) -> None:
+        """Report each of the generation's ranks here as failed before it started."""
+        for assignment in start.ranks:
+            self._send(
+                rank_exited=keel_pb2.RankExited(
+                    job=start.job,
+                    generation=start.generation,
+                    rank=assignment.rank,
+                    exit_code=exit_code,
+                    traceback=why,
+                    exited_at=time.time(),
                 )
+            )
 
     def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
         """The generation's deadline chain as the controller resolved it, checked here

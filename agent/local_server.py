@@ -21,7 +21,7 @@ import grpc
 
 from common import env
 from common.paths import inside
-from common.wire_kinds import WIRE_PROBLEM_KINDS
+from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from protos import keel_pb2, keel_pb2_grpc
 
 MAX_REPORTS_PER_CALL = 4096
@@ -146,7 +146,10 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         try:
             WIRE_PROBLEM_KINDS.from_wire(request.kind)
         except ValueError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "kind: stale_commit or quarantined")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kind: one of {', '.join(k.value for k in CheckpointProblemKind)}",
+            )
         self.callbacks.on_problem(request)
         return keel_pb2.LocalAck()
 

@@ -397,7 +397,7 @@ class Checkpointer:
         generation's step is refused: one log line, reported to the agent, raised."""
         generation = self.generation
         try:
-            with fence.held(self.checkpoint_dir, generation):
+            with fence.held(self.checkpoint_dir, generation, self.runtime.job_id):
                 yield
         except fence.Superseded as refused:
             self.runtime.log(f"refusing to change checkpoint step {step}: {refused}")

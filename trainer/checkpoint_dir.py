@@ -48,19 +48,22 @@ def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
     return sorted(step for step in steps if step not in newest and step not in protected)
 
 
-def discard_staging(checkpoint_dir: str | None, generation: int) -> list[str]:
-    """Claims ``checkpoint_dir`` for ``generation`` (``trainer.fence``) and removes every
+def discard_staging(
+    checkpoint_dir: str | None, generation: int, claimant: fence.Owner | None = None
+) -> list[str]:
+    """Claims ``checkpoint_dir`` for ``generation`` (``trainer.fence``; ``claimant``: the
+    job, id and lineage its fence is to name) and removes every
     staging directory (``.step_*.tmp``) left by ranks that died while saving or
     deleting, or by a generation superseded since; returns what it removed. Call it on
     rank 0 before training starts. Raises fence.Superseded if a newer generation owns
     the directory."""
     if not checkpoint_dir:
         return []
-    fence.claim(checkpoint_dir, generation)
+    fence.claim(checkpoint_dir, generation, claimant)
     if not os.path.isdir(checkpoint_dir):
         return []  # a first run outside Keel: nothing was ever saved there
     removed = []
-    with fence.held(checkpoint_dir, generation):
+    with fence.held(checkpoint_dir, generation, claimant.job_id if claimant else ""):
         for name in os.listdir(checkpoint_dir):
             if name.startswith(".step_") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)

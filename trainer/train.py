@@ -50,6 +50,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import (
     checkpoint,
     checkpoint_dir,
+    fence,
+    lineage,
     mesh,
     optim,
     parallelize,
@@ -300,10 +302,16 @@ def train(
         rng_state=torch.get_rng_state(),
     )
     if rank == 0:
-        for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation):
+        lineage.refuse_foreign(args.checkpoint_dir, rt)
+        first_claim = lineage.claimant(rt, lineage.descent(None, rt))
+        for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation, first_claim):
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
-    restore = restore_from.choose(args.checkpoint_dir, rt)
+    restored = restore_from.choose(args.checkpoint_dir, rt)
+    chain = lineage.descent(restored, rt)
+    if rank == 0 and args.checkpoint_dir and restored and restored.lineage:
+        fence.claim(args.checkpoint_dir, rt.generation, lineage.claimant(rt, chain))
+    restore = restored.path if restored else None
     if restore:
         state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)
         run.optimizers.load_scheduler_state(state.scheduler)
@@ -313,6 +321,11 @@ def train(
                 f"resumed from {restore} at step={state.step} samples={state.samples} "
                 f"on {world_size} ranks as {layout}"
             )
+            if restored.resumed:
+                rt.log(
+                    f"started lineage {'→'.join(j[:8] for j in chain)} from {restore}; "
+                    f"it is read, never changed: this job writes in {args.checkpoint_dir}"
+                )
             if run.optimizers.peak_lr != args.lr:
                 rt.log(
                     f"keeping the checkpoint's lr={run.optimizers.peak_lr:g}, not --lr {args.lr:g}"
@@ -329,6 +342,7 @@ def train(
             use_async=args.async_checkpoint,
             keep=args.keep_checkpoints,
             restored_from=restore,
+            lineage=chain,
         )
 
     if current is not None:

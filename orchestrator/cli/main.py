@@ -47,6 +47,15 @@ def main():
     help="Reference trainer: commit a checkpoint every this many steps.",
 )
 @click.option(
+    "--resume-from",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Start a new lineage from this checkpoint (a committed step_N) or checkpoint "
+    "directory (its newest verifiable one), of any run, world size or layout; it is "
+    "read, never changed. If WORKDIR/checkpoints holds another lineage's, this run "
+    "writes in WORKDIR/checkpoints-N.",
+)
+@click.option(
     "--script",
     type=click.Path(exists=True, dir_okay=False),
     help="Run this torchrun-style script instead of the reference trainer "
@@ -184,6 +193,7 @@ def up(
     slots_per_node,
     steps,
     checkpoint_every,
+    resume_from,
     script,
     inject,
     layout,
@@ -229,6 +239,7 @@ def up(
             slots_per_node=slots_per_node,
             steps=steps,
             checkpoint_every=checkpoint_every,
+            resume_from=resume_from or "",
             script=script,
             script_args=tuple(script_args),
             inject=tuple(inject),

@@ -83,6 +83,7 @@ class RunOptions:
     python: str = sys.executable
     working_dir: str = ""  # default: this directory
     checkpoint_dir: str = ""
+    resume_from: str = ""
     hang_floor_s: float = 30.0
     first_step_timeout_s: float = 0.0
     cold_start: bool = False  # never from the agents' warm processes
@@ -121,6 +122,7 @@ class RunOptions:
             mesh=f"dp_shard={self.world_size}",
             working_dir=os.path.abspath(self.working_dir or os.getcwd()),
             checkpoint_dir=os.path.abspath(self.checkpoint_dir) if self.checkpoint_dir else "",
+            resume_from=os.path.abspath(self.resume_from) if self.resume_from else "",
             cold_start=self.cold_start,
         )
         spec.health.CopyFrom(
@@ -278,13 +280,21 @@ def run_local(
 ) -> int:
     """On a cluster of this machine's own, started for the run and stopped after it."""
     from orchestrator.local.cluster import LocalCluster
+    from orchestrator.local.lineage import checkpoint_home
     from orchestrator.local.options import UpOptions
     from orchestrator.local.up import wait_for_agents
 
     workdir = (workdir or Path(tempfile.mkdtemp(prefix="keel-run-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    if not spec.checkpoint_dir:
-        spec.checkpoint_dir = str(workdir / "checkpoints")
+    home, moved = checkpoint_home(
+        Path(spec.checkpoint_dir or workdir / "checkpoints"),
+        spec.resume_from,
+        chosen=bool(spec.checkpoint_dir),
+    )
+    spec.checkpoint_dir = str(home)
+    validate(spec)
+    if moved:
+        click.echo(f"keel run: {moved}", err=True)
     cluster = LocalCluster(
         UpOptions(
             nodes=options.max_nodes,
@@ -444,6 +454,14 @@ def _torchrun_names(*names: str) -> list[str]:
     help="KEEL_CHECKPOINT_DIR of the ranks (default: WORKDIR/checkpoints locally, "
     "none on a cluster).",
 )
+@click.option(
+    "--resume-from",
+    default="",
+    metavar="PATH",
+    help="KEEL_RESUME_FROM of the ranks: start a new lineage from this checkpoint or "
+    "checkpoint directory (read, never changed) until the job records its own. Locally, "
+    "a default WORKDIR/checkpoints holding another lineage's becomes WORKDIR/checkpoints-N.",
+)
 @flags.hang_options
 @click.option(
     "--cold-start",
@@ -495,6 +513,7 @@ def run(
     env_pairs,
     python,
     checkpoint_dir,
+    resume_from,
     hang_floor_s,
     first_step_timeout_s,
     cold_start,
@@ -554,6 +573,7 @@ def run(
             env=_env_pairs(env_pairs),
             python=python,
             checkpoint_dir=checkpoint_dir,
+            resume_from=resume_from,
             hang_floor_s=hang_floor_s,
             first_step_timeout_s=first_step_timeout_s,
             cold_start=cold_start,
@@ -571,8 +591,8 @@ def run(
         etcd_binary()
     except EtcdMissing as exc:
         raise click.ClickException(str(exc)) from None
-    sys.exit(
-        run_local(
+    try:
+        code = run_local(
             options,
             spec,
             Path(workdir) if workdir else None,
@@ -581,4 +601,6 @@ def run(
             log_format,
             log_level,
         )
-    )
+    except (ValueError, InvalidSpec) as exc:  # its checkpoint directory: nothing started
+        raise click.UsageError(str(exc)) from exc
+    sys.exit(code)

@@ -110,6 +110,10 @@ class CheckpointRecords:
                     f"{problem.reason}",
                     step=problem.step,
                 )
+            elif kind is CheckpointProblemKind.FOREIGN_LINEAGE:
+                # Nothing of the job may be written there, on any node: it cannot go on.
+                job.fatal = problem.reason
+                job.health.event(EventKind.ALERT, problem.reason)
             else:
                 job.health.event(
                     EventKind.CHECKPOINT_REFUSED,

@@ -28,7 +28,7 @@ from orchestrator.policy import operations
 from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.convergence import Fix, Fixing
 from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
-from orchestrator.policy.generation import nodes_left, restore_point
+from orchestrator.policy.generation import nodes_left, restore_point, unrestorable
 from orchestrator.policy.guardrails import repeated_failures
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
@@ -192,7 +192,17 @@ class Executor:
         if target.shrink:
             reason += f"; planner chose {mesh} at world size {world_size}"
         leaving = frozenset(job.lost_nodes) if decision.use_suspects else observe.suspects(job)
-        restore = restore_point(self.store.checkpoints(job.name))
+        records = self.store.checkpoints(job.name)
+        restore = restore_point(records)
+        lost = unrestorable(records)
+        if lost and job.spec.on_no_checkpoint != keel_pb2.ON_NO_CHECKPOINT_FRESH_START:
+            raise Terminal(
+                f"{lost}. Nothing was started: a job that has checkpoints never starts "
+                f"again from step 0 unless its spec says on_no_checkpoint = "
+                f'"fresh_start"; or submit a new job with --resume-from one of them'
+            )
+        if lost:
+            health.event(EventKind.FRESH_START, f"starting from step 0 as the spec allows: {lost}")
         plan = dict(
             generation=job.generation + 1,
             placement=placement,

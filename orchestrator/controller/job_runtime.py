@@ -131,6 +131,7 @@ class JobRuntime:
     restore_from: str = ""  # the checkpoint path the generation restores ("": none)
     restore_step: int | None = None  # its step, if its record is known
     restore_fallbacks: list[str] = field(default_factory=list)  # paths, newest first
+    fatal: str = ""  # what no restart can mend (policy.job.Observed.fatal)
     exits: dict[int, RankExit] = field(default_factory=dict)
     stopped_nodes: set[str] = field(default_factory=set)
     lost_nodes: set[str] = field(default_factory=set)

@@ -130,6 +130,7 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         backoff_s=0.0 if job.planned_stop else restart_backoff_s(job.repeated_failures),
         stop_requested=job.intents.stop_requested,
         planned_stop=job.planned_stop,
+        fatal=job.fatal,
     )
 
 

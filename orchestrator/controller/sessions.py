@@ -384,16 +384,16 @@ class AgentService:
         except ValueError as exc:
             self._refused(session, "checkpoint_problem", str(exc))
             return
-        # Marking a checkpoint quarantined changes what restores: only the current
-        # generation's rank 0, which verified it, may.
-        if body.kind == keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED and self._refused(
+        # Marking a checkpoint quarantined changes what restores, and a foreign lineage
+        # ends the job: only the current generation's rank 0, which checked, may.
+        if body.kind in _RANK_ZERO_PROBLEMS and self._refused(
             session,
             "checkpoint_problem",
             (
                 ""
                 if body.generation == job.generation and authority(job, session.node).commits
-                else f"{session.node} reported a quarantine, but does not host rank 0 of "
-                f"generation {job.generation}"
+                else f"{session.node} reported a {WIRE_PROBLEM_KINDS.from_wire(body.kind).value} "
+                f"checkpoint problem, but does not host rank 0 of generation {job.generation}"
             ),
         ):
             return
@@ -616,6 +616,16 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     job.goodput.steps(generation, tallies, time.time())
     if metrics.recovered(job.name, job.recovery, job.goodput.first_step):
         job.recovery = None
+
+
+# Problems that change what the job does, which only rank 0 of the current generation
+# (the rank that verifies and claims the checkpoint directory) may report.
+_RANK_ZERO_PROBLEMS = frozenset(
+    {
+        keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED,
+        keel_pb2.CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE,
+    }
+)
 
 
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:

@@ -65,6 +65,7 @@ class UpOptions:
     json: bool = False
     log_format: str = "json"  # of the daemons and ranks (common.logs)
     log_level: str = "info"
+    resume_from: str = ""  # absolute: a checkpoint, or a directory of them, to start from
 
     def __post_init__(self):
         if self.nodes < 1 or self.slots_per_node < 1:
@@ -90,6 +91,11 @@ class UpOptions:
             )
         for endpoint in self.etcd_endpoints:
             host_port(endpoint)
+        if self.resume_from and not os.path.isdir(self.resume_from):
+            raise ValueError(
+                f"--resume-from {self.resume_from}: no such directory (give a committed "
+                f"checkpoint, step_N, or a checkpoint directory)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -110,6 +116,7 @@ def job_spec(options: UpOptions, checkpoint_dir: Path) -> keel_pb2.JobSpec:
         min_nodes=options.min_nodes,
         checkpoint_dir=str(checkpoint_dir),
         mesh=options.layout or f"dp_shard={options.world_size}",
+        resume_from=os.path.abspath(options.resume_from) if options.resume_from else "",
     )
     if options.script:
         spec.command.extend(

@@ -23,6 +23,7 @@ from orchestrator.cli.client import ControllerClient, NoController
 from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.faults import kind_of
 from orchestrator.local.firing import ClusterFaults
+from orchestrator.local.lineage import checkpoint_home
 from orchestrator.local.options import UpOptions, job_spec
 from orchestrator.local.summary import Progress, print_summary, succeeded, summarize
 from orchestrator.policy.lifecycle import WIRE_STATES
@@ -52,7 +53,8 @@ def up(options: UpOptions) -> int:
     started = time.monotonic()
     workdir = (options.workdir or Path(tempfile.mkdtemp(prefix="keel-up-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = job_spec(options, workdir / "checkpoints")  # validates --inject before any start
+    checkpoints, moved = checkpoint_home(workdir / "checkpoints", options.resume_from, False)
+    spec = job_spec(options, checkpoints)  # validates --inject before any start
     faults = ClusterFaults.of(spec)
     cluster = LocalCluster(
         options,
@@ -68,6 +70,8 @@ def up(options: UpOptions) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     progress = Progress()
+    if moved:
+        progress.note(moved)
     try:
         cluster.start()
         client = ControllerClient(

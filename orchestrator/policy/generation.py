@@ -35,6 +35,20 @@ def restore_point(records: Iterable[CheckpointRecord]) -> RestorePoint:
     return RestorePoint(good[-1].path, good[-1].step, older)
 
 
+def unrestorable(records: Iterable[CheckpointRecord]) -> str:
+    """Why the job cannot go on from its checkpoints ("" if it can, or never recorded
+    one): it recorded some and every one failed verification since, each listed with
+    why; ``records`` oldest first."""
+    records = list(records)
+    if not records or any(not r.quarantined for r in records):
+        return ""
+    listed = "; ".join(
+        f"step {r.step} ({r.path}): {r.quarantine_reason or 'failed verification'}"
+        for r in reversed(records)
+    )
+    return f"no verifiable checkpoint: {listed}"
+
+
 @dataclass(frozen=True)
 class NodesLeft:
     """Nodes the new generation runs without (``out``, sorted), and how: REPLACED

@@ -87,6 +87,9 @@ class Observed:
     # replaced or drained), not by a failure
     backoff_s: float = 0.0  # wait this long in PENDING after a failure
     stopped_nodes: frozenset[str] = frozenset()  # nodes that confirmed the stop
+    # What no restart can mend (the checkpoint directory holds another lineage's
+    # checkpoints): its reason; the job ends FAILED with it.
+    fatal: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             return Decision(Action.CANCEL, observed.stop_requested)
         if state is JobState.STARTING:
             return Decision(Action.STOP, observed.stop_requested)
+    if observed.fatal and state in (JobState.STARTING, JobState.RUNNING):
+        return Decision(Action.STOP, observed.fatal, root_cause(observed.exits), cause="crash")
+    if observed.fatal and state is JobState.PENDING:
+        return Decision(Action.FAIL, observed.fatal)
     if state is JobState.PENDING:
         waited = now - observed.state_since
         if waited < observed.backoff_s:
@@ -216,6 +223,8 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             )
         if observed.stop_requested:
             return Decision(Action.CANCEL, observed.stop_requested)
+        if observed.fatal:
+            return Decision(Action.FAIL, observed.fatal)
         if observed.planned_stop:
             # A move planned around a checkpoint is no failure: it spends no restart.
             return Decision(

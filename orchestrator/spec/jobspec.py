@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 
 from common import env
 from common.keys import JOB_NAME, JOB_NAME_RULE
+from common.paths import inside
+from common.proto_enums import ProtoEnum
 from orchestrator import planner
 from orchestrator.planner.sizing import cluster_for, model_shape, training_shape
 from orchestrator.spec import health
@@ -15,6 +18,17 @@ from protos import keel_pb2
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_RESTARTS_LIMIT = 1000
 MAX_SLOTS = 1024  # the most rank slots an agent may offer
+
+
+class OnNoCheckpoint(str, enum.Enum):
+    """What a job that has recorded checkpoints does when none of them verifies, as a
+    spec file spells it (``on_no_checkpoint = "fresh_start"``)."""
+
+    FAIL = "fail"  # the default: end FAILED, listing each checkpoint and why
+    FRESH_START = "fresh_start"  # start again from step 0, with an event
+
+
+WIRE_ON_NO_CHECKPOINT = ProtoEnum(OnNoCheckpoint, keel_pb2.OnNoCheckpoint, "ON_NO_CHECKPOINT_")
 
 
 class InvalidSpec(ValueError):
@@ -43,6 +57,16 @@ def validate(spec: keel_pb2.JobSpec) -> None:
         )
     if spec.checkpoint_dir and not os.path.isabs(spec.checkpoint_dir):
         problems.append(f"checkpoint_dir {spec.checkpoint_dir!r}: must be an absolute path")
+    if spec.resume_from and not os.path.isabs(spec.resume_from):
+        problems.append(f"resume_from {spec.resume_from!r}: must be an absolute path")
+    elif spec.resume_from and (
+        spec.resume_from == spec.checkpoint_dir or inside(spec.resume_from, spec.checkpoint_dir)
+    ):
+        problems.append(
+            f"resume_from {spec.resume_from!r}: lies in the job's own checkpoint_dir; a "
+            f"resume source is read, never changed: give the new job a checkpoint_dir of "
+            f"its own"
+        )
     if spec.working_dir and not os.path.isabs(spec.working_dir):
         problems.append(
             f"working_dir {spec.working_dir!r}: must be an absolute path (the "

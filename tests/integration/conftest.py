@@ -17,11 +17,12 @@ from tests.conftest import wait_for
 TOKEN = "s3cret-token"
 
 
-def spawn(args, log_path, env=None):
+def spawn(args, log_path, env=None, prefix=()):
+    """Start ``python ARGS`` (behind ``prefix``, a command that execs the rest)."""
     # The child keeps its own copy of the log's descriptor; ours is closed at once.
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -81,7 +82,9 @@ def cluster(etcd, no_leaks):
             )
         return address
 
-    def agent(node, token_file="token", ttl="2", slots="2", extra=()):
+    def agent(node, token_file="token", ttl="2", slots="2", extra=(), prefix=()):
+        """Start an agent for ``node`` (behind ``prefix``: a command that sets up its
+        host, say a mount namespace, then execs it)."""
         proc = spawn(
             [
                 "-m",
@@ -101,6 +104,7 @@ def cluster(etcd, no_leaks):
                 *extra,
             ],
             tmp / f"{node}.log",
+            prefix=prefix,
         )
         started.append(proc)
         return proc

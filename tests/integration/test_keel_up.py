@@ -369,6 +369,28 @@ def test_three_single_slot_nodes_train_the_reference_model(no_leaks):
     assert (data["expected"], data["duplicates"], data["missing"]) == (4 * 48, 0, 0), data
     assert summary["final_loss"] < summary["initial_loss"]
 
+    # The same workdir again: its checkpoints are the first run's lineage; refused
+    # before anything starts, with the two ways on.
+    run, checkpoints = no_leaks / "run", no_leaks / "run" / "checkpoints"
+    first = {p: p.read_bytes() for p in sorted(checkpoints.rglob("*")) if p.is_file()}
+    args = ["--nodes", "3", "--slots-per-node", "1", "--checkpoint-every", "2", "--no-preflight"]
+    again = keel("up", "--workdir", str(run), *args, "--steps", "4", timeout_s=60)
+    assert again.returncode == 2, again.stderr
+    assert f"{checkpoints} holds checkpoints of job keel-up (id " in again.stderr
+    assert f"--resume-from {checkpoints}" in again.stderr
+    # Resumed from them explicitly: a new lineage from step 4, written beside them;
+    # the first run's files are read, never changed.
+    resumed = run_up(run, *args, "--steps", "6", "--resume-from", str(checkpoints))
+    assert resumed["_rc"] == 0, resumed["_stderr"][-4000:]
+    assert (resumed["state"], resumed["steps"]) == ("SUCCEEDED", 6)
+    assert resumed["last_checkpoint"]["path"].startswith(f"{run}/checkpoints-2/")
+    assert f"writes its own in {run}/checkpoints-2" in resumed["_stderr"]
+    rank0 = (run / "nodes" / "node-0" / "keel-up" / "gen1" / "rank0.err").read_text()
+    assert f"resumed from {checkpoints}/step_00000004 at step=4" in rank0
+    data = resumed["data"]
+    assert (data["expected"], data["duplicates"], data["missing"]) == (6 * 48, 0, 0), data
+    assert {p: p.read_bytes() for p in sorted(checkpoints.rglob("*")) if p.is_file()} == first
+
 
 def test_a_hang_is_detected_within_its_timeout_and_the_stuck_rank_is_named(no_leaks):
     summary = run_up(

@@ -49,6 +49,8 @@ import structlog
 from common import env, logs
 from common.adopt import take_environment, take_output
 from common.layout import MESH_DIM_NAMES, Layout, LayoutError
+from common.lineage import FenceUnreadable, Owner, checkpoints_in, read_owner
+from common.lineage import refusal as lineage_refusal
 from common.paths import inside
 from common.wire_kinds import Collective
 from protos import keel_pb2
@@ -83,12 +85,15 @@ __all__ = [
     "CHECKPOINT_REPORT_DEADLINE_S",
     "Collective",
     "FLUSH_WAIT_S",
+    "FenceUnreadable",
     "MESH_DIM_NAMES",
     "GenerationEnded",
     "Identity",
     "Layout",
     "LayoutError",
+    "Owner",
     "Runtime",
+    "checkpoints_in",
     "ended_under_the_rank",
     "claim_fault",
     "deadline_problems",
@@ -97,9 +102,11 @@ __all__ = [
     "init",
     "inside",
     "job_deadlines",
+    "lineage_refusal",
     "parse_fault_schedule",
     "parse_mesh",
     "rank_faults",
+    "read_owner",
 ]
 
 
@@ -110,7 +117,9 @@ class Runtime:
     without Keel), ``job`` (str, "" without Keel), ``mesh`` (dimension → size),
     ``checkpoint_dir`` and ``restore_from`` (absolute paths or None), ``restart_count``
     (int), ``slow_factor`` (float, step-time multiplier from a ``slow`` fault, 1.0 if none),
-    ``restart_in_place`` (bool: it may take the next generation in this process).
+    ``restart_in_place`` (bool: it may take the next generation in this process),
+    ``job_id`` (str, the job's unique id, its lineage's; "" without Keel) and
+    ``resume_from`` (another lineage's checkpoint or directory to start from, or None).
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class Runtime:
         self.generation, self.job, self.mesh = generation, job, identity.mesh
         self.checkpoint_dir, self.restore_from = identity.checkpoint_dir, identity.restore_from
         self.restore_fallbacks = identity.restore_fallbacks
+        self.job_id, self.resume_from = identity.job_id, identity.resume_from
         self.restart_count = identity.restart_count
         self.agent_socket = identity.agent_socket
         self.restart_in_place = restart_in_place

@@ -10,6 +10,7 @@ from orchestrator.policy.generation import (
     RestorePoint,
     nodes_left,
     restore_point,
+    unrestorable,
 )
 from orchestrator.policy.retention import RECORDS_KEPT, records_to_prune
 
@@ -120,3 +121,16 @@ def test_a_job_keeps_its_newest_events_within_the_bounds(sizes, kept):
     from orchestrator.policy.retention import events_kept
 
     assert events_kept(sizes, max_events=5, max_bytes=100) == kept
+
+
+def test_a_job_whose_every_checkpoint_failed_verification_cannot_go_on():
+    assert unrestorable([]) == "", "a job that never recorded one starts fresh"
+    assert unrestorable([record(5, quarantined=True), record(10)]) == ""
+    bad = [
+        record(5, quarantined=True),
+        record(10, quarantined=True).replace(quarantine_reason="__0_0.distcp has 3 bytes"),
+    ]
+    assert unrestorable(bad) == (
+        "no verifiable checkpoint: step 10 (/c/step_00000010): __0_0.distcp has 3 bytes; "
+        "step 5 (/c/step_00000005): failed verification"
+    )

@@ -286,3 +286,28 @@ def test_only_a_shortage_of_slots_is_waiting_for_capacity():
         1.0, Observed(JobState.PENDING, 0.0, 1, backoff_s=5.0, free_slots={"a": 2, "b": 2}), SPEC
     )
     assert backing_off.action is Action.WAIT and not backing_off.awaits_capacity
+
+
+def test_what_no_restart_can_mend_ends_the_job_failed_with_its_reason():
+    why = "/c holds checkpoints of job other (id x): ..."
+    # Running (its ranks refused before they started): stopped, never restarted.
+    d = decide(1.0, running(fatal=why, exits=(exit_(0, code=1),)), SPEC)
+    assert d.action is Action.STOP and d.reason == why and d.root_cause.rank == 0
+    stopped = Observed(
+        JobState.STOPPING, 0.0, 0, generation_nodes=NODES, stopped_nodes=NODES, fatal=why
+    )
+    assert decide(1.0, stopped, SPEC) == Decision(Action.FAIL, why)
+    # Restarts left or not, and even with slots free.
+    pending = Observed(JobState.PENDING, 0.0, 0, free_slots={"a": 4}, fatal=why)
+    assert decide(1.0, pending, SPEC) == Decision(Action.FAIL, why)
+    # An operator's stop still ends it as the operator asked.
+    asked = Observed(
+        JobState.STOPPING,
+        0.0,
+        0,
+        generation_nodes=NODES,
+        stopped_nodes=NODES,
+        fatal=why,
+        stop_requested="by hand",
+    )
+    assert decide(1.0, asked, SPEC).action is Action.CANCEL

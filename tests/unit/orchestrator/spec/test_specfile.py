@@ -85,6 +85,17 @@ def test_enum_fields_are_written_as_operators_spell_them():
     assert not spec.HasField("health")  # unset: the default policy, replace
 
 
+def test_a_spec_resumes_from_another_lineage_and_says_what_no_checkpoint_means():
+    spec = parse({**GOOD, "resume_from": "/ck/old", "on_no_checkpoint": "fresh_start"}, "job.toml")
+    assert spec.resume_from == "/ck/old"
+    assert spec.on_no_checkpoint == keel_pb2.ON_NO_CHECKPOINT_FRESH_START
+    assert parse(GOOD, "job.toml").on_no_checkpoint == keel_pb2.ON_NO_CHECKPOINT_UNSPECIFIED
+    assert "resume_from 'old': must be an absolute path" in error({**GOOD, "resume_from": "old"})
+    inside = error({**GOOD, "resume_from": "/ck/llama/step_00000010"})
+    assert "lies in the job's own checkpoint_dir" in inside
+    assert "on_no_checkpoint" in error({**GOOD, "on_no_checkpoint": "restart"})
+
+
 def test_toml_and_yaml_give_equal_specs(tmp_path):
     assert load(write(tmp_path, "a.toml", GOOD_TOML)) == load(write(tmp_path, "a.yaml", GOOD_YAML))
 
