@@ -7,7 +7,9 @@ Layout under the job's checkpoint directory::
         .metadata                  DCP's global plan, written last by the coordinator
         __0_0.distcp  __1_0.distcp one shard file per saving rank
         ledger.json                the data ledger of the lineage (``trainer.ledger``)
-        manifest.json              every other file's size and CRC-32 (``trainer.manifest``)
+        manifest.json              every other file's size and CRC-32, and the job, its
+                                   lineage and the generation that wrote it
+                                   (``trainer.manifest``)
     .step_00000015.g3.tmp/         being written by generation 3; never loaded
     .step_00000005.g3.expired.tmp/ removed by retention, being deleted; never loaded
     .quarantine.step_00000020.g4/  failed verification when generation 4 restored it;
@@ -28,9 +30,15 @@ write is complete: the manifest, fsyncs, atomic rename to ``step_<08d>``, report
 the agent, then retention. One save is in flight at a time. Only the generation that
 owns the directory (``trainer.fence``) commits, removes or cleans up there.
 
+The manifest's sums are taken while writing, not by reading back: every rank writes
+through a ``SummingWriter`` (``trainer.summing_writer``), which sums each file's bytes
+on their way to the disk and hands the sums to DCP's coordinator with its write
+results; rank 0's commit writes them (and the ledger's, which it reads: a few bytes of
+its own) into the manifest.
+
 Durability: a committed checkpoint survives power loss. The fsyncs are split between
-DCP and us. ``dcp.save``/``dcp.async_save`` given only a ``checkpoint_id`` write
-through a ``FileSystemWriter`` with its default ``sync_files=True``, under which every
+DCP and us. ``dcp.save``/``dcp.async_save`` write through a ``SummingWriter``, DCP's
+``FileSystemWriter`` with ``sync_files=True`` as its default is, under which every
 rank fsyncs each shard file it wrote before reporting its write done, and the
 coordinator fsyncs ``.metadata`` (as ``.metadata.tmp``) before renaming it into place;
 all of that happens before rank 0's save completes. DCP fsyncs no directory, and the
@@ -81,6 +89,7 @@ from trainer.checkpoint_dir import (
 )
 from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.runtime import Runtime
+from trainer.summing_writer import SummingWriter
 
 # Optimizer state keyed per parameter name ("state.layers.0.mlp.w1.weight.exp_avg"),
 # not as one param_groups list per rank: ranks of different pipeline stages hold
@@ -189,6 +198,7 @@ class _Pending:
     staging: str
     future: Future
     started: float  # perf_counter seconds, when its save began
+    writer: SummingWriter  # on rank 0, the sums of every file once it is written
 
 
 class Checkpointer:
@@ -197,7 +207,7 @@ class Checkpointer:
     ``save`` blocks while the state is staged; ``poll`` (each step, non-blocking) and
     ``wait`` (before the next save and at exit, blocking) see to a save whose write
     finished: rank 0 then commits it (manifest, fsyncs, rename, report, retention) on a
-    thread of its own, so neither it nor its peers wait for the checksums. With
+    thread of its own, so neither it nor its peers wait for the commit. With
     ``use_async`` False, ``save`` writes and commits before returning. Every rank calls
     ``save`` and ``wait`` at the same steps; rank 0 alone commits. Checkpoints that
     retention removes are deleted in the background; ``wait`` (hence also ``save``)
@@ -209,8 +219,11 @@ class Checkpointer:
 
     ``keep``: committed checkpoints kept after each commit (0: all); never deleted: the
     checkpoint this run loaded (``restored_from``) and the newest one the controller
-    recorded (``Runtime.recorded_step``). ``take_blocked_s`` says how long ``save`` and
-    ``poll`` held up the caller, for the step reports."""
+    recorded (``Runtime.recorded_step``). ``lineage``: the job ids whose checkpoints
+    this run continues, origin first, this job's last, written into every manifest with
+    the job and generation (default: this job's id alone; () outside Keel).
+    ``take_blocked_s`` says how long ``save`` and ``poll`` held up the caller, for the
+    step reports."""
 
     def __init__(
         self,
@@ -220,9 +233,12 @@ class Checkpointer:
         use_async: bool,
         keep: int,
         restored_from: str | None,
+        lineage: tuple[str, ...] = (),
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.runtime = runtime
+        job_id = runtime.identity.job_id
+        self.lineage = lineage or ((job_id,) if job_id else ())
         self.use_async = use_async
         self.keep = keep
         self.restored_from = os.path.abspath(restored_from) if restored_from else None
@@ -278,11 +294,12 @@ class Checkpointer:
             os.makedirs(staging)
             ledger.write(staging, global_batch, step)
         dist.barrier()
+        writer = SummingWriter(staging)
         if self.use_async:
             future = dcp.async_save(
-                state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager
+                state, storage_writer=writer, process_group=self._group, async_stager=self._stager
             )
-            pending = _Pending(step, samples, staging, future, started)
+            pending = _Pending(step, samples, staging, future, started, writer)
             if self._rank == 0:
                 # Committed as soon as it is written, by the committer thread: not when
                 # the training loop next looks, which may be blocked in a collective on
@@ -296,8 +313,8 @@ class Checkpointer:
                 self._pending = pending
         else:
             with self._superseded_if_lost(step, staging):
-                dcp.save(state, checkpoint_id=staging, process_group=self._group)
-            self._commit(step, samples, staging, started)
+                dcp.save(state, storage_writer=writer, process_group=self._group)
+            self._commit(step, samples, staging, started, writer.sums)
         self._blocked_s += time.perf_counter() - started
 
     def poll(self) -> None:
@@ -370,7 +387,9 @@ class Checkpointer:
     def _commit_when_written(self, pending: _Pending) -> None:
         with self._superseded_if_lost(pending.step, pending.staging):
             pending.future.result()
-        self._commit(pending.step, pending.samples, pending.staging, pending.started)
+        self._commit(
+            pending.step, pending.samples, pending.staging, pending.started, pending.writer.sums
+        )
 
     @contextlib.contextmanager
     def _superseded_if_lost(self, step: int, staging: str):
@@ -404,9 +423,17 @@ class Checkpointer:
             self.runtime.report_checkpoint_problem(step, path, "stale_commit", str(refused))
             raise
 
-    def _commit(self, step: int, samples: int, staging: str, started: float) -> None:
+    def _commit(
+        self,
+        step: int,
+        samples: int,
+        staging: str,
+        started: float,
+        sums: dict[str, manifest.FileSum],
+    ) -> None:
         """Make the written checkpoint of ``step`` durable under its committed name and
-        report it (with the seconds since its save ``started``, perf_counter)."""
+        report it (with the seconds since its save ``started``, perf_counter). ``sums``:
+        every file DCP wrote, summed as it wrote them (``SummingWriter``)."""
         # DCP's coordinator (rank 0) writes the metadata only after gathering every
         # rank's write results, so rank 0's write being done means everyone's is, and
         # DCP has fsynced every shard file and .metadata (see the module docstring).
@@ -414,13 +441,23 @@ class Checkpointer:
             return
         final = committed_path(self.checkpoint_dir, step)
         # What DCP leaves unsynced: our ledger and the staging directory's entries;
-        # and the manifest, written (and fsynced) once every other file is there. A
-        # newer generation may have cleaned this staging directory up meanwhile: then
-        # that is its refusal, not a crash.
+        # and the manifest, written (and fsynced) once every other file is there, from
+        # the sums taken while writing: nothing DCP wrote is read back. A newer
+        # generation may have cleaned this staging directory up meanwhile: then that
+        # is its refusal, not a crash.
         with self._superseded_if_lost(step, staging):
             fsync_file(os.path.join(staging, LEDGER_FILE))
-            size = manifest.write(staging, step)
+            record = manifest.Manifest(
+                step=step,
+                files=sums | manifest.checksum(staging, [LEDGER_FILE]),
+                job_id=self.runtime.identity.job_id,
+                job=self.runtime.job,
+                lineage=self.lineage,
+                generation=self.generation,
+            )
+            manifest.write(staging, record)
             fsync_dir(staging)
+        size = record.size_bytes
         with self._fenced(step, staging):
             if os.path.exists(final):
                 # Whoever wrote it died before the controller recorded it, or the job

@@ -1,23 +1,23 @@
-"""The checkpoint commit's durability and retention, in-process on a one-rank gloo
-group: DCP fsyncs the shard files and ``.metadata`` itself (its FileSystemWriter's
-default ``sync_files=True``), the commit fsyncs only what DCP does not (``ledger.json``
-and the directory entries around the rename), and retention deletes what it removes off
-the training thread, with ``wait`` waiting for the deletions."""
+"""The checkpoint commit's durability and retention, in-process on a one-rank gloo group:
+DCP fsyncs the shard files and ``.metadata`` itself (the ``SummingWriter`` it writes
+through is its FileSystemWriter with ``sync_files=True``), the commit fsyncs only what
+DCP does not (``ledger.json`` and the directory entries around the rename), and
+retention deletes what it removes off the training thread, with ``wait`` waiting for the
+deletions."""
 
-import inspect
 import os
 import shutil
 import threading
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
 from protos import keel_pb2
 from trainer import checkpoint_dir
 from trainer.checkpoint import Checkpointer
 from trainer.ledger import Ledger
 from trainer.runtime import Identity, Runtime
+from trainer.summing_writer import SummingWriter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,10 +53,9 @@ def model_state(step: int) -> dict:
     }
 
 
-def test_dcp_filesystem_writer_syncs_files_by_default():
-    # Checkpointer passes DCP only a checkpoint_id, so DCP builds this writer with its
-    # defaults; the commit relies on it fsyncing the files it writes.
-    assert inspect.signature(FileSystemWriter.__init__).parameters["sync_files"].default is True
+def test_the_summing_writer_syncs_files(tmp_path):
+    # The commit relies on DCP's writer fsyncing the files it writes.
+    assert SummingWriter(str(tmp_path)).sync_files is True
 
 
 @pytest.mark.parametrize("use_async", [False, True])

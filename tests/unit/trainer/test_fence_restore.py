@@ -80,7 +80,8 @@ def test_a_manifest_catches_missing_truncated_and_damaged_files(tmp_path):
     (tmp_path / "a.distcp").write_bytes(b"x" * 5000)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 10)
-    manifest.write(str(tmp_path), 7)
+    files = manifest.checksum(str(tmp_path), ["a.distcp", "sub/b"])
+    manifest.write(str(tmp_path), manifest.Manifest(step=7, files=files))
     assert manifest.verify(str(tmp_path)) == ""
     (tmp_path / "a.distcp").write_bytes(b"x" * 4999 + b"z")
     assert manifest.verify(str(tmp_path)) == "a.distcp does not match its checksum"
