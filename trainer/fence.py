@@ -87,9 +87,11 @@ def _claim_locked(directory: str, generation: int, claimant: Owner | None, job_i
     directory over), else keeping the job the fence names."""
     current = read_owner(directory)
     takeover = claimant is not None
-    # Generations are numbered per job: against another job's fence (or one from before
-    # fences named their job), only whether the directory may be taken over counts.
-    if current is not None and job_id and current.job_id != job_id:
+    # Generations are numbered per job: against another job's fence (or, for a claim,
+    # one from before fences named their job), only whether the directory may be taken
+    # over counts. A step under a fence without a job id is judged by generation.
+    foreign = current is not None and job_id and current.job_id != job_id
+    if foreign and (takeover or current.job_id):
         if not takeover:
             raise ForeignLineage(
                 f"{current.describe()} owns {directory} now; generation {generation} of "

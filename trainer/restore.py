@@ -142,7 +142,7 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> Restored | None:
         runtime.report_checkpoint_problem(0, runtime.resume_from or "", "unreachable", unlisted)
     for path in tried:
         outside = "" if resumed else _outside(path, checkpoint_dir)
-        verdict = None if outside else verify.check(path)
+        verdict = None if outside else verify.check(path, runtime.identity.node)
         if verdict is not None and verdict.kind in (VerdictKind.OK, VerdictKind.UNVERIFIED):
             if dist.get_rank() == 0 and verdict.kind is VerdictKind.UNVERIFIED:
                 runtime.log(f"restoring {path} without a checksum manifest: {verdict.reason}")

@@ -17,7 +17,9 @@ from trainer.runtime import Identity, Runtime
 pytestmark = pytest.mark.timeout(120)
 
 
-def runtime(generation=2, job="", restore_from=None, fallbacks=()) -> Runtime:
+def runtime(
+    generation=2, job="", restore_from=None, fallbacks=(), resume_from=None, job_id=""
+) -> Runtime:
     return Runtime(
         Identity(
             rank=0,
@@ -31,6 +33,9 @@ def runtime(generation=2, job="", restore_from=None, fallbacks=()) -> Runtime:
             restart_count=0,
             agent_socket=None,
             restore_fallbacks=tuple(fallbacks),
+            node="node-x",
+            job_id=job_id,
+            resume_from=resume_from,
         ),
         faults=keel_pb2.FaultSchedule(),
     )
@@ -132,16 +137,88 @@ def test_a_damaged_newest_checkpoint_is_quarantined_and_the_one_before_restored(
     corrupt(newest)
     # Under Keel: the controller's restore point, then its fallbacks.
     chosen = restore.choose(directory, runtime(3, job="j", restore_from=newest, fallbacks=[older]))
-    assert chosen == older
+    assert chosen == restore.Restored(older, (), resumed=False)
     assert not os.path.exists(newest)
     assert os.path.isdir(os.path.join(directory, ".quarantine.step_00000010.g3"))
     logged = capsys.readouterr().err
     assert f"quarantined checkpoint {newest}: __0_0.distcp does not match its checksum" in logged
     # Under plain torchrun: the committed ones, newest first, with the same checks.
-    assert restore.choose(directory, runtime(0)) == older
+    assert restore.choose(directory, runtime(0)).path == older
     # Nothing that verifies, where there were candidates: no silent fresh start.
     corrupt(older)
-    with pytest.raises(restore.NothingToRestore, match="no checkpoint can be restored"):
+    with pytest.raises(restore.NothingToRestore, match="^no verifiable checkpoint: .*step_0+5"):
         restore.choose(directory, runtime(4, job="j", restore_from=older))
     # A fresh start is what the controller asks for with no restore point.
     assert restore.choose(directory, runtime(5, job="j")) is None
+
+
+def test_a_checkpoint_this_node_cannot_read_is_left_alone_and_one_without_manifest_loads(
+    tmp_path, one_rank_group, capsys
+):
+    directory = str(tmp_path / "ckpt")
+    save(directory, 2, [5, 10])
+    newest, older = committed_path(directory, 10), committed_path(directory, 5)
+    # The newest is not there on this node (a mount missing): not damage.
+    os.rename(newest, str(tmp_path / "elsewhere"))
+    os.remove(os.path.join(older, manifest.MANIFEST_FILE))  # written before manifests
+    chosen = restore.choose(directory, runtime(3, job="j", restore_from=newest, fallbacks=[older]))
+    assert chosen.path == older
+    logged = capsys.readouterr().err
+    assert f"cannot read checkpoint {newest} here; leaving it as it is" in logged
+    assert f"restoring {older} without a checksum manifest" in logged
+    assert not [n for n in os.listdir(directory) if n.startswith(".quarantine")]
+    # Nothing readable on this node: it says so, for the job to try another node.
+    with pytest.raises(restore.CheckpointUnreachable, match="no verifiable checkpoint: "):
+        restore.choose(directory, runtime(4, job="j", restore_from=newest))
+
+
+def test_a_resume_source_is_read_and_never_changed(tmp_path, one_rank_group, capsys):
+    source = str(tmp_path / "theirs")
+    save(source, 7, [5, 10])
+    corrupt(committed_path(source, 10))
+    before = sorted(os.listdir(source))
+    # A directory: its newest verifiable checkpoint; the damaged one stays where it is.
+    chosen = restore.choose(str(tmp_path / "mine"), runtime(1, job="j", resume_from=source))
+    assert chosen == restore.Restored(committed_path(source, 5), (), resumed=True)
+    assert sorted(os.listdir(source)) == before
+    assert f"cannot restore checkpoint {committed_path(source, 10)}" in capsys.readouterr().err
+    # One checkpoint named: that one.
+    named = runtime(1, job="j", resume_from=committed_path(source, 5))
+    assert restore.choose(str(tmp_path / "mine"), named).path == committed_path(source, 5)
+    # Once the job recorded its own, those come first and the source is not looked at.
+    mine = str(tmp_path / "mine")
+    save(mine, 1, [12])
+    own = runtime(2, job="j", restore_from=committed_path(mine, 12), resume_from=source)
+    assert restore.choose(mine, own) == restore.Restored(committed_path(mine, 12), (), False)
+    # A source with nothing to resume from is no fresh start.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(restore.NothingToRestore, match=f"to resume from in {empty}: it holds"):
+        restore.choose(mine, runtime(3, job="j", resume_from=str(empty)))
+    with pytest.raises(restore.CheckpointUnreachable, match="cannot be read here"):
+        restore.choose(mine, runtime(3, job="j", resume_from=str(tmp_path / "absent")))
+
+
+def test_the_fence_names_its_job_and_another_lineage_is_refused(tmp_path):
+    directory = str(tmp_path)
+    mine = fence.Owner(2, "id-mine", "train", ("id-origin", "id-mine"))
+    fence.claim(directory, 2, mine)
+    assert fence.read_owner(directory) == mine
+    with fence.held(directory, 2, "id-mine"):
+        pass
+    # A later generation of the same job keeps its name and lineage.
+    with fence.held(directory, 3, "id-mine"):
+        pass
+    assert fence.read_owner(directory) == fence.Owner(3, "id-mine", "train", mine.lineage)
+    # Another job took the directory over (it held none of its checkpoints): the first
+    # job's steps are refused, whatever their generation numbers.
+    fence.claim(directory, 1, fence.Owner(1, "id-theirs", "other", ("id-theirs",)))
+    with pytest.raises(fence.ForeignLineage, match="job other \\(id id-theirs"):
+        with fence.held(directory, 9, "id-mine"):
+            pytest.fail("a step of a lineage that no longer owns the directory ran")
+    # A fence from before fences named their job is adopted by the job's claim.
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / fence.FENCE_FILE).write_text('{"generation": 7}')
+    fence.claim(str(legacy), 1, mine.__class__(1, "id-mine", "train", ("id-mine",)))
+    assert fence.read_owner(str(legacy)).job_id == "id-mine"
