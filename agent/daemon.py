@@ -112,6 +112,7 @@ class Agent:
         )
         self.generation = Generation()
         self.started: tuple[str, int] | None = None  # the newest StartGeneration's
+        self.started_id = ""  # ... job id
         self.reports = Reports()
         self.hang_config = HangConfig()
         self.lease = None
@@ -552,14 +553,16 @@ class Agent:
         )
 
     def _start(self, start: keel_pb2.StartGeneration) -> None:
-        if self.started == (start.job, start.generation):
+        # A job submitted again under the same name (after `keel delete`) starts over at
+        # generation 1 with a new id: that is no repeat.
+        if self.started == (start.job, start.generation) and self.started_id == start.job_id:
             log.info(
                 "generation already started here; ignoring the repeat",
                 job=start.job,
                 generation=start.generation,
             )
             return
-        self.started = (start.job, start.generation)
+        self.started, self.started_id = (start.job, start.generation), start.job_id
         # A node runs one generation at a time: anything older goes first.
         older = [
             r
