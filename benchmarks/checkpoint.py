@@ -1,17 +1,20 @@
 """What Keel's checkpoints cost the reference trainer: the time a save blocks the
 training loop, synchronously and asynchronously, the save's throughput against a raw
-write of the same bytes, and a resharded restore against a same-layout one, each
-against a baseline measured in the same run.
+write of the same bytes, a resharded restore against a same-layout one, the
+verification of a checkpoint of over 2 GB on 4 ranks against rank 0 alone, and the
+commit against the read-back it no longer makes, each against a baseline measured in
+the same run.
 
 The ranks (``benchmarks/checkpoint_ranks.py``, which says exactly what each
 measurement times) run the trainer's own code: the model built by
 ``trainer.train.setup`` in a ``trainer.mesh.Layout`` and stepped once (so AdamW holds
 its moments), ``checkpoint.state_dict``, ``Checkpointer.save``/``wait`` (DCP save or
-async save, then rank 0's commit: manifest with CRC-32s, fsyncs, generation fence,
-rename), and ``restore.choose`` (verify) with ``checkpoint.load``. Two launches, each of
-its own ranks (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, gloo, one CPU
-thread each, ``OMP_NUM_THREADS=1``), each measuring everything it does round after
-round in an order that rotates every round, after one untimed round:
+async save, then rank 0's commit: manifest from the sums taken while writing, fsyncs,
+generation fence, rename), ``restore.choose`` (verify) with ``checkpoint.load``, and
+``trainer.verify``'s ``check`` and ``check_alone``. Three launches, each of its own
+ranks (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, gloo, one CPU thread
+each, ``OMP_NUM_THREADS=1``), each measuring everything it does round after round in
+an order that rotates every round, after one untimed round:
 
 1. world 4: a raw write (every rank writes its share of a checkpoint's bytes to a file
    of its own and fsyncs it, in parallel, as the save writes its shard files), the
@@ -19,14 +22,22 @@ round in an order that rotates every round, after one untimed round:
    restores of a ``dp_shard=4`` and a ``dp_shard=2,tp=2`` checkpoint into
    ``dp_shard=2,tp=2``;
 2. world 2: restores of a ``dp_shard=2`` checkpoint saved there and of launch 1's
-   ``dp_shard=4`` one into ``dp_shard=2``.
+   ``dp_shard=4`` one into ``dp_shard=2``;
+3. world 4, a larger model (``VERIFY_DIM``, ``VERIFY_LAYERS``: a 2.4 GB checkpoint),
+   at most ``VERIFY_ROUNDS`` rounds: ``verify.check`` on 4 ranks and
+   ``verify.check_alone`` on rank 0 of one ``dp_shard=4`` checkpoint, and a synchronous
+   save of the same state with its commit, followed by rank 0's ``check_alone`` of what
+   it committed, at once: the read-back (every file read again and summed, as warm as
+   the commit found them) that the commit made before it took the sums while writing.
 
-Each restore first drops the checkpoint's files from the page cache. Every time is
+Each restore and each verification first drops the checkpoint's files from the page
+cache. Every time is
 the slowest rank's, and the tables give medians over the rounds with rank 0's phases.
 The figures, last, are ratios of medians: async save's blocking time against the
 synchronous save; the save's throughput (bytes committed / sync save time) against the
-raw write's; and ``checkpoint.load`` of a checkpoint of another layout (and world)
-against one of the same layout, into the same layout::
+raw write's; ``checkpoint.load`` of a checkpoint of another layout (and world)
+against one of the same layout, into the same layout; ``verify.check`` on 4 ranks
+against ``check_alone``; and the commit against the commit plus that read-back::
 
     python -m benchmarks.checkpoint [--rounds 8] [--dim 1024] [--layers 2] [--dir /tmp]
 
@@ -57,6 +68,14 @@ GRACE_S = 5.0
 SAVE_LAYOUT = "dp_shard=4"
 RESHARD_LAYOUT = "dp_shard=2,tp=2"
 SMALL_LAYOUT = "dp_shard=2"
+# Verification is timed on a checkpoint of at least 2 GB: 201 M parameters, 2.4 GB of
+# fp32 weights and AdamW moments. Each of its rounds moves about 10 GB through the
+# disk (a save, its read-back, two reads with the page cache dropped), hence fewer
+# rounds and a longer launch.
+VERIFY_DIM = 2048
+VERIFY_LAYERS = 4
+VERIFY_ROUNDS = 3
+VERIFY_LAUNCH_TIMEOUT_S = 900.0
 TARGETS = {"async_over_sync": 0.1, "save_over_raw": 0.7}
 
 
@@ -64,8 +83,15 @@ class Failed(Exception):
     """A launch that did not finish; the message names the first rank that failed."""
 
 
-def launch(workdir: Path, world_size: int, options: argparse.Namespace, extra: list[str]) -> dict:
-    """Runs ``world_size`` ranks of ``benchmarks.checkpoint_ranks``; their results."""
+def launch(
+    workdir: Path,
+    world_size: int,
+    options: argparse.Namespace,
+    extra: list[str],
+    timeout_s: float = LAUNCH_TIMEOUT_S,
+) -> dict:
+    """Runs ``world_size`` ranks of ``benchmarks.checkpoint_ranks`` (the model and
+    rounds of ``options``), each launch within ``timeout_s``; their results."""
     port = free_port("127.0.0.1")
     base = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     argv = [
@@ -110,7 +136,7 @@ def launch(workdir: Path, world_size: int, options: argparse.Namespace, extra: l
                     start_new_session=True,
                 )
             )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     first = None  # the first rank seen to fail, and its exit status
     try:
         while (
@@ -130,7 +156,7 @@ def launch(workdir: Path, world_size: int, options: argparse.Namespace, extra: l
     if first or running:
         rank, code = first or (running[0], None)
         why = (
-            f"still running after {LAUNCH_TIMEOUT_S:g} s"
+            f"still running after {timeout_s:g} s"
             if code is None
             else f"exited {code}"
             if code > 0
@@ -173,7 +199,7 @@ def derived_phases(name: str, times: dict[str, float], spent: dict[str, float]) 
             "dcp.save: write_data (serialize, write and fsync its shard file)": spent["write_data"],
             "dcp.save: the rest (plans, gathers, .metadata)": spent["dcp.save"]
             - spent["write_data"],
-            "commit: manifest (CRC-32 of every file)": spent["manifest"],
+            "commit: manifest (sums taken while writing)": spent["manifest"],
             "commit: fsyncs, fence, rename": commit - spent["manifest"],
         }
     if name == "async save":
@@ -189,7 +215,14 @@ def derived_phases(name: str, times: dict[str, float], spent: dict[str, float]) 
             "  of which write_data (serialize, write and fsync its shard file)": spent[
                 "write_data"
             ],
-            "  of which commit: manifest (CRC-32 of every file)": spent["manifest"],
+            "  of which commit: manifest (sums taken while writing)": spent["manifest"],
+        }
+    if name == "commit":
+        return {
+            "dcp.save: write_data (serialize, sum, write and fsync its shard file)": spent[
+                "write_data"
+            ],
+            "commit: manifest (sums taken while writing), fsyncs, fence, rename": spent["commit"],
         }
     if name.startswith("load"):
         return {
@@ -256,6 +289,21 @@ def main() -> int:
             options,
             ["--layouts", SMALL_LAYOUT, "--foreign", f"{SAVE_LAYOUT} (world 4)@{saved}"],
         )
+        shutil.rmtree(workdir / "load", ignore_errors=True)  # room for the large one
+        large = launch(
+            workdir,
+            4,
+            argparse.Namespace(
+                **vars(options)
+                | {
+                    "dim": VERIFY_DIM,
+                    "layers": VERIFY_LAYERS,
+                    "rounds": min(options.rounds, VERIFY_ROUNDS),
+                }
+            ),
+            ["--layouts", SAVE_LAYOUT, "--verify"],
+            timeout_s=VERIFY_LAUNCH_TIMEOUT_S,
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     wall_s = time.monotonic() - began
@@ -301,6 +349,26 @@ def main() -> int:
         [("blocked", "restore"), ("choose", "choose (verify)"), ("load", "checkpoint.load")],
     )
 
+    gigabytes = large["verified_bytes"] / 1e9
+    checks = ["verify.check, 4 ranks", "verify.check_alone, rank 0"]
+    table(
+        f"verification (page cache dropped first), world 4, {SAVE_LAYOUT}, a {gigabytes:.2f} GB "
+        f"checkpoint (--dim {VERIFY_DIM} --layers {VERIFY_LAYERS}); seconds, median (min–max) "
+        "of the slowest rank",
+        checks,
+        large,
+        [("verify", "verify")],
+    )
+    table(
+        "commit of the same state, world 4; seconds, median (min–max); "
+        "commit and read-back are rank 0's",
+        ["commit"],
+        large,
+        [("save", "sync save"), ("commit", "commit"), ("read-back", "old read-back")],
+    )
+    for kind, said in sorted(large["verdicts"].items()):
+        print(f"    verdict ({kind}): {said}")
+
     def at(results: dict, name: str, key: str = "blocked") -> float:
         return median([run[key] for run in results["times"][name]])
 
@@ -332,6 +400,17 @@ def main() -> int:
         f"vs same layout {at(small, same, 'load'):.3f} s -> "
         f"{at(small, resharded, 'load') / at(small, same, 'load'):.2f} "
         f"(whole restore {at(small, resharded) / at(small, same):.2f}; no target)"
+    )
+    check_s, alone_s = (at(large, name, "verify") for name in checks)
+    print(
+        f"verify of a {gigabytes:.2f} GB checkpoint on 4 ranks {check_s:.3f} s vs rank 0 alone "
+        f"{alone_s:.3f} s -> {check_s / alone_s:.2f} (no target)"
+    )
+    commit_s, read_s = at(large, "commit", "commit"), at(large, "commit", "read-back")
+    print(
+        f"commit of a {gigabytes:.2f} GB checkpoint, sums taken while writing, {commit_s:.3f} s "
+        f"vs with the old read-back {commit_s + read_s:.3f} s (read-back {read_s:.3f} s) -> "
+        f"{commit_s / (commit_s + read_s):.2f} (no target)"
     )
     return 0
 

@@ -12,8 +12,8 @@ With ``--saves`` (the first layout's state):
   ``CHUNK_BYTES`` writes, and fsyncs it; rank 0 then fsyncs the directory.
 * ``sync``: ``checkpoint.state_dict`` and ``Checkpointer.save`` with ``use_async``
   False: staging directory and ledger, ``dcp.save`` (every rank writes and fsyncs its
-  shard file, rank 0 the metadata), and rank 0's commit (manifest with CRC-32 of every
-  file, fsyncs, fence, rename).
+  shard file, summing it as it goes, rank 0 the metadata), and rank 0's commit
+  (manifest from those sums, fsyncs, fence, rename).
 * ``async``: the same with ``use_async`` True, timed until ``save`` returns (what the
   training loop waits for: staging to CPU memory), then ``wait`` until rank 0's
   commit is done (``to commit``).
@@ -23,6 +23,16 @@ Loads, for every checkpoint source (one saved here per layout, once, plus
 cache dropped (``POSIX_FADV_DONTNEED``; a restore after a failure on another node
 finds nothing cached), then the trainer's restore: ``restore.choose`` (rank 0
 verifies the manifest: reads and checksums every file) and ``checkpoint.load``.
+
+With ``--verify`` (the first layout's checkpoint, saved once), and no loads:
+
+* ``commit``: a sync save as above (``save``: the slowest rank's), rank 0's
+  ``_commit`` (``commit``), then at once, as warm as the commit found the files, rank
+  0's ``verify.check_alone`` of the committed checkpoint (``read-back``): what the
+  commit read back before it took the sums while writing.
+* ``verify.check, <world> ranks`` and ``verify.check_alone, rank 0``: the checkpoint's
+  page cache dropped, then ``verify.check`` on every rank, or ``check_alone`` on rank 0
+  while the others wait (``verify``).
 
 Between measurements, untimed: what a save committed is deleted and the filesystem
 synced, so that no deletion or writeback lands in the next one. Rank 0's phases come
@@ -52,10 +62,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from trainer import checkpoint, fence, manifest, restore, train
+from trainer import checkpoint, fence, manifest, restore, train, verify
 from trainer import runtime as keel_runtime
 from trainer.checkpoint import Checkpointer, TrainerState
-from trainer.checkpoint_dir import METADATA_FILE, committed_steps, fsync_dir
+from trainer.checkpoint_dir import METADATA_FILE, committed_path, committed_steps, fsync_dir
 from trainer.data import SyntheticTokens, rank_samples
 from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.mesh import Layout
@@ -182,6 +192,11 @@ def main() -> None:
         "--saves", action="store_true", help="time raw writes, sync and async saves"
     )
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="time verification and the commit of the first layout's checkpoint, and no loads",
+    )
+    parser.add_argument(
         "--load-into",
         nargs="*",
         default=None,
@@ -257,7 +272,14 @@ def main() -> None:
         sources[name] = directory
 
     arms: list[tuple[str, object]] = []
-    results: dict = {"times": {}, "phases": {}, "sources": sources, "commit_problems": {}}
+    results: dict = {
+        "times": {},
+        "phases": {},
+        "sources": sources,
+        "commit_problems": {},
+        "verdicts": {},
+    }
+    steps = iter(range(2, 1 << 30))
     if options.saves:
         run = runs[options.layouts[0]]
         sync = Checkpointer(
@@ -271,7 +293,6 @@ def main() -> None:
         raw_dir = os.path.join(work, "raw")
         os.makedirs(raw_dir, exist_ok=True)
         chunk = memoryview(os.urandom(CHUNK_BYTES))
-        steps = iter(range(2, 1 << 30))
 
         def save(saver: Checkpointer) -> tuple[dict[str, float], dict[str, float]]:
             step = next(steps)
@@ -352,11 +373,76 @@ def main() -> None:
 
         return measure
 
-    arms += [
-        (f"load {source} -> {target}", load(source, target))
-        for source in sources
-        for target in options.load_into or runs
-    ]
+    if options.verify:
+        run = runs[options.layouts[0]]
+        verified = committed_path(sources[f"{options.layouts[0]} (world {world_size})"], 1)
+        committer = Checkpointer(
+            os.path.join(work, "commit"), rt, use_async=False, keep=0, restored_from=None
+        )
+        committer._commit = clock.wrap("commit", committer._commit)
+        if rank == 0:
+            results["verified_bytes"] = manifest.read(verified).size_bytes
+
+        def commit() -> tuple[dict[str, float], dict[str, float]]:
+            step = next(steps)
+            saved = trainer_state(run, args, step)
+            dist.barrier()
+            started = time.perf_counter()
+            committer.save(
+                step,
+                saved.samples,
+                state_dict(run.parts, run.optimizers.optimizers, saved),
+                saved.ledger,
+                args.global_batch,
+            )
+            times = {"save": slowest(time.perf_counter() - started)}
+            phases = clock.take()
+            if rank == 0:
+                final = committed_steps(committer.checkpoint_dir)[step]
+                # What the commit read back before sums were taken while writing: every
+                # file read again and summed, at once, as warm as that commit found them.
+                began = time.perf_counter()
+                verdict = verify.check_alone(final)
+                times |= {"commit": phases["commit"], "read-back": time.perf_counter() - began}
+                results["verdicts"].setdefault(
+                    "read-back", f"{verdict.kind.value}: {verdict.reason}"
+                )
+                shutil.rmtree(final)
+                os.sync()
+            dist.barrier()
+            return times, phases
+
+        def verification(alone: bool):
+            def measure() -> tuple[dict[str, float], dict[str, float]]:
+                dist.barrier()
+                if rank == 0:
+                    drop_cache(verified)
+                dist.barrier()
+                started = time.perf_counter()
+                if not alone:
+                    verdict = verify.check(verified)
+                elif rank == 0:
+                    verdict = verify.check_alone(verified)
+                times = {"verify": slowest(time.perf_counter() - started)}
+                if rank == 0:
+                    results["verdicts"].setdefault(
+                        "alone" if alone else "check", f"{verdict.kind.value}: {verdict.reason}"
+                    )
+                return times, clock.take()
+
+            return measure
+
+        arms += [
+            ("commit", commit),
+            (f"verify.check, {world_size} ranks", verification(alone=False)),
+            ("verify.check_alone, rank 0", verification(alone=True)),
+        ]
+    else:
+        arms += [
+            (f"load {source} -> {target}", load(source, target))
+            for source in sources
+            for target in options.load_into or runs
+        ]
     for round_index in range(options.rounds + 1):
         shift = round_index % len(arms)
         for name, measure in arms[shift:] + arms[:shift]:
