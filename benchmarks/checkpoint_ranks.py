@@ -21,8 +21,9 @@ With ``--saves`` (the first layout's state):
 Loads, for every checkpoint source (one saved here per layout, once, plus
 ``--foreign`` ones another launch saved) into every layout of ``--load-into``: the source's page
 cache dropped (``POSIX_FADV_DONTNEED``; a restore after a failure on another node
-finds nothing cached), then the trainer's restore: ``restore.choose`` (rank 0
-verifies the manifest: reads and checksums every file) and ``checkpoint.load``.
+finds nothing cached), then the trainer's restore: ``restore.choose`` (every rank
+verifies its share of the files against the manifest, ``verify.check``) and
+``checkpoint.load``.
 
 With ``--verify`` (the first layout's checkpoint, saved once), and no loads:
 
@@ -157,7 +158,8 @@ def check_commit(committed: str, world_size: int) -> str:
             f"the fence names generation {fence.owner(os.path.dirname(committed))}, "
             f"not {GENERATION}"
         )
-    return manifest.verify(committed)
+    verdict = verify.check_alone(committed)
+    return "" if verdict.kind is verify.VerdictKind.OK else verdict.reason
 
 
 def raw_write(directory: str, size: int, chunk: memoryview) -> None:
@@ -242,7 +244,7 @@ def main() -> None:
     FileSystemWriter.write_data = clock.wrap("write_data", FileSystemWriter.write_data)
     dcp.load = clock.wrap("dcp.load", dcp.load)
     manifest.write = clock.wrap("manifest", manifest.write)
-    manifest.verify = clock.wrap("verify", manifest.verify)
+    verify.check = clock.wrap("verify", verify.check)
 
     layouts = {text: Layout.parse(text, world_size, source="--layouts") for text in options.layouts}
     runs = {text: built(args, layout, device) for text, layout in layouts.items()}
@@ -355,7 +357,7 @@ def main() -> None:
                 drop_cache(sources[source])
             dist.barrier()
             started = time.perf_counter()
-            path = restore.choose(sources[source], rt)
+            path = restore.choose(sources[source], rt).path
             chosen_s = time.perf_counter() - started
             checkpoint.load(
                 path,

@@ -220,31 +220,3 @@ def _files(directory: str) -> list[str]:
             if relative != MANIFEST_FILE:
                 found.append(relative)
     return sorted(found)
-
-
-def verify(directory: str) -> str:
-    """Why the checkpoint in ``directory`` cannot be trusted, or "" if every file of its
-    manifest is there, of its size and CRC. The rule ``restore.choose`` applied before
-    ``trainer.verify``: one process reads everything, and a missing directory or
-    manifest counts as damage; ``trainer.verify.check`` replaces it."""
-    if not os.path.isdir(directory):
-        return "the directory is missing"
-    try:
-        files = read(directory).files
-    except FileNotFoundError:
-        return f"it has no {MANIFEST_FILE}"
-    except MalformedManifest:
-        return f"its {MANIFEST_FILE} is unreadable"
-    listed = sorted(files.items())
-    for name, expected in listed:
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            return f"{name} is missing"
-        size = os.path.getsize(path)
-        if size != expected.size_bytes:
-            return f"{name} has {size} bytes, the manifest says {expected.size_bytes}"
-    sums = crc32s([os.path.join(directory, name) for name, _ in listed])
-    for (name, expected), crc in zip(listed, sums):
-        if crc != expected.crc32:
-            return f"{name} does not match its checksum"
-    return ""

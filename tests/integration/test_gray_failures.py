@@ -20,7 +20,7 @@ import pytest
 from orchestrator.local.ledger_check import audit_checkpoint
 from tests.conftest import REPO, committed_steps, keel, wait_for
 from tests.integration.test_keel_up import run_up
-from trainer import fence, manifest
+from trainer import fence, verify
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -174,7 +174,8 @@ def test_a_superseded_generation_that_runs_on_cannot_commit_or_delete(no_leaks):
     assert fence.owner(str(ckpt)) == 2
     # Every checkpoint generation 2 committed is there, and whole.
     for step in (2, 4, 6):
-        assert manifest.verify(str(ckpt / f"step_{step:08d}")) == "", step
+        verdict = verify.check_alone(str(ckpt / f"step_{step:08d}"))
+        assert verdict.kind is verify.VerdictKind.OK, (step, verdict)
 
 
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_restored(no_leaks):
@@ -383,7 +384,8 @@ def test_a_frozen_node_that_wakes_cannot_commit_over_its_replacement(no_leaks):
     assert fence.owner(str(checkpoints)) == 2
     for step in committed_steps(checkpoints):
         path = checkpoints / f"step_{step:08d}"
-        assert manifest.verify(str(path)) == "", step
+        verdict = verify.check_alone(str(path))
+        assert verdict.kind is verify.VerdictKind.OK, (step, verdict)
         assert json.loads((path / "ledger.json").read_text())["step"] == step
 
 
