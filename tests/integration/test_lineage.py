@@ -147,10 +147,12 @@ def test_a_directory_of_another_lineage_is_never_written_and_nothing_starts_over
                 cluster.path,
                 "third",
                 third,
-                steps=8,
+                steps=10,
                 max_restarts=3,
                 hang_floor_s=3,
-                faults=["hang:rank=0,step=7"],
+                # Step 7 is the first after step 6's save; it is judged by the checkpoint
+                # budget, step 8 by the hang timeout.
+                faults=["hang:rank=0,step=8"],
             )
         ),
     )
@@ -202,7 +204,8 @@ def test_a_checkpoint_missing_on_rank_0s_node_only_moves_the_job_and_quarantines
     wait_for(lambda: len(cluster.store.nodes()) == 3, 30, what="three nodes registered")
     cli = Cli(cluster, etcd)
 
-    # Generation 1 on node-a hangs after its checkpoint of step 4: node-a is suspected,
+    # Generation 1 on node-a hangs after its checkpoint of step 4 (in step 6, the one
+    # after the first step past the save): node-a is suspected,
     # and generation 2 goes to node-b, which cannot see the checkpoint.
     cli(
         "submit",
@@ -214,7 +217,7 @@ def test_a_checkpoint_missing_on_rank_0s_node_only_moves_the_job_and_quarantines
                 steps=8,
                 max_restarts=3,
                 hang_floor_s=3,
-                faults=["hang:rank=0,step=5"],
+                faults=["hang:rank=0,step=6"],
             )
         ),
     )
