@@ -194,7 +194,7 @@ def test_a_checkpoint_missing_on_rank_0s_node_only_moves_the_job_and_quarantines
         "private",
         "sh",
         "-c",
-        'mount --bind "$0" "$1" && shift 2 && exec "$@"',
+        'mount --bind "$0" "$1" && shift && exec "$@"',
         str(empty),
         str(checkpoints),
     )
