@@ -39,6 +39,7 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import (
+    CommitBounds,
     NodeAuthority,
     checkpoint_refusal,
     rank_refusal,
@@ -367,7 +368,9 @@ class AgentService:
             and not self._refused(
                 session,
                 "checkpoint_saved",
-                checkpoint_refusal(authority(job, session.node), body.step, body.path),
+                checkpoint_refusal(
+                    authority(job, session.node), commit_bounds(job), body.step, body.path
+                ),
             )
             and _queue_commit(job, body)
         ):
@@ -628,13 +631,25 @@ _RANK_ZERO_PROBLEMS = frozenset(
 )
 
 
+def commit_bounds(job: JobRuntime) -> CommitBounds:
+    """How far a commit of ``job``'s current generation may go (``checkpoint_refusal``)."""
+    return CommitBounds(
+        recorded_step=max(
+            [job.last_checkpoint.step if job.last_checkpoint else 0]
+            + [r.step for r in job.unrecorded]
+        ),
+        reported_step=job.progress.step,
+        target_steps=job.spec.steps,
+    )
+
+
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:
-    """Queue a commit for the reconcile loop, which records it in etcd (an agent's
-    message handler makes no etcd call); False if it is a replay already known."""
-    if job.last_checkpoint and job.last_checkpoint.step >= saved.step:
-        return False  # a replay after a reconnect
-    if any(r.step == saved.step for r in job.unrecorded):
-        return False  # a replay of one already queued
+    """Queue a commit (checked) for the reconcile loop, which records it in etcd (an
+    agent's message handler makes no etcd call); False if it is a replay: at or below
+    a step recorded or queued (after a reconnect, the agent's replay of its newest
+    commit comes before what its stream still had queued)."""
+    if saved.step <= commit_bounds(job).recorded_step:
+        return False
     job.unrecorded.append(
         CheckpointRecord(
             step=saved.step,
