@@ -42,6 +42,7 @@ from orchestrator.policy.authority import (
     CommitBounds,
     NodeAuthority,
     checkpoint_refusal,
+    problem_refusal,
     rank_refusal,
     rendezvous_taken,
 )
@@ -377,30 +378,25 @@ class AgentService:
             self.state.wake.set()
 
     def _on_checkpoint_problem(self, session: AgentSession, body) -> None:
-        """A checkpoint ranks would not use (a refused commit, a failed verification)."""
+        """A checkpoint ranks would not or could not use (a refused commit, a failed
+        verification, one unreadable on the node, a fence lock held past its deadline),
+        kept with the node that reported it."""
         # Any generation's: a refused commit comes from a superseded one.
         job = self.state.jobs.get(body.job)
         if job is None or body.generation > job.generation:
             return
         try:
-            WIRE_PROBLEM_KINDS.from_wire(body.kind)
+            kind = WIRE_PROBLEM_KINDS.from_wire(body.kind)
         except ValueError as exc:
             self._refused(session, "checkpoint_problem", str(exc))
             return
-        # Marking a checkpoint quarantined changes what restores, and a foreign lineage
-        # ends the job: only the current generation's rank 0, which checked, may.
-        if body.kind in _RANK_ZERO_PROBLEMS and self._refused(
+        if self._refused(
             session,
             "checkpoint_problem",
-            (
-                ""
-                if body.generation == job.generation and authority(job, session.node).commits
-                else f"{session.node} reported a {WIRE_PROBLEM_KINDS.from_wire(body.kind).value} "
-                f"checkpoint problem, but does not host rank 0 of generation {job.generation}"
-            ),
+            problem_refusal(authority(job, session.node), kind, body.generation, body.suspect_node),
         ):
             return
-        job.checkpoint_problems.append(body)
+        job.checkpoint_problems.append((session.node, body))
         self.state.wake.set()
 
     def _on_generation_stopped(self, session: AgentSession, body) -> None:
@@ -619,16 +615,6 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
     job.goodput.steps(generation, tallies, time.time())
     if metrics.recovered(job.name, job.recovery, job.goodput.first_step):
         job.recovery = None
-
-
-# Problems that change what the job does, which only rank 0 of the current generation
-# (the rank that verifies and claims the checkpoint directory) may report.
-_RANK_ZERO_PROBLEMS = frozenset(
-    {
-        keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED,
-        keel_pb2.CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE,
-    }
-)
 
 
 def commit_bounds(job: JobRuntime) -> CommitBounds:

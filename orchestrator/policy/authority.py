@@ -11,6 +11,22 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from common.keys import NODE_NAME
+from common.wire_kinds import CheckpointProblemKind
+
+# Problems that change what the job does (what the next generation restores, where it
+# runs, whether it can go on): only the current generation's rank 0, which verifies
+# the restore point, claims the checkpoint directory and takes the fence, may report
+# them.
+RANK_ZERO_PROBLEMS = frozenset(
+    {
+        CheckpointProblemKind.QUARANTINED,
+        CheckpointProblemKind.UNREACHABLE,
+        CheckpointProblemKind.FENCE_TIMEOUT,
+        CheckpointProblemKind.FOREIGN_LINEAGE,
+    }
+)
+
 
 @dataclass(frozen=True)
 class NodeAuthority:
@@ -100,6 +116,25 @@ def committed_path(checkpoint_dir: str, step: int) -> str:
     if not checkpoint_dir.startswith("/"):
         return ""
     return posixpath.join(posixpath.normpath(checkpoint_dir), f"step_{step:08d}")
+
+
+def problem_refusal(
+    authority: NodeAuthority, kind: CheckpointProblemKind, generation: int, suspect_node: str
+) -> str:
+    """A checkpoint problem of generation ``generation`` (at most the current one)
+    that marks a checkpoint quarantined, a node suspect or the job's directory
+    another lineage's comes only from the current generation's rank 0;
+    ``suspect_node``, if named, must be a node's name."""
+    if kind in RANK_ZERO_PROBLEMS and not (
+        generation == authority.generation and authority.commits
+    ):
+        return (
+            f"{authority.node} reported a checkpoint {kind.value} problem of generation "
+            f"{generation}, but does not host rank 0 of generation {authority.generation}"
+        )
+    if suspect_node and not NODE_NAME.match(suspect_node):
+        return f"{authority.node} named {suspect_node[:80]!r} as a suspect, which is no node name"
+    return ""
 
 
 def rendezvous_taken(starting: bool, first_node: str, node: str, port: int) -> bool:

@@ -1,15 +1,18 @@
 """What a node may report: only its own ranks; commits only from rank 0's node, at the
-committed path of their step in the job's directory, no further than the job has come."""
+committed path of their step in the job's directory, no further than the job has come;
+problems that quarantine or suspect only from the current generation's rank 0."""
 
 import os
 
 import pytest
 
+from common.wire_kinds import CheckpointProblemKind
 from orchestrator.policy.authority import (
     CommitBounds,
     NodeAuthority,
     checkpoint_refusal,
     committed_path,
+    problem_refusal,
     rank_refusal,
 )
 from trainer import checkpoint_dir
@@ -93,3 +96,26 @@ def test_the_committed_path_is_the_one_the_trainer_reports():
         assert committed_path(directory, step) == reported
         bounds = CommitBounds(recorded_step=0, reported_step=step, target_steps=0)
         assert checkpoint_refusal(node((0,), directory), bounds, step, reported) == ""
+
+
+@pytest.mark.parametrize(
+    "kind, generation, ranks, suspect, refused",
+    [
+        (CheckpointProblemKind.QUARANTINED, 4, (0, 1), "", ""),
+        (CheckpointProblemKind.UNREACHABLE, 4, (0,), "", ""),
+        (CheckpointProblemKind.FENCE_TIMEOUT, 4, (0,), "node-7", ""),
+        # Not rank 0's node, or an earlier generation's rank 0.
+        (CheckpointProblemKind.QUARANTINED, 4, (2, 3), "", "does not host rank 0"),
+        (CheckpointProblemKind.UNREACHABLE, 4, (2, 3), "", "does not host rank 0"),
+        (CheckpointProblemKind.FENCE_TIMEOUT, 4, (2,), "node-7", "does not host rank 0"),
+        (CheckpointProblemKind.UNREACHABLE, 3, (0,), "", "problem of generation 3"),
+        # A refused stale commit comes from a superseded generation's rank 0.
+        (CheckpointProblemKind.STALE_COMMIT, 3, (2, 3), "", ""),
+        (CheckpointProblemKind.FENCE_TIMEOUT, 4, (0,), "not a node!", "which is no node name"),
+    ],
+)
+def test_problems_that_quarantine_or_suspect_come_from_the_current_rank_0(
+    kind, generation, ranks, suspect, refused
+):
+    got = problem_refusal(node(ranks), kind, generation, suspect)
+    assert (refused in got) if refused else got == "", got
