@@ -146,7 +146,7 @@ class Runtime:
         self.restarted_in_place = getattr(self, "restarted_in_place", 0)
         under_keel = {"job": job, "generation": generation, "node": identity.node}
         logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
-        self._faults = FaultInjector(faults, rank, generation, self.log)
+        self._faults = FaultInjector(faults, rank, generation, self.log, identity.node)
         self._agent = (
             AgentReporter(
                 identity.agent_socket,
