@@ -77,15 +77,17 @@ def checkpoint_suspect(
     kind: CheckpointProblemKind, reporter: str, problem: keel_pb2.CheckpointProblem
 ) -> Suspect | None:
     """The node a checkpoint problem that ``reporter`` reported points at, and why: for
-    a checkpoint it could not read (``UNREACHABLE``: a mount missing there, an I/O
-    error) the reporter itself, whose problem it is, not the checkpoint's; for a fence
-    lock not granted in time (``FENCE_TIMEOUT``) the node of the process holding it
-    (``suspect_node``; the reporter's own when it names none). None for other kinds."""
+    a checkpoint that could not be read (``UNREACHABLE``: a mount missing there, an
+    I/O error) the node where it could not, whose problem it is, not the checkpoint's;
+    for a fence lock not granted in time (``FENCE_TIMEOUT``) the node of the process
+    holding it. Each is the problem's ``suspect_node``, or the reporter's own node when
+    it names none. None for other kinds."""
     if kind is CheckpointProblemKind.UNREACHABLE:
+        node = problem.suspect_node or reporter
         return Suspect(
-            reporter,
-            f"the checkpoint of step {problem.step} could not be read on {reporter} "
-            f"(the checkpoint is left as it is): {problem.reason}",
+            node,
+            f"the checkpoint of step {problem.step} could not be read on {node} "
+            f"(reported by {reporter}; the checkpoint is left as it is): {problem.reason}",
         )
     if kind is CheckpointProblemKind.FENCE_TIMEOUT:
         holder = problem.suspect_node or reporter

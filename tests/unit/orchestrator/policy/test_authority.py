@@ -109,6 +109,8 @@ def test_the_committed_path_is_the_one_the_trainer_reports():
         (CheckpointProblemKind.UNREACHABLE, 4, (2, 3), "", "does not host rank 0"),
         (CheckpointProblemKind.FENCE_TIMEOUT, 4, (2,), "node-7", "does not host rank 0"),
         (CheckpointProblemKind.UNREACHABLE, 3, (0,), "", "problem of generation 3"),
+        (CheckpointProblemKind.FOREIGN_LINEAGE, 4, (0,), "", ""),
+        (CheckpointProblemKind.FOREIGN_LINEAGE, 4, (1,), "", "does not host rank 0"),
         # A refused stale commit comes from a superseded generation's rank 0.
         (CheckpointProblemKind.STALE_COMMIT, 3, (2, 3), "", ""),
         (CheckpointProblemKind.FENCE_TIMEOUT, 4, (0,), "not a node!", "which is no node name"),

@@ -72,16 +72,18 @@ def problem(suspect_node="", reason="it broke"):
 @pytest.mark.parametrize(
     "kind, suspect_node, expected",
     [
-        # Unreadable on the reporting node: that node's problem, whatever it names.
+        # Unreadable on the reporting node, or on the node it names (where a rank
+        # verifying its share could not read it): that node's problem.
         (
             CheckpointProblemKind.UNREACHABLE,
             "",
             Suspect(
                 "n1",
-                "the checkpoint of step 30 could not be read on n1 (the checkpoint is left "
-                "as it is): it broke",
+                "the checkpoint of step 30 could not be read on n1 (reported by n1; the "
+                "checkpoint is left as it is): it broke",
             ),
         ),
+        (CheckpointProblemKind.UNREACHABLE, "n4", Suspect("n4", "the checkpoint of step 30")),
         # The fence lock's holder: the node it names, else the reporter's own.
         (
             CheckpointProblemKind.FENCE_TIMEOUT,
