@@ -35,6 +35,11 @@ CORDONS = f"{PREFIX}/cordons/"
 JOBS = f"{PREFIX}/jobs/"
 
 
+def local_node(index: int) -> str:
+    """The name ``keel up`` gives its node ``index`` (from 0, as ``--inject`` counts)."""
+    return f"node-{index}"
+
+
 def node(name: str) -> str:
     return NODES + name
 

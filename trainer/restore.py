@@ -157,7 +157,10 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> Restored | None:
         if verdict is not None and verdict.kind is VerdictKind.UNREACHABLE:
             unreachable = True
             runtime.log(f"cannot read checkpoint {path} here; leaving it as it is: {reason}")
-            runtime.report_checkpoint_problem(_step_of(path), path, "unreachable", reason)
+            # The node that could not read it (the lowest rank's) is the suspect.
+            runtime.report_checkpoint_problem(
+                _step_of(path), path, "unreachable", reason, (verdict.nodes or ("",))[0]
+            )
         elif resumed or outside:
             # Another lineage's, or outside the job's directory: not the job's to rename.
             runtime.log(f"cannot restore checkpoint {path}: {reason}")

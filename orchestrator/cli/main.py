@@ -68,6 +68,7 @@ def main():
     multiple=True,
     metavar="FAULT",
     help="Deterministic fault, repeatable: crash:rank=R,step=N | "
+    "crash:node=I,step=N (node I's ranks crash in every generation there) | "
     "kill:rank=R,step=N | hang:rank=R,step=N | slow:rank=R,step=N,factor=F | "
     "lose_node:node=I,step=N (node I's agent and ranks killed at once) | "
     "kill_leader:step=N (the leading controller SIGKILLed) | "

@@ -1,7 +1,8 @@
 """A job's checkpoint records in etcd: recording the commits agents report, telling
 the job's nodes the newest (their ranks' retention keeps it), pruning old records, and
-the problems ranks report (refused stale commits, quarantined checkpoints). Part of
-the executor: called with the state lock held, from the reconcile thread."""
+the problems ranks report (refused stale commits, quarantined checkpoints, nodes they
+point at). Part of the executor: called with the state lock held, from the reconcile
+thread."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.event_kind import EventKind
+from orchestrator.policy.offenders import checkpoint_suspect
 from orchestrator.policy.retention import records_to_prune
 from protos import keel_pb2
 
@@ -88,11 +90,14 @@ class CheckpointRecords:
         job.records_pruned = True
 
     def problems(self, job: JobRuntime) -> None:
-        """Checkpoints ranks would not use: an event each; a quarantined one is marked
-        in its record, and is never a restore point again."""
+        """Checkpoints ranks would not or could not use: an event each; a quarantined
+        one is marked in its record, and is never a restore point again (only proven
+        damage quarantines); a node a problem points at (``offenders.
+        checkpoint_suspect``) is suspected, and the next generation stays off it."""
         while job.checkpoint_problems:
-            problem = job.checkpoint_problems[0]
+            reporter, problem = job.checkpoint_problems[0]
             kind = WIRE_PROBLEM_KINDS.from_wire(problem.kind)
+            suspect = checkpoint_suspect(kind, reporter, problem)
             if kind is CheckpointProblemKind.QUARANTINED:
                 records = {r.step: r for r in self.store.checkpoints(job.name)}
                 record = records.get(problem.step)
@@ -114,6 +119,11 @@ class CheckpointRecords:
                 # Nothing of the job may be written there, on any node: it cannot go on.
                 job.fatal = problem.reason
                 job.health.event(EventKind.ALERT, problem.reason)
+            elif suspect is not None:
+                job.health.suspected[suspect.node] = suspect.reason
+                job.health.event(
+                    EventKind.SUSPECTED, suspect.reason, node=suspect.node, step=problem.step
+                )
             else:
                 job.health.event(
                     EventKind.CHECKPOINT_REFUSED,

@@ -32,6 +32,7 @@ from orchestrator.policy.generation import nodes_left, restore_point, unrestorab
 from orchestrator.policy.guardrails import repeated_failures
 from orchestrator.policy.job import Action, Decision
 from orchestrator.policy.lifecycle import JobState, check_transition
+from orchestrator.policy.offenders import NodeFailure, offenders
 from orchestrator.policy.operations import Change, Operation, OperationDecision
 from orchestrator.policy.placement import NodeRanks, place
 from orchestrator.policy.remediation import Remedy, SlowNodeDecision
@@ -395,6 +396,11 @@ class Executor:
             planned_stop=decision.replacement,
             restarts_by_cause=counts,
         )
+        if cause is not None and decision.cause == "crash":
+            self._failed_on(job, cause.node, decision.reason)
+        # A hang's culprit is named once every node's stacks are in: it is counted
+        # against its node when the stop is done (``_restart``).
+        job.health.hang_stopped = decision.cause == "hang"
         job.recovery = None
         if decision.cause:
             detected = job.state_entered_at_unix
@@ -444,6 +450,24 @@ class Executor:
             job.repeated_failures if job.placed_at_mono else 0, now - job.placed_at_mono
         )
         self.transition(job, JobState.PENDING, decision.reason, now, restarts=job.restarts + 1)
+        health = job.health
+        if health.hang_stopped and health.hung_node:
+            hang = health.hang_event
+            self._failed_on(
+                job,
+                health.hung_node,
+                hang.reason + (f"; {hang.root_cause.splitlines()[0]}" if hang.root_cause else ""),
+            )
+
+    def _failed_on(self, job: JobRuntime, node: str, what: str) -> None:
+        """Count a root-cause failure of the ending generation against ``node``; if it
+        makes the node a repeat offender (``policy.offenders``), say so: the next
+        placement stays off it (``observe.suspects``)."""
+        health = job.health
+        health.note_failure(NodeFailure(job.generation, node, what))
+        for suspect in offenders(job.generation, health.node_failures):
+            if suspect.node == node:
+                health.event(EventKind.SUSPECTED, suspect.reason, node=node, step=job.progress.step)
 
     def _finish(self, job: JobRuntime, decision: Decision, now: float) -> None:
         target = {

@@ -1,6 +1,7 @@
 """A job's health record: its events, the straggler detector's state, the hang being
 reported, the preflight figures, and the guard rails' memory (when nodes were flagged,
-when nodes were replaced). The controller feeds it what agents report; the judgements
+when nodes were replaced, where the last generations failed, which nodes checkpoint
+problems point at). The controller feeds it what agents report; the judgements
 are the pure functions of ``orchestrator.policy``."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from orchestrator.controller import metrics
 from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
+from orchestrator.policy.offenders import NodeFailure, kept
 from orchestrator.policy.retention import events_kept
 from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
@@ -62,6 +64,16 @@ class JobHealth:
     epoch: int = 0  # counts new generations: a score of an earlier one is dropped
     flag_times: dict[str, list[float]] = field(default_factory=dict)
     replacement_times: list[float] = field(default_factory=list)
+    # Root-cause failures of the last generations, for ``policy.offenders``. In memory
+    # only, like the rest of the guard rails' memory: a new leader starts without
+    # it, so a node that failed just before a failover is suspected one failed
+    # generation later than it would have been; failovers are rare, and etcd is
+    # spared a write per failure.
+    node_failures: list[NodeFailure] = field(default_factory=list)
+    # Nodes checkpoint problems of the current generation point at (node -> why):
+    # the next generation stays off them.
+    suspected: dict[str, str] = field(default_factory=dict)
+    hang_stopped: bool = False  # the generation was stopped for its hang
     hang_event: keel_pb2.Event | None = None
     hang_waiting: dict[int, bool] = field(default_factory=dict)  # rank -> waits in a collective
     hang_stack_chars: int = 0  # of the stacks the hang event keeps
@@ -140,12 +152,19 @@ class JobHealth:
         self.latest, self.node_latest = {}, {}
         self.found_flags = []
         self.epoch += 1
+        self.suspected = {}
+        self.hang_stopped = False
         self.hang_event = None
         self.hang_waiting.clear()
         self.hang_stack_chars = 0
         self.preflight.clear()
         self.preflight_flagged.clear()
         self.preflight_flags.clear()
+
+    def note_failure(self, failure: NodeFailure) -> None:
+        """Remember a root-cause failure of the generation that is ending (and forget
+        those ``policy.offenders`` no longer needs)."""
+        self.node_failures = kept(failure.generation, [*self.node_failures, failure])
 
     @property
     def hung_node(self) -> str:

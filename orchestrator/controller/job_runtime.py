@@ -145,9 +145,10 @@ class JobRuntime:
     last_wait_logged_mono: float = 0.0
     health: JobHealth | None = None
     unrecorded: list[CheckpointRecord] = field(default_factory=list)  # not yet in etcd
-    # Checkpoints ranks would not use (refused stale commits, failed verifications),
-    # for the reconcile loop to record.
-    checkpoint_problems: list = field(default_factory=list)
+    # Checkpoints ranks would not or could not use (refused stale commits, failed
+    # verifications, ...), for the reconcile loop to record: (the reporting node, its
+    # CheckpointProblem) each.
+    checkpoint_problems: list[tuple[str, keel_pb2.CheckpointProblem]] = field(default_factory=list)
     planned_stop: bool = False  # the current generation was stopped on purpose (persisted)
     # The pid of the agent incarnation each node's ranks are planned for (persisted in
     # the plan): only that one may still be given their start.

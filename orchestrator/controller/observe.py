@@ -9,6 +9,7 @@ from orchestrator.policy import (
     adoption,
     convergence,
     liveness,
+    offenders,
     operations,
     placement,
     remediation,
@@ -75,10 +76,13 @@ def spare_slots(state: ControllerState, job: JobRuntime) -> dict[str, int]:
 
 def suspects(job: JobRuntime) -> frozenset[str]:
     """The nodes the job's next generation stays off if it can."""
+    health = job.health
     return remediation.suspects(
         frozenset(job.lost_nodes),
-        job.health.hung_node,
+        health.hung_node,
         job.intents.operation if job.planned_stop else None,
+        frozenset(s.node for s in offenders.offenders(job.generation, health.node_failures))
+        | health.suspected.keys(),
     )
 
 

@@ -39,8 +39,10 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import (
+    CommitBounds,
     NodeAuthority,
     checkpoint_refusal,
+    problem_refusal,
     rank_refusal,
     rendezvous_taken,
 )
@@ -367,37 +369,34 @@ class AgentService:
             and not self._refused(
                 session,
                 "checkpoint_saved",
-                checkpoint_refusal(authority(job, session.node), body.step, body.path),
+                checkpoint_refusal(
+                    authority(job, session.node), commit_bounds(job), body.step, body.path
+                ),
             )
             and _queue_commit(job, body)
         ):
             self.state.wake.set()
 
     def _on_checkpoint_problem(self, session: AgentSession, body) -> None:
-        """A checkpoint ranks would not use (a refused commit, a failed verification)."""
+        """A checkpoint ranks would not or could not use (a refused commit, a failed
+        verification, one unreadable on the node, a fence lock held past its deadline),
+        kept with the node that reported it."""
         # Any generation's: a refused commit comes from a superseded one.
         job = self.state.jobs.get(body.job)
         if job is None or body.generation > job.generation:
             return
         try:
-            WIRE_PROBLEM_KINDS.from_wire(body.kind)
+            kind = WIRE_PROBLEM_KINDS.from_wire(body.kind)
         except ValueError as exc:
             self._refused(session, "checkpoint_problem", str(exc))
             return
-        # Marking a checkpoint quarantined changes what restores, and a foreign lineage
-        # ends the job: only the current generation's rank 0, which checked, may.
-        if body.kind in _RANK_ZERO_PROBLEMS and self._refused(
+        if self._refused(
             session,
             "checkpoint_problem",
-            (
-                ""
-                if body.generation == job.generation and authority(job, session.node).commits
-                else f"{session.node} reported a {WIRE_PROBLEM_KINDS.from_wire(body.kind).value} "
-                f"checkpoint problem, but does not host rank 0 of generation {job.generation}"
-            ),
+            problem_refusal(authority(job, session.node), kind, body.generation, body.suspect_node),
         ):
             return
-        job.checkpoint_problems.append(body)
+        job.checkpoint_problems.append((session.node, body))
         self.state.wake.set()
 
     def _on_generation_stopped(self, session: AgentSession, body) -> None:
@@ -618,23 +617,25 @@ def _steps(job: JobRuntime, generation: int, node: str, tallies: list[StepTally]
         job.recovery = None
 
 
-# Problems that change what the job does, which only rank 0 of the current generation
-# (the rank that verifies and claims the checkpoint directory) may report.
-_RANK_ZERO_PROBLEMS = frozenset(
-    {
-        keel_pb2.CHECKPOINT_PROBLEM_KIND_QUARANTINED,
-        keel_pb2.CHECKPOINT_PROBLEM_KIND_FOREIGN_LINEAGE,
-    }
-)
+def commit_bounds(job: JobRuntime) -> CommitBounds:
+    """How far a commit of ``job``'s current generation may go (``checkpoint_refusal``)."""
+    return CommitBounds(
+        recorded_step=max(
+            [job.last_checkpoint.step if job.last_checkpoint else 0]
+            + [r.step for r in job.unrecorded]
+        ),
+        reported_step=job.progress.step,
+        target_steps=job.spec.steps,
+    )
 
 
 def _queue_commit(job: JobRuntime, saved: keel_pb2.CheckpointSaved) -> bool:
-    """Queue a commit for the reconcile loop, which records it in etcd (an agent's
-    message handler makes no etcd call); False if it is a replay already known."""
-    if job.last_checkpoint and job.last_checkpoint.step >= saved.step:
-        return False  # a replay after a reconnect
-    if any(r.step == saved.step for r in job.unrecorded):
-        return False  # a replay of one already queued
+    """Queue a commit (checked) for the reconcile loop, which records it in etcd (an
+    agent's message handler makes no etcd call); False if it is a replay: at or below
+    a step recorded or queued (after a reconnect, the agent's replay of its newest
+    commit comes before what its stream still had queued)."""
+    if saved.step <= commit_bounds(job).recorded_step:
+        return False
     job.unrecorded.append(
         CheckpointRecord(
             step=saved.step,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common import env
 from common.etcd import EtcdCredentials, connect, etcd_flags
+from common.keys import local_node
 from common.procs import terminate, tied_to_this_process
 from common.tls import TlsFiles, resolve_tls
 from orchestrator.controller.store import Store
@@ -175,7 +176,7 @@ class LocalCluster:
                 "-m",
                 "agent",
                 "--node",
-                f"node-{index}",
+                local_node(index),
                 "--slots",
                 str(self.options.slots_per_node),
                 *reach,

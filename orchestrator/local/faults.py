@@ -2,6 +2,8 @@
 
 Rank faults, applied by the trainer when the step starts:
     crash:rank=R,step=N          the rank raises an exception
+    crash:node=I,step=N          every rank on node I raises, in every generation that
+                                 runs there: a node that fails whatever runs on it
     kill:rank=R,step=N           the rank SIGKILLs itself
     hang:rank=R,step=N           the rank stops making progress
     slow:rank=R,step=N,factor=F  from step N the rank's steps take F times as long
@@ -57,6 +59,8 @@ FIELDS = {
     FaultKind.PARTITION_NODE: {"node", "step", "for"},
 }
 OPTIONAL = {FaultKind.RESTART_ETCD: {"down"}}
+# A field that may stand in for a required one (at most one of the two is given).
+IN_PLACE_OF = {FaultKind.CRASH: {"node": "rank"}}
 # Fired by `keel up` itself rather than by a rank.
 CLUSTER_FAULTS = frozenset(
     {
@@ -90,7 +94,8 @@ def parse_fault(text: str) -> keel_pb2.Fault:
             f"fault {text!r}: kind must be one of {', '.join(sorted(k.value for k in FIELDS))}"
         )
     kind = FaultKind(name)
-    allowed = FIELDS[kind] | OPTIONAL.get(kind, set())
+    stand_ins = IN_PLACE_OF.get(kind, {})
+    allowed = FIELDS[kind] | OPTIONAL.get(kind, set()) | stand_ins.keys()
     if not sep or not rest:
         raise BadFault(
             f"fault {text!r}: write it as {kind.value}:"
@@ -104,9 +109,17 @@ def parse_fault(text: str) -> keel_pb2.Fault:
                 f"fault {text!r}: {item!r} is not one of {', '.join(sorted(allowed))} (each once)"
             )
         values[key] = value
-    missing = FIELDS[kind] - values.keys()
+    replaced = {stand_ins[key] for key in values.keys() & stand_ins.keys()}
+    both = replaced & values.keys()
+    if both:
+        (field,) = both
+        other = next(k for k, v in stand_ins.items() if v == field)
+        raise BadFault(f"fault {text!r}: give {field} or {other}, not both")
+    missing = FIELDS[kind] - replaced - values.keys()
     if missing:
-        raise BadFault(f"fault {text!r}: missing {', '.join(sorted(missing))}")
+        either = {v: k for k, v in stand_ins.items()}
+        named = [f"{m} (or {either[m]})" if m in either else m for m in sorted(missing)]
+        raise BadFault(f"fault {text!r}: missing {', '.join(named)}")
     fault = keel_pb2.Fault(kind=WIRE_FAULT_KINDS.to_wire(kind))
     try:
         for key in ("rank", "node", "step"):

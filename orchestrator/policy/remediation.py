@@ -1,6 +1,7 @@
 """What to do about a node that lets a job down: one flagged slow (a straggler, or far
 below its peers in the preflight sweep), and which nodes the next generation stays off
-(lost, hung, or moved off on purpose). Pure; times are seconds on the caller's clock.
+(lost, hung, moved off on purpose, or suspected: ``policy.offenders``). Pure; times
+are seconds on the caller's clock.
 """
 
 from __future__ import annotations
@@ -109,11 +110,18 @@ def slow_node(now: float, observed: SlowNode, spec: StragglerSpec) -> SlowNodeDe
     )
 
 
-def suspects(lost: frozenset[str], hung: str, planned: Operation | None) -> frozenset[str]:
+def suspects(
+    lost: frozenset[str],
+    hung: str,
+    planned: Operation | None,
+    named: frozenset[str] = frozenset(),
+) -> frozenset[str]:
     """The nodes the next generation stays off, when it can: those lost from the
-    generation that ended, the one whose rank hung (``hung``, "" if none), and the one a
-    planned stop moved the job off (``planned``)."""
-    found = set(lost)
+    generation that ended, the one whose rank hung (``hung``, "" if none), the one a
+    planned stop moved the job off (``planned``), and ``named``: those suspected for
+    what happened on them (``policy.offenders``: repeat offenders, nodes a checkpoint
+    problem points at)."""
+    found = set(lost) | named
     if hung:
         found.add(hung)
     if planned is not None and planned.node:

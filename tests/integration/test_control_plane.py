@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import queue
+import re
 import signal
+import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -112,3 +117,125 @@ def test_wrong_token_and_bad_requests_are_refused_and_change_nothing(cluster):
             ).nodes
             == []
         )
+
+
+class ForgingAgent:
+    """An agent's session driven by the test: a real Connect stream on a real etcd
+    lease, sending what the test puts (``send``), the controller's messages kept in
+    the order they came (``expect``)."""
+
+    def __init__(self, stub, lease, node: str):
+        self._out: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue()
+        hello = keel_pb2.Hello(
+            node=node, host="127.0.0.1", slots=1, lease_id=lease.id, pid=os.getpid()
+        )
+
+        def messages():
+            yield keel_pb2.AgentMessage(hello=hello)
+            while (message := self._out.get()) is not None:
+                yield message
+
+        self.stream = stub.Connect(messages(), metadata=call_metadata(TOKEN))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for message in self.stream:
+                self._in.put(message)
+        except grpc.RpcError:
+            pass  # cancelled when the test is done
+
+    def send(self, **kind):
+        self._out.put(keel_pb2.AgentMessage(**kind))
+
+    def expect(self, kind: str):
+        """The next controller message of ``kind`` (those before it are passed over)."""
+        while True:
+            message = self._in.get(timeout=30)
+            if message.WhichOneof("kind") == kind:
+                return getattr(message, kind)
+
+    def close(self):
+        self._out.put(None)
+        self.stream.cancel()
+
+
+def test_a_forged_commit_is_refused_and_blocks_no_later_real_one(cluster):
+    metrics_file = cluster.path / "controller.metrics"
+    address = cluster.controller(
+        launcher=(
+            *("-m", "orchestrator.cli", "controller", "--metrics-listen", "127.0.0.1:0"),
+            *("--metrics-address-file", str(metrics_file)),
+        )
+    )
+    checkpoints = cluster.path / "checkpoints"
+    lease = cluster.store.client.lease(30)
+    with grpc.insecure_channel(address) as channel:
+        stub = keel_pb2_grpc.ControllerStub(channel)
+        agent = ForgingAgent(stub, lease, "node-f")
+        try:
+            wait_for(lambda: "node-f" in cluster.store.nodes(), 30, what="node-f registered")
+            spec = keel_pb2.JobSpec(
+                name="forged",
+                world_size=1,
+                command=["true"],
+                checkpoint_dir=str(checkpoints),
+                steps=20,
+            )
+            stub.SubmitJob(
+                keel_pb2.SubmitJobRequest(spec=spec), metadata=call_metadata(TOKEN), timeout=5
+            )
+            # Placed on node-f (its only node, so rank 0's): the rendezvous, the start.
+            prepare = agent.expect("prepare_rendezvous")
+            agent.send(
+                rendezvous_ready=keel_pb2.RendezvousReady(
+                    job="forged", generation=prepare.generation, host="127.0.0.1", port=29500
+                )
+            )
+            generation = agent.expect("start_generation").generation
+
+            def commit(step, path):
+                agent.send(
+                    checkpoint_saved=keel_pb2.CheckpointSaved(
+                        job="forged", generation=generation, step=step, path=path, samples=step
+                    )
+                )
+
+            agent.send(
+                steps=keel_pb2.StepReportBatch(
+                    job="forged",
+                    generation=generation,
+                    node_steps=[keel_pb2.NodeStep(step=5, ranks=[0], step_time_s=[0.1])],
+                )
+            )
+            # Rank 0 reported step 5. A commit of step 10**12 (at its committed path),
+            # one of step 6, and one of step 5 outside the committed form are refused...
+            commit(10**12, str(checkpoints / f"step_{10**12:08d}"))
+            commit(6, str(checkpoints / "step_00000006"))
+            commit(5, str(checkpoints / "elsewhere" / "step_00000005"))
+            # ... and the real commit of step 5 after them is recorded.
+            commit(5, str(checkpoints / "step_00000005"))
+            recorded = wait_for(
+                lambda: cluster.store.checkpoints("forged"), 30, what="the real commit recorded"
+            )
+            assert [(r.step, r.path) for r in recorded] == [(5, str(checkpoints / "step_00000005"))]
+            scraped = (
+                urllib.request.urlopen(
+                    f"http://{metrics_file.read_text().strip()}/metrics", timeout=5
+                )
+                .read()
+                .decode()
+            )
+            refused = re.search(
+                r'^keel_agent_messages_refused_total\{kind="checkpoint_saved"\} (\S+)$',
+                scraped,
+                re.M,
+            )
+            assert refused and float(refused.group(1)) == 3, scraped
+            log = (cluster.path / "controller.log").read_text()
+            for why in ("past the job's 20 steps", "has reported step 5", "committed path"):
+                assert why in log, why
+        finally:
+            agent.close()
+            lease.revoke()

@@ -446,6 +446,34 @@ def test_a_slow_rank_is_flagged_and_its_node_replaced_by_the_spare(no_leaks):
     assert (summary["steps"], summary["world_size"], summary["generations"]) == (40, 2, 2)
 
 
+def test_a_node_that_crashes_every_generation_is_replaced_by_the_spare_after_the_second(
+    no_leaks,
+):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "2", "--slots-per-node", "1", "--spares", "1", "--no-preflight"),
+        *("--steps", "4", "--checkpoint-every", "2", "--inject", "crash:node=0,step=2"),
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    # node-0's rank crashed in generations 1 and 2, where the spare node-2 waited...
+    assert [(f["generation"], f["node"]) for f in summary["failures"]] == [
+        (1, "node-0"),
+        (2, "node-0"),
+    ]
+    (suspected,) = [e for e in summary["events"] if e["kind"] == "suspected"]
+    assert suspected["node"] == "node-0" and suspected["reason"].startswith(
+        "node node-0's ranks failed in generations 1 and 2: rank 0 "
+    ), suspected
+    assert "injected crash at step 2" in suspected["reason"]
+    replaced = next(e for e in summary["events"] if e["kind"] == "replaced")
+    assert replaced["reason"] == "node-0 replaced by node-2", replaced
+    # ... so generation 3 ran without it, and finished.
+    ran = {node.name for node in (run / "nodes").iterdir() if (node / "keel-up" / "gen3").is_dir()}
+    assert ran == {"node-1", "node-2"}
+    assert (summary["state"], summary["generations"], summary["steps"]) == ("SUCCEEDED", 3, 4)
+
+
 def test_a_lost_node_is_replaced_by_the_spare(no_leaks):
     summary = run_up(
         no_leaks / "run",

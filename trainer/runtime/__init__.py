@@ -146,7 +146,7 @@ class Runtime:
         self.restarted_in_place = getattr(self, "restarted_in_place", 0)
         under_keel = {"job": job, "generation": generation, "node": identity.node}
         logs.configure("trainer", rank=rank, **{k: v for k, v in under_keel.items() if v})
-        self._faults = FaultInjector(faults, rank, generation, self.log)
+        self._faults = FaultInjector(faults, rank, generation, self.log, identity.node)
         self._agent = (
             AgentReporter(
                 identity.agent_socket,
@@ -297,13 +297,16 @@ class Runtime:
             step, path, samples, save_s=save_s, size=size
         )
 
-    def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
+    def report_checkpoint_problem(
+        self, step: int, path: str, kind: str, reason: str, suspect_node: str = ""
+    ) -> bool:
         """Tells the agent of a checkpoint this rank would not or could not use: a
         commit refused because a newer generation owns the directory
-        (``"stale_commit"``), or one that failed verification and was renamed aside
-        (``"quarantined"``). False without an agent."""
+        (``"stale_commit"``), one that failed verification and was renamed aside
+        (``"quarantined"``), one a node could not read (``"unreachable"``;
+        ``suspect_node``: that node, if not this one), ... False without an agent."""
         return self._agent is not None and self._agent.report_checkpoint_problem(
-            step, path, kind, reason
+            step, path, kind, reason, suspect_node
         )
 
     def flush(self) -> bool:

@@ -1,7 +1,10 @@
 """Scripted, deterministic fault injection (``keel up --inject``): the schedule in
 ``KEEL_FAULTS``, the faults this rank applies itself, and their one-shot markers.
 
-Steps are numbered from 1: a fault at step N fires when step N starts.
+Steps are numbered from 1: a fault at step N fires when step N starts. A crash may
+name a node (``keel up``'s numbering) instead of a rank: every rank on that node
+crashes, in every generation that runs there, as on a node that fails whatever runs
+on it.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from collections.abc import Callable
 
 from google.protobuf import json_format
 
+from common.keys import local_node
 from common.wire_kinds import WIRE_FAULT_KINDS, FaultKind
 from protos import keel_pb2
 
 RANK_FAULT_KINDS = (FaultKind.CRASH, FaultKind.KILL, FaultKind.HANG, FaultKind.SLOW)
 # A restarted generation replays the steps after its checkpoint; these must not fire
-# again there, or a crash at step 7 would crash every generation forever.
+# again there, or a crash at step 7 would crash every generation forever (but for a
+# crash of a node's ranks, which is meant to).
 ONE_SHOT_FAULT_KINDS = (FaultKind.CRASH, FaultKind.KILL, FaultKind.HANG)
 
 
@@ -38,16 +43,28 @@ def parse_fault_schedule(text: str | None) -> keel_pb2.FaultSchedule:
     return schedule
 
 
-def rank_faults(schedule: keel_pb2.FaultSchedule, rank: int) -> list[tuple[int, keel_pb2.Fault]]:
-    """The faults this rank applies itself, as ``(index in schedule, fault)``: kinds in
-    ``RANK_FAULT_KINDS`` whose ``rank`` is set and equals ``rank``. Other kinds (such as
+def rank_faults(
+    schedule: keel_pb2.FaultSchedule, rank: int, node: str = ""
+) -> list[tuple[int, keel_pb2.Fault]]:
+    """The faults this rank (on ``node``, "" if not known) applies itself, as ``(index
+    in schedule, fault)``: kinds in ``RANK_FAULT_KINDS`` whose ``rank`` is set and
+    equals ``rank``, and crashes whose ``node`` is set and names ``node`` (as ``keel
+    up`` names its nodes, ``common.keys.local_node``). Other kinds (such as
     ``lose_node``) belong to the orchestrator and are left alone."""
     return [
         (index, fault)
         for index, fault in enumerate(schedule.faults)
         if WIRE_FAULT_KINDS.text(fault.kind) in RANK_FAULT_KINDS
-        and fault.HasField("rank")
-        and fault.rank == rank
+        and (
+            (fault.HasField("rank") and fault.rank == rank)
+            or (
+                fault.kind == keel_pb2.FAULT_KIND_CRASH
+                and not fault.HasField("rank")
+                and fault.HasField("node")
+                and bool(node)
+                and local_node(fault.node) == node
+            )
+        )
     ]
 
 
@@ -75,8 +92,9 @@ def claim_fault(checkpoint_dir: str | None, index: int, note: str) -> bool:
 
 
 class FaultInjector:
-    """The faults of ``schedule`` that rank ``rank`` applies. ``slow_factor`` is the
-    step-time multiplier of a ``slow`` fault in force (1.0 if none)."""
+    """The faults of ``schedule`` that rank ``rank`` (on ``node``) applies.
+    ``slow_factor`` is the step-time multiplier of a ``slow`` fault in force (1.0 if
+    none)."""
 
     def __init__(
         self,
@@ -84,11 +102,12 @@ class FaultInjector:
         rank: int,
         generation: int,
         log: Callable[[str], None],
+        node: str = "",
     ) -> None:
         self.rank = rank
         self.generation = generation
         self.slow_factor = 1.0
-        self._faults = rank_faults(schedule, rank)
+        self._faults = rank_faults(schedule, rank, node)
         self._log = log
 
     def inject(self, step: int, checkpoint_dir: str | None) -> None:
@@ -97,12 +116,13 @@ class FaultInjector:
         ``claim_fault``). ``crash`` raises RuntimeError, ``kill`` SIGKILLs this process, ``hang``
         sleeps forever, ``slow`` sets ``slow_factor`` for this and every later step
         (``after_step`` applies it). ``ONE_SHOT_FAULT_KINDS`` (crash, kill and hang)
-        fire once per checkpoint directory, whatever the generation."""
+        fire once per checkpoint directory, whatever the generation; a crash of a
+        node's ranks fires in every generation."""
         for index, fault in self._faults:
             if fault.step != step:
                 continue
             kind = WIRE_FAULT_KINDS.from_wire(fault.kind)  # rank_faults kept known kinds only
-            if kind in ONE_SHOT_FAULT_KINDS:
+            if kind in ONE_SHOT_FAULT_KINDS and fault.HasField("rank"):
                 note = (
                     f"{kind.value} step={step} rank={self.rank} "
                     f"generation={self.generation} pid={os.getpid()}"

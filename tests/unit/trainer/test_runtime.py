@@ -24,6 +24,7 @@ from trainer.runtime import (
     rank_faults,
     reporting,
 )
+from trainer.runtime.faults import FaultInjector
 
 
 def schedule_json(*faults: keel_pb2.Fault) -> str:
@@ -64,6 +65,23 @@ def test_rank_faults_keeps_only_this_ranks_rank_faults_with_their_schedule_index
         (5, keel_pb2.FAULT_KIND_KILL, 9),
     ]
     assert [index for index, _ in rank_faults(schedule, 0)] == [2]
+
+
+def test_a_crash_of_a_node_is_every_rank_on_it_and_fires_in_every_generation(tmp_path):
+    schedule = parse_fault_schedule(
+        schedule_json(
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, node=1, step=2),
+            keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_KILL, node=1, step=2),  # not by node
+        )
+    )
+    assert [i for i, _ in rank_faults(schedule, 0, "node-1")] == [0]
+    assert [i for i, _ in rank_faults(schedule, 3, "node-1")] == [0]
+    assert rank_faults(schedule, 0, "node-0") == [] and rank_faults(schedule, 0) == []
+    for generation in (1, 2, 3):
+        injector = FaultInjector(schedule, 0, generation, lambda _: None, node="node-1")
+        injector.inject(1, str(tmp_path))
+        with pytest.raises(RuntimeError, match="injected crash at step 2 on rank 0"):
+            injector.inject(2, str(tmp_path))
 
 
 def test_rank_zero_is_a_rank_not_a_missing_field():

@@ -12,6 +12,12 @@ def test_parse_each_rank_fault():
     kill = parse_fault("kill:step=3,rank=0")
     assert (kill.kind, kill.rank, kill.step) == (keel_pb2.FAULT_KIND_KILL, 0, 3)
     assert parse_fault("hang:rank=2,step=5").kind == keel_pb2.FAULT_KIND_HANG
+    bad_node = parse_fault("crash:node=2,step=3")
+    assert (bad_node.kind, bad_node.node, bad_node.HasField("rank")) == (
+        keel_pb2.FAULT_KIND_CRASH,
+        2,
+        False,
+    )
     slow = parse_fault("slow:rank=3,step=10,factor=1.5")
     assert slow.factor == pytest.approx(1.5)
     lose = parse_fault("lose_node:node=1,step=20")
@@ -47,7 +53,10 @@ def test_parse_each_rank_fault():
         ("kill:rank=1,step=2,factor=2", "is not one of"),
         ("restart_etcd:step=2,down=0", "down and for seconds in (0, 600]"),
         ("restart_etcd:step=2,down=soon", "down and for seconds in (0, 600]"),
-        ("crash:rank=1,step=2,down=3", "is not one of rank, step"),
+        ("crash:rank=1,step=2,down=3", "is not one of node, rank, step"),
+        ("crash:step=2", "missing rank (or node"),
+        ("crash:node=1,rank=0,step=2", "give rank or node, not both"),
+        ("kill:node=1,step=2", "is not one of rank, step"),
         ("restart_etcd:down=3", "missing step"),
     ],
 )
@@ -63,6 +72,8 @@ def test_schedule_rejects_ranks_outside_the_world_and_round_trips_as_json():
         parse_schedule(["crash:rank=4,step=1"], world_size=4, nodes=2)
     with pytest.raises(BadFault, match="node 2 does not exist in a cluster of 2 nodes"):
         parse_schedule(["lose_node:node=2,step=1"], world_size=4, nodes=2)
+    with pytest.raises(BadFault, match="node 2 does not exist in a cluster of 2 nodes"):
+        parse_schedule(["crash:node=2,step=1"], world_size=4, nodes=2)
     schedule = parse_schedule(
         ["crash:rank=1,step=12", "kill:rank=0,step=20", "lose_node:node=1,step=30"], 4, 2
     )
