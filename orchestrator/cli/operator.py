@@ -425,7 +425,9 @@ def checkpoint(job, wait, timeout_s, controller, etcd_endpoints, token_file, as_
 def submit(spec_file, check, controller, etcd_endpoints, token_file, as_json, **security):
     """Submit the job described in SPEC, a TOML or YAML file of JobSpec fields (name,
     world_size, command, env, max_restarts, steps, checkpoint_dir, mesh, min_nodes,
-    model, training, health). Every problem is reported with its field and the fix."""
+    model, training, health, resume_from, on_no_checkpoint). Every problem is reported
+    with its field and the fix. A checkpoint_dir another job in etcd names is refused:
+    to start from that job's checkpoints, give resume_from and a directory of its own."""
     from orchestrator.spec.specfile import SpecFileError, load
 
     try:
