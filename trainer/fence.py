@@ -11,6 +11,19 @@ a partition) finds a newer number there and is refused (``Superseded``): its com
 its retention and its cleanup never land. The lock makes the check and the step one:
 a claim waits until a step in progress is done.
 
+The lock is taken with a deadline (``timeout_s``): a holder that never lets go (an old
+rank 0 stopped, or stuck in uninterruptible I/O, inside a fenced step) must not block
+every later generation's start without a word. Whoever holds the lock writes who it is
+(``Holder``: pid, node, generation) over the start of ``.fence.lock``, so that a waiter
+past its deadline raises ``FenceTimeout`` naming that process and node. The record is
+padded to a fixed size and overwritten in place, so that a new holder's write needs no
+free space; where it cannot be written at all (a full filesystem on the first lock
+ever) the lock is held all the same and the holder is unknown.
+
+``held`` with ``claim_after`` runs the body first and claims after it: the cleanup of
+a full directory frees space before ``.fence`` is written, still under the lock and
+after the owner is checked.
+
 The lock is ``flock``: a shared filesystem must support it (NFSv4 and Lustre do, as
 POSIX locks). Outside Keel (generation 0) there is no fence.
 """
@@ -21,10 +34,19 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 FENCE_FILE = ".fence"
 LOCK_FILE = ".fence.lock"
+# The holder's record fills this many bytes of the lock file (JSON padded with spaces):
+# once the file has them, every later holder overwrites the same blocks.
+HOLDER_BYTES = 256
+# A waiter tries again after FIRST_POLL_S, doubling to at most MAX_POLL_S: a commit's
+# rename holds the lock for milliseconds, a stalled holder for ever.
+FIRST_POLL_S = 0.005
+MAX_POLL_S = 0.25
 
 
 class Superseded(RuntimeError):
@@ -38,6 +60,62 @@ class Superseded(RuntimeError):
         self.owner = owner
 
 
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a directory's fence lock: process ``pid`` on ``node`` (the node its
+    agent names, "" outside Keel) for ``generation``. Stored over the start of the lock
+    file; ``SCHEMA`` is its version."""
+
+    pid: int
+    node: str
+    generation: int
+
+    SCHEMA = 1
+
+    def to_bytes(self) -> bytes:
+        record = {
+            "schema": self.SCHEMA,
+            "pid": self.pid,
+            "node": self.node,
+            "generation": self.generation,
+        }
+        return json.dumps(record).encode().ljust(HOLDER_BYTES - 1) + b"\n"
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The holder ``data`` (the lock file's content) names; None where it names
+        none that this version reads (empty, cut short, another schema)."""
+        try:
+            record = json.loads(data)
+            if record["schema"] != cls.SCHEMA:
+                return None
+            return cls(int(record["pid"]), str(record["node"]), int(record["generation"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on node {self.node or '(unnamed)'} (generation {self.generation})"
+
+
+class FenceTimeout(TimeoutError):
+    """The fence lock of ``directory`` stayed held past ``timeout_s`` seconds;
+    ``holder``: who held it, as it said (None: it did not say). ``pid`` and ``node``
+    are the holder's (0 and "" when unknown). A TimeoutError: a deadline passed."""
+
+    def __init__(self, directory: str, timeout_s: float, holder: Holder | None):
+        who = str(holder) if holder else "a process that did not say who it is"
+        super().__init__(
+            f"the fence lock {os.path.join(directory, LOCK_FILE)} was held for over "
+            f"{timeout_s:g} s by {who}: a rank of an older generation is stalled "
+            f"(stopped, or in uninterruptible I/O) inside a step in the checkpoint "
+            f"directory; end that process, or look at that node's storage"
+        )
+        self.directory = directory
+        self.holder = holder
+        self.pid = holder.pid if holder else 0
+        self.node = holder.node if holder else ""
+
+
 def owner(directory: str) -> int:
     """The generation that owns ``directory`` (0: none has claimed it)."""
     try:
@@ -47,23 +125,71 @@ def owner(directory: str) -> int:
         return 0
 
 
+def holder(directory: str) -> Holder | None:
+    """Who holds, or last held, ``directory``'s fence lock, as it wrote itself there
+    (None: nobody said)."""
+    try:
+        # Opened anew each time: on NFS a fresh open sees what the holder fsynced.
+        with open(os.path.join(directory, LOCK_FILE), "rb") as lock:
+            return Holder.parse(lock.read(4 * HOLDER_BYTES))
+    except FileNotFoundError:
+        return None
+
+
 @contextlib.contextmanager
-def _locked(directory: str) -> Iterator[None]:
+def _locked(directory: str, who: Holder, timeout_s: float) -> Iterator[None]:
+    """Holds ``directory``'s fence lock as ``who``, taken within ``timeout_s`` seconds
+    (else FenceTimeout)."""
     os.makedirs(directory, exist_ok=True)
     fd = os.open(os.path.join(directory, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _acquire(fd, directory, timeout_s)
+        _say_who(fd, who)
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
-def claim(directory: str, generation: int) -> None:
+def _acquire(fd: int, directory: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause_s = FIRST_POLL_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise FenceTimeout(directory, timeout_s, holder(directory))
+        time.sleep(min(pause_s, left_s))
+        pause_s = min(2 * pause_s, MAX_POLL_S)
+
+
+def _say_who(fd: int, who: Holder) -> None:
+    """Writes ``who`` over the lock file's start, fsynced (a waiter on another NFS
+    client reads the server's copy). Who holds the lock is for a waiter's error message
+    only: where it cannot be written (no space for the file's first blocks, an I/O
+    error), the file is emptied, so that no waiter names an earlier holder, and the
+    step goes on."""
+    record = who.to_bytes()
+    try:
+        os.pwrite(fd, record, 0)
+        os.ftruncate(fd, len(record))
+        os.fsync(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+
+
+def claim(directory: str, generation: int, *, timeout_s: float, node: str = "") -> None:
     """Make ``generation`` the owner of ``directory``; raises Superseded if a newer one
-    already is. A no-op outside Keel (generation 0)."""
+    already is, FenceTimeout if the lock is not had within ``timeout_s`` seconds
+    (``node``: this process's node, for another's FenceTimeout). A no-op outside Keel
+    (generation 0)."""
     if generation == 0:
         return
-    with _locked(directory):
+    with _locked(directory, Holder(os.getpid(), node, generation), timeout_s):
         _claim_locked(directory, generation)
 
 
@@ -86,15 +212,38 @@ def _claim_locked(directory: str, generation: int) -> None:
         os.close(fd)
 
 
+def _check_owner(directory: str, generation: int) -> None:
+    """Raises Superseded unless ``generation`` may act in ``directory``: what a claim
+    checks, before a step that runs ahead of its claim (``held``'s ``claim_after``)."""
+    current = owner(directory)
+    if current > generation:
+        raise Superseded(directory, generation, current)
+
+
 @contextlib.contextmanager
-def held(directory: str, generation: int) -> Iterator[None]:
+def held(
+    directory: str,
+    generation: int,
+    *,
+    timeout_s: float,
+    node: str = "",
+    claim_after: bool = False,
+) -> Iterator[None]:
     """Run the body as ``generation``'s destructive step in ``directory``: with the lock
-    held, and only if no newer generation owns the directory (else Superseded; the
-    directory is claimed for ``generation`` if it was not yet). Outside Keel
-    (generation 0) the body just runs."""
+    held (taken within ``timeout_s`` seconds, else FenceTimeout naming its holder;
+    ``node``: this process's node, for another's FenceTimeout), and only if no newer
+    generation owns the directory (else Superseded). The directory is claimed for
+    ``generation`` if it was not yet: before the body, or with ``claim_after`` after it
+    (the body must then write nothing that needs the claim: it frees space for it).
+    Outside Keel (generation 0) the body just runs."""
     if generation == 0:
         yield
         return
-    with _locked(directory):
-        _claim_locked(directory, generation)
-        yield
+    with _locked(directory, Holder(os.getpid(), node, generation), timeout_s):
+        if claim_after:
+            _check_owner(directory, generation)
+            yield
+            _claim_locked(directory, generation)
+        else:
+            _claim_locked(directory, generation)
+            yield

@@ -43,14 +43,17 @@ def candidates(checkpoint_dir: str | None, runtime: Runtime) -> list[str]:
     return [found[step] for step in sorted(found, reverse=True)]
 
 
-def quarantine(checkpoint_dir: str, path: str, generation: int) -> str | None:
+def quarantine(
+    checkpoint_dir: str, path: str, generation: int, *, fence_timeout_s: float, node: str = ""
+) -> str | None:
     """Rename ``path`` aside so it is never loaded again; the new name, or None if there
-    was nothing to rename. Held under the generation's fence."""
+    was nothing to rename. Held under the generation's fence (its lock taken within
+    ``fence_timeout_s``; ``node``: this rank's)."""
     match = _STEP.search(os.path.basename(os.path.normpath(path)))
     if not match or not os.path.isdir(path):
         return None
     aside = os.path.join(checkpoint_dir, f".quarantine.step_{match.group(1)}.g{generation}")
-    with fence.held(checkpoint_dir, generation):
+    with fence.held(checkpoint_dir, generation, timeout_s=fence_timeout_s, node=node):
         os.rename(path, aside)
     return aside
 
@@ -82,7 +85,13 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> str | None:
             aside = (
                 None
                 if outside
-                else quarantine(checkpoint_dir or os.path.dirname(path), path, runtime.generation)
+                else quarantine(
+                    checkpoint_dir or os.path.dirname(path),
+                    path,
+                    runtime.generation,
+                    fence_timeout_s=runtime.fence_timeout_s,
+                    node=runtime.node,
+                )
             )
             runtime.log(
                 f"quarantined checkpoint {path}: {problem}"

@@ -50,11 +50,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import (
     checkpoint,
     checkpoint_dir,
+    fence,
     mesh,
     optim,
     parallelize,
     pipeline,
     preflight,
+    storage_faults,
     watchdog,
 )
 from trainer import (
@@ -300,7 +302,17 @@ def train(
         rng_state=torch.get_rng_state(),
     )
     if rank == 0:
-        for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation):
+        try:
+            removed = checkpoint_dir.discard_staging(
+                args.checkpoint_dir,
+                rt.generation,
+                fence_timeout_s=rt.fence_timeout_s,
+                node=rt.node,
+            )
+        except fence.FenceTimeout as stalled:
+            storage_faults.report_fence_timeout(rt, 0, stalled)
+            raise
+        for name in removed:
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
     restore = restore_from.choose(args.checkpoint_dir, rt)

@@ -460,10 +460,12 @@ class AgentReporter:
         self._take_ack(ack)
         return True
 
-    def report_checkpoint_problem(self, step: int, path: str, kind: str, reason: str) -> bool:
-        """Tells the agent of a checkpoint this rank would not or could not use
-        (``kind``: a ``CheckpointProblemKind``, or its string); whether it
-        acknowledged."""
+    def report_checkpoint_problem(
+        self, step: int, path: str, kind: str, reason: str, *, suspect_node: str = ""
+    ) -> bool:
+        """Tells the agent of a checkpoint this rank would not or could not use or save
+        (``kind``: a ``CheckpointProblemKind``, or its string; ``suspect_node``: the
+        node it points at, "" for none); whether it acknowledged."""
         try:
             self._stub.ReportCheckpointProblem(
                 keel_pb2.CheckpointProblem(
@@ -473,6 +475,7 @@ class AgentReporter:
                     path=path,
                     kind=WIRE_PROBLEM_KINDS.to_wire(CheckpointProblemKind(kind)),
                     reason=reason,
+                    suspect_node=suspect_node,
                 ),
                 timeout=CHECKPOINT_REPORT_DEADLINE_S,
             )

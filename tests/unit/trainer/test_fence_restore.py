@@ -38,35 +38,37 @@ def runtime(generation=2, job="", restore_from=None, fallbacks=()) -> Runtime:
 
 def test_a_newer_generation_fences_an_older_one_out(tmp_path):
     directory = str(tmp_path)
-    fence.claim(directory, 3)
-    with fence.held(directory, 3):
+    fence.claim(directory, 3, timeout_s=10)
+    with fence.held(directory, 3, timeout_s=10):
         pass
-    fence.claim(directory, 4)
+    fence.claim(directory, 4, timeout_s=10)
     with pytest.raises(fence.Superseded, match="generation 4 owns") as refused:
-        with fence.held(directory, 3):
+        with fence.held(directory, 3, timeout_s=10):
             pytest.fail("a superseded generation's step ran")
     assert refused.value.owner == 4 and fence.owner(directory) == 4
     with pytest.raises(fence.Superseded):
-        fence.claim(directory, 3)
+        fence.claim(directory, 3, timeout_s=10)
     # Outside Keel there is no fence.
-    with fence.held(directory, 0):
+    with fence.held(directory, 0, timeout_s=10):
         pass
 
 
 def test_a_claim_waits_for_a_step_in_progress(tmp_path):
     directory = str(tmp_path)
-    fence.claim(directory, 1)
+    fence.claim(directory, 1, timeout_s=10)
     inside, release, claimed = threading.Event(), threading.Event(), threading.Event()
 
     def old_step():
-        with fence.held(directory, 1):
+        with fence.held(directory, 1, timeout_s=10):
             inside.set()
             release.wait(10)
 
     worker = threading.Thread(target=old_step)
     worker.start()
     inside.wait(10)
-    newer = threading.Thread(target=lambda: (fence.claim(directory, 2), claimed.set()))
+    newer = threading.Thread(
+        target=lambda: (fence.claim(directory, 2, timeout_s=10), claimed.set())
+    )
     newer.start()
     # While generation 1's step holds the lock, generation 2 cannot take the directory.
     assert not claimed.wait(0.3) and fence.owner(directory) == 1
@@ -105,7 +107,7 @@ def save(directory, generation, steps, keep=0):
 def test_a_superseded_generation_can_neither_commit_nor_clean_up(tmp_path, one_rank_group, capsys):
     directory = str(tmp_path / "ckpt")
     save(directory, 2, [1])
-    fence.claim(directory, 3)  # generation 3 took over the directory
+    fence.claim(directory, 3, timeout_s=10)  # generation 3 took over the directory
     saver = Checkpointer(directory, runtime(2), use_async=True, keep=1, restored_from=None)
     with pytest.raises(fence.Superseded):
         saver.save(2, 32, model_state(2), Ledger(), 16)
