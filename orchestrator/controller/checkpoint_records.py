@@ -1,6 +1,7 @@
 """A job's checkpoint records in etcd: recording the commits agents report, telling
 the job's nodes the newest (their ranks' retention keeps it), pruning old records, and
-the problems ranks report (refused stale commits, quarantined checkpoints). Part of
+the problems ranks report (refused stale commits, quarantined checkpoints, failed
+saves). Part of
 the executor: called with the state lock held, from the reconcile thread."""
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class CheckpointRecords:
         job.records_pruned = True
 
     def problems(self, job: JobRuntime) -> None:
-        """Checkpoints ranks would not use: an event each; a quarantined one is marked
-        in its record, and is never a restore point again."""
+        """Checkpoints ranks would not use or could not save: an event each, counted
+        by kind (``keel_checkpoint_problems_total``); a quarantined one is marked in its
+        record, and is never a restore point again."""
         while job.checkpoint_problems:
             problem = job.checkpoint_problems[0]
             kind = WIRE_PROBLEM_KINDS.from_wire(problem.kind)
@@ -108,6 +110,15 @@ class CheckpointRecords:
                     f"checkpoint of step {problem.step} failed "
                     f"verification and was set aside: "
                     f"{problem.reason}",
+                    step=problem.step,
+                )
+            elif kind is CheckpointProblemKind.SAVE_FAILED:
+                # Nothing to mark: a failed save left no checkpoint, and the restore
+                # point stays the newest recorded one.
+                job.health.event(
+                    EventKind.CHECKPOINT_FAILED,
+                    f"generation {problem.generation}'s checkpoint of step {problem.step} "
+                    f"was not saved; training went on: {problem.reason}",
                     step=problem.step,
                 )
             else:
