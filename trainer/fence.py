@@ -127,13 +127,13 @@ def owner(directory: str) -> int:
 
 def holder(directory: str) -> Holder | None:
     """Who holds, or last held, ``directory``'s fence lock, as it wrote itself there
-    (None: nobody said)."""
+    (None: nobody said, or it cannot be read)."""
     try:
         # Opened anew each time: on NFS a fresh open sees what the holder fsynced.
         with open(os.path.join(directory, LOCK_FILE), "rb") as lock:
             return Holder.parse(lock.read(4 * HOLDER_BYTES))
-    except FileNotFoundError:
-        return None
+    except OSError:
+        return None  # unknown: the waiter's FenceTimeout says so
 
 
 @contextlib.contextmanager
