@@ -216,9 +216,9 @@ def committed_steps(ckpt: Path) -> list[int]:
 
 class AgentRecorder:
     """Keeps what the agent's real local service (``local_agent``) was told, in arrival
-    order: ``events`` holds ("step", StepReport), ("checkpoint", CheckpointSaved) and
-    ("preflight", PreflightReport); ``calls`` holds each ReportSteps call as
-    (generation, reports).
+    order: ``events`` holds ("step", StepReport), ("checkpoint", CheckpointSaved),
+    ("problem", CheckpointProblem) and ("preflight", PreflightReport); ``calls`` holds
+    each ReportSteps call as (generation, reports).
 
     It asks for a checkpoint in an ack when ``ask(call_number, reports)`` says so
     (``call_number`` counts ReportSteps calls with reports from 1; a rank's pings,
@@ -274,6 +274,10 @@ class AgentRecorder:
         with self.lock:
             self.events.append(("checkpoint", saved))
 
+    def on_problem(self, problem: keel_pb2.CheckpointProblem) -> None:
+        with self.lock:
+            self.events.append(("problem", problem))
+
     def on_preflight(self, report: keel_pb2.PreflightReport) -> None:
         with self.lock:
             self.events.append(("preflight", report))
@@ -290,8 +294,8 @@ class AgentRecorder:
         return self.refuse_park
 
     def of(self, kind: str) -> list:
-        """The payloads of ``kind`` ("step", "checkpoint", "preflight" or "attach": the
-        (generation, rank) of each) so far."""
+        """The payloads of ``kind`` ("step", "checkpoint", "problem", "preflight" or
+        "attach": the (generation, rank) of each) so far."""
         with self.lock:
             return [payload for what, payload in self.events if what == kind]
 
@@ -317,8 +321,8 @@ def agent(request):
 @contextlib.contextmanager
 def local_agent(recorder):
     """The agent's real AgentLocal service on a Unix socket, calling ``recorder``'s
-    ``on_steps``, ``on_checkpoint`` and (if it has one) ``on_preflight``; yields the
-    socket path for KEEL_AGENT_SOCKET."""
+    ``on_steps``, ``on_checkpoint`` and (if it has them) ``on_problem`` and
+    ``on_preflight``; yields the socket path for KEEL_AGENT_SOCKET."""
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     directory = tempfile.mkdtemp(prefix="keel-agent-")
     socket_path = os.path.join(directory, "agent.sock")
@@ -329,6 +333,7 @@ def local_agent(recorder):
                 identify=recorder.identities.get,
                 on_steps=recorder.on_steps,
                 on_checkpoint=recorder.on_checkpoint,
+                on_problem=getattr(recorder, "on_problem", lambda _problem: None),
                 on_preflight=getattr(recorder, "on_preflight", lambda _report: None),
                 on_attach=recorder.on_attach,
                 leaving=recorder.leaving_tokens.__contains__,

@@ -47,6 +47,19 @@ the entries of the shard files, ``.metadata`` and ``ledger.json`` durable), rena
 and fsyncs the checkpoint directory (making the new name durable). Never pass DCP a
 writer with ``sync_files=False``: the shard files would then go unsynced.
 
+A save that fails on storage (``trainer.storage_faults``: a write refused on any rank
+for no space left, a quota or an I/O error, or the commit's) is not the run's
+failure: rank 0 removes its staging directory (under the fence, giving its space back),
+logs one line and reports a ``save_failed`` checkpoint problem, every rank goes on
+training, and the next save is tried on schedule; the failed one is not retried. Every
+rank agrees that it failed: DCP's save is collective, its coordinator gathers each
+rank's write result and broadcasts one outcome, so a write that failed on one rank
+raises ``CheckpointException`` on all of them, the async write's through its future.
+What only rank 0 does (preparing the staging directory, the commit) fails on rank 0
+alone, before the save's collective or after it, where no peer waits for it. A refusal
+(``fence.Superseded``) and a fence lock held past its deadline (``fence.FenceTimeout``)
+still fail the rank.
+
 Retention (and the replacement of an unrecorded checkpoint) renames a checkpoint aside
 to a ``.tmp`` name, durably, and deletes it in a background thread, so the training
 thread, and the ranks waiting for rank 0's commit, do not wait for the files to go.
@@ -89,6 +102,7 @@ from trainer.checkpoint_dir import (
 )
 from trainer.ledger import LEDGER_FILE, Ledger
 from trainer.runtime import Runtime
+from trainer.storage_faults import report_fence_timeout, storage_fault
 from trainer.summing_writer import SummingWriter
 
 # Optimizer state keyed per parameter name ("state.layers.0.mlp.w1.weight.exp_avg"),
@@ -217,6 +231,10 @@ class Checkpointer:
     a commit, a retention or a cleanup of a generation that has been superseded is
     refused (one log line, reported to the agent) and the save fails.
 
+    A save that fails on storage (``storage_fault``) is skipped on every rank: rank 0
+    removes its staging directory, logs it and reports a ``save_failed`` problem, and
+    ``save``, ``poll`` and ``wait`` return as after a save that was never asked for.
+
     ``keep``: committed checkpoints kept after each commit (0: all); never deleted: the
     checkpoint this run loaded (``restored_from``) and the newest one the controller
     recorded (``Runtime.recorded_step``). ``lineage``: the job ids whose checkpoints
@@ -284,16 +302,17 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         staging = staging_path(self.checkpoint_dir, step, self.generation)
+        prepared = True
         if self._rank == 0:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
-            # An earlier incarnation of this generation (torchrun restarts keep the
-            # generation) may have died while writing this step; its shards must not
-            # mix with ours.
-            with self._fenced(step, staging):
-                shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            ledger.write(staging, global_batch, step)
-        dist.barrier()
+            try:
+                self._prepare(step, staging, ledger, global_batch)
+            except Exception as error:
+                if not self._save_failed(step, staging, error):
+                    raise
+                prepared = False
+        if not self._all_prepared(prepared):
+            self._blocked_s += time.perf_counter() - started
+            return
         writer = SummingWriter(staging)
         if self.use_async:
             future = dcp.async_save(
@@ -312,14 +331,40 @@ class Checkpointer:
             else:
                 self._pending = pending
         else:
-            with self._superseded_if_lost(step, staging):
-                dcp.save(state, storage_writer=writer, process_group=self._group)
-            self._commit(step, samples, staging, started, writer.sums)
+            try:
+                with self._superseded_if_lost(step, staging):
+                    dcp.save(state, storage_writer=writer, process_group=self._group)
+                committed = self._commit(step, samples, staging, started, writer.sums)
+            except (Exception, CheckpointException) as error:
+                if not self._save_failed(step, staging, error):
+                    raise
+                committed = False
+            if committed:
+                self._retain(step)
         self._blocked_s += time.perf_counter() - started
+
+    def _prepare(self, step: int, staging: str, ledger: Ledger, global_batch: int) -> None:
+        """Rank 0: an empty staging directory for ``step`` holding the ledger."""
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        # An earlier incarnation of this generation (torchrun restarts keep the
+        # generation) may have died while writing this step; its shards must not mix
+        # with ours.
+        with self._fenced(step, staging):
+            shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        ledger.write(staging, global_batch, step)
+
+    def _all_prepared(self, prepared: bool) -> bool:
+        """Whether rank 0 prepared the save's staging directory (``prepared``, there),
+        on every rank. In place of a barrier before DCP's collective save: a save that
+        rank 0 could not prepare is skipped by every rank together, not waited for."""
+        flag = torch.tensor([int(prepared)], dtype=torch.int64)
+        dist.broadcast(flag, src=0, group=self._group)
+        return bool(flag.item())
 
     def poll(self) -> None:
         """Raises if the save in flight failed to write (ranks but 0) or to commit (rank
-        0); never blocks."""
+        0) other than on storage (see ``_save_failed``); never blocks."""
         if self._pending is not None and self._pending.future.done():
             self._written()
         if self._commit_future is not None and self._commit_future.done():
@@ -378,18 +423,51 @@ class Checkpointer:
         return True
 
     def _written(self) -> None:
-        """Waits for this rank's write in flight; a failed one raises and fails the
-        rank: an uncommitted checkpoint must not look like progress."""
+        """Waits for this rank's write in flight. One that failed on storage is
+        skipped (``_save_failed``); any other failure raises and fails the rank: an
+        uncommitted checkpoint must not look like progress."""
         pending, self._pending = self._pending, None
-        with self._superseded_if_lost(pending.step, pending.staging):
-            pending.future.result()
+        try:
+            with self._superseded_if_lost(pending.step, pending.staging):
+                pending.future.result()
+        except (Exception, CheckpointException) as error:
+            if not self._save_failed(pending.step, pending.staging, error):
+                raise
 
     def _commit_when_written(self, pending: _Pending) -> None:
-        with self._superseded_if_lost(pending.step, pending.staging):
-            pending.future.result()
-        self._commit(
-            pending.step, pending.samples, pending.staging, pending.started, pending.writer.sums
-        )
+        try:
+            with self._superseded_if_lost(pending.step, pending.staging):
+                pending.future.result()
+            committed = self._commit(
+                pending.step, pending.samples, pending.staging, pending.started, pending.writer.sums
+            )
+        except (Exception, CheckpointException) as error:
+            if not self._save_failed(pending.step, pending.staging, error):
+                raise
+            committed = False
+        if committed:
+            self._retain(pending.step)
+
+    def _save_failed(self, step: int, staging: str, error: BaseException) -> bool:
+        """Whether ``error``, which failed the save of ``step``, is a storage fault
+        (``storage_fault``) that training goes on after. On rank 0 such a save's
+        staging directory is removed, under the fence (a refusal or a lock held too
+        long raises), and the fault logged and reported as ``save_failed``."""
+        fault = storage_fault(error)
+        if fault is None:
+            return False
+        if self._rank == 0:
+            # Its space back at once, and nothing half written left in the directory.
+            with self._fenced(step, staging):
+                shutil.rmtree(staging, ignore_errors=True)
+            reason = f"the save of step {step} failed: {fault}"
+            self.runtime.log(
+                f"checkpoint of step {step} not saved ({fault}); training goes on, "
+                f"the next save is tried on schedule",
+                step=step,
+            )
+            self.runtime.report_checkpoint_problem(step, staging, "save_failed", reason)
+        return True
 
     @contextlib.contextmanager
     def _superseded_if_lost(self, step: int, staging: str):
@@ -413,14 +491,24 @@ class Checkpointer:
     @contextlib.contextmanager
     def _fenced(self, step: int, path: str):
         """Hold the generation's fence around a destructive step; a superseded
-        generation's step is refused: one log line, reported to the agent, raised."""
+        generation's step is refused: one log line, reported to the agent, raised. A
+        lock held past the deadline is reported with its holder's node and raised."""
         generation = self.generation
         try:
-            with fence.held(self.checkpoint_dir, generation, self.runtime.job_id):
+            with fence.held(
+                self.checkpoint_dir,
+                generation,
+                self.runtime.job_id,
+                timeout_s=self.runtime.fence_timeout_s,
+                node=self.runtime.node,
+            ):
                 yield
         except fence.Superseded as refused:
             self.runtime.log(f"refusing to change checkpoint step {step}: {refused}")
             self.runtime.report_checkpoint_problem(step, path, "stale_commit", str(refused))
+            raise
+        except fence.FenceTimeout as stalled:
+            report_fence_timeout(self.runtime, step, stalled)
             raise
 
     def _commit(
@@ -430,15 +518,17 @@ class Checkpointer:
         staging: str,
         started: float,
         sums: dict[str, manifest.FileSum],
-    ) -> None:
+    ) -> bool:
         """Make the written checkpoint of ``step`` durable under its committed name and
-        report it (with the seconds since its save ``started``, perf_counter). ``sums``:
-        every file DCP wrote, summed as it wrote them (``SummingWriter``)."""
+        report it (with the seconds since its save ``started``, perf_counter); whether
+        this rank did (rank 0 does, the others return False). ``sums``: every file DCP
+        wrote, summed as it wrote them (``SummingWriter``). Retention is the caller's,
+        once the commit stands."""
         # DCP's coordinator (rank 0) writes the metadata only after gathering every
         # rank's write results, so rank 0's write being done means everyone's is, and
         # DCP has fsynced every shard file and .metadata (see the module docstring).
         if self._rank != 0:
-            return
+            return False
         final = committed_path(self.checkpoint_dir, step)
         # What DCP leaves unsynced: our ledger and the staging directory's entries;
         # and the manifest, written (and fsynced) once every other file is there, from
@@ -471,7 +561,7 @@ class Checkpointer:
         self.runtime.report_checkpoint(
             step, os.path.abspath(final), samples, save_s=time.perf_counter() - started, size=size
         )
-        self._retain(step)
+        return True
 
     def _retain(self, committed_step: int) -> None:
         found = committed_steps(self.checkpoint_dir)

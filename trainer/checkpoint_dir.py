@@ -49,25 +49,43 @@ def expired(steps: list[int], keep: int, protected: set[int]) -> list[int]:
 
 
 def discard_staging(
-    checkpoint_dir: str | None, generation: int, claimant: fence.Owner | None = None
+    checkpoint_dir: str | None,
+    generation: int,
+    claimant: fence.Owner | None = None,
+    *,
+    fence_timeout_s: float,
+    node: str = "",
 ) -> list[str]:
-    """Claims ``checkpoint_dir`` for ``generation`` (``trainer.fence``; ``claimant``: the
-    job, id and lineage its fence is to name) and removes every
-    staging directory (``.step_*.tmp``) left by ranks that died while saving or
-    deleting, or by a generation superseded since; returns what it removed. Call it on
-    rank 0 before training starts. Raises fence.Superseded if a newer generation owns
-    the directory."""
+    """Removes every staging directory (``.step_*.tmp``) left by ranks that died while
+    saving or deleting, or by a generation superseded since, and claims
+    ``checkpoint_dir`` for ``generation`` (``trainer.fence``; ``claimant``: the job, id
+    and lineage its fence is to name); returns what it removed. Call it on rank 0
+    before training starts, once its lineage was checked (``trainer.lineage``).
+
+    Fenced, and in this order: the lock taken, the owner checked, the leftovers
+    removed, and only then ``.fence`` written, so that a filesystem that leftovers
+    filled gets its space back before anything is written there. Raises
+    fence.Superseded if a newer generation owns the directory, fence.FenceTimeout if
+    the lock stays held past ``fence_timeout_s`` seconds (``node``: this rank's node,
+    for a waiter's FenceTimeout)."""
     if not checkpoint_dir:
         return []
-    fence.claim(checkpoint_dir, generation, claimant)
-    if not os.path.isdir(checkpoint_dir):
-        return []  # a first run outside Keel: nothing was ever saved there
     removed = []
-    with fence.held(checkpoint_dir, generation, claimant.job_id if claimant else ""):
-        for name in os.listdir(checkpoint_dir):
-            if name.startswith(".step_") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
-                removed.append(name)
+    with fence.held(
+        checkpoint_dir,
+        generation,
+        timeout_s=fence_timeout_s,
+        node=node,
+        claim_after=True,
+        claimant=claimant,
+    ):
+        # Outside Keel there is no lock to create the directory, and a first run has
+        # never saved there.
+        if os.path.isdir(checkpoint_dir):
+            for name in sorted(os.listdir(checkpoint_dir)):
+                if name.startswith(".step_") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+                    removed.append(name)
     return removed
 
 

@@ -98,12 +98,19 @@ def candidates(checkpoint_dir: str | None, runtime: Runtime) -> tuple[list[str],
 
 def quarantine(checkpoint_dir: str, path: str, runtime: Runtime) -> str | None:
     """Rename ``path`` aside so it is never loaded again; the new name, or None if there
-    was nothing to rename. Held under the generation's fence."""
+    was nothing to rename. Held under the generation's fence (its lock taken within
+    ``runtime.fence_timeout_s``)."""
     match = _STEP.search(os.path.basename(os.path.normpath(path)))
     if not match or not os.path.isdir(path):
         return None
     aside = os.path.join(checkpoint_dir, f".quarantine.step_{match.group(1)}.g{runtime.generation}")
-    with fence.held(checkpoint_dir, runtime.generation, runtime.job_id):
+    with fence.held(
+        checkpoint_dir,
+        runtime.generation,
+        runtime.job_id,
+        timeout_s=runtime.fence_timeout_s,
+        node=runtime.node,
+    ):
         os.rename(path, aside)
     return aside
 
@@ -159,7 +166,11 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> Restored | None:
             runtime.log(f"cannot read checkpoint {path} here; leaving it as it is: {reason}")
             # The node that could not read it (the lowest rank's) is the suspect.
             runtime.report_checkpoint_problem(
-                _step_of(path), path, "unreachable", reason, (verdict.nodes or ("",))[0]
+                _step_of(path),
+                path,
+                "unreachable",
+                reason,
+                suspect_node=(verdict.nodes or ("",))[0],
             )
         elif resumed or outside:
             # Another lineage's, or outside the job's directory: not the job's to rename.

@@ -57,6 +57,7 @@ from trainer import (
     parallelize,
     pipeline,
     preflight,
+    storage_faults,
     watchdog,
 )
 from trainer import (
@@ -304,13 +305,31 @@ def train(
     if rank == 0:
         lineage.refuse_foreign(args.checkpoint_dir, rt)
         first_claim = lineage.claimant(rt, lineage.descent(None, rt))
-        for name in checkpoint_dir.discard_staging(args.checkpoint_dir, rt.generation, first_claim):
+        try:
+            removed = checkpoint_dir.discard_staging(
+                args.checkpoint_dir,
+                rt.generation,
+                first_claim,
+                fence_timeout_s=rt.fence_timeout_s,
+                node=rt.node,
+            )
+        except fence.FenceTimeout as stalled:
+            storage_faults.report_fence_timeout(rt, 0, stalled)
+            raise
+        for name in removed:
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
     restored = restore_from.choose(args.checkpoint_dir, rt)
     chain = lineage.descent(restored, rt)
     if rank == 0 and args.checkpoint_dir and restored and restored.lineage:
-        fence.claim(args.checkpoint_dir, rt.generation, lineage.claimant(rt, chain))
+        # The fence names the lineage the restored checkpoint continues.
+        fence.claim(
+            args.checkpoint_dir,
+            rt.generation,
+            lineage.claimant(rt, chain),
+            timeout_s=rt.fence_timeout_s,
+            node=rt.node,
+        )
     restore = restored.path if restored else None
     if restore:
         state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)

@@ -1,8 +1,8 @@
 """A job's checkpoint records in etcd: recording the commits agents report, telling
 the job's nodes the newest (their ranks' retention keeps it), pruning old records, and
-the problems ranks report (refused stale commits, quarantined checkpoints, nodes they
-point at). Part of the executor: called with the state lock held, from the reconcile
-thread."""
+the problems ranks report (refused stale commits, quarantined checkpoints, failed
+saves, nodes they point at). Part of the executor: called with the state lock held,
+from the reconcile thread."""
 
 from __future__ import annotations
 
@@ -90,10 +90,11 @@ class CheckpointRecords:
         job.records_pruned = True
 
     def problems(self, job: JobRuntime) -> None:
-        """Checkpoints ranks would not or could not use: an event each; a quarantined
-        one is marked in its record, and is never a restore point again (only proven
-        damage quarantines); a node a problem points at (``offenders.
-        checkpoint_suspect``) is suspected, and the next generation stays off it."""
+        """Checkpoints ranks would not use or could not save: an event each, counted
+        by kind (``keel_checkpoint_problems_total``); a quarantined one is marked in its
+        record, and is never a restore point again (only proven damage quarantines); a
+        node a problem points at (``offenders.checkpoint_suspect``) is suspected, and
+        the next generation stays off it."""
         while job.checkpoint_problems:
             reporter, problem = job.checkpoint_problems[0]
             kind = WIRE_PROBLEM_KINDS.from_wire(problem.kind)
@@ -123,6 +124,15 @@ class CheckpointRecords:
                 job.health.suspected[suspect.node] = suspect.reason
                 job.health.event(
                     EventKind.SUSPECTED, suspect.reason, node=suspect.node, step=problem.step
+                )
+            elif kind is CheckpointProblemKind.SAVE_FAILED:
+                # Nothing to mark: a failed save left no checkpoint, and the restore
+                # point stays the newest recorded one.
+                job.health.event(
+                    EventKind.CHECKPOINT_FAILED,
+                    f"generation {problem.generation}'s checkpoint of step {problem.step} "
+                    f"was not saved; training went on: {problem.reason}",
+                    step=problem.step,
                 )
             else:
                 job.health.event(

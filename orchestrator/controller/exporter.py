@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.wire_kinds import CheckpointProblemKind
 from orchestrator.controller.goodput import BADPUT
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.metrics import known
@@ -25,7 +26,8 @@ from orchestrator.controller.state import ControllerState
 from orchestrator.policy.job import RESTART_CAUSES
 from orchestrator.policy.lifecycle import JobState
 
-PROBLEM_KINDS = ("quarantined", "stale_commit")
+# Every kind at 0 from the job's start, so that `increase` sees the first of each.
+PROBLEM_KINDS = tuple(kind.value for kind in CheckpointProblemKind)
 NODE_STATES = ("ready", "spare", "cordoned", "draining", "lost")
 TOP_RANKS = 8
 # Peak dense bf16 FLOP/s per accelerator, matched as a case-insensitive substring of the
@@ -242,7 +244,9 @@ class JobCollector(Collector):
                     "keel_checkpoint_age_seconds", "Seconds since then", ["job_name"]
                 ).add_metric(labels, max(0.0, wall - last.recorded_at_unix))
         problems = f.counter(
-            "keel_checkpoint_problems", "Checkpoints ranks would not use", ["job_name", "kind"]
+            "keel_checkpoint_problems",
+            "Checkpoints ranks would not use or could not save",
+            ["job_name", "kind"],
         )
         for kind in PROBLEM_KINDS:
             problems.add_metric([job.name, kind], job.checkpoint_problem_counts.get(kind, 0))

@@ -64,6 +64,7 @@ from trainer.runtime.faults import (
 from trainer.runtime.identity import (
     Identity,
     deadline_problems,
+    fence_timeout_s,
     job_deadlines,
     parse_mesh,
     read_identity,
@@ -80,6 +81,8 @@ from trainer.runtime.reporting import CHECKPOINT_REPORT_DEADLINE_S, FLUSH_WAIT_S
 _log = structlog.get_logger()
 
 MAX_IN_PLACE_RESTARTS = 32
+# Outside Keel the job's deadlines are common.deadlines' defaults.
+OUTSIDE_KEEL_FENCE_TIMEOUT_S = fence_timeout_s({})
 
 __all__ = [
     "CHECKPOINT_REPORT_DEADLINE_S",
@@ -99,6 +102,7 @@ __all__ = [
     "deadline_problems",
     "env",
     "fault_marker_path",
+    "fence_timeout_s",
     "init",
     "inside",
     "job_deadlines",
@@ -114,12 +118,14 @@ class Runtime:
     """One rank's view of its job. Build it with ``init()``.
 
     Attributes: ``rank``, ``world_size``, ``local_rank`` (ints), ``generation`` (int, 0
-    without Keel), ``job`` (str, "" without Keel), ``mesh`` (dimension → size),
+    without Keel), ``job`` and ``node`` (str, "" without Keel), ``mesh`` (dimension → size),
     ``checkpoint_dir`` and ``restore_from`` (absolute paths or None), ``restart_count``
     (int), ``slow_factor`` (float, step-time multiplier from a ``slow`` fault, 1.0 if none),
     ``restart_in_place`` (bool: it may take the next generation in this process),
-    ``job_id`` (str, the job's unique id, its lineage's; "" without Keel) and
-    ``resume_from`` (another lineage's checkpoint or directory to start from, or None).
+    ``job_id`` (str, the job's unique id, its lineage's; "" without Keel),
+    ``resume_from`` (another lineage's checkpoint or directory to start from, or None)
+    and ``fence_timeout_s`` (float: how long it waits for its checkpoint directory's
+    fence lock, from the job's deadlines: ``identity.fence_timeout_s``).
     """
 
     def __init__(
@@ -128,10 +134,14 @@ class Runtime:
         faults: keel_pb2.FaultSchedule,
         fence_after_s: float | None = None,
         restart_in_place: bool = False,
+        fence_timeout_s: float = OUTSIDE_KEEL_FENCE_TIMEOUT_S,
     ) -> None:
         """The rank ``identity`` names, its scripted ``faults``; ``fence_after_s``: it
-        stops itself when its agent answers nothing for this long (None: never)."""
+        stops itself when its agent answers nothing for this long (None: never);
+        ``fence_timeout_s``: see the class's docstring."""
         self.identity = identity
+        self.node = identity.node
+        self.fence_timeout_s = fence_timeout_s
         rank, generation, job = identity.rank, identity.generation, identity.job
         self.rank, self.world_size, self.local_rank = rank, identity.world_size, identity.local_rank
         self.generation, self.job, self.mesh = generation, job, identity.mesh
@@ -298,15 +308,19 @@ class Runtime:
         )
 
     def report_checkpoint_problem(
-        self, step: int, path: str, kind: str, reason: str, suspect_node: str = ""
+        self, step: int, path: str, kind: str, reason: str, *, suspect_node: str = ""
     ) -> bool:
-        """Tells the agent of a checkpoint this rank would not or could not use: a
-        commit refused because a newer generation owns the directory
-        (``"stale_commit"``), one that failed verification and was renamed aside
-        (``"quarantined"``), one a node could not read (``"unreachable"``;
-        ``suspect_node``: that node, if not this one), ... False without an agent."""
+        """Tells the agent of a checkpoint this rank would not or could not use or save
+        (``kind``, a ``CheckpointProblemKind`` or its string): a commit refused because
+        a newer generation owns the directory (``"stale_commit"``), one that failed
+        verification and was renamed aside (``"quarantined"``), a save that failed
+        (``"save_failed"``: no space, an I/O error), a fence lock held past its
+        deadline (``"fence_timeout"``), one a node could not read (``"unreachable"``), a
+        directory of another lineage (``"foreign_lineage"``). ``suspect_node``: the node
+        the problem points at, when not this one (the fence lock's holder, the node that
+        could not read). False without an agent."""
         return self._agent is not None and self._agent.report_checkpoint_problem(
-            step, path, kind, reason, suspect_node
+            step, path, kind, reason, suspect_node=suspect_node
         )
 
     def flush(self) -> bool:
@@ -339,6 +353,7 @@ def _settings(environ: Mapping[str, str]) -> dict:
         identity=read_identity(environ),
         faults=parse_fault_schedule(environ.get(env.FAULTS)),
         fence_after_s=job_deadlines(environ).get("collective_timeout_s"),
+        fence_timeout_s=fence_timeout_s(environ),
     )
 
 

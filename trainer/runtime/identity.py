@@ -109,3 +109,26 @@ def deadline_problems(environ: Mapping[str, str], **trainer: float) -> list[str]
     if not given:
         return []
     return deadlines.check(deadlines.Deadlines(**{**given, **trainer}))
+
+
+def fence_timeout_s(environ: Mapping[str, str]) -> float:
+    """How long rank 0 waits for its checkpoint directory's fence lock
+    (``trainer.fence``), seconds: half the shorter of the job's first-step and
+    checkpoint budgets (``common.deadlines``' defaults outside Keel).
+
+    A generation starting while an old rank 0 holds the lock (stalled inside a fenced
+    step) must fail naming the holder (``FenceTimeout``) before its agent declares it
+    hung for missing its first step, which says nothing of the cause: the claim comes
+    after the process start, the set-up and the preflight, and before the restore, all
+    inside the first-step budget, and half of it is left for them. A save that waits
+    for the lock does so inside the checkpoint budget, likewise. Raises ValueError
+    naming a variable that is not a number."""
+    given = job_deadlines(environ)
+    chain = deadlines.Deadlines(
+        **{
+            name: given[name]
+            for name in ("first_step_timeout_s", "checkpoint_timeout_s")
+            if name in given
+        }
+    )
+    return min(chain.first_step_timeout_s, chain.checkpoint_timeout_s) / 2

@@ -461,11 +461,11 @@ class AgentReporter:
         return True
 
     def report_checkpoint_problem(
-        self, step: int, path: str, kind: str, reason: str, suspect_node: str = ""
+        self, step: int, path: str, kind: str, reason: str, *, suspect_node: str = ""
     ) -> bool:
-        """Tells the agent of a checkpoint this rank would not or could not use
+        """Tells the agent of a checkpoint this rank would not or could not use or save
         (``kind``: a ``CheckpointProblemKind``, or its string; ``suspect_node``: the
-        node it points at, if not this rank's); whether it acknowledged."""
+        node it points at, "" for none); whether it acknowledged."""
         try:
             self._stub.ReportCheckpointProblem(
                 keel_pb2.CheckpointProblem(

@@ -43,35 +43,37 @@ def runtime(
 
 def test_a_newer_generation_fences_an_older_one_out(tmp_path):
     directory = str(tmp_path)
-    fence.claim(directory, 3)
-    with fence.held(directory, 3):
+    fence.claim(directory, 3, timeout_s=10)
+    with fence.held(directory, 3, timeout_s=10):
         pass
-    fence.claim(directory, 4)
+    fence.claim(directory, 4, timeout_s=10)
     with pytest.raises(fence.Superseded, match="generation 4 owns") as refused:
-        with fence.held(directory, 3):
+        with fence.held(directory, 3, timeout_s=10):
             pytest.fail("a superseded generation's step ran")
     assert refused.value.owner == 4 and fence.owner(directory) == 4
     with pytest.raises(fence.Superseded):
-        fence.claim(directory, 3)
+        fence.claim(directory, 3, timeout_s=10)
     # Outside Keel there is no fence.
-    with fence.held(directory, 0):
+    with fence.held(directory, 0, timeout_s=10):
         pass
 
 
 def test_a_claim_waits_for_a_step_in_progress(tmp_path):
     directory = str(tmp_path)
-    fence.claim(directory, 1)
+    fence.claim(directory, 1, timeout_s=10)
     inside, release, claimed = threading.Event(), threading.Event(), threading.Event()
 
     def old_step():
-        with fence.held(directory, 1):
+        with fence.held(directory, 1, timeout_s=10):
             inside.set()
             release.wait(10)
 
     worker = threading.Thread(target=old_step)
     worker.start()
     inside.wait(10)
-    newer = threading.Thread(target=lambda: (fence.claim(directory, 2), claimed.set()))
+    newer = threading.Thread(
+        target=lambda: (fence.claim(directory, 2, timeout_s=10), claimed.set())
+    )
     newer.start()
     # While generation 1's step holds the lock, generation 2 cannot take the directory.
     assert not claimed.wait(0.3) and fence.owner(directory) == 1
@@ -93,7 +95,7 @@ def save(directory, generation, steps, keep=0):
 def test_a_superseded_generation_can_neither_commit_nor_clean_up(tmp_path, one_rank_group, capsys):
     directory = str(tmp_path / "ckpt")
     save(directory, 2, [1])
-    fence.claim(directory, 3)  # generation 3 took over the directory
+    fence.claim(directory, 3, timeout_s=10)  # generation 3 took over the directory
     saver = Checkpointer(directory, runtime(2), use_async=True, keep=1, restored_from=None)
     with pytest.raises(fence.Superseded):
         saver.save(2, 32, model_state(2), Ledger(), 16)
@@ -184,23 +186,23 @@ def test_a_resume_source_is_read_and_never_changed(tmp_path, one_rank_group, cap
 def test_the_fence_names_its_job_and_another_lineage_is_refused(tmp_path):
     directory = str(tmp_path)
     mine = fence.Owner(2, "id-mine", "train", ("id-origin", "id-mine"))
-    fence.claim(directory, 2, mine)
+    fence.claim(directory, 2, mine, timeout_s=10)
     assert fence.read_owner(directory) == mine
-    with fence.held(directory, 2, "id-mine"):
+    with fence.held(directory, 2, "id-mine", timeout_s=10):
         pass
     # A later generation of the same job keeps its name and lineage.
-    with fence.held(directory, 3, "id-mine"):
+    with fence.held(directory, 3, "id-mine", timeout_s=10):
         pass
     assert fence.read_owner(directory) == fence.Owner(3, "id-mine", "train", mine.lineage)
     # Another job took the directory over (it held none of its checkpoints): the first
     # job's steps are refused, whatever their generation numbers.
-    fence.claim(directory, 1, fence.Owner(1, "id-theirs", "other", ("id-theirs",)))
+    fence.claim(directory, 1, fence.Owner(1, "id-theirs", "other", ("id-theirs",)), timeout_s=10)
     with pytest.raises(fence.ForeignLineage, match="job other \\(id id-theirs"):
-        with fence.held(directory, 9, "id-mine"):
+        with fence.held(directory, 9, "id-mine", timeout_s=10):
             pytest.fail("a step of a lineage that no longer owns the directory ran")
     # A fence from before fences named their job is adopted by the job's claim.
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / fence.FENCE_FILE).write_text('{"generation": 7}')
-    fence.claim(str(legacy), 1, mine.__class__(1, "id-mine", "train", ("id-mine",)))
+    fence.claim(str(legacy), 1, fence.Owner(1, "id-mine", "train", ("id-mine",)), timeout_s=10)
     assert fence.read_owner(str(legacy)).job_id == "id-mine"
