@@ -12,33 +12,13 @@ import threading
 import pytest
 import torch
 
-from protos import keel_pb2
+from tests.unit.trainer.runtimes import one_rank as runtime
 from trainer import checkpoint_dir
 from trainer.checkpoint import Checkpointer
 from trainer.ledger import Ledger
-from trainer.runtime import Identity, Runtime
 from trainer.summing_writer import SummingWriter
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def runtime() -> Runtime:
-    return Runtime(
-        Identity(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            generation=2,
-            job="",
-            mesh={"dp_shard": 1},
-            checkpoint_dir=None,
-            restore_from=None,
-            restart_count=0,
-            agent_socket=None,
-            restore_fallbacks=(),
-        ),
-        faults=keel_pb2.FaultSchedule(),
-    )
 
 
 def entries(directory) -> list[str]:

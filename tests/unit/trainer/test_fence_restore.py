@@ -6,39 +6,14 @@ import threading
 
 import pytest
 
-from protos import keel_pb2
+from tests.unit.trainer.runtimes import one_rank as runtime
 from tests.unit.trainer.test_checkpoint_commit import model_state
 from trainer import fence, manifest, restore
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_dir import committed_path
 from trainer.ledger import Ledger
-from trainer.runtime import Identity, Runtime
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def runtime(
-    generation=2, job="", restore_from=None, fallbacks=(), resume_from=None, job_id=""
-) -> Runtime:
-    return Runtime(
-        Identity(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            generation=generation,
-            job=job,
-            mesh={"dp_shard": 1},
-            checkpoint_dir=None,
-            restore_from=restore_from,
-            restart_count=0,
-            agent_socket=None,
-            restore_fallbacks=tuple(fallbacks),
-            node="node-x",
-            job_id=job_id,
-            resume_from=resume_from,
-        ),
-        faults=keel_pb2.FaultSchedule(),
-    )
 
 
 def test_a_newer_generation_fences_an_older_one_out(tmp_path):

@@ -8,36 +8,15 @@ import zlib
 
 import pytest
 
-from protos import keel_pb2
+from tests.unit.trainer.runtimes import one_rank as runtime
 from tests.unit.trainer.test_checkpoint_commit import model_state
 from trainer import manifest
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_dir import committed_path
 from trainer.ledger import Ledger
 from trainer.manifest import FileSum, MalformedManifest, Manifest
-from trainer.runtime import Identity, Runtime
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def runtime(job_id: str = "", job: str = "") -> Runtime:
-    return Runtime(
-        Identity(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            generation=2,
-            job=job,
-            mesh={"dp_shard": 1},
-            checkpoint_dir=None,
-            restore_from=None,
-            restart_count=0,
-            agent_socket=None,
-            restore_fallbacks=(),
-            job_id=job_id,
-        ),
-        faults=keel_pb2.FaultSchedule(),
-    )
 
 
 # --- the manifest record -----------------------------------------------------------
@@ -139,7 +118,11 @@ def test_a_commit_writes_the_sums_taken_while_writing_and_its_owner(
     real_crc32 = manifest.crc32
     monkeypatch.setattr(manifest, "crc32", lambda path: read_back.append(path) or real_crc32(path))
     saver = Checkpointer(
-        str(tmp_path), runtime("j-2", "pretrain"), use_async=use_async, keep=0, restored_from=None
+        str(tmp_path),
+        runtime(job_id="j-2", job="pretrain"),
+        use_async=use_async,
+        keep=0,
+        restored_from=None,
     )
     saver.save(3, 48, model_state(3), Ledger([[1, 0, 16]]), 16)
     saver.wait()
@@ -162,7 +145,7 @@ def test_a_commit_writes_the_sums_taken_while_writing_and_its_owner(
 
 def test_a_commit_names_the_lineage_it_is_given(tmp_path, one_rank_group):
     for directory, rt, lineage, written in (
-        ("given", runtime("j-3"), ("j-1", "j-3"), ("j-1", "j-3")),
+        ("given", runtime(job_id="j-3"), ("j-1", "j-3"), ("j-1", "j-3")),
         ("outside keel", runtime(), (), ()),
     ):
         saver = Checkpointer(

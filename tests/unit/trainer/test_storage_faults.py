@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from protos import keel_pb2
-from tests.unit.trainer.test_fence_restore import runtime
+from tests.unit.trainer.runtimes import one_rank as runtime
 from trainer import checkpoint_dir, fence
 from trainer.checkpoint import Checkpointer
 from trainer.ledger import Ledger

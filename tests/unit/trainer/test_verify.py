@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
+from tests.unit.trainer.runtimes import one_rank as runtime
 from tests.unit.trainer.test_checkpoint_commit import model_state
-from tests.unit.trainer.test_manifest import runtime
 from trainer import manifest, verify
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_dir import METADATA_FILE, committed_path
@@ -136,9 +136,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, one_rank_group):
     directory = tmp_path_factory.mktemp("source")
-    Checkpointer(str(directory), runtime("j-1"), use_async=False, keep=0, restored_from=None).save(
-        1, 16, model_state(1), Ledger([[1, 0, 16]]), 16
-    )
+    Checkpointer(
+        str(directory), runtime(job_id="j-1"), use_async=False, keep=0, restored_from=None
+    ).save(1, 16, model_state(1), Ledger([[1, 0, 16]]), 16)
     return committed_path(str(directory), 1)
 
 
