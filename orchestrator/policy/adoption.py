@@ -83,6 +83,12 @@ def account(runs: AgentRuns, jobs: Iterable[JobOnNode]) -> list[AccountDecision]
             runs.job == job.job and runs.generation == job.generation
         ):
             continue
+        missing = tuple(r for r in job.planned_ranks if r not in job.exited_ranks)
+        # The incarnation the ranks were planned for may just not have got their start
+        # (convergence gives it again); another one means they died with its
+        # predecessor: so it is told even when the generation is already stopping (a
+        # peer's crash, which the agent's death caused, reached the controller first).
+        vanished = bool(missing) and not job.vanished and runs.pid != job.placed_agent
         if job.state is JobState.STOPPING:
             decisions.append(
                 AccountDecision(
@@ -92,12 +98,9 @@ def account(runs: AgentRuns, jobs: Iterable[JobOnNode]) -> list[AccountDecision]
                     job.generation,
                 )
             )
-            continue
-        missing = tuple(r for r in job.planned_ranks if r not in job.exited_ranks)
-        # The incarnation the ranks were planned for may just not have got their start
-        # (convergence gives it again); another one means they died with its
-        # predecessor.
-        if missing and not job.vanished and runs.pid != job.placed_agent:
+            if not vanished:
+                continue
+        if vanished:
             decisions.append(
                 AccountDecision(
                     Account.VANISHED,

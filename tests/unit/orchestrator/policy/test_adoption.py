@@ -71,8 +71,21 @@ def test_an_agent_back_without_its_ranks_ends_their_generation():
 
 def test_a_stopping_generation_counts_the_node_stopped_and_a_starting_one_asks_again():
     fresh = AgentRuns("b", 78)
-    assert actions(fresh, on_node(state=JobState.STOPPING)) == [
+    assert actions(fresh, on_node(state=JobState.STOPPING, exited=(2, 3))) == [
         (Account.STOPPED, "j", 2, (), "b runs nothing of generation 2")
+    ]
+    # A new incarnation without ranks that never exited: they died with its
+    # predecessor, though a peer's crash stopped the generation first.
+    assert actions(fresh, on_node(state=JobState.STOPPING, exited=(2,))) == [
+        (Account.STOPPED, "j", 2, (), "b runs nothing of generation 2"),
+        (
+            Account.VANISHED,
+            "j",
+            2,
+            (3,),
+            "the agent of b (pid 78) came back without rank(s) 3 of generation 2: they "
+            "died with its previous incarnation",
+        ),
     ]
     assert actions(fresh, on_node(state=JobState.STARTING, first=True, rendezvous=False)) == [
         (
