@@ -255,7 +255,7 @@ class Checkpointer:
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.runtime = runtime
-        job_id = runtime.identity.job_id
+        job_id = runtime.job_id
         self.lineage = lineage or ((job_id,) if job_id else ())
         self.use_async = use_async
         self.keep = keep
@@ -540,7 +540,7 @@ class Checkpointer:
             record = manifest.Manifest(
                 step=step,
                 files=sums | manifest.checksum(staging, [LEDGER_FILE]),
-                job_id=self.runtime.identity.job_id,
+                job_id=self.runtime.job_id,
                 job=self.runtime.job,
                 lineage=self.lineage,
                 generation=self.generation,

@@ -129,7 +129,8 @@ def _listed(checkpoint_dir: str | None, runtime: Runtime) -> tuple[list[str], bo
     try:
         tried, resumed = candidates(checkpoint_dir, runtime)
     except OSError as exc:
-        return [], True, f"{runtime.resume_from}: cannot be read here: {exc.strerror or exc}"
+        where = exc.filename or runtime.resume_from or checkpoint_dir
+        return [], True, f"{where}: cannot be read here: {exc.strerror or exc}"
     return tried, resumed, ""
 
 
@@ -149,7 +150,7 @@ def choose(checkpoint_dir: str | None, runtime: Runtime) -> Restored | None:
         runtime.report_checkpoint_problem(0, runtime.resume_from or "", "unreachable", unlisted)
     for path in tried:
         outside = "" if resumed else _outside(path, checkpoint_dir)
-        verdict = None if outside else verify.check(path, runtime.identity.node)
+        verdict = None if outside else verify.check(path, runtime.node)
         if verdict is not None and verdict.kind in (VerdictKind.OK, VerdictKind.UNVERIFIED):
             if dist.get_rank() == 0 and verdict.kind is VerdictKind.UNVERIFIED:
                 runtime.log(f"restoring {path} without a checksum manifest: {verdict.reason}")

@@ -8,7 +8,6 @@ converges on it, after a failover too.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import uuid
@@ -24,6 +23,7 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
 from orchestrator.policy import operations
+from orchestrator.policy.admission import directory_taken
 from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES, JobState
 from orchestrator.policy.node_state import WIRE_NODE_STATES, NodeState
@@ -36,24 +36,6 @@ log = structlog.get_logger()
 MAX_REASON_CHARS = 1024
 # How long a ReadLog waits for the node's agent to answer.
 LOG_READ_TIMEOUT_S = 5.0
-
-
-def directory_taken(spec: keel_pb2.JobSpec, jobs) -> str:
-    """Why ``spec`` may not be submitted next to ``jobs`` (the jobs etcd holds, ended
-    ones too until deleted): another of them writes its checkpoints in the directory
-    it names; "" if none does."""
-    if not spec.checkpoint_dir:
-        return ""
-    wanted = os.path.normpath(spec.checkpoint_dir)
-    for job in jobs:
-        if job.spec.checkpoint_dir and os.path.normpath(job.spec.checkpoint_dir) == wanted:
-            return (
-                f"checkpoint_dir {spec.checkpoint_dir} is job {job.name}'s (id {job.job_id}, "
-                f"{job.state.value}): two jobs never share one. Give this job a checkpoint_dir "
-                f"of its own; to start from {job.name}'s checkpoints, add resume_from = "
-                f'"{spec.checkpoint_dir}" (keel run/up: --resume-from) as well'
-            )
-    return ""
 
 
 class OperatorService:
@@ -93,7 +75,13 @@ class OperatorService:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"job {spec.name!r} exists; choose another name"
                 )
-            taken = directory_taken(spec, self.state.jobs.values())
+            taken = directory_taken(
+                spec,
+                [
+                    (j.name, j.job_id, j.state.value, j.spec.checkpoint_dir)
+                    for j in self.state.jobs.values()
+                ],
+            )
             if taken:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, taken)
             job = JobRuntime.new(

@@ -82,18 +82,17 @@ def checkpoint_suspect(
     for a fence lock not granted in time (``FENCE_TIMEOUT``) the node of the process
     holding it. Each is the problem's ``suspect_node``, or the reporter's own node when
     it names none. None for other kinds."""
+    if kind not in (CheckpointProblemKind.UNREACHABLE, CheckpointProblemKind.FENCE_TIMEOUT):
+        return None
+    node = problem.suspect_node or reporter
     if kind is CheckpointProblemKind.UNREACHABLE:
-        node = problem.suspect_node or reporter
-        return Suspect(
-            node,
+        why = (
             f"the checkpoint of step {problem.step} could not be read on {node} "
-            f"(reported by {reporter}; the checkpoint is left as it is): {problem.reason}",
+            f"(reported by {reporter}; the checkpoint is left as it is)"
         )
-    if kind is CheckpointProblemKind.FENCE_TIMEOUT:
-        holder = problem.suspect_node or reporter
-        return Suspect(
-            holder,
-            f"a process on {holder} held the checkpoint directory's fence lock past its "
-            f"deadline (reported by {reporter}): {problem.reason}",
+    else:
+        why = (
+            f"a process on {node} held the checkpoint directory's fence lock past its "
+            f"deadline (reported by {reporter})"
         )
-    return None
+    return Suspect(node, f"{why}: {problem.reason}")
