@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import deadlines
 from common.etcd import EtcdCredentials, etcd_credentials, host_port
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.net import listen_address
@@ -27,7 +28,7 @@ class AgentConfig:
     report_flush_s: float = 0.5  # step reports are batched up to this long
     stop_grace_s: float = 5.0  # SIGTERM → SIGKILL
     drain_timeout_s: float = 60.0  # on SIGTERM: at most this long moving the job off
-    etcd_timeout_s: float | None = None  # default: lease_ttl_s / 3
+    etcd_timeout_s: float | None = None  # default: common.deadlines.lease_call_timeout_s
     reconnect_max_s: float = 5.0  # back-off cap between controller reconnects
     metrics_listen: str | None = None  # [host]:port of /metrics; a bare :port binds `host`
     metrics_address_file: Path | None = None  # write the metrics host:port here once serving
@@ -53,17 +54,19 @@ class AgentConfig:
                 "token: the agent needs the join token (--token-file, "
                 "--tls-dir's join.token, or KEEL_TOKEN)"
             )
-        # Deadline hierarchy: lease refresh (ttl/3) < lease TTL; etcd calls must fail
-        # well before the lease would lapse; supervision ticks many times per grace.
-        if self.lease_ttl_s < 2:
+        # Deadline hierarchy: the lease is refreshed on etcd calls of etcd_timeout_s, and
+        # a refresh that stalls on one member and its retry on another must fit in the
+        # TTL (common.deadlines); supervision ticks many times per grace.
+        if self.lease_ttl_s < deadlines.MIN_LEASE_S:
             raise ValueError(f"lease_ttl_s={self.lease_ttl_s}: etcd leases need at least 2 s")
         if self.etcd_timeout_s is None:
-            object.__setattr__(self, "etcd_timeout_s", self.lease_ttl_s / 3)
-        if self.etcd_timeout_s >= self.lease_ttl_s / 2:
-            raise ValueError(
-                f"etcd_timeout_s={self.etcd_timeout_s} must be below "
-                f"lease_ttl_s/2 ({self.lease_ttl_s / 2})"
+            object.__setattr__(
+                self, "etcd_timeout_s", deadlines.lease_call_timeout_s(self.lease_ttl_s)
             )
+        ttl_s, call_s = self.lease_ttl_s, self.etcd_timeout_s
+        problems = deadlines.lease_path_problems("lease_ttl_s", ttl_s, call_s)
+        if problems:
+            raise ValueError(problems[0])
         if self.metrics_listen is not None:
             listen_address(self.metrics_listen, self.host)  # raises with the fix
         if not self.warm_refill_delay_s >= 0:

@@ -10,6 +10,7 @@ into ``agent.reports``.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import shutil
@@ -29,7 +30,7 @@ from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
 from agent.local_server import AgentLocalService, LocalCallbacks, serve
-from agent.policy.fencing import self_fence
+from agent.policy.fencing import hold_until, self_fence
 from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
 from agent.supervisor import RankPhase, Supervisor
@@ -121,7 +122,9 @@ class Agent:
         self.leaving_since: float | None = None  # monotonic: SIGTERM asked it to drain
         self.rank_series = metrics.RankSeries(config.node)
         self.accelerator = config.accelerator or detect_accelerator()
-        self.held = False  # the controller said etcd is out of its reach too
+        # Monotonic: until then the leading controller's word that etcd is out of its
+        # reach too holds off self-fencing (``policy.fencing``); -inf: no hold.
+        self.held_until = -math.inf
         self.local_server: grpc.Server | None = None
         self.leaders = LeaderWatch(self.etcd)
         self.link = ControllerLink(
@@ -234,14 +237,20 @@ class Agent:
 
     # ==================================================================== lease
     def _keep_lease(self) -> None:
-        period = self.config.lease_ttl_s / 3
-        while not self.stopping.wait(period):
+        """Refresh the lease on the deadline chain's schedule (``common.deadlines``): a
+        refresh that fails (a member stalled: the client moves to another) is tried
+        again soon, not a whole period later."""
+        ttl_s = self.config.lease_ttl_s
+        wait = deadlines.lease_refresh_s(ttl_s)
+        while not self.stopping.wait(wait):
+            wait = deadlines.lease_retry_s(ttl_s)
             try:
                 alive = self.lease.refresh()[0].TTL > 0
             except Exception as exc:  # etcd down or restarting: it keeps leases across
                 log.warning("lease refresh failed", error=str(exc), lease_id=self.lease.id)
                 continue
-            self.held = False  # etcd answers us again
+            wait = deadlines.lease_refresh_s(ttl_s)
+            self.held_until = -math.inf  # etcd answers us again
             if alive:
                 self.lease_ok_at = time.monotonic()
             else:
@@ -305,7 +314,8 @@ class Agent:
 
     def _status(self) -> keel_pb2.AgentStatus:
         """What this agent runs: the generation (running or being stopped), its live
-        ranks, and the newest start it was given."""
+        ranks, the newest start it was given, and its ranks' processes that SIGKILL
+        did not end."""
         state = self.generation
         status = keel_pb2.AgentStatus(phase=WIRE_PHASES.to_wire(state.phase))
         current = state.start
@@ -316,6 +326,12 @@ class Agent:
             status.job, status.generation = state.stopping
         if self.started is not None:
             status.started_job, status.started_generation = self.started
+        if status.job:
+            status.stuck.extend(
+                stuck
+                for proc in self.supervisor.of_generation(status.job, status.generation)
+                for stuck in proc.stuck
+            )
         return status
 
     # ============================================================ rank reports
@@ -523,13 +539,18 @@ class Agent:
         """The controller recorded a checkpoint: replays need nothing before it."""
         self.reports.recorded(recorded.generation, recorded.step)
 
-    def _do_etcd_unreachable(self, _unreachable: keel_pb2.EtcdUnreachable) -> None:
-        """The controller cannot reach etcd either: no self-fencing meanwhile."""
-        self.held = True
-        log.warning(
-            "the controller cannot reach etcd either: keeping the ranks while "
-            "our lease cannot be renewed"
-        )
+    def _do_etcd_unreachable(self, unreachable: keel_pb2.EtcdUnreachable) -> None:
+        """The leading controller cannot reach etcd either: no self-fencing for the
+        hold it names, unless it renews it."""
+        now = time.monotonic()
+        first = self.held_until < now
+        self.held_until = hold_until(now, unreachable.hold_s, self.config.lease_ttl_s)
+        if first:
+            log.warning(
+                "the controller cannot reach etcd either: keeping the ranks while "
+                "our lease cannot be renewed, for as long as it renews the hold",
+                hold_s=round(self.held_until - now, 3),
+            )
 
     def _do_read_log(self, request: keel_pb2.ReadLog) -> None:
         """Send a piece of a rank's output."""
@@ -643,17 +664,14 @@ class Agent:
             )
 
     def _deadlines(self, start: keel_pb2.StartGeneration) -> deadlines.Deadlines:
-        """The generation's deadline chain as the controller resolved it, checked here
-        too; raises DeadlineError."""
+        """The generation's deadline chain as the controller resolved it, resolved and
+        checked here too (what a controller of before a deadline was added leaves out,
+        the stop deadline, is derived as it is there); raises DeadlineError."""
         if not start.HasField("deadlines"):
             raise deadlines.DeadlineError(["the start of the generation carries no deadlines"])
-        chain = deadlines.Deadlines(
+        return deadlines.resolve(
             **json_format.MessageToDict(start.deadlines, preserving_proto_field_name=True)
         )
-        problems = deadlines.check(chain)
-        if problems:
-            raise deadlines.DeadlineError(problems)
-        return chain
 
     # =================================================================== fencing
     def _check_fence(self, now: float) -> None:
@@ -664,7 +682,7 @@ class Agent:
             unrenewed_s=now - self.lease_ok_at,
             lease_ttl_s=self.config.lease_ttl_s,
             controller_up=self.link.up,
-            outage_seen_by_controller=self.held,
+            hold_left_s=self.held_until - now,
         )
         if not why:
             return

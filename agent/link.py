@@ -5,12 +5,15 @@ when the stream ends. The back-off is jittered, and cut short when the leader ke
 names a leader: an agent that failed against a dead leader for seconds does not sleep
 through its successor's first seconds.
 
-Fencing: every controller message carries its sender's leader term, and the link
-drops any message of a lower term than the highest it has seen (from a Welcome, or
-from the leader key itself), so a controller that stalled and was superseded cannot
-start or stop anything here when it wakes. When the leader key names another
+Fencing: every controller message carries its sender's leader term and epoch, and the
+link drops any message of a lower (epoch, term) than the highest it has seen (from a
+Welcome, or from the leader key itself; ``common.epoch``: a later epoch wins whatever
+its term, as after a restore of etcd from a snapshot), so a controller that stalled and
+was superseded cannot start or stop anything here when it wakes. When the leader key names another
 controller than the one the stream goes to, the stream is ended at once and the link
-connects to the new leader; keepalives end a stream to a controller that stalls.
+connects to the new leader; keepalives end a stream to a controller that stalls. A
+standby that refuses the stream names the leader, and the link dials it next: the
+agent's own view of the key may lag (its watch sat on an etcd member that stalled).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from common.leader import Leader, LeaderWatch
+from common import epoch
+from common.epoch import Stamp
+from common.leader import Leader, LeaderWatch, named_leader
 from common.rpc import AGENT_CHANNEL_OPTIONS, channel
 from common.tls import TlsFiles, call_metadata
 from protos import keel_pb2, keel_pb2_grpc
@@ -44,6 +49,7 @@ STATUS_REFRESH_S = 10.0
 STATUS_REFRESH_BATCHES = 10
 _NOTHING = object()  # no message taken off the outbox (None is the close request)
 _ENDED = object()  # the stream a message was taken for has ended
+NO_STAMP = Stamp(0, 0)  # no leader seen yet
 
 
 def status_refresh_s(report_interval_s: float) -> float:
@@ -91,9 +97,11 @@ class ControllerLink:
         self._lock = threading.Lock()
         self._call = None  # the Connect call in progress
         self._dialled: str | None = None  # the address it goes to
+        self._named: str | None = None  # the leader a standby named: dialled next
+        self._dialling_named = False  # the stream in progress goes to such a leader
         self._cluster = 0  # the etcd cluster the terms below count in
-        self._highest = 0  # the highest leader term seen
-        self._refused_term = 0  # the last term refused (logged once)
+        self._highest = NO_STAMP  # the highest leader (epoch, term) seen
+        self._refused = NO_STAMP  # the last one refused (logged once)
         self.up = False  # a stream to a current controller is open
         # How long the controller asks step reports to be batched (0: our own pace): in
         # its Welcome, then in a ReportPace when its cluster grows or shrinks.
@@ -102,24 +110,26 @@ class ControllerLink:
         leaders.on_change = self.leader_changed
 
     # ----------------------------------------------------------------- terms
-    def _see_term(self, term: int, cluster_id: int = 0) -> None:
+    def _see_term(self, stamp: Stamp, cluster_id: int = 0) -> None:
         with self._lock:
             if cluster_id and cluster_id != self._cluster:
                 # An etcd cluster rebuilt from nothing numbers its revisions anew.
-                self._cluster, self._highest = cluster_id, 0
-            self._highest = max(self._highest, term)
+                self._cluster, self._highest = cluster_id, NO_STAMP
+            self._highest = epoch.newest(self._highest, stamp)
 
-    def current_term(self, term: int) -> bool:
-        """Whether a message of leader term ``term`` may be acted on."""
+    def current_term(self, stamp: Stamp) -> bool:
+        """Whether a message of leader (epoch, term) ``stamp`` may be acted on."""
         with self._lock:
-            if term >= self._highest:
+            if epoch.current(stamp, self._highest):
                 return True
-            refused, self._refused_term = self._refused_term, term
-        if refused != term:
+            refused, self._refused = self._refused, stamp
+        if refused != stamp:
             log.warning(
                 "refusing messages of a superseded controller",
-                term=term,
-                highest_term=self._highest,
+                term=stamp.number,
+                epoch=stamp.epoch,
+                highest_term=self._highest.number,
+                highest_epoch=self._highest.epoch,
             )
         return False
 
@@ -128,7 +138,7 @@ class ControllerLink:
         elsewhere."""
         if leader is None:
             return
-        self._see_term(leader.term, leader.cluster_id)
+        self._see_term(leader.stamp, leader.cluster_id)
         self._leader_named.set()
         if self.controller is None and self._dialled not in (None, leader.address):
             log.info("the leader changed; reconnecting", leader=leader.address, term=leader.term)
@@ -172,7 +182,9 @@ class ControllerLink:
         backoff = BACKOFF_FIRST_S
         while not self.stopping.is_set():
             leader = self.leaders.current
-            address = self.controller or (leader.address if leader else None)
+            named, self._named = self._named, None
+            self._dialling_named = named is not None
+            address = self.controller or named or (leader.address if leader else None)
             if address:
                 started = time.monotonic()
                 try:
@@ -237,9 +249,10 @@ class ControllerLink:
             try:
                 for message in self._call:
                     if message.WhichOneof("kind") == "welcome":
-                        if not self.current_term(message.term):
+                        stamp = Stamp(message.epoch, message.term)
+                        if not self.current_term(stamp):
                             break  # a superseded controller: find the leader again
-                        self._see_term(message.term)
+                        self._see_term(stamp)
                         self.up = True
                         self._pace(message.welcome.report_interval_s)
                         log.info(
@@ -247,9 +260,10 @@ class ControllerLink:
                             address=address,
                             controller_id=message.welcome.controller_id,
                             term=message.term,
+                            epoch=message.epoch,
                             report_interval_s=self.report_interval_s,
                         )
-                    elif not self.current_term(message.term):
+                    elif not self.current_term(Stamp(message.epoch, message.term)):
                         pass
                     elif message.WhichOneof("kind") == "report_pace":
                         self._pace(message.report_pace.interval_s)
@@ -260,6 +274,13 @@ class ControllerLink:
                     else:
                         self.deliver(message)
             except grpc.RpcError as exc:
+                named = named_leader(exc.details())
+                if named not in (None, address) and self.controller is None:
+                    self._named = named
+                    # Dialled at once, unless a named leader named another in turn
+                    # (standbys whose views lag): then after the back-off.
+                    if not self._dialling_named:
+                        self._leader_named.set()
                 if not self.stopping.is_set():
                     log.warning(
                         "controller stream ended",

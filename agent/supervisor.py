@@ -1,7 +1,11 @@
 """Rank processes: start them in their own process groups, watch them, stop them.
 
 Stopping is a protocol: SIGTERM to the group, the generation's stop grace, SIGKILL to
-the group, then the group is confirmed empty. A rank is started through ``common.launch`` so it
+the group, then the group is confirmed empty. A rank that SIGKILL does not end within
+the reap wait (stuck in the kernel: uninterruptible I/O on a hung mount, a driver) is
+named with its group's processes, their state and wait channel (``RankProcess.stuck``):
+its node cannot confirm the stop, and the controller says why when the stop deadline
+passes. A rank is started through ``common.launch`` so it
 dies with the agent instead of outliving it.
 
 A rank that attached with restart in place (``trainer.runtime``) is first asked to
@@ -30,7 +34,15 @@ from agent.local_server import RankIdentity
 from agent.parking import Parked, ParkingLot
 from agent.pool import WarmPool
 from common.deadlines import Deadlines
-from common.procs import group_alive, group_members, signal_group, tied_to_this_process
+from common.procs import (
+    REAP_WAIT_S,
+    group_alive,
+    group_members,
+    process_state,
+    process_wchan,
+    signal_group,
+    tied_to_this_process,
+)
 from protos import keel_pb2
 
 log = structlog.get_logger()
@@ -80,6 +92,7 @@ class RankProcess:
     log_dir: Path
     phase: RankPhase = RankPhase.RUNNING
     stop_requested_at: float = 0.0
+    killed_at: float = 0.0  # SIGKILL sent to its group
     exited_at: float = 0.0
     last_step: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -92,6 +105,8 @@ class RankProcess:
     reused: bool = False  # a parked process of an earlier generation became it
     tearing_down: bool = False  # it said it is on its way to park (RankPark.tearing_down)
     start: keel_pb2.StartGeneration | None = field(default=None, repr=False)
+    # Its group's processes that SIGKILL did not end within the reap wait, found once.
+    stuck: tuple[keel_pb2.StuckProcess, ...] = ()
 
     @property
     def live(self) -> bool:
@@ -143,7 +158,7 @@ class Supervisor:
     def __init__(
         self,
         run_dir: Path,
-        reap_timeout_s: float = 5.0,
+        reap_timeout_s: float = REAP_WAIT_S,
         node: str = "",
         interface: str = "",
         pool: WarmPool | None = None,
@@ -436,7 +451,25 @@ class Supervisor:
                         grace_s=proc.stop_grace_s,
                     )
                     proc.move(RankPhase.KILLED, f"SIGTERM ignored for {proc.stop_grace_s:g} s")
+                    proc.killed_at = now
                     signal_group(proc.pid, signal.SIGKILL)
+                elif (
+                    proc.phase is RankPhase.KILLED
+                    and not proc.stuck
+                    and now - proc.killed_at >= self.reap_timeout_s
+                ):
+                    proc.stuck = stuck_processes(proc.pid, proc.rank)
+                    log.error(
+                        "rank did not exit after SIGKILL; its node cannot confirm the stop",
+                        job=proc.job,
+                        generation=proc.generation,
+                        rank=proc.rank,
+                        pid=proc.pid,
+                        waited_s=round(now - proc.killed_at, 1),
+                        processes=", ".join(
+                            f"{p.pid} state {p.state} wchan {p.wchan or '?'}" for p in proc.stuck
+                        ),
+                    )
             if proc.phase is RankPhase.EXITED:
                 if not group_alive(proc.pid):
                     proc.move(RankPhase.REAPED, "its process group is empty")
@@ -499,6 +532,20 @@ class Supervisor:
         for proc in self.ranks:
             if proc.phase is not RankPhase.PARKED:
                 signal_group(proc.pid, signal.SIGKILL)
+
+
+def stuck_processes(pgid: int, rank: int) -> tuple[keel_pb2.StuckProcess, ...]:
+    """The live processes of rank ``rank``'s group ``pgid`` (its leader first), each
+    with its state letter and wait channel from /proc."""
+    pids = [pgid] + [pid for pid in group_members(pgid) if pid != pgid]
+    found = []
+    for pid in pids:
+        state = process_state(pid)
+        if state is not None and state != "Z":
+            found.append(
+                keel_pb2.StuckProcess(pid=pid, rank=rank, state=state, wchan=process_wchan(pid))
+            )
+    return tuple(found)
 
 
 def _kill(pid: int) -> None:

@@ -11,12 +11,21 @@ the root cause is buried under the symptoms it causes:
   (``stop_grace_s`` between SIGTERM and SIGKILL) before the peers' collectives time
   out (``collective_timeout_s``), and likewise at start-up (``startup_timeout_s``,
   the collective timeout until the first step is done);
+- a node stops a generation's ranks (a rank that can restart in place has up to a
+  stop grace to park first, then ``stop_grace_s`` from SIGTERM to SIGKILL, then
+  ``procs.REAP_WAIT_S`` for the process to be reaped) and confirms it within
+  ``stop_deadline_s``, or the controller counts it lost for the generation: a rank that
+  SIGKILL does not end (stuck in uninterruptible I/O on a hung mount) never holds up the
+  job;
 - an agent reconnecting with back-off (at most ``reconnect_max_s`` between tries:
   after a failover, or a blip) is back before its node counts as lost
   (``node_lost_grace_s``).
 
 ``lease_ttl_s`` (a dead node is noticed after it) and ``leader_ttl_s`` (a standby
-takes over within it) have lower bounds only. Every value is seconds.
+takes over within it) have lower bounds, and each bounds the deadline of the etcd calls
+that keep its lease alive (``lease_path_problems``): a refresh sent to a member that
+stalls must fail, and its retry on another member succeed, before the lease lapses.
+Every value is seconds.
 """
 
 from __future__ import annotations
@@ -24,13 +33,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from common.procs import REAP_WAIT_S
+
 # A later deadline must exceed the earlier one plus the stop grace by this factor:
 # detection and stopping take scheduling slack on a busy node too.
 MARGIN = 1.2
 COLLECTIVE_TIMEOUT_S = 60.0  # defaults, raised when the chain needs more
 STARTUP_TIMEOUT_S = 300.0
 HEARTBEATS_PER_FLOOR = 2
+# The least stop deadline: a stop goes from the controller's tick over a stream to the
+# agent's loop, and its confirmation back, each on a busy node.
+STOP_DEADLINE_FLOOR_S = 15.0
 MIN_LEASE_S = 2.0  # etcd leases shorter than this expire under load
+# A lease keeper (the agent's and the leader's) refreshes every LEASE_REFRESHES_PER_TTL-th
+# of a TTL, and after a failed refresh tries again a LEASE_RETRIES_PER_TTL-th of a TTL
+# later (not at once: with every member out of reach the client fails at once, and would
+# spin); each call has the deadline ``lease_call_timeout_s``.
+LEASE_REFRESHES_PER_TTL = 4
+LEASE_RETRIES_PER_TTL = 12
+LEASE_CALLS_PER_TTL = 5
 
 
 class DeadlineError(ValueError):
@@ -54,6 +75,7 @@ class Deadlines:
     node_lost_grace_s: float = 10.0
     leader_ttl_s: float = 5.0
     reconnect_max_s: float = 5.0
+    stop_deadline_s: float = 0.0  # 0: derived
 
 
 def least_collective_timeout_s(hang_floor_s: float, stop_grace_s: float) -> float:
@@ -64,11 +86,23 @@ def least_startup_timeout_s(first_step_timeout_s: float, stop_grace_s: float) ->
     return MARGIN * (first_step_timeout_s + stop_grace_s)
 
 
+def least_stop_deadline_s(stop_grace_s: float) -> float:
+    """The worst stop of a rank that exits: the park window (a stop grace at most),
+    the stop grace, the reap wait, with the margin."""
+    return MARGIN * (2 * stop_grace_s + REAP_WAIT_S)
+
+
+def derived_stop_deadline_s(stop_grace_s: float) -> float:
+    """The stop deadline ``resolve`` derives for ``stop_grace_s``."""
+    return max(STOP_DEADLINE_FLOOR_S, float(math.ceil(least_stop_deadline_s(stop_grace_s))))
+
+
 def resolve(**given: float) -> Deadlines:
     """The deadlines with every value not given (or given as 0) filled in: the
     collective and start-up timeouts are derived from the chain (at least their
     defaults, more when the hang floor, the first-step budget or the stop grace need
-    it), the rest take ``Deadlines``' defaults. Raises DeadlineError listing every
+    it), the stop deadline from the stop grace (at least ``STOP_DEADLINE_FLOOR_S``),
+    the rest take ``Deadlines``' defaults. Raises DeadlineError listing every
     relation that does not hold, with its fix."""
     unknown = set(given) - {f.name for f in fields(Deadlines)}
     if unknown:
@@ -87,7 +121,15 @@ def resolve(**given: float) -> Deadlines:
         collective,
         float(math.ceil(least_startup_timeout_s(d.first_step_timeout_s, d.stop_grace_s))),
     )
-    d = Deadlines(**{**values, "collective_timeout_s": collective, "startup_timeout_s": startup})
+    stop = d.stop_deadline_s or derived_stop_deadline_s(d.stop_grace_s)
+    d = Deadlines(
+        **{
+            **values,
+            "collective_timeout_s": collective,
+            "startup_timeout_s": startup,
+            "stop_deadline_s": stop,
+        }
+    )
     problems = check(d)
     if problems:
         raise DeadlineError(problems)
@@ -154,6 +196,15 @@ def check(d: Deadlines) -> list[str]:
             f"collective_timeout_s={d.collective_timeout_s}: start-up runs "
             f"collectives too"
         )
+    least = least_stop_deadline_s(d.stop_grace_s)
+    if d.stop_deadline_s < least:
+        problems.append(
+            f"stop_deadline_s={d.stop_deadline_s}: must be at least {MARGIN:g} x (2 x "
+            f"stop_grace_s={d.stop_grace_s} + {REAP_WAIT_S:g} s to reap) = {least:g}: a "
+            f"node whose ranks exit as asked would be counted lost before it could "
+            f"confirm the stop; raise stop_deadline_s (or leave it out: it is derived) "
+            f"or lower stop_grace_s"
+        )
     if d.reconnect_max_s >= d.node_lost_grace_s:
         problems.append(
             f"reconnect_max_s={d.reconnect_max_s}: must be below "
@@ -169,3 +220,39 @@ def check(d: Deadlines) -> list[str]:
                 f"shorter etcd leases expire under ordinary load"
             )
     return problems
+
+
+def lease_refresh_s(ttl_s: float) -> float:
+    """How often a lease of ``ttl_s`` is refreshed."""
+    return ttl_s / LEASE_REFRESHES_PER_TTL
+
+
+def lease_retry_s(ttl_s: float) -> float:
+    """How long after a failed refresh of a lease of ``ttl_s`` the next one is sent."""
+    return ttl_s / LEASE_RETRIES_PER_TTL
+
+
+def lease_call_timeout_s(ttl_s: float) -> float:
+    """The deadline of each etcd call on the path of a lease of ``ttl_s``: one that
+    stalls and a retry both fit in the TTL (``lease_path_problems``)."""
+    return ttl_s / LEASE_CALLS_PER_TTL
+
+
+def lease_path_problems(name: str, ttl_s: float, call_timeout_s: float) -> list[str]:
+    """What is wrong with keeping a lease of ``ttl_s`` (the value of ``name``) alive
+    with etcd calls of ``call_timeout_s``, with the fix; [] if nothing. The worst case:
+    a refresh is due, goes to a member that has stalled (or whose traffic is dropped),
+    fails at its deadline, and the retry goes to another member: all of it, with the
+    margin, within the TTL, or a single stalled member of three lapses the lease."""
+    worst_s = lease_refresh_s(ttl_s) + 2 * call_timeout_s + lease_retry_s(ttl_s)
+    if call_timeout_s > 0 and MARGIN * worst_s <= ttl_s:
+        return []
+    most = (ttl_s / MARGIN - lease_refresh_s(ttl_s) - lease_retry_s(ttl_s)) / 2
+    return [
+        f"{name}={ttl_s}: its etcd calls have a deadline of {call_timeout_s:g} s, but a "
+        f"refresh that stalls on one member and its retry on another must fit in the "
+        f"TTL: {MARGIN:g} x ({lease_refresh_s(ttl_s):g} s to the refresh + 2 x "
+        f"{call_timeout_s:g} s + {lease_retry_s(ttl_s):g} s before the retry) = "
+        f"{MARGIN * worst_s:g} s; give etcd calls on the lease path at most "
+        f"{max(most, 0):.3g} s or raise {name}"
+    ]

@@ -5,14 +5,20 @@ as flags for a child daemon), and ``connect``.
 python3-etcd3's own client, as it comes, does not: after one UNAVAILABLE it refuses its
 endpoint for 300 s (``Endpoint.time_retry``), gRPC's reconnect back-off grows to two
 minutes, and with etcd auth it logs in once, while etcd forgets its tokens when it
-restarts. This client retries a failed endpoint after ``ENDPOINT_RETRY_S``, fails over
-between every endpoint given, caps the reconnect back-off, and logs in again when etcd
-no longer knows its token. A call during an outage still fails (callers retry, as every
+restarts. And once its current member fails a call it picks another only while that one
+is still failing: a call retried after the member's short retry interval went back to
+it, so a client whose every retry came later (a watch re-reading) stayed on a stalled
+member for good. This client passes a member that failed a call over for
+``MEMBER_PASSED_OVER_S`` while another has not failed that recently (and, all having
+failed, tries the one that failed longest ago, at once: one etcd restarting is retried
+without a pause), caps the reconnect back-off, and logs in again when etcd no longer
+knows its token. A call during an outage still fails (callers retry, as every
 loop of ours does); the call after etcd is back succeeds.
 """
 
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +32,31 @@ from etcd3.client import EtcdTokenCallCredentials
 from common.metrics import EtcdCallMetrics
 from common.rpc import MESSAGE_LIMITS
 
-ENDPOINT_RETRY_S = 0.5
+MEMBER_PASSED_OVER_S = 30.0
 # gRPC's default reconnect back-off reaches 120 s; an etcd that is back is found within
 # this instead. (With Keel's message limits, ``common.rpc``: gRPC's default 4 MiB would
-# fail a range read past it. No keepalive: every call has a deadline, and etcd answers
-# pings more often than every 5 s with GOAWAY.)
+# fail a range read past it.) Keepalive pings while a call is open: a unary call has its
+# deadline, but a watch has none, and one on a member that stalled (SIGSTOP, or its
+# traffic dropped: the kernel may still acknowledge TCP) would wait for good, its
+# follower never learning of a new leader. A ping unanswered for WATCH_PING_TIMEOUT_S
+# ends the stream; the watch (``common.watch``) reads again, which fails over to another
+# member. etcd answers pings more often than every 5 s (its --grpc-keepalive-min-time)
+# with GOAWAY, hence the period; pings go even while the watch carries no data. gRPC
+# 1.85 enforces the keepalive timeout only through ``ping_timeout_ms`` (without it a
+# ping to a SIGSTOPped member waited for good, tests/integration/test_leader_watch.py),
+# which also bounds gRPC's own bandwidth probes: a member that answers no ping for 3 s
+# is left either way.
+WATCH_PING_S = 10.0
+WATCH_PING_TIMEOUT_S = 3.0
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", int(WATCH_PING_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(WATCH_PING_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", int(WATCH_PING_TIMEOUT_S * 1000)),
 ]
 
 
@@ -145,7 +167,7 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
                 port,
                 secure=secure,
                 creds=creds,
-                time_retry=ENDPOINT_RETRY_S,
+                time_retry=0,  # which member a call goes to: ``channel``
                 opts=[*CHANNEL_OPTIONS, *MESSAGE_LIMITS],
             )
             for host, port in map(host_port, endpoints)
@@ -157,6 +179,32 @@ class EtcdClient(etcd3.MultiEndpointEtcd3Client):
         super().__init__(endpoints=members, timeout=timeout_s, failover=True)
         if self._user:
             self._log_in()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel of the member the next call goes to: the current one unless it
+        failed a call in the last ``MEMBER_PASSED_OVER_S``; else the first that has not;
+        else the one that failed longest ago."""
+        now = time.time()
+
+        def passed_over(member) -> bool:
+            return now - member.last_failed < MEMBER_PASSED_OVER_S
+
+        current = self.endpoint_in_use
+        if current is None or passed_over(current):
+            label = next(
+                (label for label, member in self.endpoints.items() if not passed_over(member)),
+                min(self.endpoints, key=lambda label: self.endpoints[label].last_failed),
+            )
+            self._current_endpoint_label = label  # drops the stubs of the member left
+            current = self.endpoints[label]
+        return current.use()
+
+    def leave_member(self) -> None:
+        """Count the current member as failed (a stream on it ended, not a call):
+        the next call goes to another if one has not failed lately."""
+        if self.endpoint_in_use is not None:
+            self.endpoint_in_use.fail()
 
     def _manage_grpc_errors(self, exc: grpc.RpcError):
         if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._user:

@@ -1,6 +1,9 @@
 """The etcd key layout: every key Keel reads or writes, spelled once.
 
-    /keel/controller/leader                the leading controller: {"address", "id"}, on its lease
+    /keel/controller/leader                the leading controller: {"address", "id", "epoch"},
+                                           on its lease
+    /keel/epoch                            the restores of etcd from a snapshot, counted
+                                           (``keel restore-epoch``; ``common.epoch``)
     /keel/nodes/<node>                     a node's registration, on its agent's lease
     /keel/cordons/<node>                   a cordoned (or draining) node: why, by whom, since when
     /keel/jobs/<job>/spec                  the submitted job spec
@@ -30,6 +33,7 @@ JOB_NAME_RULE = (
     "use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit"
 )
 LEADER = f"{PREFIX}/controller/leader"
+EPOCH = f"{PREFIX}/epoch"
 NODES = f"{PREFIX}/nodes/"
 CORDONS = f"{PREFIX}/cordons/"
 JOBS = f"{PREFIX}/jobs/"
@@ -61,8 +65,19 @@ def job_state(name: str) -> str:
     return job(name) + "state"
 
 
+def plans(name: str) -> str:
+    """The prefix of every generation's plan of job ``name`` (and their parts)."""
+    return job(name) + "generations/"
+
+
 def plan(name: str, generation: int) -> str:
-    return job(name) + f"generations/{generation}"
+    return plans(name) + f"{generation}"
+
+
+def plan_parts(name: str, generation: int, digest: str = "") -> str:
+    """The prefix of the parts of generation ``generation``'s plan too large for one
+    value (``common.records.PlanPartsRecord``); with ``digest``, of that plan's."""
+    return plan(name, generation) + "/parts/" + (f"{digest}/" if digest else "")
 
 
 def checkpoints(name: str) -> str:
@@ -92,6 +107,7 @@ def checkpoint_request(name: str) -> str:
 # What each key holds, as a bounded label (``kind_of``).
 KINDS = (
     "leader",
+    "epoch",
     "node",
     "cordon",
     "job_spec",
@@ -109,6 +125,8 @@ def kind_of(key: str) -> str:
     """Which of ``KINDS`` ``key`` is."""
     if key == LEADER:
         return "leader"
+    if key == EPOCH:
+        return "epoch"
     if key.startswith(NODES):
         return "node"
     if key.startswith(CORDONS):

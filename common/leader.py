@@ -5,7 +5,9 @@ watched from the revision read, read again whenever the watch breaks). ``current
 the leader as last seen, and ``on_change`` is called with every new value.
 
 A leader's ``term`` is its key's create revision: it only grows, within one etcd
-cluster (``cluster_id``; a cluster rebuilt from nothing numbers its revisions anew).
+cluster (``cluster_id``; a cluster rebuilt from nothing numbers its revisions anew) and
+one ``epoch`` (the one its record names: a restore from a snapshot winds revisions back
+and advances the epoch, ``common.epoch``). ``stamp`` is the pair agents compare.
 """
 
 from __future__ import annotations
@@ -17,11 +19,30 @@ import structlog
 from etcd3 import events
 
 from common import keys
+from common.epoch import Stamp
 from common.etcd import EtcdClient
 from common.records import LeaderRecord, RecordError
 from common.watch import Watch
 
 log = structlog.get_logger()
+
+
+STANDBY_REFUSAL = "standby controller; the leader is at "  # then its address, or "unknown"
+
+
+def standby_refusal(leader_address: str | None) -> str:
+    """What a standby answers a call that only the leader serves: it names the leader,
+    so that the caller goes there at once (``named_leader``)."""
+    return STANDBY_REFUSAL + (leader_address or "unknown")
+
+
+def named_leader(details: str | None) -> str | None:
+    """The leader's address a standby's refusal names; None if ``details`` is no such
+    refusal or names none."""
+    if not details or not details.startswith(STANDBY_REFUSAL):
+        return None
+    address = details[len(STANDBY_REFUSAL) :].strip()
+    return address if address and address != "unknown" and " " not in address else None
 
 
 @dataclass(frozen=True)
@@ -30,6 +51,11 @@ class Leader:
     id: str
     term: int
     cluster_id: int
+    epoch: int = 0
+
+    @property
+    def stamp(self) -> Stamp:
+        return Stamp(self.epoch, self.term)
 
 
 def _log_unreadable(error: RecordError) -> None:
@@ -49,7 +75,7 @@ def parse_leader(
     except RecordError as error:
         set_aside(error)
         return None
-    return Leader(record.address, record.id, create_revision, cluster_id)
+    return Leader(record.address, record.id, create_revision, cluster_id, record.epoch)
 
 
 class LeaderWatch:

@@ -45,6 +45,18 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+def process_wchan(pid: int) -> str:
+    """The kernel function ``pid`` waits in (``/proc/PID/wchan``: e.g.
+    ``request_wait_answer`` for a FUSE request that is not answered), or "" if it is
+    not waiting, is gone, or the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/wchan") as wchan:
+            name = wchan.read().strip()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+    return "" if name == "0" else name
+
+
 def group_members(pgid: int) -> list[int]:
     """The live processes of process group ``pgid``, from ``/proc``."""
     members = []

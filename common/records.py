@@ -94,10 +94,35 @@ class Record:
 @dataclass(frozen=True, kw_only=True)
 class LeaderRecord(Record):
     """``/keel/controller/leader``: the leading controller, on its lease. Its term is
-    the key's create revision, which etcd keeps, not the value."""
+    the key's create revision, which etcd keeps, not the value; ``epoch``: the
+    ``EpochRecord`` it read when it took the key (0: none), which agents compare before
+    the term (``common.epoch``)."""
 
     address: str
     id: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochRecord(Record):
+    """``/keel/epoch``: how many times this cluster's etcd was restored from a snapshot
+    (absent: 0), written by ``keel restore-epoch`` only (``common.epoch``). ``at_unix``:
+    when; ``by``: who ran it, where; ``restored_revision``: etcd's revision before the
+    write (the snapshot's, give or take the restore's own writes); ``previous``: the
+    epoch the snapshot held."""
+
+    epoch: int
+    previous: int
+    at_unix: float
+    by: str
+    restored_revision: int
+
+    def __post_init__(self):
+        if self.epoch <= self.previous or self.previous < 0:
+            raise ValueError(
+                f"epoch {self.epoch} does not follow epoch {self.previous}: an epoch "
+                f"only grows, from 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +242,20 @@ class PlanRecord(Record):
     agents: dict[str, int]
     deadlines: keel_pb2.Deadlines | None = None
     created_at_unix: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanPartsRecord(Record):
+    """``/keel/jobs/<job>/generations/<g>`` in place of a PlanRecord too large for one
+    etcd request (tens of thousands of nodes): that plan's JSON, ``size`` bytes whose
+    SHA-256 is ``sha256``, is stored cut in ``parts`` values at
+    ``generations/<g>/parts/<sha256>/<i>``, written before this record, which is
+    written with the job's state (``orchestrator.controller.store``)."""
+
+    generation: int
+    parts: int
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+import grpc
 import structlog
 
 from common.etcd import EtcdClient, prefix_end, read_prefix
@@ -77,6 +78,8 @@ class Watch:
                     except queue.Empty:
                         continue
                     if item is None or isinstance(item, Exception):
+                        if isinstance(item, grpc.RpcError):  # its member went away
+                            self.etcd.leave_member()
                         raise ConnectionError(f"the watch ended: {item}")
                     if item.events:
                         self.on_events(item.events)

@@ -86,6 +86,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_CHECKPOINT_FAILED: _ClassVar[EventKind]
     EVENT_KIND_SUSPECTED: _ClassVar[EventKind]
     EVENT_KIND_FRESH_START: _ClassVar[EventKind]
+    EVENT_KIND_STOP_TIMEOUT: _ClassVar[EventKind]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -172,6 +173,7 @@ EVENT_KIND_CHECKPOINT_REFUSED: EventKind
 EVENT_KIND_CHECKPOINT_FAILED: EventKind
 EVENT_KIND_SUSPECTED: EventKind
 EVENT_KIND_FRESH_START: EventKind
+EVENT_KIND_STOP_TIMEOUT: EventKind
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_CORDONED: NodeState
@@ -232,20 +234,34 @@ class Leaving(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("job", "generation", "phase", "running", "started_job", "started_generation")
+    __slots__ = ("job", "generation", "phase", "running", "started_job", "started_generation", "stuck")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     STARTED_JOB_FIELD_NUMBER: _ClassVar[int]
     STARTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STUCK_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     phase: AgentPhase
     running: _containers.RepeatedCompositeFieldContainer[RankAssignment]
     started_job: str
     started_generation: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[_Union[AgentPhase, str]] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ...) -> None: ...
+    stuck: _containers.RepeatedCompositeFieldContainer[StuckProcess]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., phase: _Optional[_Union[AgentPhase, str]] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., started_job: _Optional[str] = ..., started_generation: _Optional[int] = ..., stuck: _Optional[_Iterable[_Union[StuckProcess, _Mapping]]] = ...) -> None: ...
+
+class StuckProcess(_message.Message):
+    __slots__ = ("pid", "rank", "state", "wchan")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WCHAN_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    rank: int
+    state: str
+    wchan: str
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[str] = ..., wchan: _Optional[str] = ...) -> None: ...
 
 class CheckpointProblem(_message.Message):
     __slots__ = ("job", "generation", "step", "path", "kind", "reason", "suspect_node")
@@ -266,7 +282,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ..., suspect_node: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term", "epoch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +294,7 @@ class ControllerMessage(_message.Message):
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
     REPORT_PACE_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     prepare_rendezvous: PrepareRendezvous
     start_generation: StartGeneration
@@ -289,17 +306,20 @@ class ControllerMessage(_message.Message):
     read_log: ReadLog
     report_pace: ReportPace
     term: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., term: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., term: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EtcdUnreachable(_message.Message):
-    __slots__ = ("down_s",)
+    __slots__ = ("down_s", "hold_s")
     DOWN_S_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     down_s: float
-    def __init__(self, down_s: _Optional[float] = ...) -> None: ...
+    hold_s: float
+    def __init__(self, down_s: _Optional[float] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointRecorded(_message.Message):
     __slots__ = ("job", "generation", "step")
@@ -550,7 +570,7 @@ class StartGeneration(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ..., job_id: _Optional[str] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class Deadlines(_message.Message):
-    __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s")
+    __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s", "stop_deadline_s")
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     HANG_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +582,7 @@ class Deadlines(_message.Message):
     NODE_LOST_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     LEADER_TTL_S_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     heartbeat_s: float
     hang_floor_s: float
     first_step_timeout_s: float
@@ -573,7 +594,8 @@ class Deadlines(_message.Message):
     node_lost_grace_s: float
     leader_ttl_s: float
     reconnect_max_s: float
-    def __init__(self, heartbeat_s: _Optional[float] = ..., hang_floor_s: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., node_lost_grace_s: _Optional[float] = ..., leader_ttl_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ...) -> None: ...
+    stop_deadline_s: float
+    def __init__(self, heartbeat_s: _Optional[float] = ..., hang_floor_s: _Optional[float] = ..., first_step_timeout_s: _Optional[float] = ..., checkpoint_timeout_s: _Optional[float] = ..., stop_grace_s: _Optional[float] = ..., collective_timeout_s: _Optional[float] = ..., startup_timeout_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., node_lost_grace_s: _Optional[float] = ..., leader_ttl_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., stop_deadline_s: _Optional[float] = ...) -> None: ...
 
 class StopGeneration(_message.Message):
     __slots__ = ("job", "generation", "reason", "collect_stacks")

@@ -152,6 +152,14 @@ def main():
     help="Use this etcd cluster (host:port,...) instead of an embedded one.",
 )
 @click.option(
+    "--etcd-members",
+    type=click.Choice(["1", "3", "5"]),
+    default="1",
+    show_default=True,
+    help="Members of the embedded etcd, each its own process on its own ports, as a "
+    "production etcd runs (a majority must be up).",
+)
+@click.option(
     "--workdir",
     type=click.Path(file_okay=False),
     help="Logs and checkpoints go here (default: a new temporary directory, kept).",
@@ -208,6 +216,7 @@ def up(
     no_preflight,
     max_restarts,
     etcd_endpoints,
+    etcd_members,
     workdir,
     timeout_s,
     use_tls,
@@ -255,6 +264,7 @@ def up(
             preflight=not no_preflight,
             max_restarts=max_restarts,
             etcd_endpoints=tuple(e for e in etcd_endpoints.split(",") if e),
+            etcd_members=int(etcd_members),
             workdir=Path(workdir) if workdir else None,
             timeout_s=timeout_s,
             tls=use_tls,
@@ -575,6 +585,7 @@ def agent(ctx):
 def _register_operator_commands() -> None:
     from orchestrator.cli import operator as operator_cli
     from orchestrator.cli.logs import logs
+    from orchestrator.cli.restore_epoch import restore_epoch
     from orchestrator.cli.run import run
     from orchestrator.security.certs import certs
 
@@ -586,6 +597,7 @@ def _register_operator_commands() -> None:
         operator_cli.jobs,
         operator_cli.events,
         *operator_cli.MUTATING,
+        restore_epoch,
         certs,
     ):
         main.add_command(command)

@@ -12,6 +12,7 @@ import structlog
 
 from common import env
 from common.deadlines import DeadlineError
+from common.epoch import next_generation
 from common.records import CordonRecord, EventRecord, JobSpecRecord, PlanRecord
 from orchestrator.controller import observe
 from orchestrator.controller.checkpoint_records import CheckpointRecords
@@ -36,6 +37,7 @@ from orchestrator.policy.offenders import NodeFailure, offenders
 from orchestrator.policy.operations import Change, Operation, OperationDecision
 from orchestrator.policy.placement import NodeRanks, place
 from orchestrator.policy.remediation import Remedy, SlowNodeDecision
+from orchestrator.policy.stop_deadline import Overdue
 from orchestrator.spec.health import job_deadlines
 from protos import keel_pb2
 
@@ -205,7 +207,7 @@ class Executor:
         if lost:
             health.event(EventKind.FRESH_START, f"starting from step 0 as the spec allows: {lost}")
         plan = dict(
-            generation=job.generation + 1,
+            generation=next_generation(job.generation, self.store.epoch),
             placement=placement,
             world_size=world_size,
             mesh=mesh,
@@ -511,6 +513,35 @@ class Executor:
             node=node,
             step=job.progress.step,
             detected_after_s=down_for_s,
+        )
+
+    def stop_overdue(self, job: JobRuntime, overdue: Overdue, deadline_s: float) -> None:
+        """Carry out ``stop_deadline.overdue``'s finding: the node is declared failed for
+        the generation (counted lost, so the job goes on without it) and cordoned, so
+        that no new generation goes to a node whose processes SIGKILL cannot end. It
+        is fenced as a lost node is: the generation's reports are refused from now on
+        and the next generation claims the checkpoint directory's fence, and a process
+        stuck in the kernel with a SIGKILL pending runs no more of its own code."""
+        node = overdue.node
+        job.lost_nodes.add(node)
+        cordon = f"stopping generation {job.generation} of {job.name}: {overdue.reason}"
+        if node in self.state.cordons:
+            cordoned = f"already cordoned ({self.state.cordons[node].reason})"
+        else:
+            try:
+                self.cordon(node, cordon, by="stop deadline", drain=False)
+                cordoned = f"cordoned until `keel uncordon {node}`"
+            except Deposed:
+                raise
+            except Exception as exc:
+                cordoned = f"not cordoned (etcd did not take it: {exc})"
+        job.health.event(
+            EventKind.STOP_TIMEOUT,
+            f"{node} {overdue.reason}; counted lost for generation {job.generation} past "
+            f"the {deadline_s:g} s stop deadline, {cordoned}",
+            node=node,
+            step=job.progress.step,
+            detected_after_s=deadline_s,
         )
 
     def flag_slow(self, job: JobRuntime, flag: SlowFlag, now: float) -> list[float]:

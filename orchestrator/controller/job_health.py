@@ -18,7 +18,7 @@ from orchestrator.policy import preflight
 from orchestrator.policy.diagnosis import culprit, summarize, waiting_in_collective
 from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
 from orchestrator.policy.offenders import NodeFailure, kept
-from orchestrator.policy.retention import events_kept
+from orchestrator.policy.retention import cut_text, events_kept
 from orchestrator.policy.straggler import Flag, StepBlock, StragglerConfig, evaluate, initial_state
 from protos import keel_pb2
 
@@ -119,7 +119,13 @@ class JobHealth:
 
     def changed(self, event: keel_pb2.Event) -> None:
         """``event`` is new, or was updated after it was made (stacks arriving for a
-        hang): it is saved next, and the oldest events go if the bounds are passed."""
+        hang): it is saved next, and the oldest events go if the bounds are passed.
+        Its reason and root cause are cut to ``retention.EVENT_TEXT_BYTES`` each."""
+        for name in ("reason", "root_cause"):
+            text = getattr(event, name)
+            cut = cut_text(text)
+            if cut is not text:
+                setattr(event, name, cut)
         self.unsaved[event.seq] = event
         self.event_bytes[event.seq] = event.ByteSize()
         self._trim()

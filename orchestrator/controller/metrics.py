@@ -19,6 +19,11 @@ TERM = Gauge("keel_controller_term", "The leader term this controller leads unde
 LEADER_CHANGES = Counter(
     "keel_controller_leader_changes", "Times this controller took or lost the lead"
 )
+LEADS_ABANDONED = Counter(
+    "keel_controller_leads_abandoned",
+    "Times this controller won the leader key, could not take the lead "
+    "(its rebuild from etcd failed) and let the key go for a standby",
+)
 RECONCILE_TICK = Histogram(
     "keel_reconcile_tick_seconds",
     "One reconcile tick, seconds",

@@ -3,6 +3,7 @@ state without changing anything. Called with the state lock held."""
 
 from __future__ import annotations
 
+from common.deadlines import Deadlines, derived_stop_deadline_s
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.policy import (
@@ -13,6 +14,7 @@ from orchestrator.policy import (
     operations,
     placement,
     remediation,
+    stop_deadline,
 )
 from orchestrator.policy.guardrails import restart_backoff_s
 from orchestrator.policy.job import Observed, Spec
@@ -136,6 +138,41 @@ def observed(state: ControllerState, job: JobRuntime, now: float) -> Observed:
         planned_stop=job.planned_stop,
         fatal=job.fatal,
     )
+
+
+def stop_waiting(job: JobRuntime) -> frozenset[str]:
+    """The nodes of a stopping generation that neither confirmed the stop nor are
+    counted lost."""
+    return job.nodes - job.lost_nodes - job.stopped_nodes
+
+
+def stop_deadline_s(job: JobRuntime) -> float:
+    """The generation's stop deadline (derived from its stop grace in a plan written
+    before the chain had one)."""
+    chain = job.deadlines
+    if chain is None:
+        return derived_stop_deadline_s(Deadlines.stop_grace_s)
+    return chain.stop_deadline_s or derived_stop_deadline_s(chain.stop_grace_s)
+
+
+def stuck(
+    state: ControllerState, job: JobRuntime, nodes: frozenset[str]
+) -> dict[str, tuple[stop_deadline.Stuck, ...]]:
+    """The processes of ``job``'s generation that the agents of ``nodes`` found SIGKILL
+    did not end (their latest status), by node; nodes with none are left out."""
+    found = {}
+    for node in nodes:
+        session = state.sessions.get(node)
+        status = session.status if session is not None else None
+        if (
+            status is not None
+            and status.stuck
+            and (status.job, status.generation) == (job.name, job.generation)
+        ):
+            found[node] = tuple(
+                stop_deadline.Stuck(p.pid, p.rank, p.state, p.wchan) for p in status.stuck
+            )
+    return found
 
 
 def spec(state: ControllerState, job: JobRuntime) -> Spec:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
 import structlog
+from etcd3.exceptions import Etcd3Exception
 
+from common import keys
 from common.records import RecordError, newest_good
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_runtime import Intents, JobRuntime, Progress
@@ -19,19 +22,26 @@ log = structlog.get_logger()
 
 
 def load_jobs(store: Store, now: float) -> dict[str, JobRuntime]:
-    """Every job in etcd. A job whose spec, state or plan does not parse is left out,
-    loudly (``store.set_aside``), and left in etcd as it is, rather than keep every
-    controller from leading; etcd errors propagate (the campaign retries)."""
+    """Every job in etcd. A job whose spec, state or plan does not parse, or whose
+    records parse but cannot be brought back together (a plan its spec cannot hold), is
+    left out, loudly (``store.set_aside``), and left in etcd as it is, rather than keep
+    every controller from leading; etcd errors propagate (the campaign retries)."""
     jobs = {}
     for name in store.job_names():
         try:
             job = load_job(store, name, now)
+        except (grpc.RpcError, Etcd3Exception):
+            raise
         except RecordError as error:
             log.error(
                 "cannot read the job's records in etcd; not managing it",
                 job=name,
                 key=error.key,
             )
+            continue
+        except Exception as exc:
+            store.set_aside(RecordError(keys.job_state(name), f"{type(exc).__name__}: {exc}"))
+            log.exception("cannot load the job from its records in etcd; not managing it", job=name)
             continue
         if job is not None:
             jobs[name] = job

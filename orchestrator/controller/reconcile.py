@@ -5,7 +5,8 @@ etcd answers and, under the state lock, squares each newly connected agent's Hel
 the plan, then converges each job on its spec and its operator's intents:
 
 1. record what the agents reported (checkpoint commits in etcd, the first loss);
-2. count the generation's nodes that are no longer usable as lost;
+2. count the generation's nodes that are no longer usable as lost, and while stopping
+   those that have not confirmed the stop within the stop deadline;
 3. while running: judge each node found slow, and keep the operation the job's state
    calls for (a drain, a stop) under way, passing on an operator's checkpoint request;
 4. decide the job's next lifecycle step and apply it.
@@ -33,7 +34,15 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.rebuild import carry_over, load_job
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
-from orchestrator.policy import adoption, convergence, operations, pacing, remediation
+from orchestrator.policy import (
+    adoption,
+    convergence,
+    liveness,
+    operations,
+    pacing,
+    remediation,
+    stop_deadline,
+)
 from orchestrator.policy.guardrails import reconcile_retry_s
 from orchestrator.policy.job import decide
 from orchestrator.policy.lifecycle import JobState, past_retention
@@ -59,7 +68,7 @@ class Reconciler:
     def loop(self, clock) -> None:
         """Run until the state's ``stopping`` is set; ``clock()`` gives monotonic seconds."""
         state = self.state
-        next_refresh, etcd_down_since = 0.0, 0.0
+        next_refresh, etcd_down_since, next_hold = 0.0, 0.0, 0.0
         while not state.stopping.is_set():
             state.wake.wait(state.config.tick_s)
             state.wake.clear()
@@ -82,7 +91,12 @@ class Reconciler:
                 if not etcd_down_since:
                     etcd_down_since = now
                     log.warning("etcd unreachable; retrying every tick", error=str(exc))
-                    self._hold_agents()
+                # Renewed every third of a TTL while this controller still leads; once
+                # it steps down (a TTL unrefreshed: a standby may lead by then) the
+                # agents' holds run out within ``liveness.HOLD_TTLS`` more.
+                if state.is_leader and now >= next_hold:
+                    next_hold = now + state.config.leader_ttl_s / 3
+                    self._hold_agents(now - etcd_down_since)
                 continue
             if etcd_down_since:
                 log.info("etcd reachable again", down_s=round(now - etcd_down_since, 2))
@@ -111,15 +125,16 @@ class Reconciler:
                     if health.settle_scoring(epoch, *result):
                         state.wake.set()
 
-    def _hold_agents(self) -> None:
+    def _hold_agents(self, down_s: float) -> None:
         """etcd is out of our reach too: an outage everyone sees, so agents that cannot
-        renew their leases keep their ranks instead of fencing themselves."""
+        renew their leases keep their ranks instead of fencing themselves, for
+        ``liveness.etcd_hold_s`` from now."""
+        hold_s = liveness.etcd_hold_s(self.state.config.leader_ttl_s)
+        hold = keel_pb2.EtcdUnreachable(down_s=down_s, hold_s=hold_s)
         with self.state.lock:
             for session in self.state.sessions.values():
                 if session.connected:
-                    session.send(
-                        keel_pb2.ControllerMessage(etcd_unreachable=keel_pb2.EtcdUnreachable())
-                    )
+                    session.send(keel_pb2.ControllerMessage(etcd_unreachable=hold))
 
     def tick(self, now: float) -> None:
         """One pass over everything; a write that finds another controller leading
@@ -240,6 +255,18 @@ class Reconciler:
                 session.send(
                     keel_pb2.ControllerMessage(report_pace=keel_pb2.ReportPace(interval_s=interval))
                 )
+
+    def _end_overdue_stops(self, job: JobRuntime, now: float) -> None:
+        """Count lost the nodes of a stopping generation past the stop deadline. The
+        agents' statuses are looked through only once it has passed: on every tick of
+        a stop, at 16,384 nodes, that would cost the tick for nothing."""
+        deadline_s = observe.stop_deadline_s(job)
+        if not stop_deadline.passed(now, job.state_since_mono, deadline_s):
+            return
+        waiting = observe.stop_waiting(job)
+        stuck = observe.stuck(self.state, job, waiting)
+        for overdue in stop_deadline.overdue(now, job.state_since_mono, deadline_s, waiting, stuck):
+            self.executor.stop_overdue(job, overdue, deadline_s)
 
     def _unsettle_moved_jobs(self) -> None:
         """The nodes of a job whose plan moved (a new state, generation or placement,
@@ -364,6 +391,8 @@ class Reconciler:
         executor.store_initial_loss(job)
         for node in observe.newly_lost(state, job, now):
             executor.mark_lost(job, node, observe.down_for(state, node, now))
+        if job.state is JobState.STOPPING:
+            self._end_overdue_stops(job, now)
         if job.state is JobState.RUNNING:
             health = job.health
             for flag in health.slow_flags():

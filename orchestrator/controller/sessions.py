@@ -194,6 +194,7 @@ class AgentService:
                 pid=hello.pid,
                 hello=hello,
                 term=state.term or 0,
+                epoch=state.epoch,
                 outbox=outbox,
             )
             state.attach(session)

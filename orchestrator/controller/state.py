@@ -137,6 +137,7 @@ class AgentSession:
     pid: int
     hello: keel_pb2.Hello
     term: int  # of the leadership the stream was accepted under
+    epoch: int = 0  # and the epoch it led in (``common.epoch``)
     outbox: queue.Queue | LoopOutbox = field(default_factory=queue.Queue)
     connected: bool = True
     disconnected_at: float = 0.0
@@ -148,7 +149,7 @@ class AgentSession:
     leaving: str = ""  # the agent asked for its node to be drained: why
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
-        message.term = self.term
+        message.term, message.epoch = self.term, self.epoch
         self.outbox.put(message)
 
     def close(self) -> None:
@@ -256,6 +257,11 @@ class ControllerState:
     def term(self) -> int | None:
         """While leading: the term, the create revision of our leader key."""
         return self.store.term
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the lead (``common.epoch``), read when it was taken."""
+        return self.store.epoch
 
     def job_on(self, node: str) -> JobRuntime | None:
         """The job whose current generation runs (or is being started or stopped) on

@@ -16,6 +16,19 @@ controller that has been superseded (it stalled, and another took over) fails, a
 raises ``Deposed``; the controller then steps down at once. Writes that decide
 something compare the revision they read as well (``StaleRevision`` when it moved).
 
+No request passes a set fraction of etcd's limits (``--max-request-bytes``, 1.5 MiB,
+and ``--max-txn-ops``, 128, by default), however many nodes a job has: a plan larger
+than ``PART_BYTES`` is stored in parts, written ``PARTS_PER_WRITE`` a transaction
+before the small record naming them (``PlanPartsRecord``) is written with the job's
+state; a plan is read back whole, checked against its digest. Writing a generation's
+plan deletes every other generation's (in the same transaction: a few range deletes),
+so a job's plans do not grow with its generations.
+
+The epoch (``/keel/epoch``, ``common.epoch``) is read when the lead is taken and named
+in the leader record: agents compare (epoch, term), and the generations this controller
+starts are numbered from the epoch's first, so that after a restore of etcd from a
+snapshot both are above anything seen before it.
+
 Reads of a prefix are paginated (``common.etcd.read_prefix``: ``PAGE`` keys a call,
 fewer if a page of large values would pass the message limit) at one revision, so
 however much a prefix holds, a new leader can read it.
@@ -23,6 +36,7 @@ however much a prefix holds, a new leader can read it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -36,12 +50,14 @@ from common.records import (
     CheckpointRecord,
     CheckpointRequestRecord,
     CordonRecord,
+    EpochRecord,
     EventRecord,
     JobSpecRecord,
     JobStateRecord,
     LeaderRecord,
     NodeRecord,
     OperationRecord,
+    PlanPartsRecord,
     PlanRecord,
     Record,
     RecordError,
@@ -53,6 +69,8 @@ R = TypeVar("R", bound=Record)
 
 TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
 TXN_BYTES = 1 << 20  # and requests over 1.5 MiB
+PART_BYTES = 256 * 1024  # a plan over this is stored in parts of this size,
+PARTS_PER_WRITE = 2  # written this many a transaction (a third of etcd's request limit)
 
 
 class StaleRevision(Exception):
@@ -71,6 +89,21 @@ class Versioned(Generic[R]):
     mod_revision: int
 
 
+def part_key(name: str, generation: int, digest: str, index: int) -> str:
+    return keys.plan_parts(name, generation, digest) + f"{index:06d}"
+
+
+def parts_record(key: str, raw: bytes) -> PlanPartsRecord | None:
+    """The value at a plan's key as the record naming its parts, or None if it is not
+    one (it is the plan itself)."""
+    if len(raw) > 1024 or b'"sha256"' not in raw:
+        return None
+    try:
+        return PlanPartsRecord.from_json(key, raw)
+    except RecordError:
+        return None  # a small plan that happens to say "sha256"
+
+
 def log_set_aside(error: RecordError) -> None:
     log.error("set aside a stored value that does not parse", key=error.key, error=error.problem)
 
@@ -83,6 +116,7 @@ class Store:
         self.client = client
         self.set_aside = set_aside
         self.term: int | None = None  # while leading: the create revision of our leader key
+        self.epoch = 0  # the epoch of the last campaign won (``common.epoch``)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, key: str, kind: type[R]) -> Versioned[R]:
@@ -190,18 +224,28 @@ class Store:
     def campaign(self, controller_id: str, address: str, lease_id: int) -> int | None:
         """Take the leader key on ``lease_id`` if nobody holds it, or if it is still
         ours (we stepped down while etcd was out of reach, and nobody led since: the
-        term is then unchanged). Returns the term we lead with, or None."""
+        term is then unchanged). Returns the term we lead with, or None. The epoch is
+        read first, named in the leader record and kept in ``epoch`` (the key is taken
+        only if the epoch did not move meanwhile); an epoch record that does not parse
+        is set aside and nobody leads (a guessed epoch could be refused by every
+        agent): ``keel restore-epoch --epoch N`` writes a good one."""
+        try:
+            found = self._get(keys.EPOCH, EpochRecord)
+        except RecordError:
+            return None
+        epoch = found.value.epoch if found.value else 0
         key = keys.LEADER
-        value = LeaderRecord(address=address, id=controller_id).to_json()
+        value = LeaderRecord(address=address, id=controller_id, epoch=epoch).to_json()
         tx = self.client.transactions
+        same_epoch = tx.mod(keys.EPOCH) == found.mod_revision
         for held in (tx.version(key) == 0, tx.value(key) == value):
             ok, responses = self.client.transaction(
-                compare=[held],
+                compare=[held, same_epoch],
                 success=[tx.put(key, value, lease=lease_id), tx.get(key)],
                 failure=[],
             )
             if ok:
-                self.term = responses[1][0][1].create_revision
+                self.term, self.epoch = responses[1][0][1].create_revision, epoch
                 return self.term
         return None
 
@@ -253,14 +297,72 @@ class Store:
         tx = self.client.transactions
         puts = [self._put(state_key, state)]
         if plan is not None:
-            puts.append(self._put(keys.plan(name, plan.generation), plan))
+            puts.extend(self._plan_ops(name, plan))
         ok, responses = self._write(puts, (tx.mod(state_key) == read_revision,))
         if not ok:
             raise StaleRevision(f"job {name}: state changed since revision {read_revision}")
         return responses[0].response_put.header.revision
 
+    def _plan_ops(self, name: str, plan: PlanRecord) -> list:
+        """The operations that, with the job's state, store ``plan``: the plan, or the
+        record naming its parts (those written first, here); and the deletes of every
+        other generation's plan and of this generation's earlier parts. A write that
+        fails after its parts leaves them to the next plan's deletes."""
+        tx, g = self.client.transactions, plan.generation
+        key, value = keys.plan(name, g), plan.to_json().encode()
+        mine, plans = (key + "/").encode(), keys.plans(name).encode()
+        # Every plan key but generation g's own: those before "<g>" and those after
+        # "<g>/..." (later generations do not exist yet; "10" sorts before "9").
+        others = [
+            tx.delete(plans, range_end=key.encode()),
+            tx.delete(prefix_end(mine), range_end=prefix_end(plans)),
+        ]
+        if len(value) <= PART_BYTES:
+            return [tx.put(key, value), tx.delete(mine, range_end=prefix_end(mine)), *others]
+        digest = hashlib.sha256(value).hexdigest()
+        chunks = [value[i : i + PART_BYTES] for i in range(0, len(value), PART_BYTES)]
+        per_write = PARTS_PER_WRITE
+        for first in range(0, len(chunks), per_write):
+            self._write(
+                [
+                    tx.put(part_key(name, g, digest, i), chunks[i])
+                    for i in range(first, min(first + per_write, len(chunks)))
+                ]
+            )
+        these = keys.plan_parts(name, g, digest).encode()
+        head = PlanPartsRecord(generation=g, parts=len(chunks), size=len(value), sha256=digest)
+        return [
+            self._put(key, head),
+            tx.delete(mine, range_end=these),  # this generation's earlier parts
+            tx.delete(prefix_end(these), range_end=prefix_end(mine)),
+            *others,
+        ]
+
     def plan(self, name: str, generation: int) -> PlanRecord | None:
-        return self._get(keys.plan(name, generation), PlanRecord).value
+        """Generation ``generation``'s plan, put back together if stored in parts;
+        raises RecordError (after ``set_aside``) if it does not parse, or its parts
+        are missing or do not match their digest."""
+        key = keys.plan(name, generation)
+        raw, _ = self.client.get(key)
+        if raw is None:
+            return None
+        try:
+            head = parts_record(key, raw)
+            if head is None:
+                return PlanRecord.from_json(key, raw)
+            prefix = keys.plan_parts(name, generation, head.sha256)
+            kvs, _, _ = read_prefix(self.client, prefix)
+            value = b"".join(kv.value for kv in kvs)
+            if len(kvs) != head.parts or hashlib.sha256(value).hexdigest() != head.sha256:
+                raise RecordError(
+                    key,
+                    f"its plan is stored in {head.parts} parts under {prefix}, but "
+                    f"{len(kvs)} are there and they do not make up its digest",
+                )
+            return PlanRecord.from_json(key, value)
+        except RecordError as error:
+            self.set_aside(error)
+            raise
 
     def delete_job(self, name: str) -> None:
         """Every record of job ``name``."""

@@ -48,7 +48,7 @@ class LocalCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(self.options.etcd_endpoints) or self.etcd.endpoint
+        return ",".join(self.options.etcd_endpoints) or ",".join(self.etcd.endpoints)
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         """A daemon, ``python ARGS`` plus the log flags, logging to ``logs/LOG_NAME``."""
@@ -115,6 +115,7 @@ class LocalCluster:
                 data_parent=self.workdir,
                 die_with_parent=True,
                 tls=self.etcd_tls,
+                members=self.options.etcd_members,
             ).start()
         for i in range(self.options.controllers):
             address_file = self.workdir / f"controller-{i}.address"

@@ -56,6 +56,7 @@ class UpOptions:
     preflight: bool = True
     max_restarts: int = 3
     etcd_endpoints: tuple[str, ...] = ()
+    etcd_members: int = 1  # of the embedded etcd
     workdir: Path | None = None
     timeout_s: float = 3600.0
     lease_ttl_s: float = 5.0
@@ -91,6 +92,12 @@ class UpOptions:
             )
         for endpoint in self.etcd_endpoints:
             host_port(endpoint)
+        if self.etcd_members not in (1, 3, 5):
+            raise ValueError(f"--etcd-members {self.etcd_members}: give 1, 3 or 5")
+        if self.etcd_members > 1 and self.etcd_endpoints:
+            raise ValueError(
+                "--etcd-members sizes the embedded etcd; drop it with --etcd-endpoints"
+            )
         if self.resume_from and not os.path.isdir(self.resume_from):
             raise ValueError(
                 f"--resume-from {self.resume_from}: no such directory (give a committed "

@@ -24,11 +24,20 @@ BUFFER_BYTES = 65536
 
 class Listener:
     """Forwards every connection accepted on a free loopback port to ``target()``
-    ("host:port", looked up per connection)."""
+    ("host:port", looked up per connection). While ``silent`` is set it forwards
+    nothing, either way, and connects nothing upstream, but closes nothing either:
+    what its clients see of a peer whose traffic is dropped (the bytes flow again, in
+    order, once it is cleared, as TCP's retransmissions would have them)."""
 
-    def __init__(self, target: Callable[[], str | None], cut: threading.Event):
+    def __init__(
+        self,
+        target: Callable[[], str | None],
+        cut: threading.Event,
+        silent: threading.Event | None = None,
+    ):
         self.target = target
         self.cut = cut
+        self.silent = silent or threading.Event()
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.lock = threading.Lock()
@@ -41,20 +50,33 @@ class Listener:
                 client, _ = self.server.accept()
             except OSError:
                 return  # closed
-            address = None if self.cut.is_set() else self.target()
-            if address is None:
-                client.close()
+            if self.silent.is_set():
+                threading.Thread(target=self._held, args=(client,), daemon=True).start()
                 continue
-            host, _, port = address.rpartition(":")
-            try:
-                upstream = socket.create_connection((host, int(port)), timeout=2)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            with self.lock:
-                self.live |= {client, upstream}
-            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            self._open(client)
+
+    def _held(self, client: socket.socket) -> None:
+        """A connection accepted while silent: forwarded once the silence ends."""
+        while self.silent.is_set() and not self.cut.is_set():
+            self.cut.wait(0.2)
+        self._open(client)
+
+    def _open(self, client: socket.socket) -> None:
+        """Connect ``client`` upstream and forward both ways, on a thread of its own."""
+        address = None if self.cut.is_set() else self.target()
+        if address is None:
+            client.close()
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            upstream = socket.create_connection((host, int(port)), timeout=2)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        with self.lock:
+            self.live |= {client, upstream}
+        threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         selector = selectors.DefaultSelector()
@@ -62,6 +84,9 @@ class Listener:
         selector.register(b, selectors.EVENT_READ, a)
         try:
             while not self.cut.is_set():
+                if self.silent.is_set():
+                    self.cut.wait(0.2)
+                    continue
                 for key, _ in selector.select(timeout=0.2):
                     data = key.fileobj.recv(BUFFER_BYTES)
                     if not data:

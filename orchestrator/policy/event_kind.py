@@ -25,6 +25,7 @@ class EventKind(str, enum.Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed (no space, I/O); training went on
     SUSPECTED = "suspected"  # a node is suspected: the next placement avoids it
     FRESH_START = "fresh_start"  # recorded checkpoints, none verifiable: step 0 as the spec allows
+    STOP_TIMEOUT = "stop_timeout"  # a node did not confirm a stop within the stop deadline
 
 
 WIRE_EVENT_KINDS = ProtoEnum(EventKind, keel_pb2.EventKind, "EVENT_KIND_")

@@ -8,6 +8,34 @@ from __future__ import annotations
 # this many node-lost graces (a node that is truly gone is counted lost by then).
 TAKEOVER_GRACES = 6
 
+# An "etcd unreachable" hold lasts this many leader TTLs from its last renewal. The
+# leader renews it only while it leads, and steps down one TTL into an outage; the hold
+# must outlast that by the time a restarted etcd takes to answer and the agents to
+# renew their leases (a hold of one TTL fenced every node of a run whose etcd was down
+# 7 s on a loaded machine), and still run out soon once nobody renews it.
+HOLD_TTLS = 3
+
+
+# A controller that won the leader key but could not take the lead (its rebuild from
+# etcd raised) this many times in a row lets the key go, for a standby to try.
+LEAD_TRIES = 3
+
+
+def let_go_reason(failed_tries: int, error: str) -> str:
+    """Why a controller holding the leader key without leading gives it up, or "" while
+    it tries again: ``failed_tries`` takeovers in a row raised, the last with
+    ``error`` (an etcd error between pages, a record it cannot load: held on, the key
+    would keep every standby from leading for good)."""
+    if failed_tries < LEAD_TRIES:
+        return ""
+    return f"could not take the lead in {failed_tries} tries; the last: {error}"
+
+
+def etcd_hold_s(leader_ttl_s: float) -> float:
+    """How long an agent keeps its ranks on a leader's word that etcd is out of
+    everyone's reach, from the leader's last renewal (seconds)."""
+    return HOLD_TTLS * leader_ttl_s
+
 
 def taking_over(since_leading_s: float, since_knock_s: float, grace_s: float) -> bool:
     """Whether agents that have not reconnected since this controller began to lead

@@ -1,5 +1,6 @@
-"""Which of a job's checkpoint records etcd keeps. Pure: the controller passes the
-records and the restore points in use, and deletes what this returns."""
+"""Which of a job's checkpoint records and events etcd keeps, and how much of each
+event's text. Pure: the controller passes the records, the restore points in use and
+the events, and deletes (or stores) what this returns."""
 
 from __future__ import annotations
 
@@ -31,3 +32,21 @@ def events_kept(sizes: Sequence[int], max_events: int, max_bytes: int) -> int:
             break
         keep += 1
     return keep
+
+
+# Bytes of one text field of an event (its reason, root cause) kept: an agent-supplied
+# reason of megabytes is cut to this, rather than evict the job's history (the events
+# are kept within a byte budget) and then fail to save in etcd every tick.
+EVENT_TEXT_BYTES = 16 * 1024
+
+
+def cut_text(text: str, limit: int = EVENT_TEXT_BYTES) -> str:
+    """``text`` itself if its UTF-8 fits in ``limit`` bytes; else its start, cut at a
+    character, saying how much was left out."""
+    if len(text) * 4 <= limit:
+        return text  # fits whatever its characters
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    kept = raw[: max(0, limit - 64)].decode(errors="ignore")
+    return f"{kept}... [{len(raw) - len(kept.encode())} more bytes cut]"

@@ -15,6 +15,20 @@ from orchestrator.controller.store import Store
 from tests.conftest import wait_for
 
 TOKEN = "s3cret-token"
+# The reference trainer at its smallest (a model that trains in milliseconds a step on
+# gloo), for tests about what Keel does around it; add --steps, --checkpoint-every.
+TINY_TRAINER = (
+    sys.executable,
+    "-u",
+    "-m",
+    "trainer.train",
+    "--dim=32",
+    "--layers=1",
+    "--heads=2",
+    "--vocab=64",
+    "--seq-len=16",
+    "--global-batch=4",
+)
 
 
 def spawn(args, log_path, env=None, prefix=()):
@@ -58,7 +72,7 @@ def cluster(etcd, no_leaks):
             [
                 *launcher,
                 "--etcd-endpoints",
-                etcd.endpoint,
+                ",".join(etcd.endpoints),
                 "--token-file",
                 str(tmp / "token"),
                 "--address-file",
@@ -94,7 +108,7 @@ def cluster(etcd, no_leaks):
                 "--slots",
                 slots,
                 "--etcd-endpoints",
-                etcd.endpoint,
+                ",".join(etcd.endpoints),
                 "--token-file",
                 str(tmp / token_file),
                 "--run-dir",
@@ -110,7 +124,7 @@ def cluster(etcd, no_leaks):
         return proc
 
     class Cluster:
-        store = Store(connect([etcd.endpoint], 5))
+        store = Store(connect(etcd.endpoints, 5))
         path = tmp
         controllers: list[subprocess.Popen] = []
 

@@ -28,6 +28,7 @@ VERBS = (
     "submit",
     "stop",
     "delete",
+    "restore-epoch",
     "certs",
 )
 
@@ -72,6 +73,7 @@ def test_keel_lists_every_verb():
             ),
         ),
         ("logs", ("--rank", "--generation", "--follow")),
+        ("restore-epoch", ("--etcd-endpoints", "--epoch", "--etcd-ca", "--etcd-password")),
     ],
 )
 def test_each_verb_documents_its_flags(verb, flags):

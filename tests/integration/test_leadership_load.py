@@ -5,6 +5,7 @@ under way finish its writes."""
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -12,13 +13,16 @@ import time
 import grpc
 import pytest
 
+from common import deadlines
 from common.etcd import connect
 from common.records import EventRecord
 from common.tls import call_metadata
+from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.daemon import Controller
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.store import Store
+from orchestrator.policy import liveness
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import wait_for
 
@@ -34,18 +38,22 @@ def test_a_tick_held_up_past_the_lease_ttl_keeps_the_lead(etcd):
         term = state.store.term
         # The deterministic hold-up: the state lock, which every tick takes, held here
         # (as a slow tick or a leader loading thousands of records would hold it) until
-        # the lease has been refreshed four times since: past its 2 s TTL.
+        # the lease has been refreshed more times since than fit in its 2 s TTL (the
+        # first may come at once: the count is one more than a TTL's worth).
+        needed = math.ceil(2.0 / deadlines.lease_refresh_s(2.0)) + 2
         with state.lock:
             held, refreshes = time.monotonic(), leadership.refreshes
             wait_for(
-                lambda: leadership.refreshes >= refreshes + 4,
+                lambda: leadership.refreshes >= refreshes + needed,
                 30,
                 what="the lease to be refreshed while the work is stuck",
             )
             assert time.monotonic() - held > 2.0
             assert state.store.controller_address() == address  # the key never lapsed
         # The held-up tick runs, and the loop after it: still the leader, in the same term.
-        wait_for(lambda: leadership.refreshes >= refreshes + 6, 30, what="two more refreshes")
+        wait_for(
+            lambda: leadership.refreshes >= refreshes + needed + 2, 30, what="two more refreshes"
+        )
         assert leadership.keep(time.monotonic())
         assert state.is_leader and state.store.term == term
         assert state.store.controller_address() == address
@@ -159,3 +167,46 @@ def test_a_storm_of_connects_refused_by_a_standby_reads_nothing_from_etcd(etcd):
     finally:
         standby.shutdown()
         leader.shutdown()
+
+
+def test_a_controller_that_cannot_take_the_lead_lets_the_key_go_to_a_standby(etcd):
+    """A controller that wins the leader key but whose takeover raises every time (the
+    fault injected: its rebuild from etcd fails, as a compacted revision between pages
+    or a job it cannot load would make it) lets the key go after
+    ``liveness.LEAD_TRIES`` tries, and the standby leads. Before, it kept the key alive
+    without leading, and no controller ever led."""
+    stuck = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
+    tries = []
+
+    def takeover_that_fails(now):
+        tries.append(now)
+        raise RuntimeError("the rebuild failed")
+
+    stuck.leadership.on_lead = takeover_that_fails
+    abandoned = metrics.LEADS_ABANDONED._value.get()
+    stuck_address = stuck.serve()
+    reader = Store(connect([etcd.endpoint], 5))
+    standby = None
+    try:
+        wait_for(
+            lambda: reader.controller_address() == stuck_address,
+            30,
+            what="the failing controller to win the key",
+        )
+        standby = Controller(ControllerConfig(etcd_endpoints=(etcd.endpoint,), token="t"))
+        standby_address = standby.serve()
+        wait_for(lambda: standby.state.is_leader, 60, what="the standby to lead")
+        assert reader.controller_address() == standby_address
+        assert len(tries) >= liveness.LEAD_TRIES
+        assert metrics.LEADS_ABANDONED._value.get() == abandoned + 1
+        assert not stuck.state.is_leader and stuck.state.jobs == {}
+        # The standby leads for good: the one that let go does not take the key back.
+        wait_for(
+            lambda: standby.leadership.refreshes >= 8, 30, what="the standby to keep its lease"
+        )
+        assert standby.state.is_leader and reader.controller_address() == standby_address
+    finally:
+        stuck.shutdown()
+        if standby is not None:
+            standby.shutdown()
+        reader.client.close()

@@ -7,26 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 
 from google.protobuf import json_format
 
 from orchestrator.local.faults import parse_schedule
 from tests.conftest import keel, wait_for
+from tests.integration.conftest import TINY_TRAINER
 
-TRAINER = [
-    sys.executable,
-    "-u",
-    "-m",
-    "trainer.train",
-    "--dim=32",
-    "--layers=1",
-    "--heads=2",
-    "--vocab=64",
-    "--seq-len=16",
-    "--global-batch=4",
-]
+TRAINER = list(TINY_TRAINER)
 
 
 def spec_file(path: Path, name: str, checkpoints: Path, steps: int, **more) -> Path:

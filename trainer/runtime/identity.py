@@ -108,7 +108,13 @@ def deadline_problems(environ: Mapping[str, str], **trainer: float) -> list[str]
     given = job_deadlines(environ)
     if not given:
         return []
-    return deadlines.check(deadlines.Deadlines(**{**given, **trainer}))
+    try:
+        # Resolved, not only checked: what the ranks are not told (the stop deadline,
+        # the controller's alone) is derived as the controller derives it.
+        deadlines.resolve(**{**given, **trainer})
+    except deadlines.DeadlineError as exc:
+        return exc.problems
+    return []
 
 
 def fence_timeout_s(environ: Mapping[str, str]) -> float:

@@ -3,6 +3,7 @@ its fix."""
 
 import pytest
 
+from common import deadlines
 from common.deadlines import DeadlineError, resolve
 
 
@@ -66,3 +67,38 @@ def test_every_problem_is_reported_at_once_and_unknown_names_are_a_bug():
     assert len(caught.value.problems) == 3
     with pytest.raises(TypeError, match="unknown deadline"):
         resolve(hang_timeout_s=3)
+
+
+def test_a_lease_path_fits_a_stalled_member_and_a_retry_in_its_ttl():
+    # The derived deadline fits: 1.2 x (ttl/4 + 2 x ttl/5 + ttl/12) = 0.88 x ttl.
+    for ttl in (2.0, 5.0, 60.0):
+        assert deadlines.lease_path_problems("t", ttl, deadlines.lease_call_timeout_s(ttl)) == []
+    # The controller's old shape, a 5 s call on a 5 s leader lease, does not.
+    (problem,) = deadlines.lease_path_problems("leader_ttl_s", 5.0, 5.0)
+    assert problem.startswith("leader_ttl_s=5.0: its etcd calls have a deadline of 5 s")
+    assert "at most 1.25 s or raise leader_ttl_s" in problem
+    assert deadlines.lease_path_problems("t", 5.0, 0.0) != []
+
+
+@pytest.mark.parametrize(
+    "stop_grace_s, stop_deadline_s",
+    [
+        (1.0, 15.0),  # 1.2 x (2 x 1 + 5) = 8.4: the floor
+        (5.0, 18.0),  # 1.2 x (2 x 5 + 5)
+        (30.0, 78.0),  # 1.2 x (2 x 30 + 5)
+    ],
+)
+def test_the_stop_deadline_covers_a_park_a_grace_and_the_reap_wait_with_a_floor(
+    stop_grace_s, stop_deadline_s
+):
+    assert resolve(stop_grace_s=stop_grace_s).stop_deadline_s == stop_deadline_s
+
+
+def test_a_stop_deadline_shorter_than_a_stop_that_goes_well_is_refused():
+    with pytest.raises(DeadlineError) as caught:
+        resolve(stop_grace_s=10, stop_deadline_s=20)
+    (problem,) = caught.value.problems
+    assert problem.startswith(
+        "stop_deadline_s=20: must be at least 1.2 x (2 x stop_grace_s=10 + 5 s to reap) = 30"
+    ), problem
+    assert resolve(stop_grace_s=10, stop_deadline_s=30).stop_deadline_s == 30

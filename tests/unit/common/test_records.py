@@ -14,6 +14,7 @@ from common.records import (
     CheckpointRecord,
     CheckpointRequestRecord,
     CordonRecord,
+    EpochRecord,
     EventRecord,
     GoodputRecord,
     JobSpecRecord,
@@ -22,6 +23,7 @@ from common.records import (
     LeaderRecord,
     NodeRecord,
     OperationRecord,
+    PlanPartsRecord,
     PlanRecord,
     RecordError,
     newest_good,
@@ -60,7 +62,10 @@ JOB_STATE = JobStateRecord(
     step=7,
 )
 EXAMPLES = {
-    keys.LEADER: LeaderRecord(address="10.0.0.1:7070", id="ctl-a"),
+    keys.LEADER: LeaderRecord(address="10.0.0.1:7070", id="ctl-a", epoch=1),
+    keys.EPOCH: EpochRecord(
+        epoch=2, previous=1, at_unix=6.0, by="keel restore-epoch on ops-1", restored_revision=812
+    ),
     keys.node("a"): NodeRecord(host="10.0.0.2", slots=8, pid=12, lease_id=99),
     keys.cordon("a"): CordonRecord(reason="bad fan", by="operator", drain=True, at_unix=1.5),
     keys.job_spec("j"): JobSpecRecord(
@@ -81,6 +86,7 @@ EXAMPLES = {
         deadlines=keel_pb2.Deadlines(hang_floor_s=30.0),
         created_at_unix=4.0,
     ),
+    keys.plan("j", 3): PlanPartsRecord(generation=3, parts=12, size=3_000_000, sha256="ab" * 32),
     keys.checkpoint("j", 5): CheckpointRecord(
         step=5, path="/c/step_00000005", generation=2, samples=80, recorded_at_unix=5.0
     ),
@@ -142,6 +148,16 @@ def test_a_job_state_with_a_field_of_the_wrong_type_or_an_unknown_state_is_refus
         assert where in str(refused.value), (change, str(refused.value))
 
 
+def test_an_epoch_that_does_not_grow_is_refused_and_a_leader_of_old_reads_as_epoch_0():
+    key = keys.EPOCH
+    good = json.loads(EXAMPLES[key].to_json())
+    for change in ({"epoch": 1}, {"epoch": 0, "previous": 0}, {"previous": -1}):
+        with pytest.raises(RecordError, match="an epoch only grows"):
+            EpochRecord.from_json(key, json.dumps(good | change))
+    old = LeaderRecord.from_json(keys.LEADER, '{"schema": 1, "address": "a:1", "id": "c"}')
+    assert old.epoch == 0
+
+
 def test_a_spec_that_is_not_a_job_spec_is_refused():
     with pytest.raises(RecordError, match="not a JobSpec"):
         JobSpecRecord.from_json(
@@ -174,11 +190,13 @@ def test_the_newest_good_checkpoint_is_the_newest_not_quarantined(steps):
 
 KINDS = {
     LeaderRecord: "leader",
+    EpochRecord: "epoch",
     NodeRecord: "node",
     CordonRecord: "cordon",
     JobSpecRecord: "job_spec",
     JobStateRecord: "job_state",
     PlanRecord: "plan",
+    PlanPartsRecord: "plan",
     CheckpointRecord: "checkpoint",
     EventRecord: "event",
     OperationRecord: "operation",
@@ -189,4 +207,5 @@ KINDS = {
 @pytest.mark.parametrize("key", sorted(EXAMPLES))
 def test_each_key_is_labelled_with_the_record_it_holds(key):
     assert keys.kind_of(key) == KINDS[type(EXAMPLES[key])]
+    assert keys.kind_of(keys.plan_parts("j", 3, "ab" * 32) + "000001") == "plan"
     assert keys.kind_of("/keel/jobs/j/unknown") == keys.kind_of("/elsewhere") == "other"

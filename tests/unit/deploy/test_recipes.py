@@ -24,6 +24,7 @@ import yaml
 from agent.__main__ import main as agent_command
 from common import env
 from orchestrator.cli.main import main as keel_group
+from orchestrator.local.etcd_server import STORAGE_FLAGS
 from orchestrator.security.certs import TOKENS
 from tests.conftest import REPO
 
@@ -681,3 +682,18 @@ def test_sbatch_starts_one_agent_per_node_and_drains_them_on_exit():
     # Slurm's warning leaves the agents time to drain.
     warn_s = int(re.search(r"^#SBATCH --signal=B:TERM@(\d+)$", text, re.MULTILINE)[1])
     assert warn_s > int(re.search(r"DRAIN_TIMEOUT_S:-(\d+)", text)[1]) >= DEFAULT_DRAIN_TIMEOUT_S
+
+
+def test_every_recipe_that_runs_etcd_bounds_its_database_as_keel_up_does():
+    """Compaction and a quota, with keel up's values (``STORAGE_FLAGS``): without them
+    etcd keeps every revision until NOSPACE at its 2 GiB default refuses every write."""
+    found = []
+    for doc in yaml_documents(KUBERNETES / "etcd.yaml"):
+        for container in (
+            doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+        ):
+            if container["command"][0].endswith("/etcd"):
+                found.append(container["command"])
+    assert found, "deploy/kubernetes/etcd.yaml runs no etcd container"
+    for command in found:
+        assert set(STORAGE_FLAGS) <= set(command), f"missing: {set(STORAGE_FLAGS) - set(command)}"

@@ -1,9 +1,12 @@
 """A job's events stay within a count and a byte bound, in memory and in etcd."""
 
+import pytest
+
 from orchestrator.controller import job_health
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.lifecycle import JobState, past_retention
+from orchestrator.policy.retention import EVENT_TEXT_BYTES, cut_text
 from orchestrator.spec.health import resolve
 from protos import keel_pb2
 
@@ -60,3 +63,33 @@ def test_an_ended_job_is_kept_for_its_retention_then_deleted():
     assert not past_retention(JobState.RUNNING, ended, ended + 600, 60)
     # 0 keeps ended jobs until an operator deletes them.
     assert not past_retention(JobState.CANCELLED, ended, ended + 10**9, 0)
+
+
+def test_a_reason_of_megabytes_is_cut_not_the_history():
+    """An agent-supplied reason of 5 MB: before, it filled the byte bound alone and
+    evicted every older event, then failed to save in etcd (past its 1.5 MiB request
+    limit) every tick. Cut to ``EVENT_TEXT_BYTES``, the history stays."""
+    h = health()
+    for i in range(20):
+        h.event(EventKind.ALERT, f"number {i}")
+    huge = h.event(EventKind.CRASH, "é" + "x" * (5 << 20), root_cause="y" * (1 << 20))
+    assert len(h.events) == 21 and h.dropped == []
+    for text in (huge.reason, huge.root_cause):
+        assert len(text.encode()) <= EVENT_TEXT_BYTES
+        assert text.endswith(" more bytes cut]")
+    assert huge.reason.startswith("éxxx")
+    assert h.unsaved[huge.seq].ByteSize() < 3 * EVENT_TEXT_BYTES
+
+
+@pytest.mark.parametrize(
+    "text, limit, expected",
+    [
+        ("short", 100, "short"),
+        ("a" * 100, 100, "a" * 100),  # exactly the limit: whole
+        ("a" * 101, 100, "a" * 36 + "... [65 more bytes cut]"),
+        ("é" * 60, 100, "é" * 18 + "... [84 more bytes cut]"),  # cut at a character
+    ],
+)
+def test_a_text_past_its_limit_is_cut_at_a_character_saying_how_much(text, limit, expected):
+    assert cut_text(text, limit) == expected
+    assert len(cut_text(text, limit).encode()) <= limit

@@ -4,7 +4,9 @@ clock."""
 import pytest
 
 from orchestrator.policy.liveness import (
+    LEAD_TRIES,
     TAKEOVER_GRACES,
+    let_go_reason,
     node_usable,
     step_down_reason,
     taking_over,
@@ -62,3 +64,19 @@ def test_a_leader_steps_down_when_its_lease_lapsed_or_went_unrefreshed_a_ttl(
     lapsed, since_refresh_s, reason
 ):
     assert step_down_reason(lapsed, since_refresh_s, GRACE) == reason
+
+
+@pytest.mark.parametrize(
+    "failed_tries, expected",
+    [
+        (0, ""),
+        (1, ""),  # one etcd error between pages: try again, holding the key
+        (LEAD_TRIES - 1, ""),
+        (LEAD_TRIES, f"could not take the lead in {LEAD_TRIES} tries; the last: boom"),
+        (LEAD_TRIES + 2, f"could not take the lead in {LEAD_TRIES + 2} tries; the last: boom"),
+    ],
+)
+def test_a_controller_that_cannot_take_the_lead_lets_the_key_go_after_its_tries(
+    failed_tries, expected
+):
+    assert let_go_reason(failed_tries, "boom") == expected

@@ -60,8 +60,11 @@ def test_controller_config_checks_its_deadline_hierarchy():
 def test_agent_config_checks_its_deadline_hierarchy():
     base = dict(node="n0", slots=2, etcd_endpoints=("h:1",), token="t", run_dir=Path("/tmp"))
     AgentConfig(**base)
-    with pytest.raises(ValueError, match="must be below lease_ttl_s/2"):
-        AgentConfig(**base, lease_ttl_s=4, etcd_timeout_s=2.5)
+    assert AgentConfig(**base, lease_ttl_s=5).etcd_timeout_s == 1.0  # a fifth of the TTL
+    AgentConfig(**base, lease_ttl_s=4, etcd_timeout_s=0.9)
+    # A refresh stalled on one member for 1.2 s, and its retry, do not fit in 4 s.
+    with pytest.raises(ValueError, match="give etcd calls on the lease path at most 1 s"):
+        AgentConfig(**base, lease_ttl_s=4, etcd_timeout_s=1.2)
     with pytest.raises(ValueError, match="slots=0"):
         AgentConfig(**{**base, "slots": 0})
     with pytest.raises(ValueError, match="etcd endpoint 'h': write it as host:port"):
