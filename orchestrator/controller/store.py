@@ -117,14 +117,22 @@ class Store:
         self.set_aside = set_aside
         self.term: int | None = None  # while leading: the create revision of our leader key
         self.epoch = 0  # the epoch of the last campaign won (``common.epoch``)
+        self._epoch_seen: Versioned[EpochRecord] = Versioned(None, 0)  # none written yet
 
     # ------------------------------------------------------------------ helpers
     def _get(self, key: str, kind: type[R]) -> Versioned[R]:
         """The record at ``key``; one that does not parse is reported to ``set_aside``
         and raises RecordError."""
         raw, meta = self.client.get(key)
-        if raw is None:
+        return self._parse(key, kind, [] if raw is None else [(raw, meta)])
+
+    def _parse(self, key: str, kind: type[R], found: list) -> Versioned[R]:
+        """The record in ``found`` (a range read's ``(value, meta)`` pairs, none if the
+        key is absent); one that does not parse is reported to ``set_aside`` and raises
+        RecordError."""
+        if not found:
             return Versioned(None, 0)
+        raw, meta = found[0]
         try:
             return Versioned(kind.from_json(key, raw), meta.mod_revision)
         except RecordError as error:
@@ -225,28 +233,36 @@ class Store:
         """Take the leader key on ``lease_id`` if nobody holds it, or if it is still
         ours (we stepped down while etcd was out of reach, and nobody led since: the
         term is then unchanged). Returns the term we lead with, or None. The epoch is
-        read first, named in the leader record and kept in ``epoch`` (the key is taken
-        only if the epoch did not move meanwhile); an epoch record that does not parse
-        is set aside and nobody leads (a guessed epoch could be refused by every
-        agent): ``keel restore-epoch --epoch N`` writes a good one."""
-        try:
-            found = self._get(keys.EPOCH, EpochRecord)
-        except RecordError:
-            return None
-        epoch = found.value.epoch if found.value else 0
+        named in the leader record and kept in ``epoch``: the key is taken only if the
+        epoch record is the one this store last saw. A transaction that fails returns
+        the epoch record as it is, and one that moved is tried once more with it, so a
+        standby campaigning while another leads costs etcd one transaction and no read.
+        An epoch record that does not parse is set aside and nobody leads (a guessed
+        epoch could be refused by every agent): ``keel restore-epoch --epoch N`` writes
+        a good one."""
         key = keys.LEADER
-        value = LeaderRecord(address=address, id=controller_id, epoch=epoch).to_json()
         tx = self.client.transactions
-        same_epoch = tx.mod(keys.EPOCH) == found.mod_revision
-        for held in (tx.version(key) == 0, tx.value(key) == value):
-            ok, responses = self.client.transaction(
-                compare=[held, same_epoch],
-                success=[tx.put(key, value, lease=lease_id), tx.get(key)],
-                failure=[],
-            )
-            if ok:
-                self.term, self.epoch = responses[1][0][1].create_revision, epoch
-                return self.term
+        for _ in range(2):
+            seen = self._epoch_seen
+            epoch = seen.value.epoch if seen.value else 0
+            value = LeaderRecord(address=address, id=controller_id, epoch=epoch).to_json()
+            for held in (tx.version(key) == 0, tx.value(key) == value):
+                ok, responses = self.client.transaction(
+                    compare=[held, tx.mod(keys.EPOCH) == seen.mod_revision],
+                    success=[tx.put(key, value, lease=lease_id), tx.get(key)],
+                    failure=[tx.get(keys.EPOCH)],
+                )
+                if ok:
+                    self.term, self.epoch = responses[1][0][1].create_revision, epoch
+                    return self.term
+                try:
+                    self._epoch_seen = self._parse(keys.EPOCH, EpochRecord, responses[0])
+                except RecordError:
+                    return None
+                if self._epoch_seen.mod_revision != seen.mod_revision:
+                    break  # the epoch moved: tried again with it
+            else:
+                return None  # another holds the key
         return None
 
     def leader(self) -> Leader | None:

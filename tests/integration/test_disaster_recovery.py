@@ -155,7 +155,13 @@ def test_a_restored_etcd_in_a_new_epoch_resumes_the_job_from_the_snapshots_check
         return state.state.value == "RUNNING" and state.generation >= first and state
 
     state = wait_for(resumed, 180, 0.2, what="the job to run in epoch 1")
-    (rank0,) = list(cluster.path.glob(f"node-*/{JOB}/gen{first}/rank0.err"))
+    # RUNNING is stored when the generation is started, before an agent spawns its rank.
+    rank0 = wait_for(
+        lambda: next(iter(cluster.path.glob(f"node-*/{JOB}/gen{first}/rank0.err")), None),
+        60,
+        0.2,
+        what=f"rank 0 of generation {first} to start",
+    )
     resumed_line = wait_for(
         lambda: next((t for t in rank0.read_text().splitlines() if "resumed from" in t), None),
         120,
