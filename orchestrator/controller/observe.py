@@ -23,7 +23,8 @@ from orchestrator.policy.lifecycle import JobState
 
 def node_usable(state: ControllerState, node: str, now: float) -> bool:
     """``liveness.node_usable`` of ``node``: registered in etcd, and its agent's stream
-    up (or down for less than the node-lost grace)."""
+    up (or down for less than the node-lost grace; or, just after a takeover, not back
+    yet)."""
     session = state.sessions.get(node)
     return liveness.node_usable(
         registered=node in state.registered,
@@ -34,6 +35,7 @@ def node_usable(state: ControllerState, node: str, now: float) -> bool:
         still_taking_over=liveness.taking_over(
             now - state.leader_since, now - state.agent_knocked_at, state.config.node_lost_grace_s
         ),
+        since_leading_s=now - state.leader_since,
     )
 
 

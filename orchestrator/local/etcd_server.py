@@ -25,7 +25,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from etcd3 import etcdrpc
+
 from common import net, procs
+from common.etcd import connect
 from common.tls import TlsFiles
 from orchestrator.local.proxy import Listener
 
@@ -254,6 +257,23 @@ class EmbeddedEtcd:
 
     def resume(self, index: int) -> None:
         self.members[index].proc.send_signal(signal.SIGCONT)
+
+    def raft_leader(self) -> int:
+        """Which member leads etcd's raft (all members up; a plaintext cluster)."""
+        said = [self._status(index) for index in range(len(self.members))]
+        ids = [status.header.member_id for status in said]
+        return ids.index(said[0].leader)
+
+    def move_raft_leader(self, to: int) -> None:
+        """Hand etcd's raft leadership to member ``to`` (a plaintext cluster)."""
+        target = self._status(to).header.member_id
+        leader = self.members[self.raft_leader()]
+        with connect([leader.endpoint], 5.0) as client:
+            client.maintenancestub.MoveLeader(etcdrpc.MoveLeaderRequest(targetID=target), 5.0)
+
+    def _status(self, index: int):
+        with connect([self.members[index].endpoint], 5.0) as client:
+            return client.maintenancestub.Status(etcdrpc.StatusRequest(), 5.0)
 
     def kill(self, index: int) -> None:
         """SIGKILL member ``index``; ``revive`` starts it again on its data."""

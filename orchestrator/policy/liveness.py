@@ -56,12 +56,21 @@ def node_usable(
     down_for_s: float,
     grace_s: float,
     still_taking_over: bool,
+    since_leading_s: float,
 ) -> bool:
     """A node counts while it is registered in etcd and its agent's stream is up, or
     down for less than the node-lost grace; a node whose agent has not connected to
-    this controller yet counts while the controller is still ``taking_over``."""
+    this controller yet counts while the controller is still ``taking_over``, and, if
+    it has no record either, for the first node-lost grace of this lead
+    (``since_leading_s``): its agent, alive, registers again on a new lease at its
+    next refresh. That is what a takeover finds after etcd revoked every lease at once
+    (etcd before 3.5.11 does when a raft leader that was stalled resumes,
+    etcd-io/etcd#15247; the leader's lease goes too, so a takeover always follows);
+    counted lost at once, every node of every job was. A node that lost its record
+    while connected to this controller is lost at once, as before: a stalled agent's
+    lease lapsing is how it is found."""
     if not registered:
-        return False
+        return not has_session and since_leading_s < grace_s
     if not has_session:
         return still_taking_over
     return connected or down_for_s < grace_s

@@ -34,20 +34,29 @@ def test_a_new_leader_waits_for_its_cluster_while_it_is_still_coming_back(
 
 
 @pytest.mark.parametrize(
-    "registered, has_session, connected, down_for_s, taking, expected",
+    "registered, has_session, connected, down_for_s, taking, since_leading_s, expected",
     [
-        (False, True, True, 0.0, True, False),  # no record: never, even while taking over
-        (True, True, True, 0.0, False, True),
-        (True, True, False, GRACE - 0.1, False, True),  # down, within the grace
-        (True, True, False, GRACE, False, False),
-        (True, False, False, 0.0, True, True),  # not connected here yet, while taking over
-        (True, False, False, 0.0, False, False),
+        # No record while connected here: at once (a stalled agent's lease lapsed).
+        (False, True, True, 0.0, True, 0.0, False),
+        (True, True, True, 0.0, False, 1e9, True),
+        (True, True, False, GRACE - 0.1, False, 1e9, True),  # down, within the grace
+        (True, True, False, GRACE, False, 1e9, False),
+        (True, False, False, 0.0, True, 1e9, True),  # not connected here yet, taking over
+        (True, False, False, 0.0, False, 1e9, False),
+        # Neither a record nor a stream yet, just after a takeover (every lease revoked
+        # at once): the first grace of the lead, however long the takeover goes on.
+        (False, False, False, 0.0, True, 0.0, True),
+        (False, False, False, 0.0, True, GRACE - 0.1, True),
+        (False, False, False, 0.0, True, GRACE, False),
+        (False, False, False, 0.0, False, 1e9, False),
     ],
 )
 def test_a_node_counts_while_registered_and_its_stream_is_up_or_briefly_down(
-    registered, has_session, connected, down_for_s, taking, expected
+    registered, has_session, connected, down_for_s, taking, since_leading_s, expected
 ):
-    usable = node_usable(registered, has_session, connected, down_for_s, GRACE, taking)
+    usable = node_usable(
+        registered, has_session, connected, down_for_s, GRACE, taking, since_leading_s
+    )
     assert usable is expected
 
 
