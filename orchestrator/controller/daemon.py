@@ -47,8 +47,9 @@ from protos import keel_pb2, keel_pb2_grpc
 log = structlog.get_logger()
 
 # Calls the server takes at once (gRPC refuses the next with RESOURCE_EXHAUSTED, unread):
-# a stream for every agent it serves, the Connects waiting to be admitted or to say
-# their Hello, and a few operators' calls queued for each operator thread.
+# a stream for every agent it serves, as many Connects again as the admission queue
+# holds, and a few operators' calls queued for each operator thread. A Connect that
+# never says its Hello holds one for ``deadlines.HELLO_TIMEOUT_S`` at most.
 MAX_CALLS = MAX_AGENTS + ADMISSION_QUEUE + 4 * OPERATOR_THREADS
 
 
