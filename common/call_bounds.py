@@ -14,8 +14,8 @@ Each bound is enforced at a different place, and says so:
 3. **Each method's own limit** (``RequestLimits``, ``BoundedRequests``): checked on the
    bytes of a unary request before they are parsed. gRPC has buffered them by then (up
    to the server's limit), so this bounds what a caller with a token makes a daemon
-   parse and keep, not what it makes it receive. A streaming request's messages are
-   bounded by the server's limit only; its method's entry in a table is that limit.
+   parse and keep, not what it makes it receive. A streaming method's messages are
+   bounded by the server's limit only; its entry in a table is that limit.
 4. **Concurrency**: a server takes at most ``max_rpcs`` calls at once (gRPC refuses the
    next with RESOURCE_EXHAUSTED before reading it) and a connection at most
    ``MAX_STREAMS_PER_CONNECTION`` streams, so that neither the number of calls nor any
@@ -122,43 +122,19 @@ def _refusing_oversized(behavior):
 
 
 def bounded(handler: grpc.RpcMethodHandler, method: str, limit: int) -> grpc.RpcMethodHandler:
-    """``handler`` with its unary request refused, unparsed, when over ``limit`` bytes;
-    a request-streaming one as it is (the server's limit bounds its messages)."""
-    if handler.request_streaming:
+    """``handler`` with its request refused, unparsed, when over ``limit`` bytes; a
+    streaming method's as it is (the server's limit bounds its messages)."""
+    if handler.unary_unary is None:
         return handler
-    deserialize = _bounded_deserializer(handler.request_deserializer, method, limit)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(
-            _refusing_oversized(handler.unary_unary),
-            request_deserializer=deserialize,
-            response_serializer=handler.response_serializer,
-        )
-    # unary-stream: the check runs before the first response is made.
-    behavior = handler.unary_stream
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream_on_loop(request, context):
-            if isinstance(request, Oversized):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.refusal)
-            async for response in behavior(request, context):
-                yield response
-
-        checked = stream_on_loop
-    else:
-
-        def checked(request, context):
-            if isinstance(request, Oversized):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.refusal)
-            return behavior(request, context)
-
-    return grpc.unary_stream_rpc_method_handler(
-        checked, request_deserializer=deserialize, response_serializer=handler.response_serializer
+    return grpc.unary_unary_rpc_method_handler(
+        _refusing_oversized(handler.unary_unary),
+        request_deserializer=_bounded_deserializer(handler.request_deserializer, method, limit),
+        response_serializer=handler.response_serializer,
     )
 
 
 class BoundedRequests(grpc.ServerInterceptor):
-    """Refuses, unparsed, a unary request over its method's limit (``limits``)."""
+    """Refuses, unparsed, a unary call's request over its method's limit (``limits``)."""
 
     def __init__(self, limits: RequestLimits):
         self.limits = limits

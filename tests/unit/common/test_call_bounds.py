@@ -1,7 +1,7 @@
 """The request limits of each daemon: every method of its service has one, no limit is
 above the server's (gRPC's own, which refuses from the length prefix), a streaming
-request's is the server's (its messages are bounded there only), and what an agent
-or a rank legitimately sends fits."""
+method's is the server's (``call_bounds.bounded`` checks unary calls only: a stream's
+messages are bounded there alone), and what an agent legitimately sends fits."""
 
 import pytest
 
@@ -23,7 +23,7 @@ def methods(service: str) -> dict[str, bool]:
     "service, limits",
     [("Controller", CONTROLLER_LIMITS), ("AgentLocal", local_server.LOCAL_LIMITS)],
 )
-def test_a_streaming_request_is_bounded_by_the_server_and_named_methods_exist(service, limits):
+def test_a_streaming_method_is_bounded_by_the_server_and_named_methods_exist(service, limits):
     known = methods(service)
     assert set(limits.per_method) <= set(known)
     for method, streaming in known.items():
