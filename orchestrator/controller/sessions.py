@@ -3,6 +3,10 @@
 The streams live on the server's event loop (``grpc.aio``): a stream costs no thread,
 and taking a message off it is O(1), a put on the queue of the one thread that records
 agent messages (``_ingest``), which takes the state lock once per batch of them. A
+batch of step reports is judged there first, without the lock (``_batch_refused``: too
+large, of no job, of a generation the node is not part of), and a stream must open with
+its Hello within ``deadlines.HELLO_TIMEOUT_S``: what a join token lets a caller make
+the controller hold stays bounded (docs/architecture.md, "Bounds before trust"). A
 handler there only records facts (a rank exited, a step was reported, a checkpoint
 was committed, stacks of a hang arrived, a node is slow in preflight) and wakes the
 reconcile loop, which decides what they mean.
