@@ -3,14 +3,18 @@ above the server's (gRPC's own, which refuses from the length prefix), a streami
 method's is the server's (``call_bounds.bounded`` checks unary calls only: a stream's
 messages are bounded there alone), and what an agent legitimately sends fits."""
 
+import threading
+
+import grpc
 import pytest
 
 from agent import local_server
+from common import rpc
 from common.call_bounds import RequestLimits, oversize_refusal
 from common.steps import MAX_BATCH_REPORTS
 from orchestrator.security.auth import METHOD_ROLES, SERVICE
 from orchestrator.security.call_limits import CONTROLLER_LIMITS
-from protos import keel_pb2
+from protos import keel_pb2, keel_pb2_grpc
 
 
 def methods(service: str) -> dict[str, bool]:
@@ -71,3 +75,34 @@ def test_a_request_is_refused_over_its_limit_only():
 def test_limits_are_positive():
     with pytest.raises(ValueError, match="positive"):
         RequestLimits(per_method={"/a/B": 0}, default_bytes=10)
+
+
+def test_a_server_takes_no_more_calls_at_once_than_its_cap():
+    """``rpc.server``'s ``max_rpcs``: with one call held in its handler, the next is
+    refused at once (RESOURCE_EXHAUSTED), and taken again once the first is done."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Held(keel_pb2_grpc.ControllerServicer):
+        def GetJob(self, request, context):
+            entered.set()
+            release.wait(10)
+            return keel_pb2.JobStatus()
+
+    server = rpc.server(2, CONTROLLER_LIMITS, max_rpcs=1)
+    keel_pb2_grpc.add_ControllerServicer_to_server(Held(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = keel_pb2_grpc.ControllerStub(channel)
+            first = stub.GetJob.future(keel_pb2.GetJobRequest(job="a"), timeout=10)
+            assert entered.wait(10)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetJob(keel_pb2.GetJobRequest(job="b"), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            release.set()
+            first.result()
+            stub.GetJob(keel_pb2.GetJobRequest(job="c"), timeout=10)
+    finally:
+        release.set()
+        server.stop(0)
