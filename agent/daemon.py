@@ -159,6 +159,7 @@ class Agent:
                         leaving=self.supervisor.leaving,
                         on_park=self._on_park,
                         next_generation=self.supervisor.parking.answer,
+                        parked=lambda token: self.supervisor.parking.find(token) is not None,
                     )
                 ),
                 workers=2 * self.config.slots + 8,

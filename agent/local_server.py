@@ -4,7 +4,8 @@ Every call names its caller: the rank token (``KEEL_RANK_TOKEN``, metadata
 ``x-keel-rank-token``) the agent gave the rank when it started it. A rank speaks only
 for itself, in its own generation: its steps, its preflight, and, rank 0 alone,
 commits inside the job's checkpoint directory and problems with checkpoints. A caller
-without a live rank's token is refused (UNAUTHENTICATED); a rank that reports for
+without a live rank's token is refused (UNAUTHENTICATED, before its request is read:
+``RankTokens``); a rank that reports for
 another, or a path outside the directory, is refused (PERMISSION_DENIED) and nothing
 is passed on. ``NextGeneration`` is for parked processes (``agent.parking``): the token
 they parked with.
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
-from common import env
+from common import env, rpc
+from common.call_bounds import KIB, MIB, RequestLimits, refusal
 from common.paths import inside
 from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from protos import keel_pb2, keel_pb2_grpc
@@ -41,14 +42,15 @@ class RankIdentity:
 @dataclass(frozen=True)
 class LocalCallbacks:
     """What the agent does with its ranks' calls. ``identify(token)``: the rank a
-    token belongs to, None if none does; ``on_steps(generation, reports)`` returns the
-    step after which the controller asked this generation for a checkpoint, None if it
-    did not (answered to the trainer in the ack); ``recorded_step()``: the newest
-    checkpoint the controller recorded, for the acks; ``on_attach(who, rank,
-    restart_in_place)``; ``leaving(token)``: whether that rank is asked to leave its
-    generation (in the acks); ``on_park(token, request)`` returns None if the rank is
-    kept, else why not; ``next_generation(token)``: the answer for a parked process,
-    None if no parked process holds the token."""
+        token belongs to, None if none does; ``on_steps(generation, reports)`` returns the
+        step after which the controller asked this generation for a checkpoint, None if it
+        did not (answered to the trainer in the ack); ``recorded_step()``: the newest
+        checkpoint the controller recorded, for the acks; ``on_attach(who, rank,
+        restart_in_place)``; ``leaving(token)``: whether that rank is asked to leave its
+        generation (in the acks); ``on_park(token, request)`` returns None if the rank is
+        kept, else why not; ``next_generation(token)``: the answer for a parked process,
+        None if no parked process holds the token; ``parked(token)``: whether one does (asked
+    before the call's request is read, so it must not wait)."""
 
     identify: Callable[[str], RankIdentity | None]
     on_steps: Callable[[int, list], int | None]
@@ -60,6 +62,7 @@ class LocalCallbacks:
     leaving: Callable[[str], bool] = lambda token: False
     on_park: Callable[[str, keel_pb2.RankPark], str | None] = lambda token, park: "no"
     next_generation: Callable[[str], keel_pb2.NextGenerationAnswer | None] = lambda token: None
+    parked: Callable[[str], bool] = lambda token: False
 
 
 class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
@@ -81,10 +84,7 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
         token = self._token(context)
         who = self.callbacks.identify(token) if token else None
         if who is None:
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "no live rank's token (KEEL_RANK_TOKEN): only ranks this agent started report here",
-            )
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_RANK_TOKEN)
         if generation != who.generation:
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -166,18 +166,63 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
     def NextGeneration(self, request, context):
         answer = self.callbacks.next_generation(self._token(context))
         if answer is None:
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "no parked rank's token (KEEL_RANK_TOKEN): only a rank that "
-                "parked here asks for its next generation",
-            )
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_PARKED_TOKEN)
         return answer
+
+
+SERVICE = "/keel.v1.AgentLocal/"
+LOCAL_LIMITS = RequestLimits(
+    per_method={
+        # Up to MAX_REPORTS_PER_CALL step reports of about 100 bytes each.
+        SERVICE + "ReportSteps": 1 * MIB,
+        # Its reason is the error as the rank met it, not cut (a Park's is cut to
+        # 8,000 characters by trainer.runtime).
+        SERVICE + "ReportCheckpointProblem": 1 * MIB,
+    },
+    # The rest name a rank, a generation and a path, or carry a rank's few preflight
+    # figures.
+    default_bytes=64 * KIB,
+)
+# Calls served at once, per worker thread (gRPC refuses more, unread): a rank has
+# at most a report and a parked poll in flight, and the workers are two per slot.
+CALLS_PER_WORKER = 4
+
+NO_RANK_TOKEN = "no live rank's token (KEEL_RANK_TOKEN): only ranks this agent started report here"
+NO_PARKED_TOKEN = (
+    "no parked rank's token (KEEL_RANK_TOKEN): only a rank that "
+    "parked here asks for its next generation"
+)
+
+
+class RankTokens(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED), from its metadata alone and before its request is
+    read, a call that carries no live rank's token: ``NextGeneration`` a parked
+    process's, every other call a rank's (``common.call_bounds``). The handlers then
+    check what the token allows."""
+
+    def __init__(self, callbacks: LocalCallbacks):
+        self.callbacks = callbacks
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        token = dict(handler_call_details.invocation_metadata).get(env.RANK_TOKEN_METADATA, "")
+        if handler_call_details.method == SERVICE + "NextGeneration":
+            known, why = bool(token) and self.callbacks.parked(token), NO_PARKED_TOKEN
+        else:
+            known, why = bool(token) and self.callbacks.identify(token) is not None, NO_RANK_TOKEN
+        return handler if known else refusal(grpc.StatusCode.UNAUTHENTICATED, why)
 
 
 def serve(socket_path: str, service: AgentLocalService, workers: int = 8) -> grpc.Server:
     """``workers``: calls served at once; a parked process holds one for up to a second
-    at a time (``NextGeneration``), so give room for every slot's besides the reports."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    at a time (``NextGeneration``), so give room for every slot's besides the reports.
+    A call is judged by its rank token before its request is read (``RankTokens``), and
+    held to its method's size in ``LOCAL_LIMITS``."""
+    server = rpc.server(
+        workers, LOCAL_LIMITS, CALLS_PER_WORKER * workers, [RankTokens(service.callbacks)]
+    )
     keel_pb2_grpc.add_AgentLocalServicer_to_server(service, server)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:
         raise OSError(f"cannot listen on unix socket {socket_path}")

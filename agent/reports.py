@@ -12,7 +12,7 @@ import collections
 import threading
 import time
 
-from common.steps import summarize
+from common.steps import MAX_BATCH_REPORTS, summarize
 from protos import keel_pb2
 
 STEP_TIMES_KEPT = 64  # recent step times the hang timeout scales with
@@ -94,10 +94,13 @@ class Reports:
 
     # -------------------------------------------------------- to the controller
     def take_batch(self) -> keel_pb2.StepReportBatch | None:
-        """The step reports queued since the last call, summed up per step
-        (``summarize``), or None."""
+        """The oldest step reports queued since the last call (``MAX_BATCH_REPORTS`` at
+        most), summed up per step (``summarize``), or None."""
         with self._lock:
-            reports, self._pending = self._pending, []
+            # The rest of a backlog (reports queued while the stream was down) goes in
+            # the next batch: the controller refuses one larger than this.
+            reports = self._pending[:MAX_BATCH_REPORTS]
+            self._pending = self._pending[MAX_BATCH_REPORTS:]
             if not reports or self._generation is None:
                 return None
             job, generation = self._generation

@@ -45,6 +45,12 @@ HEARTBEATS_PER_FLOOR = 2
 # agent's loop, and its confirmation back, each on a busy node.
 STOP_DEADLINE_FLOOR_S = 15.0
 MIN_LEASE_S = 2.0  # etcd leases shorter than this expire under load
+# An agent's stream to the controller opens with its Hello, made from what the agent
+# holds in memory: a stream that has said nothing this long after the controller took
+# it is not an agent's, and is closed (DEADLINE_EXCEEDED) rather than hold one of the
+# calls the controller serves at once. Seconds: room for a loaded controller's event
+# loop in a whole cluster's reconnection, where each Hello waits its turn.
+HELLO_TIMEOUT_S = 10.0
 # A lease keeper (the agent's and the leader's) refreshes every LEASE_REFRESHES_PER_TTL-th
 # of a TTL, and after a failed refresh tries again a LEASE_RETRIES_PER_TTL-th of a TTL
 # later (not at once: with every member out of reach the client fails at once, and would

@@ -1,5 +1,6 @@
 """gRPC channels and servers as every Keel process makes them: mutual TLS when given
-certificates (``common.tls``), keepalives on both sides, and explicit message limits.
+certificates (``common.tls``), keepalives on both sides, and explicit message limits
+(a server's, per method, with the caps on its calls: ``common.call_bounds``).
 
 Keepalives are what notice a peer that stalls (a SIGSTOPped process, a frozen VM):
 its kernel still acknowledges TCP, so a stream to it would hang forever, but it answers
@@ -21,6 +22,12 @@ from concurrent import futures
 
 import grpc
 
+from common.call_bounds import (
+    MAX_STREAMS_PER_CONNECTION,
+    AioBoundedRequests,
+    BoundedRequests,
+    RequestLimits,
+)
 from common.metrics import AioRpcMetrics, RpcMetrics
 from common.tls import TlsFiles, server_credentials
 
@@ -28,7 +35,8 @@ KEEPALIVE_TIME_S = 2.0  # ping a quiet connection this often
 AGENT_KEEPALIVE_TIME_S = 6.0  # an agent's stream to the controller (see above)
 KEEPALIVE_TIMEOUT_S = 2.0  # and give up on it this long after a ping goes unanswered
 # Replies hold a job's events and a hang's stacks (each bounded, see the controller's
-# job health); nothing legitimate comes near this.
+# job health); nothing legitimate comes near this. A server's receive limit is its own,
+# the largest of its methods' (``server_options``, ``common.call_bounds``).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 MESSAGE_LIMITS = [
@@ -62,7 +70,6 @@ SERVER_OPTIONS = [
     # Operators' clients ping every KEEPALIVE_TIME_S: accept that, however idle.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2),
     ("grpc.http2.max_ping_strikes", 0),
-    *MESSAGE_LIMITS,
 ]
 
 
@@ -82,24 +89,42 @@ def channel(
     )
 
 
-def server(max_workers: int, interceptors=()) -> grpc.Server:
-    """A server with keepalives and message limits, whose RPCs are counted and timed
-    (``common.metrics``; outermost, so that calls ``interceptors`` refuse count too)."""
+def server_options(limits: RequestLimits) -> list[tuple[str, int]]:
+    """``SERVER_OPTIONS`` with the receive limit of ``limits`` (its largest method's:
+    ``common.call_bounds``) and the cap on one connection's streams."""
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", limits.server_bytes),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ]
+
+
+def server(max_workers: int, limits: RequestLimits, max_rpcs: int, interceptors=()) -> grpc.Server:
+    """A server with keepalives, whose RPCs are counted and timed (``common.metrics``;
+    outermost, so that calls ``interceptors`` refuse count too), run after
+    ``interceptors`` (a token check, on metadata alone) with each unary request held
+    to its method's size in ``limits``, at most ``max_rpcs`` at once (gRPC answers
+    one more RESOURCE_EXHAUSTED): ``common.call_bounds``."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[RpcMetrics(), *interceptors],
-        options=SERVER_OPTIONS,
+        interceptors=[RpcMetrics(), *interceptors, BoundedRequests(limits)],
+        options=server_options(limits),
+        maximum_concurrent_rpcs=max_rpcs,
     )
 
 
-def aio_server(max_workers: int, interceptors=()) -> grpc.aio.Server:
+def aio_server(
+    max_workers: int, limits: RequestLimits, max_rpcs: int, interceptors=()
+) -> grpc.aio.Server:
     """``server`` on ``grpc.aio``, made on the event loop that will run it: coroutine
     handlers run on the loop (a stream costs no thread), plain ones on a pool of
     ``max_workers`` threads."""
     return grpc.aio.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[AioRpcMetrics(), *interceptors],
-        options=SERVER_OPTIONS,
+        interceptors=[AioRpcMetrics(), *interceptors, AioBoundedRequests(limits)],
+        options=server_options(limits),
+        maximum_concurrent_rpcs=max_rpcs,
     )
 
 

@@ -8,6 +8,12 @@ import math
 
 from protos import keel_pb2
 
+# Rank reports one StepReportBatch carries at most (so at most this many NodeSteps, and
+# this many ranks over all of them): an agent sends a batch once it holds 4,096 reports
+# (agent/reports.py) and never puts more than this in one; the controller refuses a
+# larger batch before it takes any lock (orchestrator/policy/authority.batch_refusal).
+MAX_BATCH_REPORTS = 16_384
+
 
 def summarize(reports: list[keel_pb2.StepReport]) -> list[keel_pb2.NodeStep]:
     """The ranks' reports as one ``NodeStep`` per step, in step order (a rank's first

@@ -339,6 +339,7 @@ def local_agent(recorder):
                 leaving=recorder.leaving_tokens.__contains__,
                 on_park=recorder.on_park,
                 next_generation=recorder.answers.get,
+                parked=recorder.answers.__contains__,
             )
         ),
     )

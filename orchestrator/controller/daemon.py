@@ -32,13 +32,25 @@ from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.operator_service import OperatorService
 from orchestrator.controller.rebuild import load_jobs
 from orchestrator.controller.reconcile import Reconciler
-from orchestrator.controller.sessions import OPERATOR_THREADS, AgentService
+from orchestrator.controller.sessions import (
+    ADMISSION_QUEUE,
+    MAX_AGENTS,
+    OPERATOR_THREADS,
+    AgentService,
+)
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Store, log_set_aside
 from orchestrator.security.auth import AioTokenInterceptor
+from orchestrator.security.call_limits import CONTROLLER_LIMITS
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
+
+# Calls the server takes at once (gRPC refuses the next with RESOURCE_EXHAUSTED, unread):
+# a stream for every agent it serves, as many Connects again as the admission queue
+# holds, and a few operators' calls queued for each operator thread. A Connect that
+# never says its Hello holds one for ``deadlines.HELLO_TIMEOUT_S`` at most.
+MAX_CALLS = MAX_AGENTS + ADMISSION_QUEUE + 4 * OPERATOR_THREADS
 
 
 def _set_aside(error: RecordError) -> None:
@@ -94,6 +106,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         state = self.state
         state.jobs = load_jobs(state.store, now)
         state.cordons = state.store.cordons()
+        state.publish_reporting()
 
     def serve(self) -> str:
         """Bind, start campaigning for leadership and, once leading, reconciling; return
@@ -137,7 +150,10 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         """Make, bind and start the server on its loop; the port."""
         config = self.config
         self.server = rpc.aio_server(
-            OPERATOR_THREADS, [AioTokenInterceptor(config.tokens or config.token)]
+            OPERATOR_THREADS,
+            CONTROLLER_LIMITS,
+            MAX_CALLS,
+            [AioTokenInterceptor(config.tokens or config.token)],
         )
         keel_pb2_grpc.add_ControllerServicer_to_server(self, self.server)
         port = rpc.add_port(self.server, config.listen, config.tls)

@@ -32,6 +32,7 @@ from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.rebuild import carry_over, load_job
+from orchestrator.controller.sessions import MAX_AGENTS
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed, StaleRevision
 from orchestrator.policy import (
@@ -41,6 +42,7 @@ from orchestrator.policy import (
     operations,
     pacing,
     remediation,
+    retention,
     stop_deadline,
 )
 from orchestrator.policy.guardrails import reconcile_retry_s
@@ -171,6 +173,7 @@ class Reconciler:
             if now >= self.next_sweep:
                 # Every node now and then, in case a change was missed.
                 self.next_sweep = now + SWEEP_S
+                self.forget_stale_sessions(now)
                 state.unsettled.update(state.sessions)
             self._unsettle_moved_jobs()
             for node in list(state.unsettled):
@@ -231,6 +234,7 @@ class Reconciler:
                 ):
                     state.unsettled.add(node)  # to be looked at again until it agrees
             _log_fixes(fixes)
+            state.publish_reporting()
             self._spend("converging the nodes", began)
 
     def _pace(self) -> None:
@@ -298,6 +302,29 @@ class Reconciler:
                 self.shapes[job.name] = (shape, plan, job.nodes)
         for name in [name for name in self.shapes if name not in state.jobs]:
             state.unsettled.update(self.shapes.pop(name)[2])
+
+    def forget_stale_sessions(self, now: float) -> None:
+        """Forget the sessions of agents down for long whose nodes no job's placement
+        holds (``retention.sessions_to_forget``; under the lock)."""
+        state = self.state
+        held: set[str] = set()
+        for job in state.jobs.values():
+            held |= job.nodes
+        down = [
+            (node, session.disconnected_at)
+            for node, session in state.sessions.items()
+            if not session.connected and node not in held
+        ]
+        forgotten = retention.sessions_to_forget(now, down, retention.SESSION_KEPT_S, MAX_AGENTS)
+        if forgotten:
+            state.forget_sessions(forgotten)
+            log.info(
+                "forgot the sessions of agents down for long",
+                nodes=len(forgotten),
+                first=forgotten[0],
+                kept_s=retention.SESSION_KEPT_S,
+                sessions=len(state.sessions),
+            )
 
     def _forget(self, job: JobRuntime) -> None:
         self._guarded(

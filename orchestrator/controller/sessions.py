@@ -3,6 +3,10 @@
 The streams live on the server's event loop (``grpc.aio``): a stream costs no thread,
 and taking a message off it is O(1), a put on the queue of the one thread that records
 agent messages (``_ingest``), which takes the state lock once per batch of them. A
+batch of step reports is judged there first, without the lock (``_batch_refused``: too
+large, of no job, of a generation the node is not part of), and a stream must open with
+its Hello within ``deadlines.HELLO_TIMEOUT_S``: what a join token lets a caller make
+the controller hold stays bounded (docs/architecture.md, "Bounds before trust"). A
 handler there only records facts (a rank exited, a step was reported, a checkpoint
 was committed, stacks of a hang arrived, a node is slow in preflight) and wakes the
 reconcile loop, which decides what they mean.
@@ -31,6 +35,7 @@ import structlog
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.records import CheckpointRecord, NodeRecord
+from common.steps import MAX_BATCH_REPORTS
 from common.wire_kinds import WIRE_HANG_PHASES, WIRE_PROBLEM_KINDS
 from orchestrator.controller import metrics
 from orchestrator.controller.config import ControllerConfig
@@ -41,6 +46,7 @@ from orchestrator.controller.store import Deposed
 from orchestrator.policy.authority import (
     CommitBounds,
     NodeAuthority,
+    batch_refusal,
     checkpoint_refusal,
     problem_refusal,
     rank_refusal,
@@ -88,7 +94,14 @@ class AgentService:
         refusal = self.leadership.refusal()
         if refusal is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), deadlines.HELLO_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no Hello within {deadlines.HELLO_TIMEOUT_S:g} s of opening the stream: "
+                f"an agent's stream opens with its Hello",
+            )
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -222,11 +235,46 @@ class AgentService:
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     break
+                if message.WhichOneof("kind") == "steps" and self._batch_refused(
+                    session, message.steps
+                ):
+                    continue
                 self.inbox.put((session, message))
         except (grpc.RpcError, asyncio.CancelledError):
             pass  # the stream ended; the agent reconnects on its own
         finally:
             session.close()
+
+    def _batch_refused(self, session: AgentSession, batch: keel_pb2.StepReportBatch) -> bool:
+        """Whether a batch of step reports is refused on the server's loop, before it is
+        queued for the recorder (which takes the state lock): one past
+        ``MAX_BATCH_REPORTS``, for a job that does not exist, or for a generation the
+        node is not part of (``authority.batch_refusal``, on the jobs as last
+        published). Cheap: a length per entry, none of its fields parsed again."""
+        entries = len(batch.node_steps)
+        # Its ranks are counted only when its entries are within the bound.
+        reports = (
+            sum(len(entry.ranks) for entry in batch.node_steps)
+            if entries <= MAX_BATCH_REPORTS
+            else entries
+        )
+        refusal = batch_refusal(
+            session.node,
+            batch.job,
+            batch.generation,
+            entries,
+            reports,
+            self.state.reporting.get(batch.job),
+            MAX_BATCH_REPORTS,
+        )
+        if refusal:
+            # No log line per batch: a node that reports for a job deleted under it
+            # would write one a second; the count and the first of a stream say it.
+            metrics.AGENT_MESSAGES_REFUSED.labels(kind="steps").inc()
+            if not session.batch_refused:
+                session.batch_refused = True
+                log.warning("refusing step reports", node=session.node, reason=refusal)
+        return bool(refusal)
 
     def _ingest(self) -> None:
         """Record agent messages in arrival order, a batch per hold of the state lock
@@ -288,7 +336,9 @@ class AgentService:
     def _on_steps(self, session: AgentSession, body) -> None:
         """A node's steps (or their replay after a reconnect): the job's progress."""
         job = self._job_for(body.job, body.generation)
-        mine = job.ranks_on_node(session.node) if job is not None else frozenset()
+        if job is None:
+            return  # (a batch of a job that does not exist was refused on the loop)
+        mine = job.ranks_on_node(session.node)
         if body.replayed:
             reports, invalid, theirs = _checked_replay(body, mine)
         else:
@@ -300,8 +350,6 @@ class AgentService:
                 node=session.node,
                 count=invalid,
             )
-        if job is None:
-            return
         if theirs is not None:
             self._refused(session, "steps", rank_refusal(authority(job, session.node), theirs))
         if body.replayed:

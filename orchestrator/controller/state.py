@@ -21,6 +21,7 @@ from common.records import CordonRecord, NodeRecord, RecordError
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.store import Store
+from orchestrator.policy.authority import Reporting
 from protos import keel_pb2
 
 
@@ -147,6 +148,7 @@ class AgentSession:
     status_at: float = 0.0  # monotonic: when that status arrived
     fixed_at: float = 0.0  # monotonic: it was last sent a start or a stop
     leaving: str = ""  # the agent asked for its node to be drained: why
+    batch_refused: bool = False  # a batch of its step reports was refused (logged once)
 
     def send(self, message: keel_pb2.ControllerMessage) -> None:
         message.term, message.epoch = self.term, self.epoch
@@ -200,6 +202,9 @@ class ControllerState:
         self.stopping = threading.Event()
         self.sessions = {}
         self.jobs: dict[str, JobRuntime] = {}
+        # Each job's generation and nodes, for the checks agents' messages get on the
+        # server's loop before any lock (``publish_reporting``): read without the lock.
+        self.reporting: dict[str, Reporting] = {}
         self.registered = {}  # node records, as etcd has them (a watch)
         # Agents whose stream is up; and nodes whose agent said something the reconcile
         # loop has to square with the plan (a new status, a Hello), or which it is
@@ -306,6 +311,22 @@ class ControllerState:
             self.unsettled.add(session.node)
             if self.sessions.get(session.node) is session:
                 self.down.add(session.node)
+
+    def publish_reporting(self) -> None:
+        """Publish each job's generation and nodes (under the lock, after they change:
+        a new leader's jobs, a tick's plans). Replaced whole, never changed in place,
+        so a reader without the lock sees one publication or the next."""
+        self.reporting = {
+            name: Reporting(job.generation, job.nodes) for name, job in self.jobs.items()
+        }
+
+    def forget_sessions(self, nodes: list[str]) -> None:
+        """Forget the sessions of ``nodes``, whose streams are down (under the lock):
+        ``policy.retention.sessions_to_forget`` chose them."""
+        for node in nodes:
+            self.sessions.pop(node)
+            self.down.discard(node)
+            self.unsettled.discard(node)
 
     def drop_sessions(self) -> None:
         """Every stream closed (stepping down)."""

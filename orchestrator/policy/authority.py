@@ -142,3 +142,39 @@ def rendezvous_taken(starting: bool, first_node: str, node: str, port: int) -> b
     being started, the node hosts the placement's first part (rank 0), and the port is
     one (a late report of an earlier attempt, or of another node, is passed over)."""
     return starting and bool(first_node) and node == first_node and 0 < port < 65536
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """What the controller lets report steps, as published for checks made before any
+    lock (``batch_refusal``): the generation of each job whose placement is known, and
+    its nodes."""
+
+    generation: int
+    nodes: frozenset[str]
+
+
+def batch_refusal(
+    node: str,
+    job: str,
+    generation: int,
+    entries: int,
+    reports: int,
+    reporting: Reporting | None,
+    max_reports: int,
+) -> str:
+    """Why a batch of step reports from ``node`` (``entries`` NodeSteps carrying
+    ``reports`` rank reports, for ``job``'s ``generation``) is refused before it is
+    looked at under the state lock, or "". ``reporting``: that job's, None if no such
+    job is known. A batch of a generation other than the one published passes: the
+    check under the lock, which knows the current one, judges it."""
+    if entries > max_reports or reports > max_reports:
+        return (
+            f"{node} sent a batch of {entries} steps ({reports} rank reports); "
+            f"a batch carries at most {max_reports}"
+        )
+    if reporting is None:
+        return f"{node} reported steps of job {job!r}, which does not exist"
+    if generation == reporting.generation and node not in reporting.nodes:
+        return f"{node} reported steps of generation {generation} of {job}, which it is not part of"
+    return ""

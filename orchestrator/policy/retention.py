@@ -1,6 +1,7 @@
 """Which of a job's checkpoint records and events etcd keeps, and how much of each
-event's text. Pure: the controller passes the records, the restore points in use and
-the events, and deletes (or stores) what this returns."""
+event's text; and which agents' sessions the controller keeps in memory. Pure: the
+controller passes the records, the restore points in use, the events and the sessions
+that are down, and deletes (or stores) what this returns."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ def cut_text(text: str, limit: int = EVENT_TEXT_BYTES) -> str:
         return text
     kept = raw[: max(0, limit - 64)].decode(errors="ignore")
     return f"{kept}... [{len(raw) - len(kept.encode())} more bytes cut]"
+
+
+# An agent's session (what its Hello said) is kept this long after its stream went
+# down: operators see the node as disconnected (``keel nodes``), and an agent back
+# within it is shown with its history. A node a job's placement holds is never
+# forgotten: whether it counts as lost is judged by how long its stream has been down.
+SESSION_KEPT_S = 3600.0
+
+
+def sessions_to_forget(
+    now: float, down: Sequence[tuple[str, float]], kept_s: float, max_kept: int
+) -> list[str]:
+    """The nodes whose sessions to forget, of ``down``: each a session whose stream is
+    down and whose node no job's placement holds, as its node and when its stream went
+    down (monotonic seconds). Those down for longer than ``kept_s``, and past the
+    newest ``max_kept`` the oldest: the memory for node names ever seen stays bounded
+    however many come and go. In the order of ``down``."""
+    newest = sorted(down, key=lambda item: item[1], reverse=True)[:max_kept]
+    keep = {node for node, since in newest if now - since <= kept_s}
+    return [node for node, _ in down if node not in keep]

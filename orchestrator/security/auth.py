@@ -6,7 +6,9 @@ makes, mutating ones included) and ``reader`` (read-only calls). A controller gi
 single token treats it as every role's.
 
 A missing or wrong token is answered UNAUTHENTICATED, and a right token of the wrong
-role PERMISSION_DENIED, before any handler runs, so neither changes anything. A
+role PERMISSION_DENIED, from the call's metadata, before its request is read
+(``common.call_bounds.refusal``): neither changes anything, and neither makes the
+controller buffer the message a caller sends with it. A
 method missing from ``METHOD_ROLES`` is refused to every token: a new RPC is closed
 until someone decides who may call it.
 """
@@ -18,6 +20,8 @@ import hmac
 from dataclasses import dataclass, field
 
 import grpc
+
+from common.call_bounds import refusal
 
 SERVICE = "/keel.v1.Controller/"
 
@@ -120,29 +124,6 @@ def authorize(method: str, authorization: str, tokens: Tokens) -> Denial | None:
     )
 
 
-def _deny(
-    handler: grpc.RpcMethodHandler, denial: Denial, on_loop: bool = False
-) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s shape that refuses the call; ``on_loop``: a coroutine,
-    for an aio server (which runs a plain function on its thread pool, where a refused
-    stream would hold a thread)."""
-
-    def abort(_request, context):
-        context.abort(denial.code, denial.message)
-
-    async def abort_on_loop(_request, context):
-        await context.abort(denial.code, denial.message)
-
-    refuse = abort_on_loop if on_loop else abort
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
-
-
 class TokenInterceptor(grpc.ServerInterceptor):
     on_loop = False
 
@@ -159,7 +140,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return None
         sent = dict(handler_call_details.invocation_metadata).get("authorization", "")
         denial = authorize(handler_call_details.method, sent, self.tokens)
-        return handler if denial is None else _deny(handler, denial, self.on_loop)
+        if denial is None:
+            return handler
+        return refusal(denial.code, denial.message, self.on_loop)
 
 
 class AioTokenInterceptor(TokenInterceptor, grpc.aio.ServerInterceptor):

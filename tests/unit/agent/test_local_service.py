@@ -3,6 +3,7 @@
 import grpc
 import pytest
 
+from agent import local_server
 from common import env
 from protos import keel_pb2, keel_pb2_grpc
 from tests.conftest import AgentRecorder, local_agent
@@ -143,3 +144,44 @@ def test_restart_in_place_over_the_socket_is_a_ranks_own_business(socket):
         {"RANK": "3"},
         "/o",
     )
+
+
+def test_a_caller_without_a_token_is_refused_before_its_request_is_read(socket):
+    """The token is judged on the call's metadata: a request far over every limit is
+    still UNAUTHENTICATED (gRPC would refuse it as too large were it read), and a
+    parked process's token alone opens NextGeneration."""
+    stub, recorder, _, rank1, _ = socket
+    huge = keel_pb2.LocalStepReports(
+        generation=4, reports=[keel_pb2.StepReport(rank=1, step=3)] * 600_000
+    )
+    assert huge.ByteSize() > 2 * local_server.LOCAL_LIMITS.server_bytes
+    for token in ("", "made-up"):
+        assert call(stub.ReportSteps, huge, token) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            local_server.NO_RANK_TOKEN,
+        )
+    assert call(stub.NextGeneration, keel_pb2.NextGenerationRequest(), rank1) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        local_server.NO_PARKED_TOKEN,
+    )
+    assert recorder.of("step") == []
+
+
+def test_a_ranks_request_over_its_methods_limit_is_refused_unparsed(socket):
+    stub, recorder, rank0, rank1, _ = socket
+    # Over the default limit (a commit's path), under the server's: refused by the
+    # method's own limit, naming it.
+    path = "/ckpt/" + "x" * (64 * 1024)
+    code, details = call(
+        stub.ReportCheckpoint, keel_pb2.CheckpointSaved(generation=4, step=1, path=path), rank0
+    )
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "a ReportCheckpoint request of" in details and "limit of 65536 bytes" in details
+    # Over the server's limit: gRPC's own refusal.
+    code, details = call(stub.ReportSteps, steps(4, *[1] * 250_000), rank1)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+    assert recorder.of("step") == [] and recorder.of("checkpoint") == []
+    # A report of the largest size an agent takes passes.
+    full = steps(4, *[1] * local_server.MAX_REPORTS_PER_CALL)
+    assert full.ByteSize() < local_server.LOCAL_LIMITS.of(local_server.SERVICE + "ReportSteps")
+    assert call(stub.ReportSteps, full, rank1) == (grpc.StatusCode.OK, "")

@@ -1,6 +1,7 @@
 """What the agent buffers of its ranks' reports and replays after every Hello."""
 
 from agent.reports import Reports
+from common.steps import MAX_BATCH_REPORTS
 from protos import keel_pb2
 
 
@@ -51,3 +52,19 @@ def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_c
     # A new generation starts from nothing.
     reports.begin("j", 3)
     assert reports.replay() == []
+
+
+def test_a_backlog_goes_in_batches_the_controller_takes():
+    """Reports queued while the stream was down go at most ``MAX_BATCH_REPORTS`` a
+    batch, oldest first: the controller refuses a larger one."""
+    reports = Reports()
+    reports.begin("j", 2)
+    backlog = [step(0, n) for n in range(1, MAX_BATCH_REPORTS + 11)]
+    for start in range(0, len(backlog), 4096):
+        reports.add_steps(2, backlog[start : start + 4096])
+    first, second = reports.take_batch(), reports.take_batch()
+    assert [s.step for s in first.node_steps] == list(range(1, MAX_BATCH_REPORTS + 1))
+    assert [s.step for s in second.node_steps] == list(
+        range(MAX_BATCH_REPORTS + 1, MAX_BATCH_REPORTS + 11)
+    )
+    assert reports.take_batch() is None
