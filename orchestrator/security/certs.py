@@ -10,6 +10,7 @@ CA certificate plus its own files:
     agent-<NAME>.pem, .key        one per --agent NAME
     operator.pem, .key            client certificate of operators
     reader.pem, .key              client certificate of read-only users
+    root.pem, .key                etcd's root user (``keel etcd setup``): the operator's alone
     join.token                    agents' token: may only Connect
     operator.token                every operator call, mutating ones included
     reader.token                  read-only calls
@@ -34,6 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from common.keys import NODE_NAME
 from orchestrator.security.auth import AGENT_CERT_PREFIX
+from orchestrator.security.etcd_roles import ROOT
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -79,8 +81,16 @@ def _cert_pem(cert: x509.Certificate) -> bytes:
 
 
 class _Authority:
-    def __init__(self, now: datetime.datetime):
+    def __init__(self, now: datetime.datetime, directory: Path | None = None):
+        """A new CA; with ``directory``, the one whose ca.pem and ca.key are there."""
         self.now = now
+        if directory is not None:
+            self.cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+            self.key = serialization.load_pem_private_key(
+                (directory / "ca.key").read_bytes(), password=None
+            )
+            self.name = self.cert.subject
+            return
         self.key = ec.generate_private_key(ec.SECP256R1())
         # A random suffix tells this cluster's CA from another's in error messages.
         self.name = _name(f"Keel CA {secrets.token_hex(4)}")
@@ -185,6 +195,7 @@ def plan_files(agents: tuple[str, ...] = ()) -> list[str]:
         *([f"agent-{a}" for a in agents] or ["agent"]),
         "operator",
         "reader",
+        "root",
     ]
     return [f"{p}.{ext}" for p in parties for ext in ("pem", "key")] + [
         f"{t}.token" for t in TOKENS
@@ -218,10 +229,7 @@ def init(
 
     def write(name: str, data: bytes, mode: int, what: str) -> None:
         path = directory / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(path, mode)  # the umask may have narrowed a 0644
+        _write_new(path, data, mode)
         written.append(Written(path, mode, what))
 
     def party(
@@ -257,17 +265,44 @@ def init(
         party("agent", "keel-agent", [client], "every agent's")
     party("operator", "keel-operator", [client], "operator")
     party("reader", "keel-reader", [client], "read-only")
+    # etcd's root user (``keel etcd setup``); Keel's own calls never present it.
+    party("root", ROOT, [client], "etcd root's (keep it with the operator, off the nodes)")
     for role, what in TOKENS.items():
         write(f"{role}.token", (secrets.token_urlsafe(32) + "\n").encode(), 0o600, what)
     return written
 
 
-def init_once(directory: Path) -> Path:
-    """``init`` with the defaults, unless ``directory`` already holds a CA (a rerun of
-    ``keel up --tls`` in the same workdir reuses its credentials)."""
-    if not (Path(directory) / "ca.pem").exists():
-        init(directory)
-    return Path(directory)
+def init_once(directory: Path, agents: tuple[str, ...] = ()) -> Path:
+    """``init`` (certificates of ``agents``, else the shared one), unless ``directory``
+    already holds a CA: a rerun of ``keel up --tls`` in the same workdir reuses its
+    credentials, and that CA signs those it lacks (a node more, or the etcd root
+    certificate of a workdir older than ``keel etcd setup``)."""
+    directory = Path(directory)
+    if not (directory / "ca.pem").exists():
+        init(directory, agents=agents)
+        return directory
+    client = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    missing = [
+        (f"agent-{a}", AGENT_CERT_PREFIX + a)
+        for a in agents
+        if not (directory / f"agent-{a}.pem").exists()
+    ]
+    if not (directory / "root.pem").exists():
+        missing.append(("root", ROOT))
+    if missing:
+        ca = _Authority(datetime.datetime.now(datetime.UTC), directory)
+        for name, common_name in missing:
+            cert, key = ca.issue(common_name, client)
+            _write_new(directory / f"{name}.pem", _cert_pem(cert), 0o644)
+            _write_new(directory / f"{name}.key", _key_pem(key), 0o600)
+    return directory
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, mode)  # the umask may have narrowed a 0644
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
