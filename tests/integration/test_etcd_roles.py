@@ -21,7 +21,7 @@ from common.records import NodeRecord
 from common.tls import resolve_tls
 from orchestrator.controller.store import Store
 from orchestrator.local.etcd_server import EmbeddedEtcd, memory_backed_dir
-from orchestrator.security import certs
+from orchestrator.security import certs, etcd_roles, etcd_setup
 from orchestrator.security.etcd_setup import etcd as etcd_cli
 from tests.conftest import REPO, wait_for
 
@@ -114,6 +114,33 @@ def test_an_agents_certificate_does_what_an_agent_does(authed):
     finally:
         watch.stop()
         agent.close()
+
+
+def test_the_shared_agent_certificate_follows_the_leader_and_keeps_its_lease_only(tmp_path):
+    """Every agent one certificate (a DaemonSet's): no key its own, so its lease,
+    holding its node record, outlives it until the TTL."""
+    tls = tmp_path / "tls"
+    certs.init(tls)
+
+    def party(name: str) -> EtcdCredentials:
+        return EtcdCredentials(ca=tls / "ca.pem", cert=tls / f"{name}.pem", key=tls / f"{name}.key")
+
+    with EmbeddedEtcd(data_parent=memory_backed_dir(), tls=resolve_tls(tls, "controller")) as etcd:
+        root = connect(etcd.endpoints, 5.0, party("root"))
+        etcd_setup.apply(root, etcd_roles.roles())
+        agent = connect(etcd.endpoints, 5.0, party("agent"))
+        controller = Store(connect(etcd.endpoints, 5.0, party("controller")))
+        assert controller.campaign("c-1", "127.0.0.1:7000", controller.client.lease(10).id)
+        assert Store(agent).leader().id == "c-1"
+        lease = agent.lease(10)
+        controller.put_node("node-0", NodeRecord(host="h", slots=1, pid=1, lease_id=0), lease.id)
+        assert lease.refresh()[0].TTL > 0
+        refused(lease.revoke)
+        refused(lambda: agent.put(keys.node("node-0"), b"{}"))
+        refused(lambda: agent.put(keys.job_state("j"), b"{}"))
+        assert "node-0" in controller.nodes()
+        for client in (root, agent, controller.client):
+            client.close()
 
 
 def test_the_controllers_certificate_reads_and_writes_every_keel_key(authed):
