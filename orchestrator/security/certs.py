@@ -330,8 +330,9 @@ def certs():
     "(agent-NAME.pem/.key) instead of one shared by every agent.",
 )
 def init_command(directory, hosts, agents):
-    """Create a CA, certificates and keys for the controller, agents, operators and
-    readers, and the join, operator and reader tokens, in DIRECTORY.
+    """Create a CA, certificates and keys for the controller, agents, operators,
+    readers and etcd's root (root.pem, for `keel etcd setup`), and the join, operator
+    and reader tokens, in DIRECTORY.
 
     Give each party ca.pem and its own files; then run `keel controller --tls-dir`,
     `keel agent --tls-dir` and `keel status --tls-dir` with that directory.

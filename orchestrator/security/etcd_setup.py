@@ -5,13 +5,16 @@ Run once per etcd cluster, as etcd's ``root`` (``root.pem`` of ``keel certs init
 against an etcd that takes only clients with certificates of Keel's CA
 (``--client-cert-auth``): each party's certificate names its user. It is safe to run
 again (after ``keel certs init --agent NEW``, say): what exists is kept, what is missing
-is added. Users get a random password nobody holds: they log in by certificate only.
+is added. Users get a random password nobody holds: they log in by certificate only,
+which is why it refuses an etcd that answers clients without a certificate (auth on
+there would lock everyone out, root included).
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 import click
 import etcd3
@@ -19,8 +22,8 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from common import env, flags
-from common.etcd import EtcdClient, connect, etcd_credentials
+from common import env, flags, keys
+from common.etcd import EtcdClient, EtcdCredentials, connect, etcd_credentials
 from orchestrator.security.etcd_roles import ROOT, Role, roles
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -84,6 +87,22 @@ def apply(client: EtcdClient, wanted: tuple[Role, ...]) -> list[Done]:
     return done
 
 
+def takes_clients_without_a_certificate(endpoints: list[str], ca: Path) -> bool:
+    """Whether etcd answers a client that presents no certificate: then it does not run
+    with ``--client-cert-auth``, certificates name no user, and enabling auth would
+    lock every party out (their passwords are thrown away), root included."""
+    probe = connect(endpoints, CALL_TIMEOUT_S, EtcdCredentials(ca=ca))
+    try:
+        probe.get(keys.LEADER)
+    except etcd3.exceptions.ConnectionFailedError:
+        return False  # the handshake failed: it wants a certificate (or is down)
+    except grpc.RpcError:
+        return True  # it answered, if only to refuse
+    finally:
+        probe.close()
+    return True
+
+
 def describe(role: Role) -> str:
     parts = [
         f"{grant.access.name.lower()} {grant.key}{'*' if grant.range_end else ''}"
@@ -127,6 +146,17 @@ def setup_command(etcd_endpoints, agents, **security):
     try:
         credentials = etcd_credentials(**security)
         wanted = roles(tuple(agents))
+        if credentials is None or credentials.cert is None:
+            raise ValueError(
+                "give etcd's root certificate: --etcd-ca ca.pem --etcd-cert root.pem "
+                "--etcd-key root.key (the users it makes log in by certificate only)"
+            )
+        if takes_clients_without_a_certificate(endpoints, credentials.ca):
+            raise click.ClickException(
+                f"{where} answers clients without a certificate: run it with "
+                f"--client-cert-auth --trusted-ca-file ca.pem, so that each certificate "
+                f"names its user; auth is not enabled"
+            )
         client = connect(endpoints, CALL_TIMEOUT_S, credentials)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -10,17 +10,18 @@ import re
 import subprocess
 import sys
 
+import etcd3
 import grpc
 import pytest
 from click.testing import CliRunner
 
-from common import keys
+from common import keys, net
 from common.etcd import EtcdCredentials, connect
 from common.leader import LeaderWatch
 from common.records import NodeRecord
 from common.tls import resolve_tls
 from orchestrator.controller.store import Store
-from orchestrator.local.etcd_server import EmbeddedEtcd, memory_backed_dir
+from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary, memory_backed_dir
 from orchestrator.security import certs, etcd_roles, etcd_setup
 from orchestrator.security.etcd_setup import etcd as etcd_cli
 from tests.conftest import REPO, wait_for
@@ -221,3 +222,49 @@ def test_keel_up_with_tls_runs_a_job_with_etcd_auth_on(no_leaks, tmp_path):
     for node in NODES:
         text = (workdir / "logs" / f"agent-{node}.log").read_text()
         assert "could not revoke lease" not in text, text[-2000:]
+
+
+def test_setup_refuses_an_etcd_that_takes_clients_without_a_certificate(no_leaks):
+    """Its users log in by certificate only: on an etcd without --client-cert-auth,
+    enabling auth would lock everyone out, root included."""
+    tls = no_leaks / "tls"
+    certs.init(tls)
+    client_port, peer_port = net.free_port("127.0.0.1"), net.free_port("127.0.0.1")
+    endpoint = f"127.0.0.1:{client_port}"
+    with open(no_leaks / "etcd.log", "wb") as log:
+        proc = subprocess.Popen(
+            [str(etcd_binary()), "--name", "s", "--data-dir", str(no_leaks / "data")]
+            + ["--listen-client-urls", f"https://{endpoint}"]
+            + ["--advertise-client-urls", f"https://{endpoint}"]
+            + ["--listen-peer-urls", f"http://127.0.0.1:{peer_port}"]
+            + ["--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}"]
+            + ["--initial-cluster", f"s=http://127.0.0.1:{peer_port}"]
+            + ["--cert-file", str(tls / "controller.pem")]
+            + ["--key-file", str(tls / "controller.key")]
+            + ["--log-level", "warn"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        anyone = connect([endpoint], 5.0, EtcdCredentials(ca=tls / "ca.pem"))
+
+        def serving() -> bool:
+            try:
+                return anyone.put("/probe", b"x") is not None
+            except etcd3.exceptions.ConnectionFailedError:
+                return False
+
+        wait_for(serving, 20, what="etcd over TLS")
+        result = CliRunner().invoke(
+            etcd_cli,
+            ["setup", "--etcd-endpoints", endpoint, "--etcd-ca", str(tls / "ca.pem")]
+            + ["--etcd-cert", str(tls / "root.pem"), "--etcd-key", str(tls / "root.key")],
+        )
+        assert result.exit_code != 0
+        assert "answers clients without a certificate" in result.output
+        assert "--client-cert-auth" in result.output
+        anyone.put(keys.job_state("j"), b"{}")  # auth is still off
+        anyone.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
