@@ -4,7 +4,7 @@ then etcd's auth enabled.
 Run once per etcd cluster, as etcd's ``root`` (``root.pem`` of ``keel certs init``),
 against an etcd that takes only clients with certificates of Keel's CA
 (``--client-cert-auth``): each party's certificate names its user. It is safe to run
-again (after ``keel certs init --agent NEW``, say): what exists is kept, what is missing
+again (to add agents): what exists is kept, what is missing
 is added. Users get a random password nobody holds: they log in by certificate only,
 which is why it refuses an etcd that answers clients without a certificate (auth on
 there would lock everyone out, root included).
