@@ -1,4 +1,5 @@
-"""``keel certs init``: a private CA, and the certificates, keys and tokens of a cluster.
+"""``keel certs init``: a private CA, and the certificates, keys and tokens of a cluster;
+``keel certs add``: certificates of more agent nodes, signed by that CA.
 
 One directory holds everything a cluster's parties need; each party is given the
 CA certificate plus its own files:
@@ -281,21 +282,50 @@ def init_once(directory: Path, agents: tuple[str, ...] = ()) -> Path:
     if not (directory / "ca.pem").exists():
         init(directory, agents=agents)
         return directory
-    client = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    missing = [
-        (f"agent-{a}", AGENT_CERT_PREFIX + a)
-        for a in agents
-        if not (directory / f"agent-{a}.pem").exists()
-    ]
-    if not (directory / "root.pem").exists():
-        missing.append(("root", ROOT))
-    if missing:
-        ca = _Authority(datetime.datetime.now(datetime.UTC), directory)
-        for name, common_name in missing:
-            cert, key = ca.issue(common_name, client)
-            _write_new(directory / f"{name}.pem", _cert_pem(cert), 0o644)
-            _write_new(directory / f"{name}.key", _key_pem(key), 0o600)
+    missing = [a for a in agents if not (directory / f"agent-{a}.pem").exists()]
+    add(directory, missing, root=not (directory / "root.pem").exists())
     return directory
+
+
+def add(directory: Path, agents: list[str], root: bool = False) -> list[Written]:
+    """Sign a certificate per agent of ``agents`` (and etcd root's, with ``root``)
+    with the CA in ``directory`` (its ca.pem and ca.key), written there; raises
+    FileExistsError, before writing anything, if any is there already, and
+    ValueError for a name no node may have."""
+    directory = Path(directory)
+    agents = list(dict.fromkeys(agents))
+    plan_files(tuple(agents))  # the names' check
+    parties = [(f"agent-{a}", AGENT_CERT_PREFIX + a, f"agent {a}'s") for a in agents]
+    if root:
+        parties.append(("root", ROOT, "etcd root's (keep it with the operator, off the nodes)"))
+    present = [
+        f"{name}.{ext}"
+        for name, _, _ in parties
+        for ext in ("pem", "key")
+        if (directory / f"{name}.{ext}").exists()
+    ]
+    if present:
+        raise FileExistsError(
+            f"{directory / present[0]} exists; keel certs never overwrites credentials"
+        )
+    now = datetime.datetime.now(datetime.UTC)
+    until = (now + datetime.timedelta(days=LEAF_DAYS)).date().isoformat()
+    ca = _Authority(now, directory) if parties else None
+    written = []
+    for name, common_name, what in parties:
+        cert, key = ca.issue(common_name, [ExtendedKeyUsageOID.CLIENT_AUTH])
+        for path, data, mode, kind in (
+            (
+                directory / f"{name}.pem",
+                _cert_pem(cert),
+                0o644,
+                f"certificate, valid until {until}",
+            ),
+            (directory / f"{name}.key", _key_pem(key), 0o600, "private key"),
+        ):
+            _write_new(path, data, mode)
+            written.append(Written(path, mode, f"{what} {kind}"))
+    return written
 
 
 def _write_new(path: Path, data: bytes, mode: int) -> None:
@@ -342,6 +372,31 @@ def init_command(directory, hosts, agents):
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
     except OSError as exc:  # e.g. DIRECTORY under a file, or not writable
+        raise click.ClickException(str(exc)) from exc
+    width = max(len(str(w.path)) for w in written)
+    for w in written:
+        click.echo(f"wrote {str(w.path):<{width}}  {w.mode:04o}  {w.what}")
+
+
+@certs.command("add", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    required=True,
+    metavar="NAME",
+    help="Repeatable: sign agent-NAME.pem/.key for agent node NAME.",
+)
+def add_command(directory, agents):
+    """Sign certificates for more agent nodes with the CA in DIRECTORY (written by
+    `keel certs init`; its ca.key is needed), then give each its etcd user with
+    `keel etcd setup --agent NAME`."""
+    try:
+        written = add(Path(directory), list(agents))
+    except (ValueError, FileExistsError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # no ca.key there, say
         raise click.ClickException(str(exc)) from exc
     width = max(len(str(w.path)) for w in written)
     for w in written:

@@ -90,6 +90,9 @@ def test_keel_etcd_setup_documents_its_flags():
     assert result.returncode == 0, result.stderr
     for flag in ("--etcd-endpoints", "--agent", "--etcd-cert", "root.pem"):
         assert flag in result.stdout, f"keel etcd setup --help lacks {flag}"
+    result = keel("certs", "add", "--help", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    assert "--agent" in result.stdout and "keel etcd setup" in result.stdout
 
 
 def test_the_reference_trainer_answers_help_and_names_its_deadlines():

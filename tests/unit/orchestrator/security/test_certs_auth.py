@@ -339,3 +339,18 @@ def test_init_once_signs_what_an_older_directory_lacks_with_its_own_ca(tmp_path)
         cert.verify_directly_issued_by(ca)
         assert cert.subject.rfc4514_string() == name
         assert stat.S_IMODE((directory / f"{party}.key").stat().st_mode) == 0o600
+
+
+def test_keel_certs_add_signs_a_new_nodes_certificate_with_the_directorys_ca(tmp_path):
+    directory = tmp_path / "tls"
+    certs.init(directory, agents=("node-0",))
+    result = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "node-1"])
+    assert result.exit_code == 0, result.output
+    assert len(result.output.splitlines()) == 2
+    cert = load(directory / "agent-node-1.pem")
+    cert.verify_directly_issued_by(load(directory / "ca.pem"))
+    assert cert.subject.rfc4514_string() == "CN=keel-agent-node-1,O=Keel"
+    again = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "node-0"])
+    assert again.exit_code != 0 and "never overwrites" in again.output
+    bad = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "a b"])
+    assert bad.exit_code != 0 and "--agent 'a b'" in bad.output
