@@ -232,7 +232,13 @@ class Agent:
             if self.lease is not None:
                 self.lease.revoke()  # the node record goes at once, not after the TTL
         except Exception as exc:
-            log.warning("could not revoke lease", error=str(exc))
+            # etcd refuses it to the shared agent certificate's user, who may not
+            # write the node record on it (``orchestrator.security.etcd_roles``).
+            log.warning(
+                "could not revoke lease; the node record goes when it expires",
+                error=str(exc),
+                lease_ttl_s=self.config.lease_ttl_s,
+            )
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         log.info("agent stopped")
 

@@ -588,6 +588,7 @@ def _register_operator_commands() -> None:
     from orchestrator.cli.restore_epoch import restore_epoch
     from orchestrator.cli.run import run
     from orchestrator.security.certs import certs
+    from orchestrator.security.etcd_setup import etcd
 
     for command in (
         run,
@@ -599,6 +600,7 @@ def _register_operator_commands() -> None:
         *operator_cli.MUTATING,
         restore_epoch,
         certs,
+        etcd,
     ):
         main.add_command(command)
 

@@ -23,6 +23,7 @@ from orchestrator.local import prometheus
 from orchestrator.local.etcd_server import EmbeddedEtcd
 from orchestrator.local.options import UpOptions
 from orchestrator.local.proxy import NodeProxy
+from orchestrator.security import etcd_roles, etcd_setup
 from orchestrator.security.certs import init_once
 
 
@@ -40,7 +41,9 @@ class LocalCluster:
     client_tls: TlsFiles | None = None  # keel up's own certificate, with --tls
     etcd_tls: TlsFiles | None = None  # the embedded etcd's, with --tls
     etcd_credentials: EtcdCredentials | None = None  # keel up's own, for etcd
-    agent_credentials: list[str] = field(default_factory=list)
+    # Each agent's credential flags, by node index.
+    agent_credentials: list[list[str]] = field(default_factory=list)
+    etcd_root: EtcdCredentials | None = None  # sets up the embedded etcd's auth, with --tls
     # With proxied: each node's agent reaches etcd and the controllers through a
     # proxy of its own, which partition_node cuts.
     proxied: bool = False
@@ -68,12 +71,13 @@ class LocalCluster:
                 start_new_session=True,
             )
 
-    def _credentials(self) -> tuple[list[str], list[str]]:
-        """The controllers' and the agents' credential flags. Plain: one token for
-        everything. With --tls: a CA and certificates in <workdir>/tls, agents given
-        only the join token and keel up itself the operator's; and the embedded etcd
-        serves TLS to holders of that CA's certificates only, each party presenting its
-        own. Then the given etcd's credentials, if any."""
+    def _credentials(self) -> tuple[list[str], list[list[str]]]:
+        """The controllers' credential flags, and each agent's. Plain: one token for
+        everything. With --tls: a CA and certificates in <workdir>/tls (one per node),
+        agents given only the join token and keel up itself the operator's; and the
+        embedded etcd serves TLS to holders of that CA's certificates only, each party
+        presenting its own, and grants each only its keys (``etcd_roles``). Then the
+        given etcd's credentials, if any."""
         etcd = etcd_flags(self.options.etcd_credentials)
         self.etcd_credentials = self.options.etcd_credentials
         if self.options.etcd_credentials and self.options.etcd_credentials.password:
@@ -84,12 +88,13 @@ class LocalCluster:
             token_file.touch(mode=0o600)
             token_file.write_text(self.token)
             flags = ["--token-file", str(token_file), *etcd]
-            return flags, flags
-        tls_dir = init_once(self.workdir / "tls")
+            return flags, [flags for _ in self._nodes()]
+        tls_dir = init_once(self.workdir / "tls", self._nodes())
         self.token = (tls_dir / "operator.token").read_text().strip()
         self.client_tls = resolve_tls(tls_dir, "operator")
         if self.options.etcd_endpoints:
-            return ["--tls-dir", str(tls_dir), *etcd], ["--tls-dir", str(tls_dir), *etcd]
+            flags = ["--tls-dir", str(tls_dir), *etcd]
+            return flags, [flags for _ in self._nodes()]
 
         def party(name: str) -> EtcdCredentials:
             return EtcdCredentials(
@@ -97,11 +102,18 @@ class LocalCluster:
             )
 
         self.etcd_tls = resolve_tls(tls_dir, "controller")
+        self.etcd_root = party("root")
         self.etcd_credentials = party("operator")
         return (
             ["--tls-dir", str(tls_dir), *etcd_flags(party("controller"))],
-            ["--tls-dir", str(tls_dir), *etcd_flags(party("agent"))],
+            [
+                ["--tls-dir", str(tls_dir), *etcd_flags(party(f"agent-{node}"))]
+                for node in self._nodes()
+            ],
         )
+
+    def _nodes(self) -> tuple[str, ...]:
+        return tuple(local_node(i) for i in range(self.options.nodes + self.options.spares))
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -117,6 +129,12 @@ class LocalCluster:
                 tls=self.etcd_tls,
                 members=self.options.etcd_members,
             ).start()
+            if self.etcd_root is not None:
+                root = connect(self.etcd.endpoints, 5.0, self.etcd_root)
+                try:
+                    etcd_setup.apply(root, etcd_roles.roles(self._nodes()))
+                finally:
+                    root.close()
         for i in range(self.options.controllers):
             address_file = self.workdir / f"controller-{i}.address"
             address_file.unlink(missing_ok=True)
@@ -181,7 +199,7 @@ class LocalCluster:
                 "--slots",
                 str(self.options.slots_per_node),
                 *reach,
-                *self.agent_credentials,
+                *self.agent_credentials[index],
                 "--run-dir",
                 str(self.workdir / "nodes" / f"node-{index}"),
                 "--lease-ttl-s",

@@ -1,4 +1,5 @@
-"""``keel certs init``: a private CA, and the certificates, keys and tokens of a cluster.
+"""``keel certs init``: a private CA, and the certificates, keys and tokens of a cluster;
+``keel certs add``: certificates of more agent nodes, signed by that CA.
 
 One directory holds everything a cluster's parties need; each party is given the
 CA certificate plus its own files:
@@ -10,6 +11,7 @@ CA certificate plus its own files:
     agent-<NAME>.pem, .key        one per --agent NAME
     operator.pem, .key            client certificate of operators
     reader.pem, .key              client certificate of read-only users
+    root.pem, .key                etcd's root user (``keel etcd setup``): the operator's alone
     join.token                    agents' token: may only Connect
     operator.token                every operator call, mutating ones included
     reader.token                  read-only calls
@@ -34,6 +36,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from common.keys import NODE_NAME
 from orchestrator.security.auth import AGENT_CERT_PREFIX
+from orchestrator.security.etcd_roles import ROOT
 
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -79,8 +82,16 @@ def _cert_pem(cert: x509.Certificate) -> bytes:
 
 
 class _Authority:
-    def __init__(self, now: datetime.datetime):
+    def __init__(self, now: datetime.datetime, directory: Path | None = None):
+        """A new CA; with ``directory``, the one whose ca.pem and ca.key are there."""
         self.now = now
+        if directory is not None:
+            self.cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+            self.key = serialization.load_pem_private_key(
+                (directory / "ca.key").read_bytes(), password=None
+            )
+            self.name = self.cert.subject
+            return
         self.key = ec.generate_private_key(ec.SECP256R1())
         # A random suffix tells this cluster's CA from another's in error messages.
         self.name = _name(f"Keel CA {secrets.token_hex(4)}")
@@ -185,6 +196,7 @@ def plan_files(agents: tuple[str, ...] = ()) -> list[str]:
         *([f"agent-{a}" for a in agents] or ["agent"]),
         "operator",
         "reader",
+        "root",
     ]
     return [f"{p}.{ext}" for p in parties for ext in ("pem", "key")] + [
         f"{t}.token" for t in TOKENS
@@ -218,10 +230,7 @@ def init(
 
     def write(name: str, data: bytes, mode: int, what: str) -> None:
         path = directory / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(path, mode)  # the umask may have narrowed a 0644
+        _write_new(path, data, mode)
         written.append(Written(path, mode, what))
 
     def party(
@@ -257,17 +266,73 @@ def init(
         party("agent", "keel-agent", [client], "every agent's")
     party("operator", "keel-operator", [client], "operator")
     party("reader", "keel-reader", [client], "read-only")
+    # etcd's root user (``keel etcd setup``); Keel's own calls never present it.
+    party("root", ROOT, [client], "etcd root's (keep it with the operator, off the nodes)")
     for role, what in TOKENS.items():
         write(f"{role}.token", (secrets.token_urlsafe(32) + "\n").encode(), 0o600, what)
     return written
 
 
-def init_once(directory: Path) -> Path:
-    """``init`` with the defaults, unless ``directory`` already holds a CA (a rerun of
-    ``keel up --tls`` in the same workdir reuses its credentials)."""
-    if not (Path(directory) / "ca.pem").exists():
-        init(directory)
-    return Path(directory)
+def init_once(directory: Path, agents: tuple[str, ...] = ()) -> Path:
+    """``init`` (certificates of ``agents``, else the shared one), unless ``directory``
+    already holds a CA: a rerun of ``keel up --tls`` in the same workdir reuses its
+    credentials, and that CA signs those it lacks (a node more, or the etcd root
+    certificate of a workdir older than ``keel etcd setup``)."""
+    directory = Path(directory)
+    if not (directory / "ca.pem").exists():
+        init(directory, agents=agents)
+        return directory
+    missing = [a for a in agents if not (directory / f"agent-{a}.pem").exists()]
+    add(directory, missing, root=not (directory / "root.pem").exists())
+    return directory
+
+
+def add(directory: Path, agents: list[str], root: bool = False) -> list[Written]:
+    """Sign a certificate per agent of ``agents`` (and etcd root's, with ``root``)
+    with the CA in ``directory`` (its ca.pem and ca.key), written there; raises
+    FileExistsError, before writing anything, if any is there already, and
+    ValueError for a name no node may have."""
+    directory = Path(directory)
+    agents = list(dict.fromkeys(agents))
+    plan_files(tuple(agents))  # the names' check
+    parties = [(f"agent-{a}", AGENT_CERT_PREFIX + a, f"agent {a}'s") for a in agents]
+    if root:
+        parties.append(("root", ROOT, "etcd root's (keep it with the operator, off the nodes)"))
+    present = [
+        f"{name}.{ext}"
+        for name, _, _ in parties
+        for ext in ("pem", "key")
+        if (directory / f"{name}.{ext}").exists()
+    ]
+    if present:
+        raise FileExistsError(
+            f"{directory / present[0]} exists; keel certs never overwrites credentials"
+        )
+    now = datetime.datetime.now(datetime.UTC)
+    until = (now + datetime.timedelta(days=LEAF_DAYS)).date().isoformat()
+    ca = _Authority(now, directory) if parties else None
+    written = []
+    for name, common_name, what in parties:
+        cert, key = ca.issue(common_name, [ExtendedKeyUsageOID.CLIENT_AUTH])
+        for path, data, mode, kind in (
+            (
+                directory / f"{name}.pem",
+                _cert_pem(cert),
+                0o644,
+                f"certificate, valid until {until}",
+            ),
+            (directory / f"{name}.key", _key_pem(key), 0o600, "private key"),
+        ):
+            _write_new(path, data, mode)
+            written.append(Written(path, mode, f"{what} {kind}"))
+    return written
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, mode)  # the umask may have narrowed a 0644
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -295,8 +360,9 @@ def certs():
     "(agent-NAME.pem/.key) instead of one shared by every agent.",
 )
 def init_command(directory, hosts, agents):
-    """Create a CA, certificates and keys for the controller, agents, operators and
-    readers, and the join, operator and reader tokens, in DIRECTORY.
+    """Create a CA, certificates and keys for the controller, agents, operators,
+    readers and etcd's root (root.pem, for `keel etcd setup`), and the join, operator
+    and reader tokens, in DIRECTORY.
 
     Give each party ca.pem and its own files; then run `keel controller --tls-dir`,
     `keel agent --tls-dir` and `keel status --tls-dir` with that directory.
@@ -306,6 +372,31 @@ def init_command(directory, hosts, agents):
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
     except OSError as exc:  # e.g. DIRECTORY under a file, or not writable
+        raise click.ClickException(str(exc)) from exc
+    width = max(len(str(w.path)) for w in written)
+    for w in written:
+        click.echo(f"wrote {str(w.path):<{width}}  {w.mode:04o}  {w.what}")
+
+
+@certs.command("add", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    required=True,
+    metavar="NAME",
+    help="Repeatable: sign agent-NAME.pem/.key for agent node NAME.",
+)
+def add_command(directory, agents):
+    """Sign certificates for more agent nodes with the CA in DIRECTORY (written by
+    `keel certs init`; its ca.key is needed), then give each its etcd user with
+    `keel etcd setup --agent NAME`."""
+    try:
+        written = add(Path(directory), list(agents))
+    except (ValueError, FileExistsError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    except OSError as exc:  # no ca.key there, say
         raise click.ClickException(str(exc)) from exc
     width = max(len(str(w.path)) for w in written)
     for w in written:

@@ -30,6 +30,7 @@ VERBS = (
     "delete",
     "restore-epoch",
     "certs",
+    "etcd",
 )
 
 
@@ -74,6 +75,7 @@ def test_keel_lists_every_verb():
         ),
         ("logs", ("--rank", "--generation", "--follow")),
         ("restore-epoch", ("--etcd-endpoints", "--epoch", "--etcd-ca", "--etcd-password")),
+        ("etcd", ("setup",)),
     ],
 )
 def test_each_verb_documents_its_flags(verb, flags):
@@ -81,6 +83,16 @@ def test_each_verb_documents_its_flags(verb, flags):
     assert result.returncode == 0, result.stderr
     for flag in flags:
         assert flag in result.stdout, f"keel {verb} --help lacks {flag}"
+
+
+def test_keel_etcd_setup_documents_its_flags():
+    result = keel("etcd", "setup", "--help", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    for flag in ("--etcd-endpoints", "--agent", "--etcd-cert", "root.pem"):
+        assert flag in result.stdout, f"keel etcd setup --help lacks {flag}"
+    result = keel("certs", "add", "--help", timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    assert "--agent" in result.stdout and "keel etcd setup" in result.stdout
 
 
 def test_the_reference_trainer_answers_help_and_names_its_deadlines():

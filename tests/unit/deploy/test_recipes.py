@@ -583,7 +583,39 @@ def test_the_controllers_are_two_with_stable_names_their_certificate_can_hold():
         if i.where == "deploy/kubernetes/secrets.yaml" and i.words[:2] == ("certs", "init")
     )
     hosts = [w for prev, w in zip(init.words, init.words[1:]) if prev == "--host"]
-    assert hosts == [f"keel-controller-{i}.keel-controller.keel.svc" for i in range(2)]
+    assert hosts[:2] == [f"keel-controller-{i}.keel-controller.keel.svc" for i in range(2)]
+    # ... and each etcd member as KEEL_ETCD_ENDPOINTS names it: etcd serves with that
+    # certificate (test_etcd_serves_tls_to_certificate_holders_only).
+    endpoints = objects_by_kind("ConfigMap")["keel-config"]["data"][env.ETCD_ENDPOINTS]
+    assert hosts[2:] == [e.rpartition(":")[0] for e in endpoints.split(",")]
+
+
+def test_etcd_serves_tls_to_certificate_holders_only_and_each_daemon_presents_its_own():
+    etcd = objects_by_kind("StatefulSet")["keel-etcd"]
+    command = container(etcd, "etcd")["command"]
+    flags = dict(w.partition("=")[::2] for w in command if w.startswith("--"))
+    assert flags["--listen-client-urls"].startswith("https://")
+    assert flags["--advertise-client-urls"].startswith("https://")
+    assert "--client-cert-auth" in flags
+    mount = next(m for m in container(etcd, "etcd")["volumeMounts"] if m["name"] == "tls")
+    secret = next(v for v in etcd["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+    held = set(objects_by_kind("Secret")[secret["secret"]["secretName"]]["stringData"])
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
+        directory, _, name = flags[flag].rpartition("/")
+        assert directory == mount["mountPath"] and name in held, flag
+    # The kubelet's probe, which holds no client certificate, reads the plain port.
+    probe = container(etcd, "etcd")["readinessProbe"]["httpGet"]
+    port = next(p for p in container(etcd, "etcd")["ports"] if p["name"] == probe["port"])
+    assert flags["--listen-metrics-urls"] == f"http://0.0.0.0:{port['containerPort']}"
+    for workload, party in (("keel-controller", "controller"), ("keel-agent", "agent")):
+        invocation = keel_invocation(workload)
+        tls_dir = option_value(invocation, "--tls-dir")
+        assert option_value(invocation, "--etcd-ca") == f"{tls_dir}/ca.pem"
+        assert option_value(invocation, "--etcd-cert") == f"{tls_dir}/{party}.pem"
+        assert option_value(invocation, "--etcd-key") == f"{tls_dir}/{party}.key"
+    # etcd's root certificate is in no Secret: it stays with the operator.
+    for secret in objects_by_kind("Secret").values():
+        assert not {"root.pem", "root.key"} & set(secret["stringData"])
 
 
 def test_every_kubernetes_variable_reference_is_defined():

@@ -141,6 +141,8 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
         "operator.key",
         "reader.pem",
         "reader.key",
+        "root.pem",
+        "root.key",
         "join.token",
         "operator.token",
         "reader.token",
@@ -166,6 +168,7 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
         "agent": {ExtendedKeyUsageOID.CLIENT_AUTH},
         "operator": {ExtendedKeyUsageOID.CLIENT_AUTH},
         "reader": {ExtendedKeyUsageOID.CLIENT_AUTH},
+        "root": {ExtendedKeyUsageOID.CLIENT_AUTH},
     }
     for party, expected in usages.items():
         cert = load(directory / f"{party}.pem")
@@ -205,7 +208,7 @@ def test_keel_certs_init_prints_what_it_wrote(tmp_path):
     )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert len(lines) == 13
+    assert len(lines) == 15
     assert any(
         "controller.pem" in line and "SAN 127.0.0.1, localhost, ctl.example.com" in line
         for line in lines
@@ -319,3 +322,35 @@ def test_etcd_credentials_map_onto_etcd3_client(tmp_path):
         etcd_credentials(etcd_ca=flags["etcd_ca"], etcd_cert=flags["etcd_cert"])
     with pytest.raises(ValueError, match="needs --etcd-ca"):
         agent_settings("n0", None, etcd_cert=flags["etcd_cert"], etcd_key=flags["etcd_key"])
+
+
+def test_init_once_signs_what_an_older_directory_lacks_with_its_own_ca(tmp_path):
+    directory = tmp_path / "tls"
+    certs.init(directory)
+    (directory / "root.pem").unlink()
+    (directory / "root.key").unlink()
+    before = (directory / "ca.pem").read_bytes()
+    certs.init_once(directory, agents=("node-0",))
+    assert (directory / "ca.pem").read_bytes() == before
+    ca = load(directory / "ca.pem")
+    issued = {"root": "CN=root,O=Keel", "agent-node-0": "CN=keel-agent-node-0,O=Keel"}
+    for party, name in issued.items():
+        cert = load(directory / f"{party}.pem")
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.rfc4514_string() == name
+        assert stat.S_IMODE((directory / f"{party}.key").stat().st_mode) == 0o600
+
+
+def test_keel_certs_add_signs_a_new_nodes_certificate_with_the_directorys_ca(tmp_path):
+    directory = tmp_path / "tls"
+    certs.init(directory, agents=("node-0",))
+    result = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "node-1"])
+    assert result.exit_code == 0, result.output
+    assert len(result.output.splitlines()) == 2
+    cert = load(directory / "agent-node-1.pem")
+    cert.verify_directly_issued_by(load(directory / "ca.pem"))
+    assert cert.subject.rfc4514_string() == "CN=keel-agent-node-1,O=Keel"
+    again = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "node-0"])
+    assert again.exit_code != 0 and "never overwrites" in again.output
+    bad = CliRunner().invoke(certs.certs, ["add", str(directory), "--agent", "a b"])
+    assert bad.exit_code != 0 and "--agent 'a b'" in bad.output
