@@ -1,0 +1,181 @@
+"""Ranks under their own user (``keel agent --rank-user USER``): a job's code runs with
+another uid and gid than the agent's, and can reach only what it is given.
+
+What a rank may touch: its generation's directory (``RUN_DIR/JOB/genN``, owned by the
+rank user: its output files, its error file), the warm pool's directory, and the
+agent's socket (its directory and the socket are the rank group's, 0710 and 0660: the
+per-rank token in its environment is what authenticates it). The run directory itself
+is 0711 (passable, not listable), and what the agent keeps in it is its own. Nothing
+the agent reads as a credential (its token file, TLS key, etcd key) may be readable by
+the rank user: the agent refuses to start until it is not, naming the file and the
+fix. The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid
+reads ``/proc/AGENT/environ`` (which holds e.g. the etcd password) or ptraces it.
+
+Only root (or a process with CAP_SETUID/CAP_SETGID) starts processes as another user.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import grp
+import os
+import pwd
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+READ, WRITE, SEARCH = 4, 2, 1  # the permission bits of one class (owner, group, other)
+PR_SET_DUMPABLE = 4
+
+
+class RankUserRefused(RuntimeError):
+    """The agent cannot run ranks as the rank user as it is set up; says how to fix it."""
+
+
+@dataclass(frozen=True)
+class RankUser:
+    """The user ranks run as: its name, uid, primary gid and home."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str = "/"
+
+    @classmethod
+    def lookup(cls, name: str) -> RankUser:
+        """The user ``name`` (or a numeric uid) of this machine; ValueError with the fix
+        if there is none or it is root."""
+        try:
+            entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        except KeyError:
+            raise ValueError(
+                f"--rank-user {name}: no such user on this machine; create it "
+                f"(useradd --system --no-create-home --shell /usr/sbin/nologin {name})"
+            ) from None
+        if entry.pw_uid == 0:
+            raise ValueError(f"--rank-user {name}: ranks may not run as root")
+        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/")
+
+    def popen_args(self) -> dict:
+        """``subprocess.Popen`` arguments that start a process as this user: its uid,
+        its primary group and no supplementary groups (none of the agent's)."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def env(self) -> dict[str, str]:
+        """What a login as this user would set: its home, for the caches that libraries
+        keep there (the agent's home is not the rank's to write)."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+    def groups(self) -> frozenset[int]:
+        return frozenset({self.gid})
+
+    def give(self, path: Path, mode: int) -> None:
+        """Make ``path`` this user's, with ``mode``."""
+        os.chown(path, self.uid, self.gid)
+        os.chmod(path, mode)
+
+
+def allows(mode: int, owner: int, group: int, uid: int, gids: frozenset[int], want: int) -> bool:
+    """Whether a user ``uid`` in groups ``gids`` (not root) has every bit of ``want``
+    on a file of ``mode`` owned by ``owner``:``group``: the owner class if it owns it,
+    else the group class if it is in the group, else the other class. Pure."""
+    if uid == owner:
+        bits = (mode >> 6) & 7
+    elif group in gids:
+        bits = (mode >> 3) & 7
+    else:
+        bits = mode & 7
+    return bits & want == want
+
+
+def first_barrier(
+    path: Path,
+    uid: int,
+    gids: frozenset[int],
+    want: int,
+    stat_of: Callable[[Path], os.stat_result] = os.stat,
+) -> str | None:
+    """Why user ``uid`` cannot get ``want`` on ``path``: the first directory on the way
+    it may not pass, or the file itself, with its mode and owner; None if it can (or
+    the path does not exist: it is then nobody's)."""
+    path = Path(os.path.abspath(path))
+    for step in [*reversed(path.parents), path]:
+        try:
+            info = stat_of(step)
+        except FileNotFoundError:
+            return None
+        need = want if step == path else SEARCH
+        if not allows(info.st_mode, info.st_uid, info.st_gid, uid, gids, need):
+            return (
+                f"{step} is mode {stat.S_IMODE(info.st_mode):04o} owned by "
+                f"{_name(info.st_uid, pwd.getpwuid)}:{_name(info.st_gid, grp.getgrgid)}"
+            )
+    return None
+
+
+def exposed(
+    user: RankUser,
+    secrets: tuple[Path, ...],
+    stat_of: Callable[[Path], os.stat_result] = os.stat,
+) -> list[str]:
+    """A line per file of ``secrets`` that ``user`` can read, saying how to close it."""
+    found = []
+    for path in secrets:
+        try:
+            stat_of(Path(path))
+        except FileNotFoundError:
+            continue
+        if first_barrier(Path(path), user.uid, user.groups(), READ, stat_of) is None:
+            found.append(
+                f"the rank user {user.name} can read {path}; make it the agent's alone "
+                f"(chmod 600 {path}, or chmod 700 its directory)"
+            )
+    return found
+
+
+def unreachable(
+    user: RankUser, run_dir: Path, stat_of: Callable[[Path], os.stat_result] = os.stat
+) -> str | None:
+    """Why ``user`` cannot reach ``run_dir`` (where its rank directories are), with the
+    fix; None if it can pass every directory above it."""
+    barrier = first_barrier(run_dir.parent, user.uid, user.groups(), SEARCH, stat_of)
+    if barrier is None:
+        return None
+    return (
+        f"the rank user {user.name} cannot reach --run-dir {run_dir}: {barrier}; let it "
+        f"pass (chmod o+x that directory) or choose a run directory it can reach"
+    )
+
+
+def check(user: RankUser, run_dir: Path, secrets: tuple[Path, ...]) -> None:
+    """Raise RankUserRefused, naming every problem and its fix, unless this process
+    can start processes as ``user``, ``user`` reaches ``run_dir`` and reads none of
+    ``secrets``."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append(
+            f"--rank-user {user.name} needs the agent to run as root (it starts the "
+            f"ranks as that user); run it as root or without --rank-user"
+        )
+    problems += exposed(user, secrets)
+    barrier = unreachable(user, run_dir)
+    if barrier:
+        problems.append(barrier)
+    if problems:
+        raise RankUserRefused("; ".join(problems))
+
+
+def make_undumpable() -> None:
+    """Close this process's ``/proc/PID/environ``, memory and ptrace to other uids
+    (its ``/proc/PID`` files become root's)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+
+
+def _name(number: int, look_up) -> str:
+    try:
+        return look_up(number)[0]
+    except KeyError:
+        return str(number)
