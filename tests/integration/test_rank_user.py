@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.rank_user import SEARCH, first_barrier
 from common.etcd import connect
+from common.permissions import SEARCH, first_barrier
 from common.tls import call_metadata
 from orchestrator.controller.store import Store
 from orchestrator.security import certs

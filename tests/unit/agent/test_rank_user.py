@@ -10,16 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.rank_user import (
-    READ,
-    SEARCH,
-    WRITE,
-    RankUser,
-    allows,
-    exposed,
-    first_barrier,
-    unreachable,
-)
+from agent.rank_user import RankUser, exposed, unreachable
+from common.permissions import READ, SEARCH, WRITE, allows, first_barrier
 
 RANK = RankUser("keel-rank", uid=1500, gid=1500, home="/nonexistent")
 ROOT, STAFF = 0, 50
