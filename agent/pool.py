@@ -130,7 +130,7 @@ class WarmPool:
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
                 [
-                    *tied_to_this_process(),
+                    *tied_to_this_process(self.rank_user.ids if self.rank_user else None),
                     sys.executable,
                     "-u",
                     "-m",
@@ -143,7 +143,6 @@ class WarmPool:
                 stdout=subprocess.PIPE,
                 stderr=out,
                 start_new_session=True,
-                **(self.rank_user.popen_args() if self.rank_user else {}),
             )
         os.set_blocking(popen.stdout.fileno(), False)
         return _Warm(popen, slot)

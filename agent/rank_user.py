@@ -56,10 +56,11 @@ class RankUser:
             raise ValueError(f"--rank-user {name}: ranks may not run as root")
         return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir or "/")
 
-    def popen_args(self) -> dict:
-        """``subprocess.Popen`` arguments that start a process as this user: its uid,
-        its primary group and no supplementary groups (none of the agent's)."""
-        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+    @property
+    def ids(self) -> tuple[int, int]:
+        """(uid, gid): what ``common.procs.tied_to_this_process`` starts a process as
+        (its primary group, no supplementary groups: none of the agent's)."""
+        return self.uid, self.gid
 
     def env(self) -> dict[str, str]:
         """What a login as this user would set: its home, for the caches that libraries

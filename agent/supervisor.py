@@ -184,6 +184,10 @@ class Supervisor:
         # Each rank's credential on the agent's socket, while it runs.
         self.identities: dict[str, RankIdentity] = {}
 
+    @property
+    def _as_user(self) -> tuple[int, int] | None:
+        return self.rank_user.ids if self.rank_user else None
+
     def leaving(self, token: str) -> bool:
         """Whether the rank holding ``token`` is asked to leave its generation (any thread)."""
         return token in self.leaving_tokens
@@ -236,14 +240,13 @@ class Supervisor:
             if popen is None:
                 with open(out, "ab") as out_file, open(err, "ab") as err_file:
                     popen = subprocess.Popen(
-                        [*tied_to_this_process(), *start.command],
+                        [*tied_to_this_process(self._as_user), *start.command],
                         env=env,
                         stdout=out_file,
                         stderr=err_file,
                         stdin=subprocess.DEVNULL,
                         cwd=start.working_dir or None,
                         start_new_session=True,
-                        **(self.rank_user.popen_args() if self.rank_user else {}),
                     )
             proc = RankProcess(
                 job=start.job,

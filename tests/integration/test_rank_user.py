@@ -204,3 +204,55 @@ def test_a_rank_reads_none_of_its_agents_secrets_and_runs_as_usual(etcd, no_leak
     finally:
         for proc in reversed(started):
             stop(proc)
+
+
+def test_keel_up_with_tls_runs_its_ranks_as_the_rank_user(no_leaks):
+    """The measured case: a job of ``keel up --tls`` that opens the files it finds in
+    the cluster's TLS directory; with --rank-user, it reads none of them."""
+    user = rank_user()
+    tmp = no_leaks
+    passable(tmp)
+    workdir = tmp / "run"
+    findings = tmp / "findings"
+    findings.mkdir()
+    os.chown(findings, user.pw_uid, user.pw_gid)
+    tls = workdir / "tls"
+    secrets = [
+        tls / name
+        for name in (
+            "ca.key",
+            "controller.key",
+            "agent.key",
+            "operator.key",
+            "operator.token",
+            "join.token",
+            "reader.token",
+        )
+    ]
+    view = interpreter_view(user, tmp / "interpreter")
+    result = subprocess.run(
+        [
+            *view,
+            *(sys.executable, "-m", "orchestrator.cli", "up", "--json", "--tls"),
+            *("--workdir", str(workdir), "--timeout-s", "120", "--no-preflight"),
+            *("--nodes", "1", "--slots-per-node", "2", "--rank-user", RANK_USER),
+            *("--script", str(SCRIPT), "--", str(findings), "3", *map(str, secrets)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert (summary["state"], summary["steps"]) == ("SUCCEEDED", 3), summary
+    assert "ranks run as" not in result.stderr  # the line said without a rank user
+    for rank in (0, 1):
+        found = json.loads((findings / f"rank{rank}.json").read_text())
+        assert (found["uid"], found["groups"]) == (user.pw_uid, []), found
+        assert set(found["reads"].values()) == {"PermissionError"}, found["reads"]
+        assert len(found["reads"]) == len(secrets) + 1
+    assert (workdir / "checkpoints").stat().st_uid == user.pw_uid
+    for private in (tls, workdir / "logs"):
+        assert private.stat().st_mode & 0o077 == 0, private

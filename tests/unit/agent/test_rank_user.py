@@ -120,5 +120,5 @@ def test_a_rank_user_is_looked_up_by_name_and_root_or_a_stranger_is_refused():
         RankUser.lookup("no-such-keel-user")
     nobody = RankUser.lookup("nobody")
     assert nobody.uid != 0 and nobody.name == "nobody"
-    assert nobody.popen_args() == {"user": nobody.uid, "group": nobody.gid, "extra_groups": []}
+    assert nobody.ids == (nobody.uid, nobody.gid)
     assert nobody.env() == {"HOME": nobody.home, "USER": "nobody", "LOGNAME": "nobody"}
