@@ -11,7 +11,12 @@ the rank user: the agent refuses to start until it is not, naming the file and t
 fix. The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid
 reads ``/proc/AGENT/environ`` (which holds e.g. the etcd password) or ptraces it.
 
-Only root (or a process with CAP_SETUID/CAP_SETGID) starts processes as another user.
+The agent must run as root to do this; it needs no more of root than CAP_SETUID and
+CAP_SETGID (``common.launch`` becomes the rank user), CAP_CHOWN (the rank's files),
+CAP_KILL (signals to the ranks), CAP_DAC_OVERRIDE (the ranks' files and directories:
+their logs read, their error files replaced) and CAP_SYS_PTRACE (``/proc/RANK/environ``,
+read to find what a dead agent's ranks left running): the deploy recipes bound it to
+those.
 """
 
 from __future__ import annotations
@@ -71,9 +76,10 @@ class RankUser:
         return frozenset({self.gid})
 
     def give(self, path: Path, mode: int) -> None:
-        """Make ``path`` this user's, with ``mode``."""
-        os.chown(path, self.uid, self.gid)
+        """Make ``path`` this user's, with ``mode`` (set first: changing the mode of a
+        file one does not own takes CAP_FOWNER, which the agent need not hold)."""
         os.chmod(path, mode)
+        os.chown(path, self.uid, self.gid)
 
 
 def exposed(
