@@ -205,6 +205,7 @@ class Supervisor:
         log_dir = rank_log(self.run_dir, start.job, start.generation, 0, "out").parent
         log_dir.mkdir(parents=True, exist_ok=True)
         if self.rank_user is not None:
+            os.chmod(log_dir.parent, 0o711)  # the job's: passable whatever the umask
             self.rank_user.give(log_dir, 0o700)
         base = {**os.environ, **(self.rank_user.env() if self.rank_user else {})}
         started = []
