@@ -120,7 +120,7 @@ def test_a_rank_reads_none_of_its_agents_secrets_and_runs_as_usual(etcd, no_leak
                     *("-m", "agent", "--node", node, "--slots", "2"),
                     *("--etcd-endpoints", etcd.endpoint, "--tls-dir", str(tls)),
                     *("--run-dir", str(tmp / node), "--lease-ttl-s", "2"),
-                    *("--rank-user", RANK_USER, *extra),
+                    *("--rank-user", RANK_USER, "--warm-refill-delay-s", "0", *extra),
                 ],
                 tmp / f"{node}.log",
                 prefix=view,
@@ -157,7 +157,8 @@ def test_a_rank_reads_none_of_its_agents_secrets_and_runs_as_usual(etcd, no_leak
             world_size=2,
             command=[sys.executable, "-u", str(SCRIPT), str(findings), "3", *map(str, secrets)],
             working_dir=str(REPO),
-            env={"PYTHONPATH": str(REPO)},
+            env={"PYTHONPATH": str(REPO), "FAIL_FIRST": "1"},
+            max_restarts=1,
         )
         channel_credentials = grpc.ssl_channel_credentials(
             root_certificates=(tls / "ca.pem").read_bytes(),
@@ -182,9 +183,21 @@ def test_a_rank_reads_none_of_its_agents_secrets_and_runs_as_usual(etcd, no_leak
         final = state()
         assert final.state == "SUCCEEDED", (final, (tmp / "node-a.log").read_text()[-4000:])
         # Its steps reached the agent, and through it the controller.
-        assert final.step == 3, final
-        for rank in (0, 1):
-            found = json.loads((findings / f"rank{rank}.json").read_text())
+        assert (final.step, final.generation) == (3, 2), final
+        # Generation 2 restarted from warm processes, which ran as the rank user too.
+        starts = [
+            json.loads(line)
+            for line in (tmp / "node-a.log").read_text().splitlines()
+            if '"rank started"' in line
+        ]
+        assert [(e["generation"], e["warm"]) for e in starts] == [
+            (1, False),
+            (1, False),
+            (2, True),
+            (2, True),
+        ], starts
+        for rank, generation in ((0, 1), (1, 1), (0, 2), (1, 2)):
+            found = json.loads((findings / f"rank{rank}-g{generation}.json").read_text())
             assert (found["uid"], found["gid"], found["groups"]) == (
                 user.pw_uid,
                 user.pw_gid,
@@ -195,10 +208,11 @@ def test_a_rank_reads_none_of_its_agents_secrets_and_runs_as_usual(etcd, no_leak
                 **{path.name: "PermissionError" for path in secrets},
                 "environ": "PermissionError",
             }, reads
-            # Its rank directory and output are its own, and hold what it printed.
-            (gen,) = (tmp / "node-a" / "secrets").glob("gen*")
+            # Its rank directory and output are its own.
+            gen = tmp / "node-a" / "secrets" / f"gen{generation}"
             for path in (gen, gen / f"rank{rank}.out", gen / f"rank{rank}.err"):
                 assert (path.stat().st_uid, path.stat().st_gid) == (user.pw_uid, user.pw_gid)
+        assert (tmp / "node-a" / "pool").stat().st_uid == user.pw_uid
         # The run directory is passable but not listable, the socket the ranks' group's.
         assert (tmp / "node-a").stat().st_mode & 0o777 == 0o711
     finally:
@@ -249,7 +263,7 @@ def test_keel_up_with_tls_runs_its_ranks_as_the_rank_user(no_leaks):
     assert (summary["state"], summary["steps"]) == ("SUCCEEDED", 3), summary
     assert "ranks run as" not in result.stderr  # the line said without a rank user
     for rank in (0, 1):
-        found = json.loads((findings / f"rank{rank}.json").read_text())
+        found = json.loads((findings / f"rank{rank}-g1.json").read_text())
         assert (found["uid"], found["groups"]) == (user.pw_uid, []), found
         assert set(found["reads"].values()) == {"PermissionError"}, found["reads"]
         assert len(found["reads"]) == len(secrets) + 1
