@@ -6,9 +6,9 @@ rank user: its output files, its error file), the warm pool's directory, and the
 agent's socket (its directory and the socket are the rank group's, 0710 and 0660: the
 per-rank token in its environment is what authenticates it). The run directory itself
 is 0711 (passable, not listable), and what the agent keeps in it is its own. Nothing
-the agent reads as a credential (its token file, TLS key, etcd key) may be readable by
-the rank user: the agent refuses to start until it is not, naming the file and the
-fix. The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid
+the agent reads as a credential (its token file, TLS key, etcd key), nor any other
+key or token of its TLS directory (the CA's, the operator's), may be readable by the
+rank user: the agent refuses to start until it is not, naming the file and the fix. The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid
 reads ``/proc/AGENT/environ`` (which holds e.g. the etcd password) or ptraces it.
 
 The agent must run as root to do this; it needs no more of root than CAP_SETUID and
