@@ -8,8 +8,9 @@ per-rank token in its environment is what authenticates it). The run directory i
 is 0711 (passable, not listable), and what the agent keeps in it is its own. Nothing
 the agent reads as a credential (its token file, TLS key, etcd key), nor any other
 key or token of its TLS directory (the CA's, the operator's), may be readable by the
-rank user: the agent refuses to start until it is not, naming the file and the fix. The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid
-reads ``/proc/AGENT/environ`` (which holds e.g. the etcd password) or ptraces it.
+rank user: the agent refuses to start until it is not, naming the file and the fix.
+The agent makes itself non-dumpable (``PR_SET_DUMPABLE`` 0), so no other uid reads
+``/proc/AGENT/environ`` (which holds e.g. the etcd password) or ptraces it.
 
 The agent must run as root to do this; it needs no more of root than CAP_SETUID and
 CAP_SETGID (``common.launch`` becomes the rank user), CAP_CHOWN (the rank's files),
