@@ -270,3 +270,46 @@ def test_keel_up_with_tls_runs_its_ranks_as_the_rank_user(no_leaks):
     assert (workdir / "checkpoints").stat().st_uid == user.pw_uid
     for private in (tls, workdir / "logs"):
         assert private.stat().st_mode & 0o077 == 0, private
+
+
+def test_the_reference_trainer_checkpoints_and_restarts_in_place_as_the_rank_user(no_leaks):
+    """keel up --rank-user with the reference trainer and a crash: the ranks write
+    their checkpoints as the rank user, and the survivor of the crash restarts in place
+    (parked, then given its rank of the next generation and that generation's output
+    files) as the rank user."""
+    user = rank_user()
+    tmp = no_leaks
+    passable(tmp)
+    workdir = tmp / "run"
+    view = interpreter_view(user, tmp / "interpreter")
+    result = subprocess.run(
+        [
+            *view,
+            *(sys.executable, "-m", "orchestrator.cli", "up", "--json", "--no-preflight"),
+            *("--workdir", str(workdir), "--timeout-s", "200", "--rank-user", RANK_USER),
+            *("--nodes", "1", "--slots-per-node", "2", "--steps", "10"),
+            *("--checkpoint-every", "3", "--inject", "crash:rank=1,step=6"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=320,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)
+    assert (summary["state"], summary["steps"], summary["restarts"]) == ("SUCCEEDED", 10, 1), (
+        summary
+    )
+    starts = {}
+    for line in (workdir / "logs" / "agent-node-0.log").read_text().splitlines():
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("event") == "rank started":
+            starts[(record["generation"], record["rank"])] = record
+    assert starts[(2, 0)]["in_place"] and starts[(2, 0)]["pid"] == starts[(1, 0)]["pid"], starts
+    gen2 = workdir / "nodes" / "node-0" / "keel-up" / "gen2"
+    for path in (gen2, gen2 / "rank0.out", gen2 / "rank0.err"):
+        assert path.stat().st_uid == user.pw_uid, path
+    assert "step" in (gen2 / "rank0.err").read_text()  # the parked process wrote there
+    written = [p for p in (workdir / "checkpoints").rglob("*") if p.is_file()]
+    assert written and {p.stat().st_uid for p in written} == {user.pw_uid}
