@@ -10,6 +10,7 @@ import click
 from agent.config import AgentConfig, security_settings
 from agent.daemon import run
 from agent.leftovers import RunDirInUse
+from agent.rank_user import RankUser, RankUserRefused
 from agent.warm import DEFAULT_IMPORTS
 from common import env, flags, net
 from common.logs import configure
@@ -126,6 +127,16 @@ from common.logs import configure
     "one on the same slot, instead of starting new processes; a job can still "
     "ask for fresh processes (JobSpec cold_start).",
 )
+@click.option(
+    "--rank-user",
+    default=None,
+    metavar="USER",
+    help="Run ranks (and warm processes) as this user and its group, not the "
+    "agent's: they get their rank directories and the agent's socket, and cannot "
+    "read the agent's credentials, run directory or environment. Needs root; the "
+    "agent refuses to start while USER can read one of its key or token files. "
+    "Default: ranks run as the agent's user.",
+)
 @flags.tls_options(
     "agent",
     "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
@@ -152,6 +163,7 @@ def main(
     warm_imports,
     warm_refill_delay_s,
     restart_in_place,
+    rank_user,
     log_format,
     log_level,
     **security,
@@ -179,13 +191,14 @@ def main(
             warm_refill_delay_s=warm_refill_delay_s,
             restart_in_place=restart_in_place,
             warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()),
+            rank_user=RankUser.lookup(rank_user) if rank_user else None,
         )
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
         run(config)
-    except RunDirInUse as exc:
+    except (RunDirInUse, RankUserRefused) as exc:
         raise click.ClickException(str(exc)) from None
 
 

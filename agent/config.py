@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.rank_user import RankUser
 from common import deadlines
 from common.etcd import EtcdCredentials, etcd_credentials, host_port
 from common.keys import NODE_NAME, NODE_NAME_RULE
@@ -39,6 +40,9 @@ class AgentConfig:
     restart_in_place: bool = True  # keep ranks that can restart in place (agent.parking)
     tls: TlsFiles | None = None  # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
+    rank_user: RankUser | None = None  # ranks run as this user; None = as the agent's
+    # What the rank user must not be able to read (the agent refuses to start if it can).
+    secret_files: tuple[Path, ...] = ()
 
     def __post_init__(self):
         if not NODE_NAME.match(self.node):
@@ -91,7 +95,8 @@ def security_settings(
     key: str | None = None,
     **etcd_flags,
 ) -> dict:
-    """``AgentConfig`` fields (token, tls, etcd_credentials) from the agent's flags.
+    """``AgentConfig`` fields (token, tls, etcd_credentials, secret_files) from the
+    agent's flags.
 
     From a TLS directory the agent takes ``ca.pem``, its own certificate
     ``agent-<node>.pem``/``.key`` if there is one, else the shared ``agent.pem``/``.key``,
@@ -105,8 +110,16 @@ def security_settings(
                 f"--tls-dir {tls_dir} holds neither agent-{node}.pem nor "
                 f"agent.pem; give --cert and --key"
             )
+    tls = resolve_tls(tls_dir, identity, ca, cert, key)
+    credentials = etcd_credentials(**etcd_flags)
+    # Every credential the agent is given, and every other one in its TLS directory
+    # (the CA's key, the operator's): a rank user must read none of them.
+    secrets = [token_file, tls.key if tls else None, credentials.key if credentials else None]
+    if tls_dir:
+        secrets += sorted(Path(tls_dir).glob("*.key")) + sorted(Path(tls_dir).glob("*.token"))
     return {
         "token": read_token(token_file, Path(tls_dir) / "join.token" if tls_dir else None),
-        "tls": resolve_tls(tls_dir, identity, ca, cert, key),
-        "etcd_credentials": etcd_credentials(**etcd_flags),
+        "tls": tls,
+        "etcd_credentials": credentials,
+        "secret_files": tuple(dict.fromkeys(Path(p).resolve() for p in secrets if p)),
     }

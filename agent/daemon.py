@@ -24,7 +24,7 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from agent import hangs, leftovers, metrics, rank_logs
+from agent import hangs, leftovers, metrics, rank_logs, rank_user
 from agent.config import AgentConfig
 from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
@@ -93,12 +93,17 @@ class Agent:
             )
         self.socket_dir = tempfile.mkdtemp(prefix="keel-agent-")
         self.socket_path = f"{self.socket_dir}/agent.sock"
+        if config.rank_user is not None:
+            # The ranks' group passes to the socket, and lists nothing else.
+            os.chown(self.socket_dir, -1, config.rank_user.gid)
+            os.chmod(self.socket_dir, 0o710)
         self.pool = (
             WarmPool(
                 config.slots,
                 config.run_dir / "pool",
                 pool_env(dict(os.environ), self.socket_path),
                 refill_delay_s=config.warm_refill_delay_s,
+                rank_user=config.rank_user,
                 **({"imports": config.warm_imports} if config.warm_imports else {}),
             )
             if config.warm_processes
@@ -110,6 +115,7 @@ class Agent:
             interface=interface or "",
             pool=self.pool,
             in_place=config.restart_in_place,
+            rank_user=config.rank_user,
         )
         self.generation = Generation()
         self.started: tuple[str, int] | None = None  # the newest StartGeneration's
@@ -142,6 +148,9 @@ class Agent:
     def run(self) -> None:
         try:
             self.config.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.config.rank_user is not None:
+                # Passable to the ranks' directories inside, listable by none of them.
+                os.chmod(self.config.run_dir, 0o711)
             leftovers.take_over(self.config.run_dir, self.socket_path)
             self.lease = self.etcd.lease(int(self.config.lease_ttl_s))
             self.lease_ok_at = time.monotonic()
@@ -164,6 +173,9 @@ class Agent:
                 ),
                 workers=2 * self.config.slots + 8,
             )
+            if self.config.rank_user is not None:
+                os.chown(self.socket_path, -1, self.config.rank_user.gid)
+                os.chmod(self.socket_path, 0o660)
             if self.config.metrics_listen is not None:
                 self.metrics_server = common_metrics.serve(
                     listen_address(self.config.metrics_listen, self.config.host), self.config.tls
@@ -772,6 +784,19 @@ class Agent:
 
 
 def run(config: AgentConfig) -> None:
+    """Run the agent until it is stopped; raises RankUserRefused if its rank user
+    could reach what is the agent's alone (``agent.rank_user``)."""
+    # Other uids (its ranks') may neither read /proc/AGENT/environ nor ptrace it.
+    rank_user.make_undumpable()
+    if config.rank_user is not None:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        rank_user.check(config.rank_user, config.run_dir, config.secret_files)
+        log.info(
+            "ranks run as their own user",
+            rank_user=config.rank_user.name,
+            uid=config.rank_user.uid,
+            gid=config.rank_user.gid,
+        )
     agent = Agent(config)
     signal.signal(signal.SIGTERM, agent.request_leave)
     signal.signal(signal.SIGINT, agent.request_stop)

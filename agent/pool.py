@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from agent.rank_user import RankUser
 from agent.warm import DEFAULT_IMPORTS, SLOT
 from common import env as keel_env
 from common.procs import process_state, signal_group, tied_to_this_process
@@ -98,10 +99,13 @@ class WarmPool:
         max_age_s: float = MAX_AGE_S,
         refill_delay_s: float = REFILL_DELAY_S,
         imports: tuple[str, ...] = DEFAULT_IMPORTS,
+        rank_user: RankUser | None = None,
     ):
         """``slots`` processes at most, one per local rank; each starts with
         ``base_env`` (the agent's, no KEEL_* but the socket that marks what this agent
-        started) and logs to ``log_dir`` until it is given a rank."""
+        started) and logs to ``log_dir`` until it is given a rank. With ``rank_user``
+        they run as that user (``agent.rank_user``), and ``log_dir`` is theirs."""
+        self.rank_user = rank_user
         self.slots = slots
         self.log_dir = log_dir
         self.base_env = base_env
@@ -116,13 +120,17 @@ class WarmPool:
 
     def _spawn(self, slot: int) -> _Warm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        user_env = {}
+        if self.rank_user is not None:
+            self.rank_user.give(self.log_dir, 0o700)
+            user_env = self.rank_user.env()
         # Its argument names its pool in `ps` (and for whoever looks for what an agent
         # left running): a rank it becomes keeps this command line.
         # Its stdout is a pipe until it becomes a rank: "ready" once imported.
         with open(self.log_dir / f"slot{slot}.log", "ab") as out:
             popen = subprocess.Popen(
                 [
-                    *tied_to_this_process(),
+                    *tied_to_this_process(self.rank_user.ids if self.rank_user else None),
                     sys.executable,
                     "-u",
                     "-m",
@@ -130,7 +138,7 @@ class WarmPool:
                     str(self.log_dir / f"slot{slot}"),
                     ",".join(self.imports),
                 ],
-                env={**self.base_env, SLOT: str(slot)},
+                env={**self.base_env, **user_env, SLOT: str(slot)},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=out,

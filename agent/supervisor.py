@@ -33,6 +33,7 @@ from agent.failure import error_file_traceback, stderr_traceback, tail
 from agent.local_server import RankIdentity
 from agent.parking import Parked, ParkingLot
 from agent.pool import WarmPool
+from agent.rank_user import RankUser
 from common.deadlines import Deadlines
 from common.procs import (
     REAP_WAIT_S,
@@ -163,10 +164,13 @@ class Supervisor:
         interface: str = "",
         pool: WarmPool | None = None,
         in_place: bool = True,
+        rank_user: RankUser | None = None,
     ):
         """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
         the node's advertised address. ``pool``: warm processes to start ranks from.
-        ``in_place``: keep ranks that can restart in place for the next generation."""
+        ``in_place``: keep ranks that can restart in place for the next generation.
+        ``rank_user``: start ranks as this user, their directory and files its own."""
+        self.rank_user = rank_user
         self.in_place = in_place
         self.parking = ParkingLot()
         # Tokens of ranks asked to leave their generation (told in their acks).
@@ -179,6 +183,10 @@ class Supervisor:
         self.ranks: list[RankProcess] = []
         # Each rank's credential on the agent's socket, while it runs.
         self.identities: dict[str, RankIdentity] = {}
+
+    @property
+    def _as_user(self) -> tuple[int, int] | None:
+        return self.rank_user.ids if self.rank_user else None
 
     def leaving(self, token: str) -> bool:
         """Whether the rank holding ``token`` is asked to leave its generation (any thread)."""
@@ -196,13 +204,17 @@ class Supervisor:
         that) with the generation's stop grace from ``chain``."""
         log_dir = rank_log(self.run_dir, start.job, start.generation, 0, "out").parent
         log_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank_user is not None:
+            os.chmod(log_dir.parent, 0o711)  # the job's: passable whatever the umask
+            self.rank_user.give(log_dir, 0o700)
+        base = {**os.environ, **(self.rank_user.env() if self.rank_user else {})}
         started = []
         for assignment in start.ranks:
             error_file = log_dir / f"rank{assignment.rank}.error.json"
             error_file.unlink(missing_ok=True)
             token = secrets.token_urlsafe(24)
             env = rank_env(
-                os.environ,
+                base,
                 start,
                 assignment,
                 agent_socket,
@@ -214,6 +226,11 @@ class Supervisor:
             )
             out = rank_log(self.run_dir, start.job, start.generation, assignment.rank, "out")
             err = out.with_suffix(".err")
+            if self.rank_user is not None:
+                # Warm and parked processes open them as the rank user.
+                for path in (out, err):
+                    path.touch(mode=0o600)
+                    self.rank_user.give(path, 0o600)
             parked = self.parking.take(start, assignment) if self.in_place else None
             if parked is not None:
                 parked.start(env, str(out), str(err))
@@ -224,7 +241,7 @@ class Supervisor:
             if popen is None:
                 with open(out, "ab") as out_file, open(err, "ab") as err_file:
                     popen = subprocess.Popen(
-                        [*tied_to_this_process(), *start.command],
+                        [*tied_to_this_process(self._as_user), *start.command],
                         env=env,
                         stdout=out_file,
                         stderr=err_file,

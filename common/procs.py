@@ -17,10 +17,12 @@ from collections.abc import Sequence
 REAP_WAIT_S = 5.0  # after SIGKILL, how long a process group may take to empty
 
 
-def tied_to_this_process() -> list[str]:
+def tied_to_this_process(as_user: tuple[int, int] | None = None) -> list[str]:
     """Argv prefix that runs a command so the kernel SIGKILLs it when this process dies
-    (``python -m common.launch PID CMD...``; see that module for why it is a program)."""
-    return [sys.executable, "-m", "common.launch", str(os.getpid())]
+    (``python -m common.launch PID CMD...``; see that module for why it is a program),
+    as ``as_user`` (uid, gid) if given."""
+    user = ["--as", f"{as_user[0]}:{as_user[1]}"] if as_user else []
+    return [sys.executable, "-m", "common.launch", str(os.getpid()), *user]
 
 
 def group_alive(pgid: int) -> bool:

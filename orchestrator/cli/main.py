@@ -180,6 +180,15 @@ def main():
     "if there), agents given the join token, keel up the operator's.",
 )
 @click.option(
+    "--rank-user",
+    default=None,
+    metavar="USER",
+    help="Run the job's ranks as USER (created as a system user if missing), not as "
+    "keel up and its agents: they cannot read the cluster's keys, tokens or the "
+    "agents' environment, and write WORKDIR's checkpoints as USER. Needs root. "
+    "Without it keel up says once what its ranks can read.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout."
 )
 @click.option(
@@ -220,6 +229,7 @@ def up(
     workdir,
     timeout_s,
     use_tls,
+    rank_user,
     as_json,
     log_format,
     log_level,
@@ -268,6 +278,7 @@ def up(
             workdir=Path(workdir) if workdir else None,
             timeout_s=timeout_s,
             tls=use_tls,
+            rank_user=rank_user or "",
             etcd_credentials=etcd_credentials(**etcd),
             json=as_json,
             log_format=log_format,

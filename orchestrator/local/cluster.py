@@ -210,6 +210,7 @@ class LocalCluster:
                 ":0",
                 "--metrics-address-file",
                 str(self._metrics_file(f"agent-node-{index}")),
+                *(["--rank-user", self.options.rank_user] if self.options.rank_user else []),
             ],
             f"agent-node-{index}.log",
         )

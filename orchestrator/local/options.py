@@ -67,6 +67,7 @@ class UpOptions:
     log_format: str = "json"  # of the daemons and ranks (common.logs)
     log_level: str = "info"
     resume_from: str = ""  # absolute: a checkpoint, or a directory of them, to start from
+    rank_user: str = ""  # ranks run as this user (orchestrator.local.rank_user); "" = as keel up
 
     def __post_init__(self):
         if self.nodes < 1 or self.slots_per_node < 1:

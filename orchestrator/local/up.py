@@ -9,6 +9,8 @@ summary (``summary``).
 
 from __future__ import annotations
 
+import getpass
+import os
 import signal
 import sys
 import tempfile
@@ -20,6 +22,7 @@ import grpc
 from common.etcd import etcd_flags
 from common.wire_kinds import FaultKind
 from orchestrator.cli.client import ControllerClient, NoController
+from orchestrator.local import rank_user
 from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.faults import kind_of
 from orchestrator.local.firing import ClusterFaults
@@ -55,6 +58,8 @@ def up(options: UpOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints, moved = checkpoint_home(workdir / "checkpoints", options.resume_from, False)
     spec = job_spec(options, checkpoints)  # validates --inject before any start
+    if options.rank_user:
+        rank_user.prepare(options.rank_user, workdir, checkpoints, options.script)
     faults = ClusterFaults.of(spec)
     cluster = LocalCluster(
         options,
@@ -72,6 +77,8 @@ def up(options: UpOptions) -> int:
     progress = Progress()
     if moved:
         progress.note(moved)
+    if not options.rank_user:
+        progress.note(rank_user.notice(os.geteuid(), getpass.getuser(), workdir))
     try:
         cluster.start()
         client = ControllerClient(

@@ -55,10 +55,14 @@ def test_keel_lists_every_verb():
                 "--controllers",
                 "--spares",
                 "--tls",
+                "--rank-user",
             ),
         ),
         ("controller", ("--node-lost-grace-s", "--finished-job-ttl-s", "--tls-dir", "--etcd-ca")),
-        ("agent", ("--lease-ttl-s", "--stop-grace-s", "--tls-dir", "--etcd-password")),
+        (
+            "agent",
+            ("--lease-ttl-s", "--stop-grace-s", "--tls-dir", "--etcd-password", "--rank-user"),
+        ),
         ("drain", ("--wait", "--controller", "--etcd-endpoints")),
         (
             "run",

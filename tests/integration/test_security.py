@@ -278,6 +278,12 @@ def test_keel_up_with_tls(no_leaks):
     assert serving["mutual_tls"] and serving["role_tokens"]
     # Its embedded etcd served TLS to certificate holders only; keel up told how to reach it.
     assert f"--etcd-cert {tls_dir / 'operator.pem'}" in summary["_stderr"]
+    # Without --rank-user its ranks ran as keel up's user, which it said once.
+    said = [line for line in summary["_stderr"].splitlines() if "ranks run as" in line]
+    assert (
+        len(said) == 1
+        and f"can read the cluster's keys and tokens in {tls_dir.parent}" in (said[0])
+    ), said
 
 
 def test_keel_ups_embedded_etcd_with_tls_takes_only_clients_with_a_certificate(tmp_path):

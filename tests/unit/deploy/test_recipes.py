@@ -370,6 +370,11 @@ def seconds(value: str) -> float:
     return total
 
 
+AGENT_CAPABILITIES = {
+    f"CAP_{c}" for c in ("SETUID", "SETGID", "CHOWN", "KILL", "DAC_OVERRIDE", "SYS_PTRACE")
+}
+
+
 @pytest.mark.parametrize("name", ["controller", "agent"])
 def test_units_restart_with_back_off_hardened_and_read_their_environment(name):
     parsed = unit(SYSTEMD / f"keel-{name}.service")
@@ -384,10 +389,17 @@ def test_units_restart_with_back_off_hardened_and_read_their_environment(name):
         "ProtectKernelModules": "yes",
         "ProtectControlGroups": "yes",
         "RestrictSUIDSGID": "yes",
-        "CapabilityBoundingSet": "",
-        "User": "keel",
+        "AmbientCapabilities": "",
     }.items():
         assert service.get(key) == value, f"keel-{name}.service: {key}={service.get(key)!r}"
+    if name == "controller":
+        assert (service.get("User"), service.get("CapabilityBoundingSet")) == ("keel", "")
+    else:
+        # Root bounded to what starting ranks as another user takes (agent.rank_user).
+        assert (
+            service.get("User") == "root" and "--rank-user ${RANK_USER}" in (service["ExecStart"])
+        )
+        assert set(service["CapabilityBoundingSet"].split()) == AGENT_CAPABILITIES
     assert seconds(service["RestartSec"]) >= 1
     assert (
         int(parsed["Unit"]["StartLimitBurst"]) > 1
@@ -559,6 +571,24 @@ def test_the_agent_daemonset_runs_on_the_host_network_with_gpus_and_drains_in_it
         if run_dir.startswith(m["mountPath"] + "/")
     )
     assert "hostPath" in volumes[mount["name"]]
+
+
+def test_the_agent_runs_ranks_as_their_own_user_who_cannot_read_its_secrets():
+    agent = objects_by_kind("DaemonSet")["keel-agent"]
+    invocation = keel_invocation("keel-agent")
+    assert option_value(invocation, "--rank-user") == "keel-rank"
+    context = container(agent, "agent")["securityContext"]
+    assert context["runAsUser"] == 0 and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"]["drop"] == ["ALL"]
+    assert {f"CAP_{c}" for c in context["capabilities"]["add"]} == AGENT_CAPABILITIES
+    pod = agent["spec"]["template"]["spec"]
+    assert "fsGroup" not in pod.get("securityContext", {}), "it would give ranks the secret"
+    tls = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["defaultMode"] == 0o400
+    # The image has the user.
+    assert "useradd --uid 10002" in DOCKERFILE.read_text() and "keel-rank" in (
+        DOCKERFILE.read_text()
+    )
 
 
 def test_the_controllers_are_two_with_stable_names_their_certificate_can_hold():
