@@ -95,6 +95,7 @@ class RankProcess:
     stop_requested_at: float = 0.0
     killed_at: float = 0.0  # SIGKILL sent to its group
     exited_at: float = 0.0
+    seen_running_at: float = 0.0  # wall clock: the last poll that found its process running
     last_step: int = 0
     started_at: float = field(default_factory=time.monotonic)
     stop_grace_s: float = 5.0  # SIGTERM to SIGKILL, the generation's
@@ -428,6 +429,7 @@ class Supervisor:
         """Advance every rank's lifecycle; return ranks whose process just exited."""
         exited = []
         self.parking.poll(now)
+        looked_at = time.time()
         for proc in self.ranks:
             if proc.phase in (
                 RankPhase.RUNNING,
@@ -436,6 +438,8 @@ class Supervisor:
                 RankPhase.KILLED,
             ):
                 code = proc.popen.poll()
+                if code is None:
+                    proc.seen_running_at = looked_at
                 if code is not None:
                     stopped = proc.phase is not RankPhase.RUNNING
                     proc.move(RankPhase.EXITED, f"exit status {code}")
@@ -505,13 +509,17 @@ class Supervisor:
     def _exit_report(self, proc: RankProcess, code: int, stopped: bool) -> keel_pb2.RankExited:
         stderr_tail = tail(proc.stderr_path)
         traceback = error_file_traceback(proc.error_file) or stderr_traceback(stderr_tail)
-        # Peers of a crashed rank die of its absence a moment later, often within one
-        # poll; the error file's mtime dates an exception more precisely than the poll.
-        exited_at = time.time()
+        # Peers of a failed rank die of its absence a moment later, often within one
+        # poll, so an exit is dated by its earliest evidence: an exception by its error
+        # file's mtime; an exit that left none (a SIGKILL) by the last poll that found
+        # the process running. Dated by the poll that reaped it, a rank SIGKILLed just
+        # before a peer's exception counted as dying after it, and the peer was named
+        # the root cause.
+        now = time.time()
         try:
-            exited_at = min(exited_at, proc.error_file.stat().st_mtime)
+            exited_at = min(now, proc.error_file.stat().st_mtime)
         except FileNotFoundError:
-            pass
+            exited_at = proc.seen_running_at or now
         return keel_pb2.RankExited(
             job=proc.job,
             generation=proc.generation,
