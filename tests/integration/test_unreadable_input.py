@@ -124,8 +124,10 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
         # The records are left as they were, for a version that can read them.
         assert json.loads(client.get("/keel/jobs/broken/state")[0])["state"] == "DREAMING"
 
-        # Step reports numbered from 0, or with a step time that is no number of
-        # seconds, are dropped with a warning; the agent's stream stays open.
+        # Step reports for the job it left out (numbered from 0, or with a step time
+        # that is no number of seconds, too) are refused before the state lock, with a
+        # warning; the agent's stream stays open. (Invalid reports of a job it manages
+        # are dropped and counted: tests/unit/orchestrator/controller/test_step_tallies.)
         lease = client.lease(30)
         done = threading.Event()
 
@@ -151,11 +153,11 @@ def test_a_job_record_it_cannot_read_is_left_out_and_the_controller_still_leads(
         try:
             wait_for(
                 lambda: (
-                    "ignoring step reports numbered below 1"
+                    "job 'broken', which does not exist"
                     in (cluster.path / "controller.log").read_text()
                 ),
                 30,
-                what="the reports to be dropped",
+                what="the reports to be refused",
             )
             assert "agent message failed" not in (cluster.path / "controller.log").read_text()
             nodes = stub.ListNodes(

@@ -47,7 +47,11 @@ def main() -> None:
         dist.all_reduce(together)
         assert together.item() == step * dist.get_world_size(), together
         went_on.append(step)
-    print(json.dumps({"rank": rank, "steps": went_on}), flush=True)
+    # One write per line: the ranks share torchrun's stdout, and print writes the text
+    # and the newline apart, two writes on an unbuffered stdout; two ranks' lines were
+    # seen interleaved into one in CI.
+    sys.stdout.write(json.dumps({"rank": rank, "steps": went_on}) + "\n")
+    sys.stdout.flush()
     saver.settle(10)
     rt.close()
     dist.destroy_process_group()
