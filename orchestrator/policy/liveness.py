@@ -60,17 +60,18 @@ def node_usable(
 ) -> bool:
     """A node counts while it is registered in etcd and its agent's stream is up, or
     down for less than the node-lost grace; a node whose agent has not connected to
-    this controller yet counts while the controller is still ``taking_over``, and, if
-    it has no record either, for the first node-lost grace of this lead
-    (``since_leading_s``): its agent, alive, registers again on a new lease at its
-    next refresh. That is what a takeover finds after etcd revoked every lease at once
-    (etcd before 3.5.11 does when a raft leader that was stalled resumes,
-    etcd-io/etcd#15247; the leader's lease goes too, so a takeover always follows);
-    counted lost at once, every node of every job was. A node that lost its record
-    while connected to this controller is lost at once, as before: a stalled agent's
-    lease lapsing is how it is found."""
+    this controller yet counts while the controller is still ``taking_over``; and a node
+    with no record counts for the first node-lost grace of this lead
+    (``since_leading_s``), whether its agent has connected yet or not: alive, it
+    registers again on a new lease at its next refresh. That is what a takeover finds
+    after etcd revoked every lease at once (etcd before 3.5.11 does when a raft leader
+    that was stalled resumes, etcd-io/etcd#15247; the leader's lease goes too, so a
+    takeover always follows), and an agent that learns of the new leader before its
+    next refresh connects to it still unregistered; counted lost at once, every node of
+    every job was. Past that grace, a node that lost its record is lost at once,
+    connected or not: a stalled agent's lease lapsing is how it is found."""
     if not registered:
-        return not has_session and since_leading_s < grace_s
+        return since_leading_s < grace_s
     if not has_session:
         return still_taking_over
     return connected or down_for_s < grace_s

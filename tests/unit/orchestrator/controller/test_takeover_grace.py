@@ -1,6 +1,10 @@
 """A controller that took over counts no node lost while the cluster is still coming
 back to it, and stops waiting once agents stop arriving, or after TAKEOVER_GRACES."""
 
+from types import SimpleNamespace
+
+from etcd3 import events
+
 from common.records import NodeRecord
 from orchestrator.controller import observe
 from orchestrator.controller.config import ControllerConfig
@@ -50,9 +54,33 @@ def test_a_node_without_a_record_gets_the_first_grace_of_a_takeover_only():
     assert observe.node_usable(state, "n1", 1000.0 + GRACE)  # registered: still waited for
 
 
-def test_a_node_that_lost_its_record_while_connected_here_is_not_usable():
+def test_a_node_connected_here_without_a_record_is_usable_for_the_first_grace_only():
+    """An agent that learned of the new leader before its next refresh found its lease
+    revoked connects unregistered; one grace into the lead, a node connected here with
+    no record is lost at once (a stalled agent's lease lapsed)."""
     state = taken_over_at(1000.0)
     state.sessions["n2"] = AgentSession(
         node="n2", host="h", slots=8, lease_id=2, pid=2, hello=keel_pb2.Hello(), term=1
     )
-    assert not observe.node_usable(state, "n2", 1000.5)
+    assert observe.node_usable(state, "n2", 1000.5)
+    assert observe.node_usable(state, "n2", 1000.0 + GRACE - 0.1)
+    assert not observe.node_usable(state, "n2", 1000.0 + GRACE)
+
+
+def test_a_late_delete_from_the_revoke_does_not_count_a_reconnected_node_lost():
+    """A sequence that fits what a CI run saw: etcd revoked every lease; the agent
+    registered again and its Hello put the record, then the watch brought the revoke's
+    delete of the old record (the put of the new one follows a moment later). In
+    between, the node is connected here with no record: counted lost at once, a healthy
+    job failed. One grace into the lead it no longer has that benefit."""
+    state = taken_over_at(1000.0)
+    state.attach(
+        AgentSession(
+            node="n1", host="h", slots=8, lease_id=9, pid=1, hello=keel_pb2.Hello(), term=1
+        )
+    )
+    gone = SimpleNamespace(kv=SimpleNamespace(key=b"/keel/nodes/n1", value=b""))
+    state.nodes_changed([events.DeleteEvent(gone)])
+    assert "n1" not in state.registered
+    assert observe.node_usable(state, "n1", 1001.0)
+    assert not observe.node_usable(state, "n1", 1000.0 + GRACE)

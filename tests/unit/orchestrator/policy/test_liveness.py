@@ -36,8 +36,13 @@ def test_a_new_leader_waits_for_its_cluster_while_it_is_still_coming_back(
 @pytest.mark.parametrize(
     "registered, has_session, connected, down_for_s, taking, since_leading_s, expected",
     [
-        # No record while connected here: at once (a stalled agent's lease lapsed).
-        (False, True, True, 0.0, True, 0.0, False),
+        # No record while connected here: at once (a stalled agent's lease lapsed)...
+        (False, True, True, 0.0, False, 1e9, False),
+        (False, True, True, 0.0, True, GRACE, False),
+        # ...but for the first grace of a lead: after every lease was revoked at once,
+        # an agent may connect to the new leader before its refresh registers it again.
+        (False, True, True, 0.0, True, 0.0, True),
+        (False, True, True, 0.0, True, GRACE - 0.1, True),
         (True, True, True, 0.0, False, 1e9, True),
         (True, True, False, GRACE - 0.1, False, 1e9, True),  # down, within the grace
         (True, True, False, GRACE, False, 1e9, False),
