@@ -6,6 +6,8 @@
                                            (``keel restore-epoch``; ``common.epoch``)
     /keel/nodes/<node>                     a node's registration, on its agent's lease
     /keel/cordons/<node>                   a cordoned (or draining) node: why, by whom, since when
+    /keel/certificates/<node>              the node's own certificate (TLS bootstrapping):
+                                           requested, approved, issued or revoked
     /keel/jobs/<job>/spec                  the submitted job spec
     /keel/jobs/<job>/state                 lifecycle state, generation, restarts, the
                                            operator's stop
@@ -36,6 +38,7 @@ LEADER = f"{PREFIX}/controller/leader"
 EPOCH = f"{PREFIX}/epoch"
 NODES = f"{PREFIX}/nodes/"
 CORDONS = f"{PREFIX}/cordons/"
+CERTIFICATES = f"{PREFIX}/certificates/"
 JOBS = f"{PREFIX}/jobs/"
 
 
@@ -50,6 +53,10 @@ def node(name: str) -> str:
 
 def cordon(name: str) -> str:
     return CORDONS + name
+
+
+def certificate(name: str) -> str:
+    return CERTIFICATES + name
 
 
 def job(name: str) -> str:

@@ -148,6 +148,34 @@ class CordonRecord(Record):
     pid: int = 0
 
 
+class CertificateState(enum.StrEnum):
+    """Where a node's own certificate stands (``policy.certificates``)."""
+
+    PENDING = "pending"  # requested; an operator's approval is awaited
+    APPROVED = "approved"  # approved; signed at the node's next request
+    ISSUED = "issued"  # signed: a Hello for the node needs this certificate's key
+    REVOKED = "revoked"  # no certificate is signed or accepted for the node
+
+
+@dataclass(frozen=True, kw_only=True)
+class CertificateRecord(Record):
+    """``/keel/certificates/<node>``: the node's own certificate, as TLS bootstrapping
+    left it. ``key_sha256``: the SHA-256 of the node's public key (DER), the request's
+    while PENDING, the certificate's once ISSUED ("" when APPROVED without a request);
+    ``serial``: the newest certificate's serial number (hex), ``not_after_unix``: when
+    it expires; ``by``: who moved it to this state (the controller, or an operator's
+    call)."""
+
+    state: CertificateState
+    key_sha256: str
+    requested_at_unix: float
+    changed_at_unix: float
+    by: str
+    serial: str = ""
+    not_after_unix: float = 0.0
+    issued: int = 0  # certificates signed for the node so far (renewals included)
+
+
 # --------------------------------------------------------------------------- jobs
 @dataclass(frozen=True, kw_only=True)
 class JobSpecRecord(Record):

@@ -199,6 +199,56 @@ FAULT_KIND_STALL_AGENT: FaultKind
 FAULT_KIND_STALL_NODE: FaultKind
 FAULT_KIND_PARTITION_NODE: FaultKind
 
+class CertificateRequest(_message.Message):
+    __slots__ = ("node", "csr_pem")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    csr_pem: bytes
+    def __init__(self, node: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+
+class CertificateReply(_message.Message):
+    __slots__ = ("certificate_pem", "pending", "message")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: bytes
+    pending: bool
+    message: str
+    def __init__(self, certificate_pem: _Optional[bytes] = ..., pending: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CertificateStatus(_message.Message):
+    __slots__ = ("node", "state", "key_sha256", "serial", "not_after_unix", "changed_at_unix", "by", "message", "issued")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    state: str
+    key_sha256: str
+    serial: str
+    not_after_unix: float
+    changed_at_unix: float
+    by: str
+    message: str
+    issued: int
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., key_sha256: _Optional[str] = ..., serial: _Optional[str] = ..., not_after_unix: _Optional[float] = ..., changed_at_unix: _Optional[float] = ..., by: _Optional[str] = ..., message: _Optional[str] = ..., issued: _Optional[int] = ...) -> None: ...
+
+class ListCertificatesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCertificatesReply(_message.Message):
+    __slots__ = ("certificates",)
+    CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    certificates: _containers.RepeatedCompositeFieldContainer[CertificateStatus]
+    def __init__(self, certificates: _Optional[_Iterable[_Union[CertificateStatus, _Mapping]]] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
     HELLO_FIELD_NUMBER: _ClassVar[int]

@@ -101,6 +101,21 @@ class ControllerStub:
                 request_serializer=protos_dot_keel__pb2.ReadLogRequest.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.ReadLogReply.FromString,
                 _registered_method=True)
+        self.ApproveCertificate = channel.unary_unary(
+                '/keel.v1.Controller/ApproveCertificate',
+                request_serializer=protos_dot_keel__pb2.NodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.CertificateStatus.FromString,
+                _registered_method=True)
+        self.RevokeCertificate = channel.unary_unary(
+                '/keel.v1.Controller/RevokeCertificate',
+                request_serializer=protos_dot_keel__pb2.NodeRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.CertificateStatus.FromString,
+                _registered_method=True)
+        self.ListCertificates = channel.unary_unary(
+                '/keel.v1.Controller/ListCertificates',
+                request_serializer=protos_dot_keel__pb2.ListCertificatesRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.ListCertificatesReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -200,6 +215,27 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApproveCertificate(self, request, context):
+        """Nodes' own certificates (TLS bootstrapping): approve a node's request (or let a
+        revoked node bootstrap again), revoke a node's certificate (its agent's session is
+        closed, and no Hello for the node is accepted until an approval), list them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeCertificate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCertificates(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +303,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ReadLog,
                     request_deserializer=protos_dot_keel__pb2.ReadLogRequest.FromString,
                     response_serializer=protos_dot_keel__pb2.ReadLogReply.SerializeToString,
+            ),
+            'ApproveCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApproveCertificate,
+                    request_deserializer=protos_dot_keel__pb2.NodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.CertificateStatus.SerializeToString,
+            ),
+            'RevokeCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCertificate,
+                    request_deserializer=protos_dot_keel__pb2.NodeRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.CertificateStatus.SerializeToString,
+            ),
+            'ListCertificates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCertificates,
+                    request_deserializer=protos_dot_keel__pb2.ListCertificatesRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.ListCertificatesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -622,6 +673,177 @@ class Controller:
             '/keel.v1.Controller/ReadLog',
             protos_dot_keel__pb2.ReadLogRequest.SerializeToString,
             protos_dot_keel__pb2.ReadLogReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApproveCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/ApproveCertificate',
+            protos_dot_keel__pb2.NodeRequest.SerializeToString,
+            protos_dot_keel__pb2.CertificateStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/RevokeCertificate',
+            protos_dot_keel__pb2.NodeRequest.SerializeToString,
+            protos_dot_keel__pb2.CertificateStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCertificates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Controller/ListCertificates',
+            protos_dot_keel__pb2.ListCertificatesRequest.SerializeToString,
+            protos_dot_keel__pb2.ListCertificatesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class BootstrapStub:
+    """TLS bootstrapping, on the controller's --bootstrap-port: TLS that asks for no client
+    certificate, and the join token the whole check. An agent holding only the CA
+    certificate and the join token sends a certificate request naming its node; the
+    leading controller signs one bound to that node, once (a request with another key
+    for a node that has its certificate is refused), or records it for an operator's
+    approval. The same key asks again to renew.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RequestCertificate = channel.unary_unary(
+                '/keel.v1.Bootstrap/RequestCertificate',
+                request_serializer=protos_dot_keel__pb2.CertificateRequest.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.CertificateReply.FromString,
+                _registered_method=True)
+
+
+class BootstrapServicer:
+    """TLS bootstrapping, on the controller's --bootstrap-port: TLS that asks for no client
+    certificate, and the join token the whole check. An agent holding only the CA
+    certificate and the join token sends a certificate request naming its node; the
+    leading controller signs one bound to that node, once (a request with another key
+    for a node that has its certificate is refused), or records it for an operator's
+    approval. The same key asks again to renew.
+    """
+
+    def RequestCertificate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_BootstrapServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RequestCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestCertificate,
+                    request_deserializer=protos_dot_keel__pb2.CertificateRequest.FromString,
+                    response_serializer=protos_dot_keel__pb2.CertificateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'keel.v1.Bootstrap', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('keel.v1.Bootstrap', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Bootstrap:
+    """TLS bootstrapping, on the controller's --bootstrap-port: TLS that asks for no client
+    certificate, and the join token the whole check. An agent holding only the CA
+    certificate and the join token sends a certificate request naming its node; the
+    leading controller signs one bound to that node, once (a request with another key
+    for a node that has its certificate is refused), or records it for an operator's
+    approval. The same key asks again to renew.
+    """
+
+    @staticmethod
+    def RequestCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.Bootstrap/RequestCertificate',
+            protos_dot_keel__pb2.CertificateRequest.SerializeToString,
+            protos_dot_keel__pb2.CertificateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,9 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "CheckpointJob": frozenset({Role.OPERATOR}),
     SERVICE + "StopJob": frozenset({Role.OPERATOR}),
     SERVICE + "DeleteJob": frozenset({Role.OPERATOR}),
+    SERVICE + "ApproveCertificate": frozenset({Role.OPERATOR}),
+    SERVICE + "RevokeCertificate": frozenset({Role.OPERATOR}),
+    SERVICE + "ListCertificates": frozenset({Role.READER, Role.OPERATOR}),
 }
 
 

@@ -25,7 +25,7 @@ from orchestrator.security.auth import (
 from protos import keel_pb2
 
 TOKENS = Tokens(join="j-token", operator="o-token", reader="r-token")
-READ_ONLY = ("GetJob", "ListJobs", "ListNodes", "ReadLog")
+READ_ONLY = ("GetJob", "ListJobs", "ListNodes", "ReadLog", "ListCertificates")
 
 
 def bearer(token: str) -> str:
