@@ -117,6 +117,7 @@ KINDS = (
     "epoch",
     "node",
     "cordon",
+    "certificate",
     "job_spec",
     "job_state",
     "plan",
@@ -138,6 +139,8 @@ def kind_of(key: str) -> str:
         return "node"
     if key.startswith(CORDONS):
         return "cordon"
+    if key.startswith(CERTIFICATES):
+        return "certificate"
     job = job_of(key)
     if job is None:
         return "other"

@@ -502,12 +502,18 @@ def plan(
     "keep them until `keel delete JOB`). Its checkpoints stay on disk.",
 )
 @tls.role_token_options
+@tls.bootstrap_options
 @flags.tls_options("controller", "ca.pem, controller.pem, controller.key and the three role tokens")
 @flags.etcd_options
 @flags.log_options
 def controller(
     etcd_endpoints,
     token_file,
+    bootstrap_port,
+    ca_key,
+    approve_agents,
+    agent_certificate_lifetime_s,
+    allow_shared_agent_certificate,
     listen,
     advertise_host,
     address_file,
@@ -555,6 +561,14 @@ def controller(
             rendezvous_timeout_s=rendezvous_timeout_s,
             finished_job_ttl_s=finished_job_ttl_s,
             report_messages_per_s=report_messages_per_s,
+            **tls.bootstrap_settings(
+                security.get("tls_dir"),
+                bootstrap_port,
+                ca_key,
+                approve_agents,
+                agent_certificate_lifetime_s,
+                allow_shared_agent_certificate,
+            ),
         )
         configure("controller", fmt=log_format, level=log_level)
     except ValueError as exc:
@@ -614,6 +628,8 @@ def _register_operator_commands() -> None:
         etcd,
     ):
         main.add_command(command)
+    for command in operator_cli.CERTS:
+        certs.add_command(command)
 
 
 _register_operator_commands()

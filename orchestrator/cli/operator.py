@@ -494,4 +494,63 @@ def delete(job, controller, etcd_endpoints, token_file, as_json, **security):
     click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
 
 
+# `keel certs approve|revoke|list`: nodes' own certificates (TLS bootstrapping).
+def _certificate_reply(reply: keel_pb2.CertificateStatus, as_json: bool) -> None:
+    click.echo(json.dumps(_dict(reply)) if as_json else reply.message)
+
+
+@click.command("approve", context_settings=CONTEXT)
+@click.argument("node")
+@connection_options
+def certs_approve(node, controller, etcd_endpoints, token_file, as_json, **security):
+    """Let NODE be signed its own certificate: its waiting request (a controller with
+    --approve-agents), or, for a node with none or one revoked, the next request."""
+    client = Client(controller, etcd_endpoints, token_file, **security)
+    reply = client.call("ApproveCertificate", keel_pb2.NodeRequest(node=node))
+    _certificate_reply(reply, as_json)
+
+
+@click.command("revoke", context_settings=CONTEXT)
+@click.argument("node")
+@connection_options
+def certs_revoke(node, controller, etcd_endpoints, token_file, as_json, **security):
+    """Revoke NODE's certificate: its agent's session is closed now, and no Hello or
+    certificate request for NODE is accepted until `keel certs approve NODE`."""
+    client = Client(controller, etcd_endpoints, token_file, **security)
+    reply = client.call("RevokeCertificate", keel_pb2.NodeRequest(node=node))
+    _certificate_reply(reply, as_json)
+
+
+@click.command("list", context_settings=CONTEXT)
+@connection_options
+def certs_list(controller, etcd_endpoints, token_file, as_json, **security):
+    """Nodes' own certificates: state (pending, approved, issued, revoked), serial,
+    expiry, how many were signed, and who made the last change."""
+    client = Client(controller, etcd_endpoints, token_file, **security)
+    found = client.call("ListCertificates", keel_pb2.ListCertificatesRequest()).certificates
+    if as_json:
+        click.echo(json.dumps([_dict(c) for c in found]))
+        return
+    click.echo(
+        _table(
+            ["NODE", "STATE", "SERIAL", "EXPIRES", "SIGNED", "KEY", "BY"],
+            [
+                [
+                    c.node,
+                    c.state,
+                    c.serial[:16] or "-",
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c.not_after_unix))
+                    if c.not_after_unix
+                    else "-",
+                    str(c.issued),
+                    c.key_sha256[:16] or "-",
+                    c.by or "-",
+                ]
+                for c in found
+            ],
+        )
+    )
+
+
+CERTS = (certs_approve, certs_revoke, certs_list)
 MUTATING = (cordon, uncordon, drain, replace, checkpoint, submit, stop, delete)

@@ -10,6 +10,9 @@ from common.net import listen_address
 from common.tls import TlsFiles
 from orchestrator.security.auth import Tokens
 
+# Shorter, and an agent would be renewing all the time (its check runs every second).
+MIN_CERTIFICATE_LIFETIME_S = 30.0
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -37,6 +40,17 @@ class ControllerConfig:
     tokens: Tokens | None = None  # per-role tokens (join, operator, reader)
     tls: TlsFiles | None = None  # mutual TLS on the gRPC port; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
+    # TLS bootstrapping (``orchestrator.controller.bootstrap``): the port agents ask for
+    # their own certificates on (None: not served; 0: a free one), the CA key that
+    # signs them, whether a node's first request waits for ``keel certs approve``, and
+    # how long a node's certificate lasts (its agent renews it at 2/3 of that).
+    bootstrap_port: int | None = None
+    ca_key: Path | None = None
+    approve_agents: bool = False
+    agent_certificate_lifetime_s: float = 30 * 24 * 3600.0
+    # A Hello over the one certificate every agent shares (it binds no node) is refused
+    # unless this says otherwise.
+    allow_shared_agent_certificate: bool = False
 
     def __post_init__(self):
         if not self.etcd_endpoints:
@@ -68,6 +82,19 @@ class ControllerConfig:
             raise ValueError(
                 f"finished_job_ttl_s={self.finished_job_ttl_s}: give 0 (keep "
                 f"ended jobs until `keel delete`) or a positive number of seconds"
+            )
+        if self.bootstrap_port is not None:
+            if self.tls is None or self.ca_key is None:
+                raise ValueError(
+                    "--bootstrap-port needs mutual TLS (--tls-dir) and the CA's key "
+                    "(--ca-key, or ca.key in --tls-dir): it signs agents' certificates"
+                )
+            if not 0 <= self.bootstrap_port < 65536:
+                raise ValueError(f"--bootstrap-port {self.bootstrap_port}: give 0-65535")
+        if self.agent_certificate_lifetime_s < MIN_CERTIFICATE_LIFETIME_S:
+            raise ValueError(
+                f"agent_certificate_lifetime_s={self.agent_certificate_lifetime_s}: give "
+                f"at least {MIN_CERTIFICATE_LIFETIME_S:g} s (an agent renews at 2/3 of it)"
             )
         if self.metrics_listen is not None:
             listen_address(self.metrics_listen, self.advertise_host)  # raises with the fix

@@ -25,7 +25,7 @@ from common.net import listen_address
 from common.paths import write_atomically as write_address
 from common.records import RecordError
 from common.watch import Watch
-from orchestrator.controller import exporter, metrics
+from orchestrator.controller import bootstrap, exporter, metrics
 from orchestrator.controller.config import ControllerConfig
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.leadership import Leadership
@@ -42,6 +42,7 @@ from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Store, log_set_aside
 from orchestrator.security.auth import AioTokenInterceptor
 from orchestrator.security.call_limits import CONTROLLER_LIMITS
+from orchestrator.security.certs import NodeSigner
 from protos import keel_pb2, keel_pb2_grpc
 
 log = structlog.get_logger()
@@ -77,7 +78,7 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         self.agents = AgentService(self.state, self.leadership)
         self.operator = OperatorService(self.state, self.leadership, self.executor)
         self.reconciler = Reconciler(self.state, self.leadership, self.executor)
-        self.collector = self.metrics_server = None
+        self.collector = self.metrics_server = self.bootstrap_server = None
         self.server: grpc.aio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # The node records, kept in the state as etcd has them (a standby's too, so a
@@ -116,6 +117,13 @@ class Controller(keel_pb2_grpc.ControllerServicer):
         threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True).start()
         port = asyncio.run_coroutine_threadsafe(self._start_server(), self.loop).result()
         self.state.address = f"{config.advertise_host}:{port}"
+        bootstrap_port = None
+        if config.bootstrap_port is not None:
+            signer = NodeSigner(config.tls.ca, config.ca_key)
+            host = config.listen.rpartition(":")[0]
+            self.bootstrap_server, bootstrap_port = bootstrap.serve(
+                self.state, signer, f"{host}:{config.bootstrap_port}", config.tokens or config.token
+            )
         if config.metrics_listen is not None:
             self.collector = exporter.register(self.state)
             self.metrics_server = common_metrics.serve(
@@ -143,6 +151,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
             controller_id=self.state.id,
             mutual_tls=config.tls is not None,
             role_tokens=config.tokens is not None,
+            bootstrap_port=bootstrap_port,
+            approve_agents=config.approve_agents if bootstrap_port is not None else None,
         )
         return self.state.address
 
@@ -179,6 +189,8 @@ class Controller(keel_pb2_grpc.ControllerServicer):
                 grace_s + 10
             )
             self.loop.call_soon_threadsafe(self.loop.stop)
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop(grace_s).wait(grace_s + 10)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             exporter.unregister(self.collector)

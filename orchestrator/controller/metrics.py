@@ -24,6 +24,14 @@ LEADS_ABANDONED = Counter(
     "Times this controller won the leader key, could not take the lead "
     "(its rebuild from etcd failed) and let the key go for a standby",
 )
+CERTIFICATE_REQUESTS = Counter(
+    "keel_certificate_requests",
+    "Nodes' certificate requests on the bootstrap port, by answer: issued (first or "
+    "renewed), pending (an operator's approval awaited) or refused",
+    ["answer"],
+)
+for _answer in ("issued", "pending", "refused"):
+    CERTIFICATE_REQUESTS.labels(_answer)
 RECONCILE_TICK = Histogram(
     "keel_reconcile_tick_seconds",
     "One reconcile tick, seconds",

@@ -15,14 +15,16 @@ import uuid
 import grpc
 import structlog
 
-from common.records import CheckpointRequestRecord
+from common import keys
+from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.records import CertificateRecord, CheckpointRequestRecord, RecordError
 from orchestrator.controller import observe
 from orchestrator.controller.executor import Executor
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
-from orchestrator.policy import operations
+from orchestrator.policy import certificates, operations
 from orchestrator.policy.admission import directory_taken
 from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.lifecycle import WIRE_STATES, JobState
@@ -470,6 +472,68 @@ class OperatorService:
                 job=job.name, state=WIRE_STATES.to_wire(job.state), message=message
             )
 
+    # ------------------------------------------------------ nodes' certificates
+    def ApproveCertificate(self, request, context):
+        """Let ``request.node`` be signed its certificate (its waiting request, or,
+        with none, or after a revocation, the next that asks)."""
+        return self._certificate_call(request, context, certificates.on_approve)
+
+    def RevokeCertificate(self, request, context):
+        """Revoke ``request.node``'s certificate: nothing is signed or accepted for it
+        until an approval, and its agent's session is closed now."""
+        status = self._certificate_call(request, context, certificates.on_revoke)
+        with self.lock:
+            session = self.state.sessions.get(request.node)
+            if session is not None and session.connected:
+                self.state.detach(session, time.monotonic())
+                session.close()
+                log.warning("agent session closed: certificate revoked", node=request.node)
+        return status
+
+    def ListCertificates(self, request, context):
+        try:
+            found = self.store.certificates()
+        except Exception as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+        return keel_pb2.ListCertificatesReply(
+            certificates=[_certificate_status(n, r) for n, r in sorted(found.items())]
+        )
+
+    def _certificate_call(self, request, context, decide) -> keel_pb2.CertificateStatus:
+        self._require_leader(context)
+        node = request.node
+        if not NODE_NAME.match(node):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"node {node!r}: {NODE_NAME_RULE}")
+        try:
+            stored = self.store.certificate(node)
+            current = stored.value
+        except RecordError:
+            stored, current = None, None  # written anew: what the operator decides now
+        except Exception as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+        record, message = decide(node, current, f"an operator ({context.peer()})", time.time())
+        if record is not None:
+            seen = stored.mod_revision if stored is not None else self._revision_of(node)
+            try:
+                written = self.store.put_certificate(node, record, seen)
+            except Exception as exc:
+                self._unrecorded(exc, context)
+            if not written:
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"node {node}'s certificate record changed meanwhile; nothing "
+                    f"changed: run it again",
+                )
+            log.info("certificate record", node=node, state=record.state.value, by=record.by)
+        status = _certificate_status(node, record or current)
+        status.message = message
+        return status
+
+    def _revision_of(self, node: str) -> int:
+        """The revision of a certificate record that does not parse (to replace it)."""
+        _, meta = self.store.client.get(keys.certificate(node))
+        return meta.mod_revision if meta is not None else 0
+
     def ReadLog(self, request, context):
         """A rank's output from the node that ran it, relayed through that node's agent
         stream (no port of the agent's is reached from outside)."""
@@ -554,3 +618,18 @@ class OperatorService:
             running=chunk.running,
             path=chunk.path,
         )
+
+
+def _certificate_status(node: str, record: CertificateRecord | None) -> keel_pb2.CertificateStatus:
+    if record is None:
+        return keel_pb2.CertificateStatus(node=node, state="none")
+    return keel_pb2.CertificateStatus(
+        node=node,
+        state=record.state.value,
+        key_sha256=record.key_sha256,
+        serial=record.serial,
+        not_after_unix=record.not_after_unix,
+        changed_at_unix=record.changed_at_unix,
+        by=record.by,
+        issued=record.issued,
+    )

@@ -34,7 +34,7 @@ import structlog
 
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
-from common.records import CheckpointRecord, NodeRecord
+from common.records import CheckpointRecord, NodeRecord, RecordError
 from common.steps import MAX_BATCH_REPORTS
 from common.wire_kinds import WIRE_HANG_PHASES, WIRE_PROBLEM_KINDS
 from orchestrator.controller import metrics
@@ -43,6 +43,7 @@ from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
+from orchestrator.policy import certificates
 from orchestrator.policy.authority import (
     CommitBounds,
     NodeAuthority,
@@ -55,7 +56,7 @@ from orchestrator.policy.authority import (
 from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.job import RankExit
 from orchestrator.policy.lifecycle import JobState
-from orchestrator.security.auth import certificate_mismatch
+from orchestrator.security.auth import Presented, presented_certificate
 from orchestrator.spec.jobspec import MAX_SLOTS
 from protos import keel_pb2
 
@@ -114,9 +115,7 @@ class AgentService:
         problem = deadline_misfit(hello, self.state.config)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        problem = certificate_mismatch(context.auth_context(), hello.node)
-        if problem:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+        presented = presented_certificate(context.auth_context())
         if self.waiting >= ADMISSION_QUEUE:
             self.state.agent_knocked_at = time.monotonic()
             self.refused += 1
@@ -129,7 +128,7 @@ class AgentService:
         self.waiting += 1
         try:
             session, refusal = await loop.run_in_executor(
-                self.admitting, self._admit, hello, LoopOutbox(self._post_on(loop))
+                self.admitting, self._admit, hello, presented, LoopOutbox(self._post_on(loop))
             )
         finally:
             self.waiting -= 1
@@ -155,11 +154,16 @@ class AgentService:
             self.inbox.put((session, None))  # after every message it read
 
     def _admit(
-        self, hello: keel_pb2.Hello, outbox: LoopOutbox
+        self, hello: keel_pb2.Hello, presented: Presented | None, outbox: LoopOutbox
     ) -> tuple[AgentSession | None, tuple[grpc.StatusCode, str] | None]:
-        """Check the Hello's lease and put its node record (on an admission thread);
-        the new session, or why the Connect is refused."""
+        """Check the Hello's certificate (``presented``, None over plaintext) and lease
+        and put its node record (on an admission thread); the new session, or why the
+        Connect is refused."""
         state = self.state
+        if presented is not None:
+            refusal = self._certificate_refusal(hello.node, presented)
+            if refusal is not None:
+                return None, refusal
         with state.lock:
             current = state.sessions.get(hello.node)
             if state.streams >= MAX_AGENTS and not (current is not None and current.connected):
@@ -222,6 +226,34 @@ class AgentService:
             )
         state.wake.set()  # the reconcile loop squares its Hello with the plan
         return session, None
+
+    def _certificate_refusal(
+        self, node: str, presented: Presented
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Why the certificate ``presented`` may not say Hello for ``node``
+        (``policy.certificates.hello_refusal``, with the node's certificate record read
+        from etcd), or None. A record that does not parse refuses the node until an
+        operator writes it anew: a node's identity is not guessed at."""
+        try:
+            record = self.state.store.certificate(node).value
+        except RecordError as exc:
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"node {node}'s certificate record does not parse ({exc.problem}); "
+                f"`keel certs revoke {node}` then `keel certs approve {node}` write it anew"
+            )
+        except Exception as exc:
+            return grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}"
+        problem = certificates.hello_refusal(
+            node,
+            record,
+            presented.bound,
+            presented.key_sha256,
+            self.state.config.allow_shared_agent_certificate,
+        )
+        if problem:
+            log.warning("agent refused", node=node, reason=problem)
+            return grpc.StatusCode.PERMISSION_DENIED, problem
+        return None
 
     def _post_on(self, loop: asyncio.AbstractEventLoop) -> LoopPost:
         """The one ``LoopPost`` of the server's loop (made on it, by its first stream)."""

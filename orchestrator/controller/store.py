@@ -47,6 +47,7 @@ from common import keys
 from common.etcd import EtcdClient, prefix_end, read_prefix
 from common.leader import Leader, parse_leader
 from common.records import (
+    CertificateRecord,
     CheckpointRecord,
     CheckpointRequestRecord,
     CordonRecord,
@@ -210,6 +211,28 @@ class Store:
     def uncordon(self, node: str) -> None:
         """Lift a cordon."""
         self._write([self.client.transactions.delete(keys.cordon(node))])
+
+    # ------------------------------------------------------ nodes' certificates
+    def certificate(self, node: str) -> Versioned[CertificateRecord]:
+        """Node ``node``'s certificate record (value None: none), with its revision;
+        raises RecordError for one that does not parse."""
+        return self._get(keys.certificate(node), CertificateRecord)
+
+    def put_certificate(self, node: str, record: CertificateRecord, seen_revision: int) -> bool:
+        """Store ``record`` if the node's record is still at ``seen_revision`` (0: none
+        was); False if another write came first."""
+        tx = self.client.transactions
+        ok, _ = self._write(
+            [self._put(keys.certificate(node), record)],
+            compare=(tx.mod(keys.certificate(node)) == seen_revision,),
+        )
+        return ok
+
+    def certificates(self) -> dict[str, CertificateRecord]:
+        """Every node's certificate record by node; one that does not parse is set
+        aside (logged) and left out."""
+        found = self._prefix(keys.CERTIFICATES, CertificateRecord)
+        return {keys.last_part(key): record for key, record in found.items()}
 
     def cordons(self) -> dict[str, CordonRecord]:
         """Every cordon by node. A cordon whose value does not parse still keeps its

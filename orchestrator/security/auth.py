@@ -20,10 +20,13 @@ import hmac
 from dataclasses import dataclass, field
 
 import grpc
+from cryptography import x509
 
 from common.call_bounds import refusal
+from common.node_identity import bound_node, key_sha256
 
 SERVICE = "/keel.v1.Controller/"
+BOOTSTRAP_SERVICE = "/keel.v1.Bootstrap/"
 
 
 class Role(enum.Enum):
@@ -50,6 +53,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     SERVICE + "ApproveCertificate": frozenset({Role.OPERATOR}),
     SERVICE + "RevokeCertificate": frozenset({Role.OPERATOR}),
     SERVICE + "ListCertificates": frozenset({Role.READER, Role.OPERATOR}),
+    # TLS bootstrapping (``orchestrator.controller.bootstrap``), on its own port.
+    BOOTSTRAP_SERVICE + "RequestCertificate": frozenset({Role.JOIN}),
 }
 
 
@@ -157,19 +162,21 @@ class AioTokenInterceptor(TokenInterceptor, grpc.aio.ServerInterceptor):
         return self._checked(await continuation(handler_call_details), handler_call_details)
 
 
-# `keel certs init --agent NAME` names that agent's certificate "keel-agent-NAME".
-AGENT_CERT_PREFIX = "keel-agent-"
+@dataclass(frozen=True)
+class Presented:
+    """The client certificate of a mutual-TLS call: the node it binds (None: none, the
+    shared agent certificate; ``common.node_identity.bound_node``) and its key's
+    fingerprint."""
+
+    bound: str | None
+    key_sha256: str
 
 
-def certificate_mismatch(auth_context: dict, node: str) -> str | None:
-    """Why a Hello for ``node`` may not come over this connection, or None: a
-    per-agent certificate registers its own node only. (The shared agent certificate,
-    and plaintext, bind no node name; the join token is then the whole check.)"""
-    for raw in auth_context.get("x509_common_name", []):
-        name = raw.decode() if isinstance(raw, bytes) else raw
-        if name.startswith(AGENT_CERT_PREFIX) and name[len(AGENT_CERT_PREFIX) :] != node:
-            return (
-                f"the certificate of agent {name[len(AGENT_CERT_PREFIX) :]} cannot "
-                f"register node {node}"
-            )
-    return None
+def presented_certificate(auth_context: dict) -> Presented | None:
+    """The certificate the caller presented, from gRPC's auth context; None over
+    plaintext (the token is then the whole check)."""
+    pems = auth_context.get("x509_pem_cert")
+    if not pems:
+        return None
+    cert = x509.load_pem_x509_certificate(pems[0])
+    return Presented(bound_node(cert), key_sha256(cert.public_key()))

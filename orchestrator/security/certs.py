@@ -31,11 +31,11 @@ from pathlib import Path
 import click
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.keys import NODE_NAME
-from orchestrator.security.auth import AGENT_CERT_PREFIX
+from common.keys import NODE_NAME, NODE_NAME_RULE
+from common.node_identity import AGENT_CERT_PREFIX, NODE_URI_PREFIX, SHARED_AGENT_NAME, node_uri
 from orchestrator.security.etcd_roles import ROOT
 
 CA_DAYS = 3650
@@ -161,6 +161,103 @@ class _Authority:
                 x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False
             )
         return builder.sign(self.key, hashes.SHA256()), key
+
+
+class RequestError(ValueError):
+    """A certificate request that cannot be signed, and what to fix."""
+
+
+# Keys a node's certificate request may carry: what every TLS library here speaks.
+_CURVES = (ec.SECP256R1, ec.SECP384R1)
+MIN_RSA_BITS = 2048
+
+
+class NodeSigner:
+    """The controller's signer of nodes' certificates (TLS bootstrapping), with the
+    cluster's CA (``ca.pem`` and ``ca.key``)."""
+
+    def __init__(self, ca_cert: Path, ca_key: Path):
+        self.cert = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
+        self.key = serialization.load_pem_private_key(Path(ca_key).read_bytes(), password=None)
+        if self.key.public_key().public_numbers() != self.cert.public_key().public_numbers():
+            raise ValueError(f"{ca_key} is not the key of the CA certificate {ca_cert}")
+
+    def check(self, node: str, csr_pem: bytes) -> x509.CertificateSigningRequest:
+        """The request, parsed and checked: it names ``node`` (if it names one), its
+        signature holds (its sender has the key), and its key is one we sign. Raises
+        RequestError with what to fix."""
+        if not NODE_NAME.match(node):
+            raise RequestError(f"node {node!r}: {NODE_NAME_RULE}")
+        try:
+            request = x509.load_pem_x509_csr(csr_pem)
+        except ValueError as exc:
+            raise RequestError(f"csr_pem is not a PEM certificate request: {exc}") from None
+        if not request.is_signature_valid:
+            raise RequestError("the certificate request's signature does not verify")
+        public = request.public_key()
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            if not isinstance(public.curve, _CURVES):
+                raise RequestError(f"curve {public.curve.name}: use P-256 or P-384")
+        elif isinstance(public, rsa.RSAPublicKey):
+            if public.key_size < MIN_RSA_BITS:
+                raise RequestError(f"an RSA key of {public.key_size} bits: use {MIN_RSA_BITS}+")
+        else:
+            raise RequestError(f"a {type(public).__name__}: use an ECDSA P-256 key")
+        try:
+            sans = request.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        except x509.ExtensionNotFound:
+            return request
+        named = [
+            u[len(NODE_URI_PREFIX) :]
+            for u in sans.value.get_values_for_type(x509.UniformResourceIdentifier)
+            if u.startswith(NODE_URI_PREFIX)
+        ]
+        if any(n != node for n in named):
+            raise RequestError(f"the request names node {named[0]}, the call node {node}")
+        return request
+
+    def sign(
+        self, node: str, request: x509.CertificateSigningRequest, lifetime_s: float, now=None
+    ) -> x509.Certificate:
+        """``node``'s certificate for the request's key: common name ``keel-agent``
+        (etcd's user of every agent), the node in a URI name, client use only. Nothing
+        else of the request is taken. It expires after ``lifetime_s``, or with the CA."""
+        now = now or datetime.datetime.now(datetime.UTC)
+        until = min(now + datetime.timedelta(seconds=lifetime_s), self.cert.not_valid_after_utc)
+        return (
+            x509.CertificateBuilder()
+            .subject_name(_name(SHARED_AGENT_NAME))
+            .issuer_name(self.cert.subject)
+            .public_key(request.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(until)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=True,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(node_uri(node))]),
+                critical=False,
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
 
 
 def _hosts(extra: tuple[str, ...]) -> tuple[str, ...]:

@@ -93,3 +93,70 @@ def client_settings(
     )
     token = read_token(token_file, Path(tls_dir) / f"{identity}.token" if identity else None)
     return token, files, etcd_credentials(**security)
+
+
+def bootstrap_options(command):
+    """The controller's TLS-bootstrapping flags (``orchestrator.controller.bootstrap``)."""
+    options = (
+        click.option(
+            "--bootstrap-port",
+            type=click.IntRange(0, 65535),
+            default=None,
+            help="Serve TLS bootstrapping here (on the --listen host; 0: a free port): "
+            "an agent holding only ca.pem and the join token asks for its node's own "
+            "certificate, signed by the CA key (needs --tls-dir). Default: not served.",
+        ),
+        click.option(
+            "--ca-key",
+            type=FILE,
+            default=None,
+            help="The CA's private key that signs nodes' certificates; default: "
+            "--tls-dir's ca.key.",
+        ),
+        click.option(
+            "--approve-agents",
+            is_flag=True,
+            help="A node's first certificate request waits for `keel certs approve "
+            "NODE` (default: the first request for a node is signed at once).",
+        ),
+        click.option(
+            "--agent-certificate-lifetime-s",
+            type=float,
+            default=30 * 24 * 3600.0,
+            show_default=True,
+            help="How long a node's signed certificate lasts; its agent renews it at 2/3 of that.",
+        ),
+        click.option(
+            "--allow-shared-agent-certificate",
+            is_flag=True,
+            help="Accept a Hello over the one agent certificate every node shares "
+            "(agent.pem), which binds no node: any holder may speak for any node. "
+            "Default: refused; give each node its own (--bootstrap-port, or "
+            "`keel certs init --agent NODE`).",
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def bootstrap_settings(
+    tls_dir: str | None,
+    bootstrap_port: int | None,
+    ca_key: str | None,
+    approve_agents: bool,
+    agent_certificate_lifetime_s: float,
+    allow_shared_agent_certificate: bool,
+) -> dict:
+    """``ControllerConfig``'s TLS-bootstrapping fields from the flags of
+    ``bootstrap_options``."""
+    key = ca_key or (Path(tls_dir) / "ca.key" if tls_dir and bootstrap_port is not None else None)
+    if key is not None and not Path(key).is_file():
+        raise ValueError(f"--ca-key {key}: no such file (the CA key signs nodes' certificates)")
+    return {
+        "bootstrap_port": bootstrap_port,
+        "ca_key": Path(key) if key else None,
+        "approve_agents": approve_agents,
+        "agent_certificate_lifetime_s": agent_certificate_lifetime_s,
+        "allow_shared_agent_certificate": allow_shared_agent_certificate,
+    }

@@ -98,6 +98,12 @@ def test_a_script_that_fails_once_resumes_from_its_own_snapshot(no_leaks):
     reference.mkdir()
     out.mkdir()
     ran = torchrun(2, str(SCRIPTS / "snapshot_trainer.py"), str(reference), "6", "-1")
+    if ran.returncode != 0 and "terminate called without an active exception" in ran.stderr:
+        # The reference, plain torchrun with nothing of Keel's, once had a rank abort in
+        # gloo's own threads (std::terminate) on CI: the baseline is run again, once.
+        for stale in reference.iterdir():
+            stale.unlink()
+        ran = torchrun(2, str(SCRIPTS / "snapshot_trainer.py"), str(reference), "6", "-1")
     assert ran.returncode == 0, ran.stderr[-3000:]
     ran = keel(
         "run",

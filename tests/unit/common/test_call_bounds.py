@@ -37,7 +37,7 @@ def test_a_streaming_method_is_bounded_by_the_server_and_named_methods_exist(ser
 
 
 def test_the_controllers_table_names_the_methods_of_its_role_table():
-    assert set(methods("Controller")) == set(METHOD_ROLES)
+    assert set(methods("Controller")) | set(methods("Bootstrap")) == set(METHOD_ROLES)
     assert CONTROLLER_LIMITS.of(SERVICE + "GetJob") == 64 * 1024
 
 

@@ -15,12 +15,12 @@ from agent.config import security_settings as agent_settings
 from common.etcd import etcd_credentials
 from orchestrator.security import certs, tls
 from orchestrator.security.auth import (
+    BOOTSTRAP_SERVICE,
     METHOD_ROLES,
     SERVICE,
     Role,
     Tokens,
     authorize,
-    certificate_mismatch,
 )
 from protos import keel_pb2
 
@@ -34,7 +34,12 @@ def bearer(token: str) -> str:
 
 def test_every_controller_rpc_is_in_the_role_table_and_mutating_ones_are_operator_only():
     methods = {SERVICE + m.name for m in keel_pb2.DESCRIPTOR.services_by_name["Controller"].methods}
-    assert set(METHOD_ROLES) == methods, "a new RPC needs a row in auth.METHOD_ROLES"
+    bootstrap = {
+        BOOTSTRAP_SERVICE + m.name
+        for m in keel_pb2.DESCRIPTOR.services_by_name["Bootstrap"].methods
+    }
+    assert set(METHOD_ROLES) == methods | bootstrap, "a new RPC needs a row in auth.METHOD_ROLES"
+    assert {METHOD_ROLES[m] for m in bootstrap} == {frozenset({Role.JOIN})}
     assert METHOD_ROLES[SERVICE + "Connect"] == {Role.JOIN}
     assert METHOD_ROLES[SERVICE + "SubmitJob"] == {Role.OPERATOR}
     for name in READ_ONLY:
@@ -109,16 +114,6 @@ def test_tokens_must_be_set_and_either_one_or_all_different():
     with pytest.raises(ValueError, match="non-empty token"):
         Tokens.single("")
     assert "o-token" not in repr(TOKENS)
-
-
-def test_a_per_agent_certificate_registers_its_own_node_only():
-    assert certificate_mismatch({}, "node-0") is None  # plaintext: the token decides
-    assert certificate_mismatch({"x509_common_name": [b"keel-agent"]}, "node-0") is None
-    assert certificate_mismatch({"x509_common_name": [b"keel-agent-node-0"]}, "node-0") is None
-    assert (
-        certificate_mismatch({"x509_common_name": [b"keel-agent-node-0"]}, "node-1")
-        == "the certificate of agent node-0 cannot register node node-1"
-    )
 
 
 # ------------------------------------------------------------------ certs init

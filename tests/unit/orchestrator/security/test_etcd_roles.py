@@ -55,7 +55,7 @@ def test_the_controller_and_operator_read_and_write_every_keel_key_and_nothing_e
 
 
 def test_each_role_is_named_as_its_certificates_common_name():
-    from orchestrator.security.auth import AGENT_CERT_PREFIX
+    from common.node_identity import AGENT_CERT_PREFIX
 
     assert etcd_roles.AGENT_PREFIX == AGENT_CERT_PREFIX
     names = [r.name for r in roles(("node-0", "node-1", "node-0"))]
