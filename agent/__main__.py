@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from agent.bootstrap import CertificateRefused, Identity, Renewer, bootstrap
 from agent.config import AgentConfig, security_settings
 from agent.daemon import run
 from agent.leftovers import RunDirInUse
@@ -14,6 +15,7 @@ from agent.rank_user import RankUser, RankUserRefused
 from agent.warm import DEFAULT_IMPORTS
 from common import env, flags, net
 from common.logs import configure
+from common.tls import read_token
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -137,6 +139,23 @@ from common.logs import configure
     "agent refuses to start while USER can read one of its key or token files. "
     "Default: ranks run as the agent's user.",
 )
+@click.option(
+    "--bootstrap-address",
+    "bootstrap_addresses",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="Repeatable (or comma-separated): a controller's --bootstrap-port. With it "
+    "the agent needs only the CA (--tls-dir's ca.pem, or --ca) and the join token: it "
+    "makes its node's key, is signed a certificate bound to this node, and renews it "
+    "before it expires. Not with --cert/--key.",
+)
+@click.option(
+    "--cert-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --bootstrap-address: where the node's key (agent-NODE.key, 0600) and "
+    "certificate are kept across restarts (default: RUN_DIR/identity).",
+)
 @flags.tls_options(
     "agent",
     "ca.pem, agent-NODE.pem (else agent.pem) and key, and join.token",
@@ -155,6 +174,8 @@ def main(
     controller,
     lease_ttl_s,
     drain_timeout_s,
+    bootstrap_addresses,
+    cert_dir,
     stop_grace_s,
     metrics_listen,
     metrics_address_file,
@@ -170,8 +191,29 @@ def main(
 ):
     """Run a Keel node agent: register with etcd, connect to the controller, and
     supervise the rank processes it is told to run."""
+    renewer = None
     try:
         endpoints = tuple(e.strip() for e in etcd_endpoints.split(",") if e.strip())
+        addresses = [a.strip() for given in bootstrap_addresses for a in given.split(",")]
+        addresses = [a for a in addresses if a]
+        if addresses:
+            configure("agent", fmt=log_format, level=log_level, node=node)
+            identity, token = _identity(
+                node, token_file, cert_dir or Path(run_dir) / "identity", security
+            )
+            try:
+                files = bootstrap(addresses, identity, token)
+            except CertificateRefused as exc:
+                raise click.ClickException(
+                    f"node {node}'s certificate request was refused: {exc}"
+                ) from None
+            security = {
+                **security,
+                "ca": str(files.ca),
+                "cert": str(files.cert),
+                "key": str(files.key),
+            }
+            renewer = Renewer(addresses, identity, token)
         config = AgentConfig(
             **security_settings(node, token_file, **security),
             node=node,
@@ -196,10 +238,38 @@ def main(
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if renewer is not None:
+        renewer.start()
     try:
         run(config)
     except (RunDirInUse, RankUserRefused) as exc:
         raise click.ClickException(str(exc)) from None
+    finally:
+        if renewer is not None:
+            renewer.stop()
+
+
+def _identity(node: str, token_file, cert_dir, security: dict) -> tuple[Identity, str]:
+    """The node's identity for --bootstrap-address, and the join token it asks with."""
+    if security.get("cert") or security.get("key"):
+        raise ValueError(
+            "--bootstrap-address makes the node's own key and certificate: give "
+            "--cert/--key or --bootstrap-address, not both"
+        )
+    tls_dir = security.get("tls_dir")
+    ca = security.get("ca") or (Path(tls_dir) / "ca.pem" if tls_dir else None)
+    if ca is None or not Path(ca).is_file():
+        raise ValueError(
+            "--bootstrap-address needs the cluster's CA certificate: --tls-dir holding "
+            "ca.pem, or --ca"
+        )
+    token = read_token(token_file, Path(tls_dir) / "join.token" if tls_dir else None)
+    if not token:
+        raise ValueError(
+            "--bootstrap-address needs the join token: --token-file, --tls-dir's "
+            "join.token, or KEEL_TOKEN"
+        )
+    return Identity(Path(cert_dir).resolve(), node, Path(ca)), token
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 TOKENS = {
     "join": "agents' token: may only call Connect",
     "operator": "operators' token: every call, mutating ones included",
-    "reader": "read-only token: GetJob, ListJobs, ListNodes",
+    "reader": "read-only token: status, listings and logs",
 }
 
 
@@ -224,13 +224,16 @@ class NodeSigner:
         else of the request is taken. It expires after ``lifetime_s``, or with the CA."""
         now = now or datetime.datetime.now(datetime.UTC)
         until = min(now + datetime.timedelta(seconds=lifetime_s), self.cert.not_valid_after_utc)
+        # Valid a little before now, for clocks behind ours: a small share of its
+        # lifetime, which is what the agent's renewal is reckoned on.
+        skew = datetime.timedelta(seconds=min(300.0, lifetime_s / 20))
         return (
             x509.CertificateBuilder()
             .subject_name(_name(SHARED_AGENT_NAME))
             .issuer_name(self.cert.subject)
             .public_key(request.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_before(now - skew)
             .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(

@@ -21,7 +21,7 @@ def role_token_options(command):
         (
             ("join", "agents (may only Connect)"),
             ("operator", "operators (every call, mutating ones included)"),
-            ("reader", "read-only calls (GetJob, ListJobs, ListNodes)"),
+            ("reader", "read-only calls (status, listings, logs)"),
         )
     ):
         command = click.option(

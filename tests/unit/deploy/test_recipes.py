@@ -40,7 +40,12 @@ DEFAULT_DRAIN_TIMEOUT_S = float(
 )
 # What Keel itself reads from a daemon's environment (common/env.py).
 DAEMON_ENV = {env.TOKEN, env.ETCD_ENDPOINTS, env.ETCD_PASSWORD, env.LOG_FORMAT, env.LOG_LEVEL}
-CONTROLLER_FILES = {"ca.pem", "controller.pem", "controller.key"} | {f"{t}.token" for t in TOKENS}
+# ca.key: the controllers sign each node's own certificate (TLS bootstrapping); the
+# agents' Secret has no key of the CA's. agent.pem is etcd's only: the controller
+# refuses a Hello over it (no --allow-shared-agent-certificate).
+CONTROLLER_FILES = {"ca.pem", "ca.key", "controller.pem", "controller.key"} | {
+    f"{t}.token" for t in TOKENS
+}
 AGENT_FILES = {"ca.pem", "agent.pem", "agent.key", "join.token"}
 
 
@@ -723,7 +728,7 @@ def test_network_policies_cover_the_controller_and_etcd_ports():
     for policy in objects_by_kind("NetworkPolicy").values():
         app = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
         ports[app] = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert ports == {"keel-controller": {7070, 9400}, "keel-etcd": {2379, 2380}}
+    assert ports == {"keel-controller": {7070, 7071, 9400}, "keel-etcd": {2379, 2380}}
 
 
 # -------------------------------------------------------------------------- slurm
@@ -759,3 +764,13 @@ def test_every_recipe_that_runs_etcd_bounds_its_database_as_keel_up_does():
     assert found, "deploy/kubernetes/etcd.yaml runs no etcd container"
     for command in found:
         assert set(STORAGE_FLAGS) <= set(command), f"missing: {set(STORAGE_FLAGS) - set(command)}"
+
+
+def test_each_agent_bootstraps_its_own_certificate_from_the_controllers_port():
+    controller = keel_invocation("keel-controller")
+    agent = keel_invocation("keel-agent")
+    port = option_value(controller, "--bootstrap-port")
+    assert "--allow-shared-agent-certificate" not in controller.words
+    addresses = option_value(agent, "--bootstrap-address").split(",")
+    assert addresses and all(a.endswith(f":{port}") for a in addresses)
+    assert option_value(agent, "--cert-dir").startswith("/var/lib/keel/")  # the host's
