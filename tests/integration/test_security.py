@@ -139,7 +139,7 @@ def test_mutual_tls_and_role_tokens(secure, etcd):
     )
     wait_for(
         lambda: (
-            b"the certificate of agent node-a cannot register node node-b"
+            b"the certificate of node node-a cannot say Hello for node node-b"
             in (secure.path / "node-b.log").read_bytes()
         ),
         30,
