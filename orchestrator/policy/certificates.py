@@ -127,6 +127,26 @@ def issued(record: CertificateRecord, serial: str, not_after_unix: float) -> Cer
     return record.replace(serial=serial, not_after_unix=not_after_unix, issued=record.issued + 1)
 
 
+def _moved(
+    record: CertificateRecord | None,
+    state: CertificateState,
+    by: str,
+    now_unix: float,
+    keep_key: bool,
+) -> CertificateRecord:
+    """``record`` (None: none yet) moved to ``state`` by ``by``, its history kept."""
+    if record is None:
+        return CertificateRecord(
+            state=state, key_sha256="", requested_at_unix=0.0, changed_at_unix=now_unix, by=by
+        )
+    return record.replace(
+        state=state,
+        key_sha256=record.key_sha256 if keep_key else "",
+        changed_at_unix=now_unix,
+        by=by,
+    )
+
+
 def on_approve(
     node: str, record: CertificateRecord | None, by: str, now_unix: float
 ) -> tuple[CertificateRecord | None, str]:
@@ -140,18 +160,9 @@ def on_approve(
     if record is not None and record.state is CertificateState.APPROVED:
         return None, f"node {node} was already approved; its next request is signed"
     pending = record is not None and record.state is CertificateState.PENDING
-    approved = CertificateRecord(
-        state=CertificateState.APPROVED,
-        # A pending request's key, so that no other key can take its place; else the
-        # first key that asks.
-        key_sha256=record.key_sha256 if pending else "",
-        requested_at_unix=record.requested_at_unix if record else 0.0,
-        changed_at_unix=now_unix,
-        by=by,
-        serial=record.serial if record else "",
-        not_after_unix=record.not_after_unix if record else 0.0,
-        issued=record.issued if record else 0,
-    )
+    # A pending request's key, so that no other key can take its place; else the first
+    # key that asks.
+    approved = _moved(record, CertificateState.APPROVED, by, now_unix, keep_key=pending)
     if pending:
         return approved, f"node {node} approved: its waiting request is signed when it asks again"
     return approved, f"node {node} approved: the next request for it is signed, whatever its key"
@@ -164,16 +175,7 @@ def on_revoke(
     (the record to store, None if none changes; what the call did)."""
     if record is not None and record.state is CertificateState.REVOKED:
         return None, f"node {node}'s certificate was already revoked"
-    revoked = CertificateRecord(
-        state=CertificateState.REVOKED,
-        key_sha256=record.key_sha256 if record else "",
-        requested_at_unix=record.requested_at_unix if record else 0.0,
-        changed_at_unix=now_unix,
-        by=by,
-        serial=record.serial if record else "",
-        not_after_unix=record.not_after_unix if record else 0.0,
-        issued=record.issued if record else 0,
-    )
+    revoked = _moved(record, CertificateState.REVOKED, by, now_unix, keep_key=True)
     return revoked, (
         f"node {node}'s certificate revoked: its agent's session is closed and no Hello "
         f"or request for it is accepted until `keel certs approve {node}`"
