@@ -130,6 +130,24 @@ from common.tls import read_token
     "ask for fresh processes (JobSpec cold_start).",
 )
 @click.option(
+    "--memory-budget-gb",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Hold this much memory (GiB, in --memory-dir) for the snapshots of the job "
+    "running here, so that its ranks snapshot their state every "
+    "--memory-checkpoint-every steps and a restart restores the newest one instead of an "
+    "older durable checkpoint (a job whose two snapshots do not fit takes none). "
+    "0: no memory tier.",
+)
+@click.option(
+    "--memory-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where that memory is held: a tmpfs (default: a directory of this agent's "
+    "own under /dev/shm). A job's is released when it ends here or another job starts.",
+)
+@click.option(
     "--rank-user",
     default=None,
     metavar="USER",
@@ -184,6 +202,8 @@ def main(
     warm_imports,
     warm_refill_delay_s,
     restart_in_place,
+    memory_budget_gb,
+    memory_dir,
     rank_user,
     log_format,
     log_level,
@@ -234,6 +254,8 @@ def main(
             restart_in_place=restart_in_place,
             warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()),
             rank_user=RankUser.lookup(rank_user) if rank_user else None,
+            memory_budget_bytes=int(memory_budget_gb * 2**30),
+            memory_dir=Path(memory_dir).resolve() if memory_dir else None,
         )
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:

@@ -41,6 +41,8 @@ class AgentConfig:
     tls: TlsFiles | None = None  # mutual TLS to the controller; None = plaintext
     etcd_credentials: EtcdCredentials | None = None  # etcd TLS and/or user/password
     rank_user: RankUser | None = None  # ranks run as this user; None = as the agent's
+    memory_budget_bytes: int = 0  # memory for a job's snapshots (agent.memory); 0 = none
+    memory_dir: Path | None = None  # where it is held; None = agent.memory.default_root
     # What the rank user must not be able to read (the agent refuses to start if it can).
     secret_files: tuple[Path, ...] = ()
 
@@ -81,6 +83,11 @@ class AgentConfig:
             raise ValueError(
                 f"drain_timeout_s={self.drain_timeout_s}: give the seconds a "
                 f"SIGTERM may spend moving the job off the node (e.g. 60)"
+            )
+        if self.memory_budget_bytes < 0:
+            raise ValueError(
+                f"memory_budget_bytes={self.memory_budget_bytes}: give 0 (no memory tier) "
+                "or the bytes a job's snapshots may take on this node"
             )
         if not 0 < self.tick_s <= self.stop_grace_s / 10:
             raise ValueError(f"tick_s={self.tick_s} must be positive and at most stop_grace_s/10")

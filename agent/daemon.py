@@ -30,6 +30,7 @@ from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
 from agent.link import ControllerLink, status_refresh_s
 from agent.local_server import AgentLocalService, LocalCallbacks, serve
+from agent.memory import JobMemory, default_root
 from agent.policy.fencing import hold_until, self_fence
 from agent.pool import WarmPool, pool_env
 from agent.reports import Reports
@@ -109,6 +110,11 @@ class Agent:
             if config.warm_processes
             else None
         )
+        self.memory = JobMemory(
+            config.memory_dir or default_root(config.run_dir),
+            config.memory_budget_bytes,
+            config.rank_user,
+        )
         self.supervisor = Supervisor(
             config.run_dir,
             node=config.node,
@@ -116,6 +122,7 @@ class Agent:
             pool=self.pool,
             in_place=config.restart_in_place,
             rank_user=config.rank_user,
+            memory=self.memory if self.memory.enabled else None,
         )
         self.generation = Generation()
         self.started: tuple[str, int] | None = None  # the newest StartGeneration's
@@ -234,6 +241,7 @@ class Agent:
         self.supervisor.parking.kill_all()
         # Whatever the ranks started outside their process groups goes too.
         leftovers.kill_marked(self.socket_path)
+        self.memory.close()
         self.link.close()
         self.leaders.stop()
         if self.local_server is not None:
@@ -435,6 +443,21 @@ class Agent:
         self._flush_steps()
         self._send(rank_exited=report)
         self.reports.remember(keel_pb2.AgentMessage(rank_exited=report))
+        self._release_if_done(report.job, report.generation)
+
+    def _release_if_done(self, job: str, generation: int) -> None:
+        """The job's memory goes once every rank of its generation here has exited with
+        status 0 of its own accord: the job is done (``agent.memory``)."""
+        ranks = self.supervisor.of_generation(job, generation)
+        if ranks and all(
+            r.exit_report is not None
+            and r.exit_report.exit_code == 0
+            and not r.exit_report.signal
+            and not r.exit_report.stopped_by_agent
+            and not r.exit_report.parked
+            for r in ranks
+        ):
+            self.memory.release(ranks[0].start.job_id, f"job {job} finished on this node")
 
     def _on_checkpoint(self, saved: keel_pb2.CheckpointSaved) -> None:
         job = self._job_of(saved.generation)

@@ -20,11 +20,14 @@ def rank_env(
     rank_token: str = "",
     node: str = "",
     interface: str = "",
+    memory: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Environment for one rank: ``base`` (the agent's) but for its Keel variables,
     then the job's, then ours.
 
     ``interface``: the network interface of the node's advertised address.
+    ``memory``: the memory tier's variables for the job (``agent.memory``), if the node
+    holds memory for it.
 
     Least privilege: a rank gets none of the agent's ``KEEL_*`` variables (its token,
     etcd's endpoints and password, the controller's address): only what the plan
@@ -73,6 +76,9 @@ def rank_env(
             keel_env.RESTORE_FROM: start.restore_from,
             keel_env.RESTORE_FALLBACKS: os.pathsep.join(start.restore_fallbacks),
             keel_env.RESUME_FROM: start.resume_from,
+            keel_env.MEMORY_DIR: "",
+            keel_env.MEMORY_BUDGET_BYTES: "0",
+            **(memory or {}),
             keel_env.AGENT_SOCKET: agent_socket,
             keel_env.RANK_TOKEN: rank_token,
             **{name: f"{getattr(chain, field):g}" for field, name in keel_env.DEADLINES.items()},

@@ -31,6 +31,7 @@ import structlog
 from agent.env import rank_env
 from agent.failure import error_file_traceback, stderr_traceback, tail
 from agent.local_server import RankIdentity
+from agent.memory import JobMemory
 from agent.parking import Parked, ParkingLot
 from agent.pool import WarmPool
 from agent.rank_user import RankUser
@@ -166,11 +167,14 @@ class Supervisor:
         pool: WarmPool | None = None,
         in_place: bool = True,
         rank_user: RankUser | None = None,
+        memory: JobMemory | None = None,
     ):
         """``interface``: where the ranks' gloo binds (GLOO_SOCKET_IFNAME), the one of
         the node's advertised address. ``pool``: warm processes to start ranks from.
         ``in_place``: keep ranks that can restart in place for the next generation.
-        ``rank_user``: start ranks as this user, their directory and files its own."""
+        ``rank_user``: start ranks as this user, their directory and files its own.
+        ``memory``: the memory it holds for the jobs' snapshots (``agent.memory``)."""
+        self.memory = memory
         self.rank_user = rank_user
         self.in_place = in_place
         self.parking = ParkingLot()
@@ -209,6 +213,7 @@ class Supervisor:
             os.chmod(log_dir.parent, 0o711)  # the job's: passable whatever the umask
             self.rank_user.give(log_dir, 0o700)
         base = {**os.environ, **(self.rank_user.env() if self.rank_user else {})}
+        memory = self._hold_memory(start)
         started = []
         for assignment in start.ranks:
             error_file = log_dir / f"rank{assignment.rank}.error.json"
@@ -224,6 +229,7 @@ class Supervisor:
                 token,
                 self.node,
                 self.interface,
+                memory,
             )
             out = rank_log(self.run_dir, start.job, start.generation, assignment.rank, "out")
             err = out.with_suffix(".err")
@@ -290,6 +296,22 @@ class Supervisor:
             time.monotonic(),
         )
         return started
+
+    def _hold_memory(self, start: keel_pb2.StartGeneration) -> dict[str, str]:
+        """The memory tier's variables for the job's ranks: {} where the node holds no
+        memory for it, or cannot (the ranks then train without snapshots)."""
+        if self.memory is None:
+            return {}
+        try:
+            return self.memory.hold(start.job_id)
+        except OSError as exc:
+            log.warning(
+                "cannot hold memory for the job's snapshots; its ranks train without",
+                job=start.job,
+                path=str(self.memory.root),
+                error=str(exc),
+            )
+            return {}
 
     def park(
         self, token: str, request: keel_pb2.RankPark, now: float

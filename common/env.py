@@ -18,6 +18,11 @@ CHECKPOINT_DIR = "KEEL_CHECKPOINT_DIR"  # where the job's checkpoints live
 RESTORE_FROM = "KEEL_RESTORE_FROM"  # the committed checkpoint to load; "" = fresh start
 RESTORE_FALLBACKS = "KEEL_RESTORE_FALLBACKS"  # older recorded ones, newest first, os.pathsep-joined
 RESUME_FROM = "KEEL_RESUME_FROM"  # another lineage's checkpoint (or directory) to start from
+# The memory tier (trainer.memory_tier): the job's directory in memory its node's agent
+# holds (a tmpfs: it outlives the ranks, not the node), and the most its snapshots may
+# take there, bytes; both unset where the agent keeps no memory tier.
+MEMORY_DIR = "KEEL_MEMORY_DIR"
+MEMORY_BUDGET_BYTES = "KEEL_MEMORY_BUDGET_BYTES"
 AGENT_SOCKET = "KEEL_AGENT_SOCKET"  # the agent's Unix socket (AgentLocal); new per agent
 RANK_TOKEN = "KEEL_RANK_TOKEN"  # the rank's credential on that socket; new per rank
 RANK_TOKEN_METADATA = "x-keel-rank-token"  # ... sent as this call metadata
@@ -68,6 +73,8 @@ SET_FOR_RANKS = frozenset(TORCHRUN) | {
     RESTORE_FROM,
     RESTORE_FALLBACKS,
     RESUME_FROM,
+    MEMORY_DIR,
+    MEMORY_BUDGET_BYTES,
     AGENT_SOCKET,
     *DEADLINES.values(),
 }

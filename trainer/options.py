@@ -168,6 +168,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after each commit keep the newest K committed checkpoints "
         "(and the one resumed from); 0 keeps all",
     )
+    ckpt.add_argument(
+        "--memory-checkpoint-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="snapshot every rank's state into the memory the node's agent holds for the "
+        "job (KEEL_MEMORY_DIR; none: no snapshots) every K steps, restored in place of "
+        "an older durable checkpoint; 0 turns the memory tier off",
+    )
 
     health = parser.add_argument_group("health")
     health.add_argument(
@@ -230,7 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "checkpoint_every", "global_batch", "grad_accum", "virtual_stages"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("keep_checkpoints", "warmup_steps"):
+    for name in ("keep_checkpoints", "warmup_steps", "memory_checkpoint_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0")
     if args.microbatches is not None and args.microbatches < 1:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trainer import fence, verify
+from trainer import fence, memory_tier, verify
 from trainer.checkpoint_dir import committed_steps
 from trainer.runtime import Runtime, inside
 from trainer.verify import VerdictKind
@@ -58,6 +58,7 @@ class Restored:
     path: str
     lineage: tuple[str, ...]
     resumed: bool
+    memory: bool = False  # a memory snapshot (``trainer.memory_tier``), not a checkpoint
 
 
 def _step_of(path: str) -> int:
@@ -134,15 +135,27 @@ def _listed(checkpoint_dir: str | None, runtime: Runtime) -> tuple[list[str], bo
     return tried, resumed, ""
 
 
-def choose(checkpoint_dir: str | None, runtime: Runtime) -> Restored | None:
+def choose(checkpoint_dir: str | None, runtime: Runtime, memory: bool = False) -> Restored | None:
     """The checkpoint every rank loads (None: a fresh start). Collective: rank 0 lists
-    the candidates; every rank verifies its share of each; rank 0 quarantines and
-    reports. Raises NothingToRestore (or CheckpointUnreachable)."""
+    the candidates; with ``memory`` (the memory tier is on) the newest memory snapshot
+    every node holds whole is taken if it is newer than the first of them
+    (``memory_tier.choose``); else every rank verifies its share of each; rank 0
+    quarantines and reports. Raises NothingToRestore (or CheckpointUnreachable)."""
     listed: list = [[], False, ""]
     if dist.get_rank() == 0:
         listed = list(_listed(checkpoint_dir, runtime))
     dist.broadcast_object_list(listed, src=0)
     tried, resumed, unlisted = listed
+    if memory:
+        snapshot = memory_tier.choose(runtime, _step_of(tried[0]) if tried else 0)
+        if snapshot is not None:
+            if dist.get_rank() == 0:
+                durable = f"the durable checkpoint {tried[0]}" if tried else "no durable checkpoint"
+                runtime.log(
+                    f"restoring the memory snapshot of step {snapshot.info.step}, newer than "
+                    f"{durable}"
+                )
+            return Restored(snapshot.path, snapshot.info.lineage, resumed=False, memory=True)
     problems = [unlisted] if unlisted else []
     unreachable = bool(unlisted)
     if unlisted and dist.get_rank() == 0:

@@ -52,6 +52,7 @@ from trainer import (
     checkpoint_dir,
     fence,
     lineage,
+    memory_tier,
     mesh,
     optim,
     parallelize,
@@ -68,6 +69,7 @@ from trainer import (
 )
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.data import SyntheticTokens, rank_samples
+from trainer.memory_tier import MemoryTier
 from trainer.mesh import BatchPlan, Layout
 from trainer.model import ModelConfig, Transformer
 from trainer.options import parse_args
@@ -319,7 +321,8 @@ def train(
         for name in removed:
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
-    restored = restore_from.choose(args.checkpoint_dir, rt)
+    memory_on = args.memory_checkpoint_every > 0 and memory_tier.everywhere(rt)
+    restored = restore_from.choose(args.checkpoint_dir, rt, memory=memory_on)
     chain = lineage.descent(restored, rt)
     if rank == 0 and args.checkpoint_dir and restored and restored.lineage:
         # The fence names the lineage the restored checkpoint continues.
@@ -364,9 +367,13 @@ def train(
             lineage=chain,
         )
 
+    memory = (
+        MemoryTier(rt, every=args.memory_checkpoint_every, lineage=chain) if memory_on else None
+    )
+
     if current is not None:
         current.checkpointer = checkpointer
-    _loop(args, rt, device, run, data, state, checkpointer, restore_s)
+    _loop(args, rt, device, run, data, state, checkpointer, restore_s, memory)
     if checkpointer:
         checkpointer.wait()
     return run
@@ -381,9 +388,11 @@ def _loop(
     state: TrainerState,
     checkpointer: Checkpointer | None,
     restore_s: float,
+    memory: MemoryTier | None = None,
 ) -> None:
-    """The steps from ``state`` to ``args.steps``, checkpointed as asked; raises
-    ``GenerationEnded`` after a step in which any rank was asked to leave."""
+    """The steps from ``state`` to ``args.steps``, checkpointed as asked and
+    snapshotted into ``memory``; raises ``GenerationEnded`` after a step in which any
+    rank was asked to leave."""
     rank = dist.get_rank()
     layout = run.layout
     dp_rank, represents = layout.dp_rank(rank), layout.speaks_for_its_data(rank)
@@ -421,6 +430,9 @@ def _loop(
                 [run.device_mesh.get_group(name) for name in mesh.MESH_DIM_NAMES],
             )
         save = checkpointer is not None and checkpoint_due(step, args, shared.checkpoint_requested)
+        snapshot = memory is not None and memory.due(step, args.steps)
+        blocked_s = checkpointer.take_blocked_s() if checkpointer else 0.0
+        blocked_s += memory.take_blocked_s() if memory else 0.0
         # Sent before the save starts, so the agent's hang detector gives it the
         # checkpoint's budget; the time it blocks is in the next step's report.
         rt.report_step(
@@ -429,8 +441,8 @@ def _loop(
             count * args.seq_len,
             busy_s,
             **timer.seconds(),
-            checkpointing=save,
-            checkpoint_s=checkpointer.take_blocked_s() if checkpointer else 0.0,
+            checkpointing=save or snapshot,
+            checkpoint_s=blocked_s,
             restore_s=restore_s if step == first_step else 0.0,
         )
         if rank == 0:
@@ -443,17 +455,15 @@ def _loop(
                     else "the agent asked for a checkpoint, but there is no --checkpoint-dir: "
                     "not saving"
                 )
-        if save:
+        if save or snapshot:
             saved = TrainerState(
                 step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger
             )
-            checkpointer.save(
-                step,
-                samples,
-                checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved),
-                ledger,
-                args.global_batch,
-            )
+            whole = checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved)
+            if snapshot:
+                memory.save(step, samples, whole)
+            if save:
+                checkpointer.save(step, samples, whole, ledger, args.global_batch)
         if shared.leave_requested:
             raise keel_runtime.GenerationEnded(
                 f"the agent asked to leave generation {rt.generation} after step {step}"

@@ -180,6 +180,16 @@ def main():
     "if there), agents given the join token, keel up the operator's.",
 )
 @click.option(
+    "--memory-budget-gb",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Each agent holds this much memory (GiB, under /dev/shm) for the job's "
+    "snapshots: the reference trainer snapshots every step there and a restart on the "
+    "same node restores the newest snapshot instead of an older checkpoint (keel agent "
+    "--memory-budget-gb). 0: no memory tier.",
+)
+@click.option(
     "--rank-user",
     default=None,
     metavar="USER",
@@ -229,6 +239,7 @@ def up(
     workdir,
     timeout_s,
     use_tls,
+    memory_budget_gb,
     rank_user,
     as_json,
     log_format,
@@ -279,6 +290,7 @@ def up(
             timeout_s=timeout_s,
             tls=use_tls,
             rank_user=rank_user or "",
+            memory_budget_gb=memory_budget_gb,
             etcd_credentials=etcd_credentials(**etcd),
             json=as_json,
             log_format=log_format,

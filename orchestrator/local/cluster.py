@@ -211,6 +211,11 @@ class LocalCluster:
                 "--metrics-address-file",
                 str(self._metrics_file(f"agent-node-{index}")),
                 *(["--rank-user", self.options.rank_user] if self.options.rank_user else []),
+                *(
+                    ["--memory-budget-gb", f"{self.options.memory_budget_gb:g}"]
+                    if self.options.memory_budget_gb
+                    else []
+                ),
             ],
             f"agent-node-{index}.log",
         )

@@ -68,6 +68,7 @@ class UpOptions:
     log_level: str = "info"
     resume_from: str = ""  # absolute: a checkpoint, or a directory of them, to start from
     rank_user: str = ""  # ranks run as this user (orchestrator.local.rank_user); "" = as keel up
+    memory_budget_gb: float = 0.0  # each agent's memory for the job's snapshots; 0 = none
 
     def __post_init__(self):
         if self.nodes < 1 or self.slots_per_node < 1:
@@ -82,6 +83,8 @@ class UpOptions:
             raise ValueError("--timeout-s must be positive")
         if not 0 <= self.min_nodes <= self.nodes:
             raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
+        if self.memory_budget_gb < 0:
+            raise ValueError("--memory-budget-gb must be 0 (no memory tier) or more")
         if self.spares < 0:
             raise ValueError("--spares must be 0 or more")
         if self.controllers < 1:

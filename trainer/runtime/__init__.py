@@ -123,9 +123,11 @@ class Runtime:
     (int), ``slow_factor`` (float, step-time multiplier from a ``slow`` fault, 1.0 if none),
     ``restart_in_place`` (bool: it may take the next generation in this process),
     ``job_id`` (str, the job's unique id, its lineage's; "" without Keel),
-    ``resume_from`` (another lineage's checkpoint or directory to start from, or None)
-    and ``fence_timeout_s`` (float: how long it waits for its checkpoint directory's
-    fence lock, from the job's deadlines: ``identity.fence_timeout_s``).
+    ``resume_from`` (another lineage's checkpoint or directory to start from, or None),
+    ``local_world_size``, ``memory_dir`` and ``memory_budget_bytes`` (the memory
+    tier's, see ``trainer.memory_tier``; None and 0 without one) and
+    ``fence_timeout_s`` (float: how long it waits for its checkpoint directory's fence
+    lock, from the job's deadlines: ``identity.fence_timeout_s``).
     """
 
     def __init__(
@@ -148,6 +150,11 @@ class Runtime:
         self.checkpoint_dir, self.restore_from = identity.checkpoint_dir, identity.restore_from
         self.restore_fallbacks = identity.restore_fallbacks
         self.job_id, self.resume_from = identity.job_id, identity.resume_from
+        self.local_world_size = identity.local_world_size
+        self.memory_dir, self.memory_budget_bytes = (
+            identity.memory_dir,
+            identity.memory_budget_bytes,
+        )
         self.restart_count = identity.restart_count
         self.agent_socket = identity.agent_socket
         self.restart_in_place = restart_in_place

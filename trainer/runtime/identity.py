@@ -21,7 +21,10 @@ class Identity:
     recorded checkpoints to restore if ``restore_from`` fails verification;
     ``job_id``: the job's unique id, its lineage's ("" without Keel); ``resume_from``:
     another lineage's checkpoint (or checkpoint directory) to start from while the job
-    has recorded none of its own (None: none)."""
+    has recorded none of its own (None: none); ``local_world_size``: the ranks on its
+    node; ``memory_dir``: the memory its agent holds for the job's snapshots
+    (``trainer.memory_tier``; None: no memory tier) and ``memory_budget_bytes`` the most
+    the node's snapshots may take there (0: no bound but the memory's own)."""
 
     rank: int
     world_size: int
@@ -38,6 +41,9 @@ class Identity:
     node: str = ""  # the node it runs on, as its agent names it ("" without)
     job_id: str = ""
     resume_from: str | None = None
+    local_world_size: int = 1
+    memory_dir: str | None = None
+    memory_budget_bytes: int = 0
 
 
 def parse_mesh(text: str | None, world_size: int, source: str = "KEEL_MESH") -> dict[str, int]:
@@ -82,6 +88,9 @@ def read_identity(environ: Mapping[str, str]) -> Identity:
         node=environ.get(env.NODE, ""),
         job_id=environ.get(env.JOB_ID, ""),
         resume_from=environ.get(env.RESUME_FROM) or None,
+        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", 1),
+        memory_dir=environ.get(env.MEMORY_DIR) or None,
+        memory_budget_bytes=_int(environ, env.MEMORY_BUDGET_BYTES, 0),
     )
 
 

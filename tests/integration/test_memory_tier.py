@@ -1,0 +1,166 @@
+"""The memory tier on real ranks (``trainer.memory_tier``): a job snapshotting every step
+into memory loses at most one step to a crash, where its durable checkpoints every 50
+steps would lose all of them; the snapshot restores into a smaller, other layout; a
+torn snapshot is passed over for the whole one before it; the data is consumed exactly
+once and the losses are those of a run without the crash."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from orchestrator.local.ledger_check import audit as summarize
+from protos import keel_pb2
+from tests.conftest import committed_steps, step_losses, torchrun
+from tests.integration.test_keel_up import run_up, steps_logged
+from trainer.memory_tier import committed, whole
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+FLAGS = [
+    "-m",
+    "trainer.train",
+    "--steps",
+    "10",
+    "--checkpoint-every",
+    "50",
+    "--memory-checkpoint-every",
+    "1",
+    "--layers",
+    "4",
+    "--seq-len",
+    "32",
+    "--warmup-steps",
+    "4",
+    "--lr-schedule",
+    "cosine",
+]
+
+
+def test_a_crash_loses_one_step_and_restores_from_memory_into_another_layout(tmp_path: Path):
+    ckpt, memory = tmp_path / "ckpt", tmp_path / "memory"
+    memory.mkdir()
+    faults = json_format.MessageToJson(
+        keel_pb2.FaultSchedule(
+            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=3, step=9)]
+        )
+    )
+    reference = step_losses(torchrun(1, *FLAGS))
+    crashed = torchrun(
+        4,
+        *FLAGS,
+        env={
+            "KEEL_MESH": "dp_shard=2,tp=2",
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_FAULTS": faults,
+            "KEEL_MEMORY_DIR": str(memory),
+        },
+    )
+    assert crashed.returncode != 0
+    assert "injected crash at step 9 on rank 3" in crashed.stderr
+    assert "memory tier: snapshots every 1 steps" in crashed.stderr
+    # No durable checkpoint before the crash; the memory holds step 8 alone (each
+    # snapshot replaced the one before once it was committed).
+    assert committed_steps(ckpt) == []
+    assert sorted(committed(str(memory))) == [8]
+    info, problem = whole(str(memory / "mem_00000008"))
+    assert problem == "" and (info.step, info.samples, info.world_size) == (8, 8 * 16, 4)
+
+    # A snapshot torn mid-copy under a committed name (a shard file cut short), and a
+    # staging directory a kill left: neither is loaded.
+    torn = memory / "mem_00000009"
+    shutil.copytree(memory / "mem_00000008", torn)
+    info_file = torn / "snapshot.json"
+    info_file.write_text(info_file.read_text().replace('"step": 8', '"step": 9'))
+    shard = torn / "__2_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    shutil.copytree(memory / "mem_00000008", memory / ".mem_00000010.g0.tmp")
+    assert "holds" in whole(str(torn))[1]
+
+    resumed = torchrun(
+        2,
+        *FLAGS,
+        "--layout",
+        "pp=2",
+        "--pp-schedule",
+        "interleaved_1f1b",
+        env={"KEEL_CHECKPOINT_DIR": str(ckpt), "KEEL_MEMORY_DIR": str(memory)},
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "restoring the memory snapshot of step 8, newer than no durable checkpoint" in (
+        resumed.stderr
+    )
+    assert f"passing over memory snapshots: {torn}: __2_0.distcp holds" in resumed.stderr
+    assert f"resumed from {memory / 'mem_00000008'} at step=8" in resumed.stderr
+    # The staging directory was cleaned up; the last step's snapshot is not taken (the
+    # durable checkpoint is), so step 9's stands.
+    assert not (memory / ".mem_00000010.g0.tmp").exists()
+    assert sorted(committed(str(memory))) == [9]
+    assert committed_steps(ckpt) == [10]
+
+    ledger = json.loads((ckpt / "step_00000010" / "ledger.json").read_text())
+    assert [entry[0] for entry in ledger["ranges"]] == list(range(1, 11))
+    assert summarize(ledger["ranges"], 10 * 16) == {
+        "expected": 160,
+        "consumed": 160,
+        "duplicates": 0,
+        "missing": 0,
+    }
+    crashed_losses, resumed_losses = step_losses(crashed, check=False), step_losses(resumed)
+    assert sorted(resumed_losses) == [9, 10]
+    for step, loss in {**crashed_losses, **resumed_losses}.items():
+        assert abs(loss - reference[step]) <= 1e-5 * loss + 1e-6, (step, loss, reference[step])
+
+
+# --- under keel up: the agent holds the memory -------------------------------------------
+
+
+def memory_events(workdir: Path) -> list[dict]:
+    """The agent's memory records (held, released) of node-0."""
+    lines = (workdir / "logs" / "agent-node-0.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    return [r for r in records if r.get("event", "").startswith("memory ")]
+
+
+def test_a_killed_rank_restores_the_snapshot_its_agent_held_and_the_memory_goes_at_the_end(
+    no_leaks,
+):
+    common = ["--nodes", "1", "--slots-per-node", "2", "--steps", "16", "--checkpoint-every", "50"]
+    clean = run_up(no_leaks / "clean", *common)
+    assert clean["_rc"] == 0, clean["_stderr"][-4000:]
+    run = no_leaks / "run"
+    summary = run_up(run, *common, "--memory-budget-gb", "1", "--inject", "kill:rank=1,step=9")
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["steps"], summary["generations"], summary["restarts"]) == (16, 2, 1)
+    second = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
+    # Killed as step 9 began: step 8's snapshot is restored, no step is trained twice,
+    # and no durable checkpoint was there to restore (the first is at step 16).
+    assert "restoring the memory snapshot of step 8, newer than no durable checkpoint" in second
+    assert min(steps_logged(run, 2)) == 9
+    assert summary["data"] == {"expected": 256, "consumed": 256, "duplicates": 0, "missing": 0}
+    assert abs(summary["final_loss"] - clean["final_loss"]) <= 1e-5 * clean["final_loss"]
+    # The memory was the agent's, for the job, and went when the job ended.
+    held, released = memory_events(run)
+    assert held["event"] == "memory held for the job" and held["path"].startswith("/dev/shm/")
+    assert released["event"] == "memory released" and released["bytes"] > 0
+    assert "finished on this node" in released["reason"]
+    assert not Path(held["path"]).exists()
+
+
+def test_a_job_across_two_nodes_falls_back_to_its_durable_checkpoint_and_says_why(no_leaks):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "2", "--slots-per-node", "1", "--steps", "12", "--checkpoint-every", "4"),
+        *("--memory-budget-gb", "1", "--inject", "kill:rank=1,step=7"),
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert summary["generations"] == 2
+    second = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
+    # Each node holds its own rank's shard of step 6: neither holds the whole snapshot.
+    assert "no memory snapshot newer than the durable checkpoint is whole on every node" in second
+    assert "__1_0.distcp is not on this node" in second
+    assert "resumed from " in second and "step_00000004 at step=4" in second
+    assert summary["data"] == {"expected": 192, "consumed": 192, "duplicates": 0, "missing": 0}
