@@ -81,6 +81,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -169,10 +170,13 @@ def load(
     parts: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
     template: TrainerState,
+    storage_reader: StorageReader | None = None,
 ) -> TrainerState:
     """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
     resharding to the current layout, and returns its trainer state (``template``
-    gives its shape: the current scheduler's state dict and RNG state). Collective."""
+    gives its shape: the current scheduler's state dict and RNG state).
+    ``storage_reader``: how to read it, where not DCP's files (a memory snapshot:
+    ``memory_tier.SnapshotReader``). Collective."""
     per_part = [
         (
             get_model_state_dict(part, options=STATE_DICT_OPTIONS),
@@ -187,7 +191,7 @@ def load(
         },
         "trainer": template.to_state_dict(),
     }
-    dcp.load(target, checkpoint_id=path)
+    dcp.load(target, checkpoint_id=path, storage_reader=storage_reader)
     # DCP fills tensors in place but replaces other values (learning rates, step
     # counts kept as numbers), so each part takes its keys back from the loaded dict.
     for (part, optimizer), (model_state, optimizer_state) in zip(zip(parts, optimizers), per_part):

@@ -8,27 +8,32 @@ tmpfs, ``/dev/shm`` by default: it survives the ranks, not the node; the agent c
 it, bounds it and releases it when the job ends: ``agent.memory``). Layout::
 
     mem_00000041/            committed: step 41, whole on this node
-        .metadata            DCP's global plan (every node holds its own copy)
-        __0_0.distcp ...     the shard files of the ranks on this node
+        .metadata            DCP's metadata of the snapshot (every node holds a copy)
+        __0.mem ...          each rank of the node: its tensor chunks' raw bytes
+        __0.obj ...          and its other objects, pickled
         snapshot.json        step, samples, job id, lineage, generation, world size
     .mem_00000042.g3.tmp/    being written by generation 3; never loaded
 
 A snapshot holds what a durable checkpoint holds (``checkpoint.state_dict``: model and
 optimizer under their global names, the trainer state with the data ledger and the RNG
-state), saved by DCP through a ``FileSystemWriter`` without fsyncs: memory has nothing
-to sync to. It is committed all or nothing. DCP's save returns on every rank only once
-every rank's shards are written and its coordinator has written the metadata; then the
-first rank of each node (local rank 0) writes the metadata there too where the
-coordinator is elsewhere, and renames its node's staging directory to the committed
-name. Double-buffered: the previous snapshot is removed only after every node has
-committed the new one, so a save torn by a kill leaves the previous one whole on every
-node, and a torn directory never has a committed name.
+state). What each rank writes is planned once per generation by DCP's own save planner
+(``_Plan``: the same items DCP would save, each chunk written once across the ranks)
+and reused by every snapshot after, so a snapshot is one copy of the rank's chunks into
+memory and two small all-reduces, not DCP's planning round, per-tensor serialization
+and object gathers every step; and it overlaps the next step's forward and backward
+(``MemoryTier``). It is committed all or nothing: every rank writes its files into its
+node's staging directory (the first rank of each node also the metadata and the info);
+once every rank has written, the first rank of each node renames the directory to its
+committed name. Double-buffered: the previous snapshot is removed only after every node
+has committed the new one, so a save torn by a kill leaves the previous one whole on
+every node, and a torn directory never has a committed name.
 
 Restore (``choose``): every rank lists the committed snapshots of its job whose every
 file its node holds in full (``whole``); the ranks agree on the newest one they all
 hold, and it is restored if it is newer than the durable checkpoint the restore would
-otherwise load. It loads through DCP's planner as a durable one does, so it reshards to
-any world size and layout. Where a node lacks some rank's shard files (each node holds
+otherwise load. It loads through DCP's load planner as a durable one does, by a storage
+reader over the memory (``SnapshotReader``), so it reshards to any world size and
+layout. Where a node lacks some rank's shard files (each node holds
 only its own ranks'), the restore falls back to the durable checkpoint and rank 0 says
 so.
 
@@ -39,28 +44,43 @@ on the memory (a full tmpfs: ENOSPC) is skipped, logged, and tried again on sche
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import mmap
 import os
 import pickle
 import re
 import shutil
+import statistics
+import struct
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from trainer.runtime import Runtime
-from trainer.storage_faults import storage_fault
 
 INFO_FILE = "snapshot.json"
 METADATA_FILE = ".metadata"
 _COMMITTED = re.compile(r"mem_(\d{8,})")
-_STAGING = re.compile(r"\.mem_\d{8,}\.g\d+\.tmp")
+_STAGING = re.compile(r"\.mem_(\d{8,})\.g(\d+)\.tmp")
 
 
 def snapshot_path(directory: str, step: int) -> str:
@@ -117,6 +137,26 @@ def committed(directory: str | None) -> dict[int, str]:
     }
 
 
+def candidates(directory: str | None) -> dict[int, list[str]]:
+    """Step → the paths that may hold its snapshot in ``directory``: the committed one
+    first, then any generation's staging directory, newest generation first. A staging
+    directory whose every rank's files were written before its commit ended (the
+    commit waits for the slowest rank, and a failure can land between) is as good as
+    a committed one: ``whole`` tells."""
+    found: dict[int, list[tuple[int, str]]] = {}
+    if not directory or not os.path.isdir(directory):
+        return {}
+    for name in os.listdir(directory):
+        if match := _COMMITTED.fullmatch(name):
+            rank = (-1, 0)  # before any staging directory
+        elif match := _STAGING.fullmatch(name):
+            rank = (0, -int(match.group(2)))
+        else:
+            continue
+        found.setdefault(int(match.group(1)), []).append((rank, os.path.join(directory, name)))
+    return {step: [path for _, path in sorted(paths)] for step, paths in found.items()}
+
+
 def whole(path: str) -> tuple[SnapshotInfo | None, str]:
     """The snapshot at ``path`` and "" if this node holds all of it (its info, its
     metadata and, in full, every file the metadata names), else None and why not."""
@@ -125,18 +165,30 @@ def whole(path: str) -> tuple[SnapshotInfo | None, str]:
         with open(os.path.join(path, METADATA_FILE), "rb") as source:
             metadata = pickle.load(source)
         needed: dict[str, int] = {}
-        for stored in metadata.storage_data.values():
+        objects: dict[str, list[MetadataIndex]] = {}
+        for index, stored in metadata.storage_data.items():
+            if stored.dtype is None:
+                objects.setdefault(stored.relative_path, []).append(index)
+                continue
             end = stored.offset + stored.length
             needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), end)
     except (OSError, ValueError, LookupError, TypeError, AttributeError, pickle.PickleError) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
-    for name, size in sorted(needed.items()):
-        try:
-            held = os.path.getsize(os.path.join(path, name))
-        except OSError:
+    for name in sorted(set(needed) | set(objects)):
+        if not os.path.isfile(os.path.join(path, name)):
             return None, f"{path}: {name} is not on this node"
+    for name, size in sorted(needed.items()):
+        held = os.path.getsize(os.path.join(path, name))
         if held < size:
             return None, f"{path}: {name} holds {held} of its {size} bytes"
+    for name, indexes in sorted(objects.items()):
+        try:
+            held_objects = _read_objects(os.path.join(path, name))
+        except (OSError, ValueError, EOFError, pickle.PickleError) as exc:
+            return None, f"{path}: {exc}"
+        lacking = [index.fqn for index in indexes if index not in held_objects]
+        if lacking:
+            return None, f"{path}: {name} lacks {lacking[0]}"
     return info, ""
 
 
@@ -155,6 +207,278 @@ def state_bytes(state: object) -> int:
 
 
 @dataclass(frozen=True)
+class Extent:
+    """Where one stored item of a snapshot is, in the metadata's ``storage_data``: a
+    tensor chunk's raw bytes at ``offset`` (``length`` bytes, ``dtype`` and ``shape``)
+    in ``relative_path``, or (``dtype`` None) an object in the rank's object file,
+    ``relative_path``, found by its index."""
+
+    relative_path: str
+    offset: int
+    length: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+
+def _tensor_file(rank: int) -> str:
+    return f"__{rank}.mem"
+
+
+def _object_file(rank: int) -> str:
+    return f"__{rank}.obj"
+
+
+class _Plan:
+    """What each rank writes into a snapshot, planned once by DCP's planner for a
+    state of a given shape and reused by every snapshot after: which items this rank
+    writes (each tensor chunk and object of the state once across all ranks, as DCP
+    saves them), where each lies in its rank's files, and the global metadata through
+    which DCP's load planner reads any rank's chunk into any layout
+    (``SnapshotReader``)."""
+
+    def __init__(self, items: list[WriteItem], metadata: Metadata, signature: tuple) -> None:
+        self.items = items
+        self.metadata_bytes = pickle.dumps(metadata)
+        self.signature = signature
+        self.tensor_bytes = sum(
+            metadata.storage_data[item.index].length
+            for item in items
+            if item.type != WriteItemType.BYTE_IO
+        )
+
+    @classmethod
+    def make(cls, state: dict, group: dist.ProcessGroup) -> _Plan:
+        """Collective over ``group``: every rank's local plan to every rank, each of which
+        makes the same global plan from them."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=state, is_coordinator=False)
+        local = planner.create_local_plan()
+        plans: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(plans, local, group=group)
+        final_plans, metadata = planner.create_global_plan(plans)
+        storage: dict[MetadataIndex, Extent] = {}
+        for rank, plan in enumerate(final_plans):
+            offset = 0
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    storage[item.index] = Extent(_object_file(rank), 0, 0)
+                    continue
+                chunk = item.tensor_data.chunk
+                dtype = item.tensor_data.properties.dtype
+                length = math.prod(chunk.sizes) * dtype.itemsize
+                storage[item.index] = Extent(
+                    _tensor_file(rank), offset, length, dtype, tuple(chunk.sizes)
+                )
+                offset += length
+        metadata.storage_data = storage
+        rank = dist.get_rank(group)
+        return cls(planner.finish_plan(final_plans[rank]).items, metadata, _signature(planner))
+
+    def prepare(self, state: dict) -> _Copy | None:
+        """What this rank writes of ``state``: its tensor chunks, as host buffers in
+        the planned order, and its objects, pickled now (the training loop changes
+        them); None if ``state`` is no longer of the planned shape. On the training
+        thread: what is left for the snapshot's thread needs no interpreter lock."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=state, is_coordinator=False)
+        if _signature(planner) != self.signature:
+            return None
+        objects: dict[MetadataIndex, object] = {}
+        buffers: list[memoryview] = []
+        for item in self.items:
+            if item.type == WriteItemType.BYTE_IO:
+                # Pickled together, not each through torch.save as DCP's writer stores
+                # them: dozens of small objects (learning rates, betas) would cost a
+                # zip archive each.
+                objects[item.index] = planner.lookup_object(item.index)
+                continue
+            tensor = planner.resolve_data(item).detach()
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            buffers.append(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        payload = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        return _Copy(buffers, struct.pack(_FRAME, len(payload)) + payload)
+
+
+@dataclass
+class _Copy:
+    """One rank's part of one snapshot, ready to be written: ``buffers``, its tensor
+    chunks' bytes (views of the state itself on a host: valid until the optimizer
+    changes it), and ``objects``, its framed object file."""
+
+    buffers: list[memoryview]
+    objects: bytes
+
+    def write(self, directory: str, rank: int) -> None:
+        """Into ``directory``: the chunks one after another, then the objects."""
+        descriptor = os.open(
+            os.path.join(directory, _tensor_file(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        )
+        try:
+            for buffer in self.buffers:
+                _write_all(descriptor, buffer)
+        finally:
+            os.close(descriptor)
+        with open(os.path.join(directory, _object_file(rank)), "wb") as out:
+            out.write(self.objects)
+
+
+def _write_all(descriptor: int, buffer: memoryview) -> None:
+    """All of ``buffer`` (one write returns at most 2 GiB on Linux)."""
+    done = 0
+    while done < len(buffer):
+        done += os.write(descriptor, buffer[done:])
+
+
+_FRAME = "<Q"  # an object file's payload length, before it
+
+
+def _signature(planner: DefaultSavePlanner) -> tuple:
+    """The shape of the (flattened) state a planner was set up with: each key, and of
+    each tensor its local shape and type."""
+    shapes = []
+    for key, value in planner.state_dict.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            shapes.append((key, tuple(value.shape), value.dtype))
+        else:
+            shapes.append((key,))
+    return tuple(shapes)
+
+
+def _read_objects(path: str) -> dict:
+    """A rank's object file; raises OSError or ValueError if it is not whole."""
+    with open(path, "rb") as source:
+        frame = source.read(struct.calcsize(_FRAME))
+        if len(frame) < struct.calcsize(_FRAME):
+            raise ValueError(f"{os.path.basename(path)} is cut short")
+        (length,) = struct.unpack(_FRAME, frame)
+        payload = source.read(length + 1)
+    if len(payload) != length:
+        raise ValueError(
+            f"{os.path.basename(path)} holds {len(payload)} of its {length} bytes of objects"
+        )
+    return pickle.loads(payload)
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Reads into all of ``view`` from ``offset`` of ``fd``; the bytes read (fewer at
+    the end of the file). One read returns at most 2 GiB on Linux."""
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count == 0:
+            break
+        done += count
+    return done
+
+
+def _reads_whole(item: ReadItem, extent: Extent, target: torch.Tensor) -> bool:
+    """Whether ``item`` reads all of the chunk at ``extent`` into all of ``target``, a
+    contiguous host tensor of the chunk's type: then the bytes go straight into it."""
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == extent.dtype
+        and tuple(item.lengths) == extent.shape
+        and not any(item.storage_offsets)
+        and target.nbytes == extent.length
+    )
+
+
+def _narrowed(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The box of ``tensor`` at ``offsets`` of ``lengths`` (per dimension)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+class SnapshotReader(StorageReader):
+    """DCP's storage reader over a snapshot in memory: ``dcp.load(state,
+    storage_reader=SnapshotReader(path))`` reads it into any world size and layout as
+    a durable checkpoint is read, each chunk straight from its rank's file (mapped,
+    not copied) into the shard of the target that needs it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.storage_data: dict[MetadataIndex, Extent] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(os.path.join(self.path, METADATA_FILE), "rb") as source:
+            return pickle.load(source)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for name, items in per_file.items():
+            path = os.path.join(self.path, name)
+            if items[0].type == LoadItemType.BYTE_IO:
+                objects = _read_objects(path)
+                for item in items:
+                    # In the form DCP's load planner reads.
+                    stream = io.BytesIO()
+                    torch.save(objects[item.storage_index], stream)
+                    stream.seek(0)
+                    planner.load_bytes(item, stream)
+                continue
+            with open(path, "rb") as source:
+                mapped: mmap.mmap | None = None
+                for item in items:
+                    extent = self.storage_data[item.storage_index]
+                    target = planner.resolve_tensor(item).detach()
+                    if _reads_whole(item, extent, target):
+                        # The chunk is the target (the same layout): read straight in.
+                        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                        if _read_into(source.fileno(), view, extent.offset) != extent.length:
+                            raise ValueError(f"{path}: {item.storage_index.fqn} is cut short")
+                        planner.commit_tensor(item, target)
+                        continue
+                    if mapped is None:
+                        mapped = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_COPY)
+                    stored = torch.frombuffer(
+                        mapped, dtype=torch.uint8, count=extent.length, offset=extent.offset
+                    )
+                    stored = stored.view(extent.dtype).reshape(extent.shape)
+                    stored = _narrowed(stored, item.storage_offsets, item.lengths)
+                    if target.size() != stored.size():
+                        raise ValueError(
+                            f"{path}: {item.storage_index.fqn} is {tuple(stored.size())} "
+                            f"where {tuple(target.size())} is read"
+                        )
+                    target.copy_(stored)
+                    planner.commit_tensor(item, target)
+                    del stored
+                if mapped is not None:
+                    mapped.close()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.path.isfile(os.path.join(str(checkpoint_id), INFO_FILE))
+
+
+@dataclass(frozen=True)
 class Chosen:
     """The snapshot every rank restores: its ``path`` (each rank's node's copy) and
     what it is of."""
@@ -167,18 +491,17 @@ def choose(runtime: Runtime, durable_step: int) -> Chosen | None:
     """The newest snapshot of the job that every rank's node holds whole, if it is newer
     than ``durable_step`` (the durable checkpoint the restore would load; 0: none);
     else None. Collective. Rank 0 logs a newer snapshot that it cannot use, and why."""
-    held: dict[int, SnapshotInfo] = {}
+    held: dict[int, Chosen] = {}
     problems: list[str] = []
-    for step, path in sorted(committed(runtime.memory_dir).items(), reverse=True):
+    for step, paths in sorted(candidates(runtime.memory_dir).items(), reverse=True):
         if step <= durable_step:
             break
-        info, problem = whole(path)
-        if info is None:
+        for path in paths:
+            info, problem = usable(path, step, runtime)
+            if info is not None:
+                held[step] = Chosen(path, info)
+                break
             problems.append(problem)
-        elif info.job_id != runtime.job_id or info.generation > runtime.generation:
-            problems.append(f"{path}: of job {info.job_id!r} generation {info.generation}")
-        else:
-            held[step] = info
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sorted(held), problems[:3]))
     common = set.intersection(*(set(steps) for steps, _ in everyone))
@@ -196,7 +519,20 @@ def choose(runtime: Runtime, durable_step: int) -> Chosen | None:
     step = max(common)
     if dist.get_rank() == 0 and problems:
         runtime.log(f"passing over memory snapshots: {'; '.join(problems[:3])}")
-    return Chosen(snapshot_path(runtime.memory_dir, step), held[step])
+    return held[step]
+
+
+def usable(path: str, step: int, runtime: Runtime) -> tuple[SnapshotInfo | None, str]:
+    """``whole``, and of step ``step`` of this job by a generation before this one (or
+    this one, restarted); else None and why not."""
+    info, problem = whole(path)
+    if info is None:
+        return None, problem
+    if info.step != step:
+        return None, f"{path}: holds step {info.step}"
+    if info.job_id != runtime.job_id or info.generation > runtime.generation:
+        return None, f"{path}: of job {info.job_id!r} generation {info.generation}"
+    return info, ""
 
 
 def everywhere(runtime: Runtime) -> bool:
@@ -214,90 +550,300 @@ def everywhere(runtime: Runtime) -> bool:
     return every
 
 
+def bounded_interval(
+    cost_s: float, step_s: float, overhead_max: float, every: int, current: int
+) -> int:
+    """The least interval, ``every`` or more, at which snapshots costing ``cost_s``
+    each take at most ``overhead_max`` of steps of ``step_s``; ``current`` is kept
+    unless it is too short or a quarter longer than needed (no flapping)."""
+    wanted = max(every, math.ceil(cost_s / (overhead_max * step_s)))
+    if wanted > current or wanted < 0.75 * current:
+        return wanted
+    return current
+
+
 class MemoryTier:
     """Takes the snapshots of one generation, every ``every`` steps, into
     ``runtime.memory_dir`` (on every rank: ``everywhere``). Every rank calls ``save`` at
-    the same steps. ``lineage``:
-    the job ids this run continues, recorded in each snapshot."""
+    the same steps. ``lineage``: the job ids this run continues, recorded in each
+    snapshot.
 
-    def __init__(self, runtime: Runtime, *, every: int, lineage: tuple[str, ...]) -> None:
+    A snapshot overlaps the next step: ``save`` hands it to a thread of its own and
+    returns; the thread copies the rank's chunks into memory, then commits with its
+    peers on the tier's own gloo group. The step's forward and backward read the state
+    while it is copied; ``before_update``, called before the optimizer changes the
+    state, waits for this rank's copy to end (normally it has), and the next ``save``
+    for the commit. ``close`` at the end of a run, ``settle`` after a failure.
+
+    Bounded in time as in memory: with ``overhead_max`` F > 0, each snapshot measures
+    what it cost (building the state, the copy, the waits it caused; the slowest
+    rank's) against the steps since the one before, and where a snapshot every
+    ``every`` steps would take more than F of the training time the interval grows to
+    the least that keeps it under F (and shrinks back when it can). Every rank computes
+    the same interval from the same all-reduced figures and adopts it at the same
+    snapshot."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        every: int,
+        lineage: tuple[str, ...],
+        overhead_max: float = 0.0,
+    ) -> None:
         self.directory = runtime.memory_dir or ""
         self.runtime = runtime
         self.every = every
+        self.interval = every  # the steps between snapshots now: ``every`` or more
+        self.overhead_max = overhead_max
         self.lineage = lineage
         self.generation = runtime.generation
         self.saved_step = 0
         self._rank = dist.get_rank()
         self._leader = runtime.local_rank == 0
         self._fits: bool | None = None
+        self._plan: _Plan | None = None
         self._blocked_s = 0.0
-        # Its own group: the durable checkpointer's background write uses another.
+        self._update_wait_s = 0.0
+        self._last_step: int | None = None  # of the last snapshot started
+        self._last_at = 0.0  # perf_counter seconds, when it started
+        self._waited_s = 0.0  # in ``before_update`` since the last snapshot started
+        # Seconds between ``before_update`` calls since the last snapshot started: the
+        # loop's periods with it in them (its share, and the step beside its copy) and
+        # the periods without.
+        self._periods: tuple[list[float], list[float]] = ([], [])
+        self._period_began: float | None = None
+        self._shadowed = False
+        self._measured: tuple[float, float] | None = None  # seconds: snapshot, step
+        self._next_interval = every
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-memory")
+        self._in_flight: Future | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        # Its own group, used by its thread alone: the training loop's collectives run
+        # on others meanwhile, and the durable checkpointer's background write on
+        # another still.
         self._group = dist.new_group(backend="gloo")
         if self._leader:
-            # What a generation that died while saving left; before any rank of this
-            # one writes.
-            for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
-                if _STAGING.fullmatch(name):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            self._tidy()
         dist.barrier(group=self._group)
 
+    def _tidy(self) -> None:
+        """A node's first rank, before any rank of this generation writes: what a
+        generation that died while saving left. A staging directory this node holds
+        whole takes its committed name (it may be all a restore after this generation
+        has; the restore checks every node holds it); any other goes."""
+        held = committed(self.directory)
+        for step, paths in candidates(self.directory).items():
+            for path in paths:
+                if path == held.get(step):
+                    continue
+                info, _ = usable(path, step, self.runtime)
+                if info is not None and step not in held:
+                    try:
+                        held[step] = snapshot_path(self.directory, step)
+                        os.rename(path, held[step])
+                        continue
+                    except OSError:
+                        pass
+                shutil.rmtree(path, ignore_errors=True)
+
     def due(self, step: int, last_step: int) -> bool:
-        """Whether a snapshot follows step ``step``: every ``every`` steps, but not
-        after the last (the durable checkpoint is saved then), nor once it was found not
-        to fit."""
-        return (
-            self.every > 0
-            and step % self.every == 0
-            and step < last_step
-            and self._fits is not False
-        )
+        """Whether a snapshot follows step ``step``: every ``interval`` steps (the
+        first at a multiple of ``every``), but not after the last (the durable
+        checkpoint is saved then), nor once it was found not to fit."""
+        if self.every <= 0 or step >= last_step or self._fits is False:
+            return False
+        if self._last_step is None:
+            return step % self.every == 0
+        return step - self._last_step >= self.interval
 
     def take_blocked_s(self) -> float:
-        """Seconds ``save`` held up the caller since the last call."""
+        """Seconds ``save`` and ``before_update`` held up the caller since the last
+        call."""
         blocked_s, self._blocked_s = self._blocked_s, 0.0
         return blocked_s
 
-    def save(self, step: int, samples: int, state: dict) -> bool:
-        """Snapshots ``state`` (``checkpoint.state_dict``) of step ``step`` (``samples``:
-        the data position after it) and commits it on every node; whether it was
-        committed everywhere. Collective."""
+    def take_update_wait_s(self) -> float:
+        """Seconds of them ``before_update`` held up a step since the last call (the
+        step's own time, which peers compare, is without them)."""
+        waited_s, self._update_wait_s = self._update_wait_s, 0.0
+        return waited_s
+
+    def save(self, step: int, samples: int, state: dict, built_s: float = 0.0) -> None:
+        """Starts the snapshot of ``state`` (``checkpoint.state_dict``, built in
+        ``built_s`` seconds) of step ``step`` (``samples``: the data position after
+        it), once the one before has ended. Collective."""
         started = time.perf_counter()
         try:
+            self.wait()
+            self._adopt_interval(step)
             if self._fits is None:
                 self._fits = self._check_budget(state)
             if not self._fits:
-                return False
-            return self._save(step, samples, state)
+                return
+            if self._plan is None:
+                self._plan = _Plan.make(state, self._group)
+            copy = self._plan.prepare(state)
+            steps = step - self._last_step if self._last_step is not None else 0
+            period_s = started - self._last_at if self._last_step is not None else 0.0
+            self._last_step, self._last_at = step, started
+            self._copied.clear()
+            # The waits the snapshot before caused count here (they end as its copy does).
+            cost_s = built_s + self._waited_s + time.perf_counter() - started
+            self._waited_s = 0.0
+            plain_s = period_s / steps - cost_s / steps if steps else 0.0
+            shadow, clean = self._periods
+            measured = bool(shadow and clean)
+            if measured:
+                # Measured, not summed from parts: the loop's period with the last
+                # snapshot (its share of the training thread, and the step it slowed by
+                # the copy beside it) against the periods without.
+                plain_s = statistics.median(clean)
+                cost_s = max(0.0, statistics.fmean(shadow) - plain_s)
+            self._periods = ([], [])
+            self._shadowed = True
+            self._in_flight = self._writer.submit(
+                self._save, step, samples, copy, (cost_s, plain_s, measured)
+            )
         finally:
             self._blocked_s += time.perf_counter() - started
 
-    def _save(self, step: int, samples: int, state: dict) -> bool:
+    def _adopt_interval(self, step: int) -> None:
+        """The interval the last snapshot's figures call for, from this snapshot on
+        (every rank adopts it here, at the same step); rank 0 says when it changes."""
+        if self._next_interval == self.interval:
+            return
+        before, self.interval = self.interval, self._next_interval
+        if self._rank == 0 and self._measured is not None:
+            cost_s, step_s = self._measured
+            self.runtime.log(
+                f"memory tier: a snapshot costs {cost_s * 1000:.1f} ms against "
+                f"{step_s * 1000:.1f} ms steps; every {self.interval} steps (was "
+                f"{before}) to take at most {self.overhead_max:.1%} of the training time",
+                step=step,
+            )
+
+    def _interval_for(self, cost_s: float, step_s: float) -> int:
+        """The interval the bound calls for after a snapshot that cost ``cost_s``
+        against steps of ``step_s`` without one (``bounded_interval``)."""
+        if self.overhead_max <= 0 or step_s <= 0:
+            return self.interval
+        if self._measured is None:
+            self._measured = (cost_s, step_s)
+        else:
+            old_cost, old_step = self._measured
+            self._measured = (0.7 * old_cost + 0.3 * cost_s, 0.7 * old_step + 0.3 * step_s)
+        return bounded_interval(*self._measured, self.overhead_max, self.every, self.interval)
+
+    def before_update(self) -> None:
+        """Returns once the snapshot in flight has copied this rank's state, which the
+        caller is about to change. Called once a step: it also times the loop's
+        period, with a snapshot in it or without, for the bound."""
+        started = time.perf_counter()
+        if self._period_began is not None:
+            self._periods[0 if self._shadowed else 1].append(started - self._period_began)
+        self._period_began, self._shadowed = started, False
+        if self._copied.is_set():
+            return
+        self._copied.wait()
+        waited_s = time.perf_counter() - started
+        self._update_wait_s += waited_s
+        self._waited_s += waited_s
+        self._blocked_s += waited_s
+
+    def wait(self) -> bool:
+        """Waits for the snapshot in flight to be committed or given up on every rank;
+        whether there was one and it was committed. Raises what failed it other than
+        the memory (that is logged, and the snapshot skipped)."""
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight.result() if in_flight is not None else False
+
+    def settle(self, timeout_s: float) -> bool:
+        """After the run failed: waits up to ``timeout_s`` for the snapshot in flight to
+        end, however it ends; whether it did (a rank whose thread did not end may not
+        live on into another generation: it would go on writing as this one)."""
+        in_flight, self._in_flight = self._in_flight, None
+        self._writer.shutdown(wait=False)
+        if in_flight is None:
+            return True
+        try:
+            in_flight.result(timeout=timeout_s)
+        except FutureTimeout:
+            return False
+        except BaseException as error:
+            self.runtime.log(
+                f"a memory snapshot failed with the run: {type(error).__name__}: {str(error)[:200]}"
+            )
+        return True
+
+    def close(self) -> None:
+        """At the end of a run: the snapshot in flight ends, and the thread with it."""
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def _save(
+        self, step: int, samples: int, copy: _Copy | None, figures: tuple[float, float, bool]
+    ) -> bool:
+        """The snapshot's thread: ``copy`` written (None: the state no longer fits the
+        plan) and committed with every rank; whether it was. ``figures``: the last
+        snapshot's cost, the step time without one, and whether they were measured
+        (else the parts were summed: this copy is added)."""
+        cost_s, step_s, measured = figures
         staging = staging_path(self.directory, step, self.generation)
         final = snapshot_path(self.directory, step)
+        wrote, replan = True, False
+        copying = time.perf_counter()
         try:
             os.makedirs(staging, exist_ok=True)
-            metadata = dcp.save(
-                state,
-                storage_writer=FileSystemWriter(staging, sync_files=False),
-                process_group=self._group,
-            )
-        # DCP raises CheckpointException, a BaseException, for a failed write.
-        except (Exception, CheckpointException) as error:
-            fault = storage_fault(error)
-            if fault is None:
-                raise
-            if self._leader:
-                shutil.rmtree(staging, ignore_errors=True)
-            if self._rank == 0:
+            replan = copy is None
+            if copy is not None:
+                copy.write(staging, self._rank)
+            wrote = not replan
+            if wrote and self._leader:
+                with open(os.path.join(staging, METADATA_FILE), "wb") as out:
+                    out.write(self._plan.metadata_bytes)
+                SnapshotInfo(
+                    step=step,
+                    samples=samples,
+                    job_id=self.runtime.job_id,
+                    lineage=self.lineage,
+                    generation=self.generation,
+                    world_size=dist.get_world_size(),
+                ).write(staging)
+        except OSError as error:
+            wrote = False
+            if self._rank == 0 or self._leader:
                 self.runtime.log(
-                    f"memory snapshot of step {step} not taken ({fault}); training goes "
-                    "on, the next is tried on schedule",
+                    f"memory snapshot of step {step} not taken on this node ({error}); "
+                    "training goes on, the next is tried on schedule",
                     step=step,
                 )
+        finally:
+            # The state may change now: what is left is the commit.
+            self._copied.set()
+        if not measured:
+            cost_s += time.perf_counter() - copying
+        # Every rank wrote its files, or none commits; a rank whose state no longer
+        # matches the plan asks every rank for a new one, at the next snapshot. With
+        # them the slowest rank's cost and step time (negated: a maximum by MIN).
+        flags = torch.tensor(
+            [int(wrote), -int(replan), -round(cost_s * 1e6), -round(step_s * 1e6)],
+            dtype=torch.int64,
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
+        if flags[1].item():
+            self._plan = None
+        self._next_interval = self._interval_for(-flags[2].item() / 1e6, -flags[3].item() / 1e6)
+        if not flags[0].item():
+            if self._leader:
+                shutil.rmtree(staging, ignore_errors=True)
             return False
         done = True
         if self._leader:
-            done = self._commit(step, samples, staging, final, metadata)
+            done = self._commit(step, staging, final)
         # Every node has committed it, or the previous one stays on every node.
         flag = torch.tensor([int(done)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
@@ -310,22 +856,10 @@ class MemoryTier:
                     shutil.rmtree(path, ignore_errors=True)
         return True
 
-    def _commit(self, step: int, samples: int, staging: str, final: str, metadata) -> bool:
-        """A node's first rank: the metadata and info beside its shards, then the
-        committed name; whether it is there."""
+    def _commit(self, step: int, staging: str, final: str) -> bool:
+        """A node's first rank: the committed name for its node's copy; whether it is
+        there."""
         try:
-            if self._rank != 0:
-                # As DCP's writer stores it, so that its reader reads it here.
-                with open(os.path.join(staging, METADATA_FILE), "wb") as out:
-                    pickle.dump(metadata, out)
-            SnapshotInfo(
-                step=step,
-                samples=samples,
-                job_id=self.runtime.job_id,
-                lineage=self.lineage,
-                generation=self.generation,
-                world_size=dist.get_world_size(),
-            ).write(staging)
             # One of an earlier generation's (it ran past the step this one restored).
             shutil.rmtree(final, ignore_errors=True)
             os.rename(staging, final)
@@ -349,8 +883,14 @@ class MemoryTier:
         if self._rank == 0:
             gib = need / 2**30
             self.runtime.log(
-                f"memory tier: snapshots every {self.every} steps in {self.directory}, "
-                f"{gib:.3f} GiB per node for two"
+                f"memory tier: snapshots every {self.every} steps"
+                + (
+                    f" (less often where they take more than {self.overhead_max:.1%} of the "
+                    "training time)"
+                    if self.overhead_max > 0
+                    else ""
+                )
+                + f" in {self.directory}, {gib:.3f} GiB per node for two"
                 if fits.item()
                 else f"memory tier off: two snapshots take {gib:.3f} GiB per node, more "
                 f"than the {budget / 2**30:.3f} GiB the agent may hold (keel agent "

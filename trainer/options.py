@@ -174,8 +174,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         metavar="K",
         help="snapshot every rank's state into the memory the node's agent holds for the "
-        "job (KEEL_MEMORY_DIR; none: no snapshots) every K steps, restored in place of "
-        "an older durable checkpoint; 0 turns the memory tier off",
+        "job (KEEL_MEMORY_DIR; none: no snapshots) every K steps, or less often where "
+        "--memory-overhead-max says so, restored in place of an older durable "
+        "checkpoint; 0 turns the memory tier off",
+    )
+    parser.add_argument(
+        "--memory-overhead-max",
+        type=float,
+        default=0.02,
+        metavar="F",
+        help="the most of the training time memory snapshots may take, as measured: "
+        "where a snapshot every --memory-checkpoint-every steps costs more, they are "
+        "taken less often, as often as F allows (rank 0 says each change); 0: every K "
+        "steps whatever they cost",
     )
 
     health = parser.add_argument_group("health")
@@ -242,6 +253,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("keep_checkpoints", "warmup_steps", "memory_checkpoint_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0")
+    if not 0 <= args.memory_overhead_max < 1:
+        parser.error(
+            f"--memory-overhead-max {args.memory_overhead_max:g} must be at least 0 and "
+            "below 1 (a fraction of the training time; 0: no bound)"
+        )
     if args.microbatches is not None and args.microbatches < 1:
         parser.error("--microbatches must be at least 1")
     if args.clip_grad is not None and args.clip_grad <= 0:

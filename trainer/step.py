@@ -10,6 +10,8 @@ samples: each pass contributes ``1 / grad_accum`` of it, each pipeline micro-bat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +37,8 @@ class TrainStep:
     the order of ``stages.indices``); ``stages``: None without pipeline parallelism;
     ``clip_grad``: maximum global gradient norm, None for no clipping. After a step
     with clipping, ``grad_norm`` is the global gradient norm it measured before
-    clipping."""
+    clipping. ``before_update``, if set, is called before the optimizer changes the
+    state (a memory snapshot still copying it waits there: ``MemoryTier``)."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class TrainStep:
         self.device = device
         self.stages = stages
         self.grad_norm: float | None = None
+        self.before_update: Callable[[], None] | None = None
         self.schedule = None
         if stages is not None:
             scale = grad_accum * stages.microbatches
@@ -88,6 +92,8 @@ class TrainStep:
             self.grad_norm = clip_grad_norm_(
                 [p for part in self.parts for p in part.parameters()], self.clip_grad
             )
+        if self.before_update is not None:
+            self.before_update()
         self.optimizers.step()
         if timer is not None:
             timer.lap("optimizer_s")

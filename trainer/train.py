@@ -270,16 +270,26 @@ def run_preflight(args: argparse.Namespace, rt: keel_runtime.Runtime, device: to
 
 @dataclass
 class Background:
-    """What a generation of the trainer runs besides its loop: the checkpointer, whose
-    saves must end before the process may live on into another generation."""
+    """What a generation of the trainer runs besides its loop: the checkpointer and the
+    memory tier, whose saves must end before the process may live on into another
+    generation."""
 
     checkpointer: Checkpointer | None = None
+    memory: MemoryTier | None = None
 
     def settle(self, rt: keel_runtime.Runtime) -> bool:
-        if self.checkpointer is None or self.checkpointer.settle(SETTLE_S):
-            return True
-        rt.log(f"a checkpoint save of generation {rt.generation} did not end within {SETTLE_S:g} s")
-        return False
+        settled = True
+        if self.checkpointer is not None and not self.checkpointer.settle(SETTLE_S):
+            rt.log(
+                f"a checkpoint save of generation {rt.generation} did not end within {SETTLE_S:g} s"
+            )
+            settled = False
+        if self.memory is not None and not self.memory.settle(SETTLE_S):
+            rt.log(
+                f"a memory snapshot of generation {rt.generation} did not end within {SETTLE_S:g} s"
+            )
+            settled = False
+        return settled
 
 
 def train(
@@ -290,7 +300,8 @@ def train(
 ) -> Setup:
     """Trains until ``args.steps`` optimizer steps are done, starting fresh or from the
     checkpoint ``trainer.restore.choose`` names, and returns what it trained (with
-    the last checkpoint committed). ``current`` is told of the checkpointer."""
+    the last checkpoint committed). ``current`` is told of the checkpointer and the
+    memory tier."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     run_preflight(args, rt, device)
     torch.manual_seed(args.seed)
@@ -335,7 +346,8 @@ def train(
         )
     restore = restored.path if restored else None
     if restore:
-        state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state)
+        reader = memory_tier.SnapshotReader(restore) if restored.memory else None
+        state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state, reader)
         run.optimizers.load_scheduler_state(state.scheduler)
         torch.set_rng_state(state.rng_state)
         if rank == 0:
@@ -368,12 +380,23 @@ def train(
         )
 
     memory = (
-        MemoryTier(rt, every=args.memory_checkpoint_every, lineage=chain) if memory_on else None
+        MemoryTier(
+            rt,
+            every=args.memory_checkpoint_every,
+            overhead_max=args.memory_overhead_max,
+            lineage=chain,
+        )
+        if memory_on
+        else None
     )
 
+    if memory is not None:
+        run.step.before_update = memory.before_update
     if current is not None:
-        current.checkpointer = checkpointer
+        current.checkpointer, current.memory = checkpointer, memory
     _loop(args, rt, device, run, data, state, checkpointer, restore_s, memory)
+    if memory:
+        memory.close()
     if checkpointer:
         checkpointer.wait()
     return run
@@ -412,6 +435,8 @@ def _loop(
         # Measured before the exchange's all-gather, where every rank waits for the
         # slowest, this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
+        if memory:
+            busy_s -= memory.take_update_wait_s()  # checkpointing's, not the step's
         busy_s += rt.after_step(busy_s)
         shared = exchange_step(
             loss,
@@ -459,9 +484,10 @@ def _loop(
             saved = TrainerState(
                 step, samples, run.optimizers.scheduler_state(), torch.get_rng_state(), ledger
             )
+            building = time.perf_counter()
             whole = checkpoint.state_dict(run.parts, run.optimizers.optimizers, saved)
             if snapshot:
-                memory.save(step, samples, whole)
+                memory.save(step, samples, whole, built_s=time.perf_counter() - building)
             if save:
                 checkpointer.save(step, samples, whole, ledger, args.global_batch)
         if shared.leave_requested:
@@ -512,7 +538,7 @@ def run_generation(args: argparse.Namespace, rt: keel_runtime.Runtime) -> bool:
 
         def teardown() -> bool:
             settled = current.settle(rt)
-            current.checkpointer = None
+            current.checkpointer = current.memory = None
             shut_down_process_group()
             return settled
 

@@ -5,6 +5,7 @@ torn snapshot is passed over for the whole one before it; the data is consumed e
 once and the losses are those of a run without the crash."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from trainer.memory_tier import committed, whole
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
+# The reference trainer's flag, after keel up's `--`: a snapshot after every step,
+# whatever it costs on this machine.
+EVERY_STEP = ("--", "--memory-overhead-max", "0")
 FLAGS = [
     "-m",
     "trainer.train",
@@ -28,6 +32,8 @@ FLAGS = [
     "50",
     "--memory-checkpoint-every",
     "1",
+    "--memory-overhead-max",
+    "0",  # a snapshot after every step, whatever it costs on this machine
     "--layers",
     "4",
     "--seq-len",
@@ -68,15 +74,20 @@ def test_a_crash_loses_one_step_and_restores_from_memory_into_another_layout(tmp
     info, problem = whole(str(memory / "mem_00000008"))
     assert problem == "" and (info.step, info.samples, info.world_size) == (8, 8 * 16, 4)
 
+    # Step 8's snapshot written by every rank but its commit cut off by the failure
+    # (it overlaps the next step): whole, it is restored from its staging directory.
     # A snapshot torn mid-copy under a committed name (a shard file cut short), and a
-    # staging directory a kill left: neither is loaded.
+    # staging directory that holds another step than its name says: neither is loaded.
+    uncommitted = memory / ".mem_00000008.g0.tmp"
+    (memory / "mem_00000008").rename(uncommitted)
     torn = memory / "mem_00000009"
-    shutil.copytree(memory / "mem_00000008", torn)
+    shutil.copytree(uncommitted, torn)
     info_file = torn / "snapshot.json"
     info_file.write_text(info_file.read_text().replace('"step": 8', '"step": 9'))
-    shard = torn / "__2_0.distcp"
+    shard = torn / "__2.mem"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    shutil.copytree(memory / "mem_00000008", memory / ".mem_00000010.g0.tmp")
+    mislabeled = memory / ".mem_00000010.g0.tmp"
+    shutil.copytree(uncommitted, mislabeled)
     assert "holds" in whole(str(torn))[1]
 
     resumed = torchrun(
@@ -92,11 +103,15 @@ def test_a_crash_loses_one_step_and_restores_from_memory_into_another_layout(tmp
     assert "restoring the memory snapshot of step 8, newer than no durable checkpoint" in (
         resumed.stderr
     )
-    assert f"passing over memory snapshots: {torn}: __2_0.distcp holds" in resumed.stderr
-    assert f"resumed from {memory / 'mem_00000008'} at step=8" in resumed.stderr
-    # The staging directory was cleaned up; the last step's snapshot is not taken (the
-    # durable checkpoint is), so step 9's stands.
-    assert not (memory / ".mem_00000010.g0.tmp").exists()
+    passed_over = (
+        f"passing over memory snapshots: {mislabeled}: holds step 8; {torn}: __2.mem holds"
+    )
+    assert passed_over in resumed.stderr
+    assert f"resumed from {uncommitted} at step=8" in resumed.stderr
+    # The staging directories were tidied away (the whole one committed, then replaced
+    # by the next snapshot); the last step's snapshot is not taken (the durable
+    # checkpoint is), so step 9's stands.
+    assert not uncommitted.exists() and not mislabeled.exists()
     assert sorted(committed(str(memory))) == [9]
     assert committed_steps(ckpt) == [10]
 
@@ -112,6 +127,29 @@ def test_a_crash_loses_one_step_and_restores_from_memory_into_another_layout(tmp
     assert sorted(resumed_losses) == [9, 10]
     for step, loss in {**crashed_losses, **resumed_losses}.items():
         assert abs(loss - reference[step]) <= 1e-5 * loss + 1e-6, (step, loss, reference[step])
+
+
+def test_the_default_bound_takes_snapshots_less_often_where_they_cost_more(tmp_path: Path):
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    flags = [flag for flag in FLAGS if flag not in ("--memory-overhead-max", "0")]
+    flags[flags.index("--steps") + 1] = "40"
+    done = torchrun(2, *flags, env={"KEEL_MEMORY_DIR": str(memory)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    # On this machine a snapshot of the tiny reference model costs far more than 2 % of
+    # its step (building the state dict alone does): the interval grows from 1.
+    changes = re.findall(
+        r"memory tier: a snapshot costs ([\d.]+) ms against ([\d.]+) ms steps; every (\d+) "
+        r"steps \(was (\d+)\) to take at most 2.0% of the training time",
+        done.stderr,
+    )
+    assert changes, done.stderr[-4000:]
+    cost_ms, step_ms, interval, before = changes[0]
+    assert before == "1" and int(interval) > 1
+    assert int(interval) >= float(cost_ms) / (0.02 * float(step_ms))
+    # The snapshot kept is the last one taken, at most one interval before the end.
+    (kept,) = committed(str(memory))
+    assert 40 - int(changes[-1][2]) <= kept < 40
 
 
 # --- under keel up: the agent holds the memory -------------------------------------------
@@ -131,14 +169,21 @@ def test_a_killed_rank_restores_the_snapshot_its_agent_held_and_the_memory_goes_
     clean = run_up(no_leaks / "clean", *common)
     assert clean["_rc"] == 0, clean["_stderr"][-4000:]
     run = no_leaks / "run"
-    summary = run_up(run, *common, "--memory-budget-gb", "1", "--inject", "kill:rank=1,step=9")
+    summary = run_up(
+        run, *common, "--memory-budget-gb", "1", "--inject", "kill:rank=1,step=9", *EVERY_STEP
+    )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["steps"], summary["generations"], summary["restarts"]) == (16, 2, 1)
     second = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
-    # Killed as step 9 began: step 8's snapshot is restored, no step is trained twice,
-    # and no durable checkpoint was there to restore (the first is at step 16).
-    assert "restoring the memory snapshot of step 8, newer than no durable checkpoint" in second
-    assert min(steps_logged(run, 2)) == 9
+    # Killed as step 9 began, while step 8's snapshot was being copied: step 8's is
+    # restored where rank 1's copy had ended (its uncommitted staging directory is
+    # whole), step 7's where it had not; at most one step is trained again, where the
+    # durable checkpoint alone would lose all 8 (the first is at step 16).
+    restored = re.search(
+        r"restoring the memory snapshot of step (\d+), newer than no durable checkpoint", second
+    )
+    assert restored and int(restored.group(1)) in (7, 8), second[-3000:]
+    assert min(steps_logged(run, 2)) == int(restored.group(1)) + 1
     assert summary["data"] == {"expected": 256, "consumed": 256, "duplicates": 0, "missing": 0}
     assert abs(summary["final_loss"] - clean["final_loss"]) <= 1e-5 * clean["final_loss"]
     # The memory was the agent's, for the job, and went when the job ended.
@@ -155,12 +200,13 @@ def test_a_job_across_two_nodes_falls_back_to_its_durable_checkpoint_and_says_wh
         run,
         *("--nodes", "2", "--slots-per-node", "1", "--steps", "12", "--checkpoint-every", "4"),
         *("--memory-budget-gb", "1", "--inject", "kill:rank=1,step=7"),
+        *EVERY_STEP,
     )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert summary["generations"] == 2
     second = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
     # Each node holds its own rank's shard of step 6: neither holds the whole snapshot.
     assert "no memory snapshot newer than the durable checkpoint is whole on every node" in second
-    assert "__1_0.distcp is not on this node" in second
+    assert "__1.mem is not on this node" in second
     assert "resumed from " in second and "step_00000004 at step=4" in second
     assert summary["data"] == {"expected": 192, "consumed": 192, "duplicates": 0, "missing": 0}

@@ -3,13 +3,21 @@
 tests/integration/test_memory_tier.py."""
 
 import pickle
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from trainer.memory_tier import (
+    Extent,
     SnapshotInfo,
+    SnapshotReader,
+    _Plan,
+    bounded_interval,
     committed,
     snapshot_path,
     staging_path,
@@ -18,8 +26,8 @@ from trainer.memory_tier import (
 )
 
 
-def stored(path: str, offset: int, length: int) -> SimpleNamespace:
-    return SimpleNamespace(relative_path=path, offset=offset, length=length)
+def stored(path: str, offset: int, length: int) -> Extent:
+    return Extent(path, offset, length, torch.uint8, (length,))
 
 
 def snapshot(root: Path, step: int, files: dict[str, int], needed: dict) -> Path:
@@ -34,18 +42,19 @@ def snapshot(root: Path, step: int, files: dict[str, int], needed: dict) -> Path
 
 
 def test_a_snapshot_is_whole_only_with_every_file_its_metadata_names_in_full(tmp_path: Path):
-    needed = {"a": stored("__0_0.distcp", 0, 60), "b": stored("__0_0.distcp", 60, 40)}
-    needed["c"] = stored("__1_0.distcp", 0, 10)
-    path = snapshot(tmp_path, 7, {"__0_0.distcp": 100, "__1_0.distcp": 10}, needed)
+    needed = {"a": stored("__0.mem", 0, 60), "b": stored("__0.mem", 60, 40)}
+    needed["c"] = stored("__1.mem", 0, 10)
+    path = snapshot(tmp_path, 7, {"__0.mem": 100, "__1.mem": 10}, needed)
     info, problem = whole(str(path))
     assert problem == "" and info == SnapshotInfo(7, 112, "job", ("origin", "job"), 2, 4)
 
-    (path / "__0_0.distcp").write_bytes(b"\0" * 99)  # torn mid-copy
-    assert whole(str(path)) == (None, f"{path}: __0_0.distcp holds 99 of its 100 bytes")
-    (path / "__1_0.distcp").unlink()  # another node's rank's shard
-    assert whole(str(path))[1] == f"{path}: __0_0.distcp holds 99 of its 100 bytes"
-    (path / "__0_0.distcp").write_bytes(b"\0" * 100)
-    assert whole(str(path)) == (None, f"{path}: __1_0.distcp is not on this node")
+    (path / "__0.mem").write_bytes(b"\0" * 99)  # torn mid-copy
+    assert whole(str(path)) == (None, f"{path}: __0.mem holds 99 of its 100 bytes")
+    (path / "__1.mem").unlink()  # another node's rank's shard: said first
+    assert whole(str(path)) == (None, f"{path}: __1.mem is not on this node")
+    (path / "__1.mem").write_bytes(b"\0" * 10)
+    (path / "__0.mem").write_bytes(b"\0" * 100)
+    assert whole(str(path))[1] == ""
 
 
 def test_a_snapshot_without_its_info_or_metadata_is_not_whole(tmp_path: Path):
@@ -73,3 +82,81 @@ def test_the_budget_counts_the_tensors_a_rank_holds():
         "list": [torch.zeros(4, dtype=torch.int8)],
     }
     assert state_bytes(state) == 400 + 20 + 8 + 4
+
+
+def objects_file(path: Path, objects: dict) -> None:
+    payload = pickle.dumps(objects)
+    path.write_bytes(struct.pack("<Q", len(payload)) + payload)
+
+
+def test_a_rank_s_objects_count_only_framed_in_full_and_with_every_object(tmp_path: Path):
+    ledger, lr = MetadataIndex("trainer.ledger"), MetadataIndex("optim.lr")
+    needed = {ledger: Extent("__0.obj", 0, 0), lr: Extent("__0.obj", 0, 0)}
+    path = snapshot(tmp_path, 2, {}, needed)
+    objects_file(path / "__0.obj", {ledger: [[0, 16]], lr: 0.1})
+    assert whole(str(path))[1] == ""
+    data = (path / "__0.obj").read_bytes()
+    (path / "__0.obj").write_bytes(data[:-3])  # torn mid-copy
+    assert whole(str(path))[1] == (
+        f"{path}: __0.obj holds {len(data) - 11} of its {len(data) - 8} bytes of objects"
+    )
+    (path / "__0.obj").write_bytes(data[:5])
+    assert whole(str(path))[1] == f"{path}: __0.obj is cut short"
+    objects_file(path / "__0.obj", {ledger: [[0, 16]]})
+    assert whole(str(path))[1] == f"{path}: __0.obj lacks optim.lr"
+    (path / "__0.obj").unlink()
+    assert whole(str(path))[1] == f"{path}: __0.obj is not on this node"
+
+
+def test_a_snapshot_is_read_back_through_dcp_as_it_was_written(tmp_path: Path, one_rank_group):
+    """Raw chunks of every dtype and shape, and objects, through the plan and the reader
+    DCP loads with; on one rank (resharding is tests/integration/test_memory_tier.py)."""
+    state = {
+        "model": {
+            "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "h": torch.arange(6, dtype=torch.bfloat16),
+            "mask": torch.tensor([True, False, True]),
+        },
+        "trainer": {"step": torch.tensor(7), "ledger": [[0, 16], [32, 48]], "lr": 0.25},
+    }
+    group = dist.new_group(backend="gloo")
+    plan = _Plan.make(state, group)
+    path = tmp_path / "mem_00000007"
+    path.mkdir()
+    plan.prepare(state).write(str(path), 0)
+    (path / ".metadata").write_bytes(plan.metadata_bytes)
+    SnapshotInfo(7, 112, "job", ("job",), 1, 1).write(str(path))
+    assert whole(str(path))[1] == ""
+    assert (path / "__0.mem").stat().st_size == plan.tensor_bytes == 48 + 12 + 3 + 8
+
+    target = {
+        "model": {
+            "w": torch.zeros(3, 4),
+            "h": torch.zeros(6, dtype=torch.bfloat16),
+            "mask": torch.zeros(3, dtype=torch.bool),
+        },
+        "trainer": {"step": torch.tensor(0), "ledger": [], "lr": 0.0},
+    }
+    dcp.load(target, storage_reader=SnapshotReader(str(path)))
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+    assert torch.equal(target["model"]["h"], state["model"]["h"])
+    assert target["model"]["mask"].tolist() == [True, False, True]
+    assert int(target["trainer"]["step"]) == 7
+    assert target["trainer"]["ledger"] == [[0, 16], [32, 48]] and target["trainer"]["lr"] == 0.25
+
+    # A state of another shape is not written under the old plan.
+    state["model"]["w"] = torch.zeros(4, 4)
+    assert plan.prepare(state) is None
+
+
+def test_the_bound_stretches_the_interval_to_what_the_overhead_allows_and_holds_it_steady():
+    # 15 ms snapshots against 60 ms steps: under 2 % needs one every 13 steps.
+    assert bounded_interval(0.015, 0.060, 0.02, 1, 1) == 13
+    assert bounded_interval(0.015, 0.060, 0.02, 20, 20) == 20  # never below --every
+    # A little cheaper or dearer: the interval stays where it is...
+    assert bounded_interval(0.013, 0.060, 0.02, 1, 13) == 13
+    assert bounded_interval(0.011, 0.060, 0.02, 1, 13) == 13
+    # ...until it is too short, or a quarter too long.
+    assert bounded_interval(0.016, 0.060, 0.02, 1, 13) == 14
+    assert bounded_interval(0.0055, 0.060, 0.02, 1, 13) == 5
+    assert bounded_interval(0.0001, 0.060, 0.02, 1, 13) == 1
