@@ -112,13 +112,26 @@ from common.tls import read_token
     "torch.distributed.pipelining for pipeline-parallel jobs).",
 )
 @click.option(
+    "--warm-fill",
+    type=click.Choice(env.WARM_FILLS),
+    default=env.WARM_FILLS[0],
+    envvar=env.WARM_FILL,
+    show_default=True,
+    show_envvar=True,
+    help="eager: fill the warm processes when the agent starts and right after each "
+    "is taken, so that a job's first generation and a failure seconds into any "
+    "starts warm; lazy: only once ranks have started here and run for "
+    "--warm-refill-delay-s (a job's first generation starts cold; for small "
+    "machines, where a refill beside a starting generation slows it).",
+)
+@click.option(
     "--warm-refill-delay-s",
     type=float,
     default=10.0,
     show_default=True,
-    help="Fill the warm processes this long after ranks last started here (a "
-    "refill costs what a cold start does; a generation that ends sooner "
-    "is not charged for one).",
+    help="With --warm-fill lazy: fill the warm processes this long after ranks last "
+    "started here (a refill costs what a cold start does; a generation that ends "
+    "sooner is not charged for one).",
 )
 @click.option(
     "--restart-in-place/--no-restart-in-place",
@@ -200,6 +213,7 @@ def main(
     accelerator,
     warm_processes,
     warm_imports,
+    warm_fill,
     warm_refill_delay_s,
     restart_in_place,
     memory_budget_gb,
@@ -250,6 +264,7 @@ def main(
             metrics_address_file=Path(metrics_address_file) if metrics_address_file else None,
             accelerator=accelerator,
             warm_processes=warm_processes,
+            warm_fill=warm_fill,
             warm_refill_delay_s=warm_refill_delay_s,
             restart_in_place=restart_in_place,
             warm_imports=tuple(m.strip() for m in warm_imports.split(",") if m.strip()),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.rank_user import RankUser
 from common import deadlines
+from common.env import WARM_FILLS
 from common.etcd import EtcdCredentials, etcd_credentials, host_port
 from common.keys import NODE_NAME, NODE_NAME_RULE
 from common.net import listen_address
@@ -35,7 +36,10 @@ class AgentConfig:
     metrics_address_file: Path | None = None  # write the metrics host:port here once serving
     accelerator: str = ""  # what its slots are; "" = detect (agent.accelerator)
     warm_processes: bool = True  # keep a warm process per slot (agent.pool)
-    warm_refill_delay_s: float = 10.0  # refill them this long after the last rank start
+    # eager: filled at start and right after each one is taken; lazy: once ranks have
+    # started here and run for warm_refill_delay_s (a job's first generation is cold).
+    warm_fill: str = "eager"
+    warm_refill_delay_s: float = 10.0  # lazy: refill this long after the last rank start
     warm_imports: tuple[str, ...] = ()  # modules they import ahead; () = agent.warm's default
     restart_in_place: bool = True  # keep ranks that can restart in place (agent.parking)
     tls: TlsFiles | None = None  # mutual TLS to the controller; None = plaintext
@@ -75,6 +79,10 @@ class AgentConfig:
             raise ValueError(problems[0])
         if self.metrics_listen is not None:
             listen_address(self.metrics_listen, self.host)  # raises with the fix
+        if self.warm_fill not in WARM_FILLS:
+            raise ValueError(
+                f"warm_fill={self.warm_fill!r}: must be one of {', '.join(WARM_FILLS)}"
+            )
         if not self.warm_refill_delay_s >= 0:
             raise ValueError(
                 f"warm_refill_delay_s={self.warm_refill_delay_s}: must be 0 or more seconds"

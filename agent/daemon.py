@@ -105,6 +105,7 @@ class Agent:
                 pool_env(dict(os.environ), self.socket_path),
                 refill_delay_s=config.warm_refill_delay_s,
                 rank_user=config.rank_user,
+                eager=config.warm_fill == "eager",
                 **({"imports": config.warm_imports} if config.warm_imports else {}),
             )
             if config.warm_processes

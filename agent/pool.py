@@ -7,10 +7,14 @@ A rank whose command is this agent's interpreter running a script or ``-m`` modu
 a job that opted out (``JobSpec.cold_start``), or one that sets
 ``CUDA_VISIBLE_DEVICES`` (the context is made already) starts cold. A pool process
 that died, or is older than ``max_age_s``, is replaced, never handed out. The pool is
-filled once ranks have started here and then run for ``refill_delay_s`` (a refill
-costs what a cold start does; a node that runs nothing, or a generation that ends
-sooner, is not charged for one): a job's first generation starts cold, and the
-restarts after it warm.
+filled when the agent starts and refilled right after one is taken (``eager``, the
+default): a job's first generation and a failure seconds after any start find their
+processes ready (or importing, ahead of a cold start). ``lazy`` fills it only once
+ranks have started here and then run for ``refill_delay_s`` (a refill costs what a
+cold start does, CPU beside a generation that is starting; a node that runs nothing,
+or a generation that ends sooner, is not charged for one): a job's first generation
+starts cold, and the restarts after it warm. That is for small machines, and the test
+suite's.
 
 A warm process says on a pipe when its imports are done; the agent logs it (``warm
 process ready``). One still importing is handed out all the same (it is ahead of a
@@ -100,11 +104,14 @@ class WarmPool:
         refill_delay_s: float = REFILL_DELAY_S,
         imports: tuple[str, ...] = DEFAULT_IMPORTS,
         rank_user: RankUser | None = None,
+        eager: bool = True,
     ):
         """``slots`` processes at most, one per local rank; each starts with
         ``base_env`` (the agent's, no KEEL_* but the socket that marks what this agent
         started) and logs to ``log_dir`` until it is given a rank. With ``rank_user``
-        they run as that user (``agent.rank_user``), and ``log_dir`` is theirs."""
+        they run as that user (``agent.rank_user``), and ``log_dir`` is theirs.
+        ``eager``: filled from the start and right after each take, else lazily."""
+        self.eager = eager
         self.rank_user = rank_user
         self.slots = slots
         self.log_dir = log_dir
@@ -171,7 +178,9 @@ class WarmPool:
                 del self.idle[slot]
             else:
                 warm.check_ready(now)
-        if self.last_taken is None or now - self.last_taken < self.refill_delay_s:
+        if not self.eager and (
+            self.last_taken is None or now - self.last_taken < self.refill_delay_s
+        ):
             return
         for slot in range(self.slots):
             if slot not in self.idle:

@@ -8,7 +8,12 @@ have filled their warm pools (``EARLY_FAIL_EPOCH`` where no pool is at stake; se
 there). Arms, interleaved round by round:
 
 * ``keel``: ``keel run --nproc-per-node 2 --max-restarts 1`` on a local cluster, whose
-  agents keep warm processes (Python started, torch imported) by default;
+  agents keep warm processes (Python started, torch imported) by default, filled at
+  their start and right after each is taken (``--warm-fill eager``);
+* ``keel, early kill, eager fill`` and ``keel, early kill, lazy fill``: the same, the
+  kill at ``EARLY_FAIL_EPOCH``, seconds after the job started, with the agents' pools
+  filled eagerly or lazily (``KEEL_WARM_FILL``; lazy: only once ranks have run for 10 s,
+  so a failure this early restarts cold);
 * ``keel run --cold-start``: the same without warm processes;
 * ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2
   --max-restarts 1``; a run that has not ended ``RECOVERY_TIMEOUT_S`` after the kill
@@ -70,6 +75,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from common import env as keel_env
 from common.net import free_port
 from common.procs import terminate
 from orchestrator.local.options import UpOptions, job_spec
@@ -77,9 +83,9 @@ from orchestrator.local.options import UpOptions, job_spec
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "recovery_script.py"
 # Epochs of about 0.2 s here. Where a warm pool is at stake (keel, and torchrun, which
-# it is compared with), the kill comes about 20 s into the job, when the agents have
-# filled their pools (10 s after ranks start, then Python and torch) and they sit
-# idle: the state a failure hours into a job finds.
+# it is compared with), the kill comes about 20 s into the job, when the agents' pools
+# are full and idle (a lazy fill would have filled them too, 10 s after ranks start):
+# the state a failure hours into a job finds.
 FAIL_EPOCH = 85
 # Arms that keep nothing ready for a failure fail early, to keep the benchmark short:
 # the cold start's failing run, and keel --cold-start (its agents never fill a pool
@@ -307,10 +313,14 @@ def script_args(fail_epoch: int) -> list[str]:
     return ["--epochs", str(fail_epoch + 1), "--fail-epoch", str(fail_epoch), "--iters", str(ITERS)]
 
 
-def run_keel(directory: Path, cold: bool) -> Run:
-    """``keel run`` of the script on a local cluster: kill to restart 1's first epoch."""
+def run_keel(directory: Path, cold: bool, early: bool = False, fill: str = "eager") -> Run:
+    """``keel run`` of the script on a local cluster: kill to restart 1's first epoch.
+    ``early``: the kill comes at ``EARLY_FAIL_EPOCH``, seconds after the job started;
+    ``fill``: the agents' ``--warm-fill``."""
     arm = "keel --cold-start" if cold else "keel"
-    fail_epoch = EARLY_FAIL_EPOCH if cold else FAIL_EPOCH
+    if early and not cold:
+        arm = f"keel, early kill, {fill} fill"
+    fail_epoch = EARLY_FAIL_EPOCH if cold or early else FAIL_EPOCH
     work, out = directory / "keel", directory / "out"
     out.mkdir(parents=True)
     launch = Launch(directory)
@@ -334,7 +344,7 @@ def run_keel(directory: Path, cold: bool) -> Run:
                 *script_args(fail_epoch),
             ],
             "keel-run",
-            launch.env(),
+            launch.env(**{keel_env.WARM_FILL: fill}),
         )
         if not launch.wait(KEEL_TIMEOUT_S):
             raise Failed(f"keel run did not end within {KEEL_TIMEOUT_S:.0f} s")
@@ -802,6 +812,8 @@ def main() -> int:
     arms = {
         "keel": lambda d: run_keel(d, cold=False),
         "keel --cold-start": lambda d: run_keel(d, cold=True),
+        "keel, early kill, eager fill": lambda d: run_keel(d, cold=False, early=True),
+        "keel, early kill, lazy fill": lambda d: run_keel(d, cold=False, early=True, fill="lazy"),
         "torchrun": run_torchrun,
         "cold start": run_cold,
     }
@@ -902,6 +914,12 @@ def main() -> int:
             f"plain script: keel {seconds(keel)} vs cold start {seconds(cold)} "
             f"-> {ratio(keel, cold)}"
         )
+        for fill in ("eager", "lazy"):
+            early = median_total(plain[f"keel, early kill, {fill} fill"])
+            print(
+                f"plain script, killed at epoch {EARLY_FAIL_EPOCH}: keel ({fill} warm fill) "
+                f"{seconds(early)} vs cold start {seconds(cold)} -> {ratio(early, cold)}"
+            )
     if options.scenario != "plain":
         keel_up, trainer_cold = median_total(trainer["keel"]), median_total(trainer["cold start"])
         print(

@@ -94,3 +94,7 @@ AGENT_PROG = "KEEL_AGENT_PROG"  # how `keel agent` names itself in usage lines
 # --log-level is given (common.logs); a rank reads them from its job's env.
 LOG_FORMAT = "KEEL_LOG_FORMAT"
 LOG_LEVEL = "KEEL_LOG_LEVEL"
+# When agents fill their warm processes (eager, lazy) where no --warm-fill is given: a
+# small machine's test suite runs lazy.
+WARM_FILL = "KEEL_WARM_FILL"
+WARM_FILLS = ("eager", "lazy")  # its values, the first the default

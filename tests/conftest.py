@@ -20,12 +20,26 @@ from pathlib import Path
 import pytest
 
 from agent.local_server import AgentLocalService, LocalCallbacks, RankIdentity, serve
+from common import env
 from common.procs import poll
 from orchestrator.local.etcd_server import EmbeddedEtcd, etcd_binary, memory_backed_dir
 from protos import keel_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = REPO / "tests" / "integration"
+
+# The agents the tests start (through keel up and keel run too) fill their warm
+# processes lazily (agent.pool): on two cores, an eager refill beside every generation
+# that starts would cost the suite minutes. The tests of the eager fill ask for it.
+os.environ.setdefault(env.WARM_FILL, "lazy")
+
+# The reference trainer with a learning rate that changes every step, so that a resume
+# at the wrong position shows in the losses; deeper than its default, so that pipeline
+# layouts have blocks to split.
+SCHEDULED_MODEL = (
+    *("--layers", "4", "--seq-len", "32"),
+    *("--warmup-steps", "4", "--lr-schedule", "cosine"),
+)
 
 
 def pytest_collection_modifyitems(items):

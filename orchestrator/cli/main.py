@@ -190,6 +190,16 @@ def main():
     "--memory-budget-gb). 0: no memory tier.",
 )
 @click.option(
+    "--warm-fill",
+    type=click.Choice(env.WARM_FILLS),
+    default=None,
+    envvar=env.WARM_FILL,
+    show_envvar=True,
+    help="When the agents fill their warm processes (keel agent --warm-fill): eager "
+    "(their default) at their start and right after each is taken, so the job's "
+    "first generation starts warm; lazy only once ranks have run a while.",
+)
+@click.option(
     "--rank-user",
     default=None,
     metavar="USER",
@@ -240,6 +250,7 @@ def up(
     timeout_s,
     use_tls,
     memory_budget_gb,
+    warm_fill,
     rank_user,
     as_json,
     log_format,
@@ -291,6 +302,7 @@ def up(
             tls=use_tls,
             rank_user=rank_user or "",
             memory_budget_gb=memory_budget_gb,
+            warm_fill=warm_fill or "",
             etcd_credentials=etcd_credentials(**etcd),
             json=as_json,
             log_format=log_format,

@@ -216,6 +216,7 @@ class LocalCluster:
                     if self.options.memory_budget_gb
                     else []
                 ),
+                *(["--warm-fill", self.options.warm_fill] if self.options.warm_fill else []),
             ],
             f"agent-node-{index}.log",
         )

@@ -69,6 +69,9 @@ class UpOptions:
     resume_from: str = ""  # absolute: a checkpoint, or a directory of them, to start from
     rank_user: str = ""  # ranks run as this user (orchestrator.local.rank_user); "" = as keel up
     memory_budget_gb: float = 0.0  # each agent's memory for the job's snapshots; 0 = none
+    # When agents fill their warm processes (eager, lazy); "": the agents' default
+    # (KEEL_WARM_FILL, else eager).
+    warm_fill: str = ""
 
     def __post_init__(self):
         if self.nodes < 1 or self.slots_per_node < 1:
@@ -83,6 +86,10 @@ class UpOptions:
             raise ValueError("--timeout-s must be positive")
         if not 0 <= self.min_nodes <= self.nodes:
             raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
+        if self.warm_fill and self.warm_fill not in env.WARM_FILLS:
+            raise ValueError(
+                f"warm fill {self.warm_fill!r}: must be one of {', '.join(env.WARM_FILLS)}"
+            )
         if self.memory_budget_gb < 0:
             raise ValueError("--memory-budget-gb must be 0 (no memory tier) or more")
         if self.spares < 0:

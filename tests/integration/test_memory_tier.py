@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from orchestrator.local.ledger_check import audit as summarize
 from protos import keel_pb2
-from tests.conftest import committed_steps, step_losses, torchrun
+from tests.conftest import SCHEDULED_MODEL, committed_steps, step_losses, torchrun
 from tests.integration.test_keel_up import run_up, steps_logged
 from trainer.memory_tier import committed, whole
 
@@ -34,14 +34,7 @@ FLAGS = [
     "1",
     "--memory-overhead-max",
     "0",  # a snapshot after every step, whatever it costs on this machine
-    "--layers",
-    "4",
-    "--seq-len",
-    "32",
-    "--warmup-steps",
-    "4",
-    "--lr-schedule",
-    "cosine",
+    *SCHEDULED_MODEL,
 ]
 
 

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from orchestrator.local.ledger_check import audit as summarize
 from protos import keel_pb2
-from tests.conftest import REPO, committed_steps, step_losses, torchrun
+from tests.conftest import REPO, SCHEDULED_MODEL, committed_steps, step_losses, torchrun
 from trainer.checkpoint_dir import expired
 from trainer.optim import lr_factor
 
@@ -151,14 +151,7 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
         "3",
         "--keep-checkpoints",
         "2",
-        "--layers",
-        "4",
-        "--seq-len",
-        "32",
-        "--warmup-steps",
-        "4",
-        "--lr-schedule",
-        "cosine",
+        *SCHEDULED_MODEL,
     ]
     reference = step_losses(torchrun(1, *flags))
     crashed = torchrun(

@@ -17,6 +17,7 @@ import pytest
 from agent.pool import WarmPool, pool_env, warm_args
 from common.procs import process_state
 from tests.conftest import REPO, wait_for
+from tests.integration.test_keel_up import run_up
 
 INTROSPECT = REPO / "tests" / "integration" / "scripts" / "introspect.py"
 
@@ -24,10 +25,14 @@ INTROSPECT = REPO / "tests" / "integration" / "scripts" / "introspect.py"
 @pytest.fixture
 def pool(tmp_path):
     made = WarmPool(
-        2, tmp_path / "pool", pool_env(dict(os.environ), "/tmp/none.sock"), refill_delay_s=0.0
+        2,
+        tmp_path / "pool",
+        pool_env(dict(os.environ), "/tmp/none.sock"),
+        refill_delay_s=0.0,
+        eager=False,
     )
     made.refill(time.monotonic())
-    assert made.idle == {}, "an agent that has started no rank keeps no warm process"
+    assert made.idle == {}, "a lazy agent that has started no rank keeps no warm process"
     assert made.take(0, [sys.executable, "-u", "x.py"], {}, time.monotonic()) is None
     made.refill(time.monotonic())  # a rank started (cold): now the pool fills
     assert sorted(made.idle) == [0, 1]
@@ -174,3 +179,33 @@ def test_a_warm_process_has_the_distributed_stack_imported_before_its_rank(pool,
         out.read_text().strip()
         == "['torch', 'torch.distributed.checkpoint', 'torch.distributed.fsdp']"
     )
+
+
+def test_an_eager_pool_is_full_from_the_start_and_refilled_right_after_a_take(tmp_path):
+    made = WarmPool(2, tmp_path / "pool", pool_env(dict(os.environ), "/tmp/none.sock"))
+    taken = None
+    try:
+        made.refill(time.monotonic())
+        assert sorted(made.idle) == [0, 1], "filled before any rank started here"
+        first = made.idle[0].popen.pid
+        taken = made.take(0, [sys.executable, "-u", "x.py"], {}, time.monotonic())
+        assert taken is not None and taken.pid == first and sorted(made.idle) == [1]
+        made.refill(time.monotonic())  # the next tick: not 10 s later
+        assert sorted(made.idle) == [0, 1] and made.idle[0].popen.pid != first
+    finally:
+        made.close()
+        if taken is not None:
+            taken.kill()
+            taken.wait()
+
+
+def test_a_job_s_first_generation_starts_warm_where_the_agents_fill_eagerly(no_leaks):
+    run = no_leaks / "run"
+    summary = run_up(
+        run, "--nodes", "1", "--slots-per-node", "2", "--steps", "4", "--warm-fill", "eager"
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    lines = (run / "logs" / "agent-node-0.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    starts = [r for r in records if r.get("event") == "rank started"]
+    assert [(r["generation"], r["warm"]) for r in starts] == [(1, True), (1, True)], starts
