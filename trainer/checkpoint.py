@@ -176,7 +176,9 @@ def load(
     resharding to the current layout, and returns its trainer state (``template``
     gives its shape: the current scheduler's state dict and RNG state).
     ``storage_reader``: how to read it, where not DCP's files (a memory snapshot:
-    ``memory_tier.SnapshotReader``). Collective."""
+    ``memory_tier.SnapshotReader``, whose every file is on every node: each rank then
+    plans its reads alone, from the metadata and its own shards, without DCP's
+    planning round). Collective, but with a ``storage_reader``."""
     per_part = [
         (
             get_model_state_dict(part, options=STATE_DICT_OPTIONS),
@@ -191,7 +193,12 @@ def load(
         },
         "trainer": template.to_state_dict(),
     }
-    dcp.load(target, checkpoint_id=path, storage_reader=storage_reader)
+    dcp.load(
+        target,
+        checkpoint_id=path,
+        storage_reader=storage_reader,
+        no_dist=storage_reader is not None,
+    )
     # DCP fills tensors in place but replaces other values (learning rates, step
     # counts kept as numbers), so each part takes its keys back from the loaded dict.
     for (part, optimizer), (model_state, optimizer_state) in zip(zip(parts, optimizers), per_part):
