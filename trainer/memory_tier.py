@@ -311,9 +311,8 @@ class _Copy:
 
     def write(self, directory: str, rank: int) -> None:
         """Into ``directory``: the chunks one after another, then the objects."""
-        descriptor = os.open(
-            os.path.join(directory, _tensor_file(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        )
+        path = os.path.join(directory, _tensor_file(rank))
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for buffer in self.buffers:
                 _write_all(descriptor, buffer)
@@ -616,6 +615,8 @@ class MemoryTier:
         self._shadowed = False
         self._measured: tuple[float, float] | None = None  # seconds: snapshot, step
         self._next_interval = every
+        self._failing_since: int | None = None  # the first of the snapshots failing now
+        self._not_taken = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-memory")
         self._in_flight: Future | None = None
         self._copied = threading.Event()
@@ -815,10 +816,13 @@ class MemoryTier:
                 ).write(staging)
         except OSError as error:
             wrote = False
-            if self._rank == 0 or self._leader:
+            # Said once while snapshots keep failing (a full tmpfs stays full), and
+            # again when one is taken.
+            if (self._rank == 0 or self._leader) and self._failing_since is None:
                 self.runtime.log(
                     f"memory snapshot of step {step} not taken on this node ({error}); "
-                    "training goes on, the next is tried on schedule",
+                    "training goes on, the next is tried on schedule (not said again "
+                    "until one is taken)",
                     step=step,
                 )
         finally:
@@ -840,6 +844,10 @@ class MemoryTier:
         if not flags[0].item():
             if self._leader:
                 shutil.rmtree(staging, ignore_errors=True)
+            if not flags[1].item():
+                self._not_taken += 1
+                if self._failing_since is None:
+                    self._failing_since = step
             return False
         done = True
         if self._leader:
@@ -850,6 +858,14 @@ class MemoryTier:
         if not flag.item():
             return False
         self.saved_step = step
+        if self._failing_since is not None:
+            if self._rank == 0:
+                self.runtime.log(
+                    f"memory snapshots taken again from step {step}, after {self._not_taken} "
+                    f"not taken since step {self._failing_since}",
+                    step=step,
+                )
+            self._failing_since, self._not_taken = None, 0
         if self._leader:
             for older, path in committed(self.directory).items():
                 if older != step:

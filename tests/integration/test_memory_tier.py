@@ -5,6 +5,7 @@ torn snapshot is passed over for the whole one before it; the data is consumed e
 once and the losses are those of a run without the crash."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from orchestrator.local.ledger_check import audit as summarize
 from protos import keel_pb2
 from tests.conftest import SCHEDULED_MODEL, committed_steps, step_losses, torchrun
 from tests.integration.test_keel_up import run_up, steps_logged
+from tests.integration.test_storage_faults import tmpfs
 from trainer.memory_tier import committed, whole
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -143,6 +145,29 @@ def test_the_default_bound_takes_snapshots_less_often_where_they_cost_more(tmp_p
     # The snapshot kept is the last one taken, at most one interval before the end.
     (kept,) = committed(str(memory))
     assert 40 - int(changes[-1][2]) <= kept < 40
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_memory_skips_the_snapshots_it_cannot_take_and_says_so_once(tmp_path: Path):
+    # Room for one snapshot of this model (2.9 MB on two ranks), not for a second beside
+    # it: every snapshot after the first fails on ENOSPC while training goes on.
+    ckpt = tmp_path / "ckpt"
+    flags = list(FLAGS)
+    flags[flags.index("--steps") + 1] = "6"
+    with tmpfs(tmp_path / "memory", size="4500k") as memory:
+        done = torchrun(
+            2, *flags, env={"KEEL_MEMORY_DIR": str(memory), "KEEL_CHECKPOINT_DIR": str(ckpt)}
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        said = re.findall(
+            r"memory snapshot of step (\d+) not taken on this node \(\[Errno 28\] No space",
+            done.stderr,
+        )
+        assert said == ["2"], done.stderr[-4000:]
+        # The one taken stays whole, and nothing half written is left to fill the memory.
+        assert os.listdir(memory) == ["mem_00000001"]
+        assert whole(str(memory / "mem_00000001"))[1] == ""
+    assert committed_steps(ckpt) == [6]
 
 
 # --- under keel up: the agent holds the memory -------------------------------------------
