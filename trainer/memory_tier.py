@@ -549,6 +549,22 @@ def everywhere(runtime: Runtime) -> bool:
     return every
 
 
+def on_one_node(runtime: Runtime) -> bool:
+    """Whether every rank of the job is on this node (its agent's), so that snapshots
+    can be restored: a node holds only its own ranks' shards, and snapshots are not
+    replicated between nodes. Rank 0 says when they are not taken for it."""
+    if runtime.local_world_size >= dist.get_world_size():
+        return True
+    if dist.get_rank() == 0:
+        runtime.log(
+            f"memory tier off: the job's {dist.get_world_size()} ranks are on more than one "
+            f"node ({runtime.local_world_size} on this one), and a node holds only its own "
+            "ranks' shards, which no restore can use (snapshots are not replicated between "
+            "nodes); durable checkpoints only"
+        )
+    return False
+
+
 def bounded_interval(
     cost_s: float, step_s: float, overhead_max: float, every: int, current: int
 ) -> int:
@@ -575,8 +591,9 @@ class MemoryTier:
     for the commit. ``close`` at the end of a run, ``settle`` after a failure.
 
     Bounded in time as in memory: with ``overhead_max`` F > 0, each snapshot measures
-    what it cost (building the state, the copy, the waits it caused; the slowest
-    rank's) against the steps since the one before, and where a snapshot every
+    what it cost against the steps since the one before, the slowest rank's: the loop's
+    period (``before_update`` to ``before_update``) with it against the median period
+    without (summed from its parts while there are none), and where a snapshot every
     ``every`` steps would take more than F of the training time the interval grows to
     the least that keeps it under F (and shrinks back when it can). Every rank computes
     the same interval from the same all-reduced figures and adopts it at the same
@@ -613,6 +630,7 @@ class MemoryTier:
         self._periods: tuple[list[float], list[float]] = ([], [])
         self._period_began: float | None = None
         self._shadowed = False
+        self._unlike = False  # the period now holds what the others do not
         self._measured: tuple[float, float] | None = None  # seconds: snapshot, step
         self._next_interval = every
         self._failing_since: int | None = None  # the first of the snapshots failing now
@@ -742,9 +760,9 @@ class MemoryTier:
         caller is about to change. Called once a step: it also times the loop's
         period, with a snapshot in it or without, for the bound."""
         started = time.perf_counter()
-        if self._period_began is not None:
+        if self._period_began is not None and not self._unlike:
             self._periods[0 if self._shadowed else 1].append(started - self._period_began)
-        self._period_began, self._shadowed = started, False
+        self._period_began, self._shadowed, self._unlike = started, False, False
         if self._copied.is_set():
             return
         self._copied.wait()
@@ -752,6 +770,11 @@ class MemoryTier:
         self._update_wait_s += waited_s
         self._waited_s += waited_s
         self._blocked_s += waited_s
+
+    def set_period_apart(self) -> None:
+        """The loop's period now holds work the others do not (a durable checkpoint's
+        save): it is not counted for the bound."""
+        self._unlike = True
 
     def wait(self) -> bool:
         """Waits for the snapshot in flight to be committed or given up on every rank;

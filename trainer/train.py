@@ -386,7 +386,7 @@ def train(
             overhead_max=args.memory_overhead_max,
             lineage=chain,
         )
-        if memory_on
+        if memory_on and memory_tier.on_one_node(rt)
         else None
     )
 
@@ -490,6 +490,8 @@ def _loop(
                 memory.save(step, samples, whole, built_s=time.perf_counter() - building)
             if save:
                 checkpointer.save(step, samples, whole, ledger, args.global_batch)
+                if memory:
+                    memory.set_period_apart()
         if shared.leave_requested:
             raise keel_runtime.GenerationEnded(
                 f"the agent asked to leave generation {rt.generation} after step {step}"
