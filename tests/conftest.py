@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 
 from agent.local_server import AgentLocalService, LocalCallbacks, RankIdentity, serve
 from common import env
@@ -203,6 +204,31 @@ def step_events(stderr: str) -> dict[int, dict]:
             assert event["rank"] == 0 and event["tokens_per_s"] >= 0, line
             events[event["step"]] = event
     return events
+
+
+def crash_in_2d(flags: list[str], ckpt: Path, **env: str) -> tuple[dict[int, float], object]:
+    """``flags`` (the reference trainer's) on one rank, as the reference, then on four in
+    ``dp_shard=2,tp=2`` checkpointing into ``ckpt`` (and ``env``), rank 3 crashing as step
+    9 begins: the reference's losses by step, and the crashed launch."""
+    faults = json_format.MessageToJson(
+        keel_pb2.FaultSchedule(
+            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=3, step=9)]
+        )
+    )
+    reference = step_losses(torchrun(1, *flags))
+    crashed = torchrun(
+        4,
+        *flags,
+        env={
+            "KEEL_MESH": "dp_shard=2,tp=2",
+            "KEEL_CHECKPOINT_DIR": str(ckpt),
+            "KEEL_FAULTS": faults,
+            **env,
+        },
+    )
+    assert crashed.returncode != 0
+    assert "injected crash at step 9 on rank 3" in crashed.stderr
+    return reference, crashed
 
 
 def step_losses(

@@ -11,11 +11,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from google.protobuf import json_format
 
 from orchestrator.local.ledger_check import audit as summarize
-from protos import keel_pb2
-from tests.conftest import SCHEDULED_MODEL, committed_steps, step_losses, torchrun
+from tests.conftest import SCHEDULED_MODEL, committed_steps, crash_in_2d, step_losses, torchrun
 from tests.integration.test_keel_up import run_up, steps_logged
 from tests.integration.test_storage_faults import tmpfs
 from trainer.memory_tier import committed, whole
@@ -43,24 +41,7 @@ FLAGS = [
 def test_a_crash_loses_one_step_and_restores_from_memory_into_another_layout(tmp_path: Path):
     ckpt, memory = tmp_path / "ckpt", tmp_path / "memory"
     memory.mkdir()
-    faults = json_format.MessageToJson(
-        keel_pb2.FaultSchedule(
-            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=3, step=9)]
-        )
-    )
-    reference = step_losses(torchrun(1, *FLAGS))
-    crashed = torchrun(
-        4,
-        *FLAGS,
-        env={
-            "KEEL_MESH": "dp_shard=2,tp=2",
-            "KEEL_CHECKPOINT_DIR": str(ckpt),
-            "KEEL_FAULTS": faults,
-            "KEEL_MEMORY_DIR": str(memory),
-        },
-    )
-    assert crashed.returncode != 0
-    assert "injected crash at step 9 on rank 3" in crashed.stderr
+    reference, crashed = crash_in_2d(FLAGS, ckpt, KEEL_MEMORY_DIR=str(memory))
     assert "memory tier: snapshots every 1 steps" in crashed.stderr
     # No durable checkpoint before the crash; the memory holds step 8 alone (each
     # snapshot replaced the one before once it was committed).

@@ -11,11 +11,16 @@ import json
 from pathlib import Path
 
 import pytest
-from google.protobuf import json_format
 
 from orchestrator.local.ledger_check import audit as summarize
-from protos import keel_pb2
-from tests.conftest import REPO, SCHEDULED_MODEL, committed_steps, step_losses, torchrun
+from tests.conftest import (
+    REPO,
+    SCHEDULED_MODEL,
+    committed_steps,
+    crash_in_2d,
+    step_losses,
+    torchrun,
+)
 from trainer.checkpoint_dir import expired
 from trainer.optim import lr_factor
 
@@ -135,11 +140,6 @@ def test_checkpoints_load_bit_for_bit_under_any_layout_and_world_size(tmp_path):
 @pytest.mark.integration
 def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_once(tmp_path):
     ckpt = tmp_path / "ckpt"
-    faults = json_format.MessageToJson(
-        keel_pb2.FaultSchedule(
-            faults=[keel_pb2.Fault(kind=keel_pb2.FAULT_KIND_CRASH, rank=3, step=9)]
-        )
-    )
     # A schedule whose learning rate changes every step, so that resuming it at the
     # wrong position would show in the losses.
     flags = [
@@ -153,18 +153,7 @@ def test_a_crash_and_a_resume_under_another_layout_consume_every_sample_exactly_
         "2",
         *SCHEDULED_MODEL,
     ]
-    reference = step_losses(torchrun(1, *flags))
-    crashed = torchrun(
-        4,
-        *flags,
-        env={
-            "KEEL_MESH": "dp_shard=2,tp=2",
-            "KEEL_CHECKPOINT_DIR": str(ckpt),
-            "KEEL_FAULTS": faults,
-        },
-    )
-    assert crashed.returncode != 0
-    assert "injected crash at step 9 on rank 3" in crashed.stderr
+    reference, crashed = crash_in_2d(flags, ckpt)
     assert 8 in step_losses(crashed, check=False)
     # Async saves commit when their write is done; step 6's had two steps to finish.
     committed = committed_steps(ckpt)
