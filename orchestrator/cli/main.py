@@ -171,6 +171,14 @@ def main():
     show_default=True,
     help="Give up (non-zero exit) if the job has not ended by then.",
 )
+@click.option(
+    "--linger-s",
+    type=float,
+    default=0,
+    show_default=True,
+    help="Keep the cluster up this many seconds after the job ends, so that a Prometheus "
+    "or dashboard watching it sees the job's end state (Ctrl-C ends it sooner).",
+)
 @flags.etcd_options
 @click.option(
     "--tls",
@@ -248,6 +256,7 @@ def up(
     etcd_members,
     workdir,
     timeout_s,
+    linger_s,
     use_tls,
     memory_budget_gb,
     warm_fill,
@@ -299,6 +308,7 @@ def up(
             etcd_members=int(etcd_members),
             workdir=Path(workdir) if workdir else None,
             timeout_s=timeout_s,
+            linger_s=linger_s,
             tls=use_tls,
             rank_user=rank_user or "",
             memory_budget_gb=memory_budget_gb,

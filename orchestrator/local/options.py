@@ -59,6 +59,7 @@ class UpOptions:
     etcd_members: int = 1  # of the embedded etcd
     workdir: Path | None = None
     timeout_s: float = 3600.0
+    linger_s: float = 0.0  # the cluster stays up this long after the job ends
     lease_ttl_s: float = 5.0
     stop_grace_s: float = 5.0
     tls: bool = False  # mutual TLS and role tokens, from <workdir>/tls
@@ -84,6 +85,8 @@ class UpOptions:
             raise ValueError(f"--script {self.script}: no such file")
         if self.timeout_s <= 0:
             raise ValueError("--timeout-s must be positive")
+        if self.linger_s < 0:
+            raise ValueError("--linger-s must be 0 (stop at once) or more")
         if not 0 <= self.min_nodes <= self.nodes:
             raise ValueError(f"--min-nodes must be between 0 and --nodes ({self.nodes})")
         if self.warm_fill and self.warm_fill not in env.WARM_FILLS:

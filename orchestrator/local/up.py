@@ -66,7 +66,7 @@ def up(options: UpOptions) -> int:
         workdir,
         proxied=any(kind_of(f) is FaultKind.PARTITION_NODE for f in faults.pending),
     )
-    status, error, leader_changes = None, "", 0
+    status, error, leader_changes, ended = None, "", 0, None
     failovers_s: list[float] = []  # from killing or stalling a leader to its successor answering
     struck_at = None
     stop = []
@@ -154,6 +154,15 @@ def up(options: UpOptions) -> int:
             while struck_at is not None and not error and time.monotonic() < deadline:
                 time.sleep(POLL_S)
                 status = job_status()
+            ended = time.monotonic()  # the summary's wall time is the run's, not the linger's
+            if options.linger_s and not error:
+                progress.note(
+                    f"job ended; the cluster stays up {options.linger_s:g} s (--linger-s)"
+                )
+                until = time.monotonic() + options.linger_s
+                while not stop and time.monotonic() < until:
+                    cluster.refresh_targets()
+                    time.sleep(min(POLL_S, max(0.0, until - time.monotonic())))
         finally:
             client.close()
     except (RuntimeError, NoController, grpc.RpcError) as exc:
@@ -164,7 +173,7 @@ def up(options: UpOptions) -> int:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    summary = summarize(status, time.monotonic() - started, workdir, error)
+    summary = summarize(status, (ended or time.monotonic()) - started, workdir, error)
     summary["leader_changes"] = leader_changes
     summary["failovers_s"] = failovers_s
     print_summary(summary, options.json)

@@ -108,6 +108,10 @@ def monitored_run(tmp_path_factory, prometheus_binary):
                 str(workdir),
                 "--timeout-s",
                 "420",
+                # Three scrapes after the end: what Prometheus holds last is the job's end
+                # state, however fast the machine ran its last steps.
+                "--linger-s",
+                "6",
                 "--controllers",
                 "2",
                 "--nodes",
@@ -167,9 +171,13 @@ def test_the_run_itself_went_as_injected(monitored_run):
 def test_prometheus_holds_the_step_the_goodput_and_the_restarts_by_cause(monitored_run):
     _, prometheus = monitored_run
     window = "30m"
-    # The step at the last scrape before keel up stopped the cluster (it scrapes every 2 s).
+    # keel up lingered after the end: Prometheus scraped the job's last step and its end.
     step = prometheus.value(f'max(max_over_time(keel_job_step{{job_name="{JOB}"}}[{window}]))')
-    assert step is not None and 50 <= step <= 60, step
+    assert step == 60, step
+    succeeded = prometheus.value(
+        f'max(max_over_time(keel_job_state{{job_name="{JOB}",state="SUCCEEDED"}}[{window}]))'
+    )
+    assert succeeded == 1, succeeded
     ratio = prometheus.value(
         f'max(last_over_time(keel_goodput_ratio{{job_name="{JOB}"}}[{window}]))'
     )
