@@ -66,6 +66,7 @@ class Agent:
         self._event_handlers = {
             "controller": self._on_controller,
             "checkpoint": self._on_event_checkpoint,
+            "memory_snapshot": self._on_event_memory_snapshot,
             "preflight": lambda report: self._send(preflight=report),
             "park": lambda parked: self._park(*parked),
             "leave": self._on_event_leave,
@@ -169,6 +170,9 @@ class Agent:
                         identify=self.supervisor.identify,
                         on_steps=self._on_steps,
                         on_checkpoint=self._on_checkpoint,
+                        on_memory_snapshot=lambda saved: self.events.put(
+                            ("memory_snapshot", saved)
+                        ),
                         on_preflight=lambda report: self.events.put(("preflight", report)),
                         on_problem=lambda problem: self.events.put(("problem", problem)),
                         recorded_step=self.reports.recorded_step,
@@ -528,6 +532,13 @@ class Agent:
         self._flush_steps()
         self._send(checkpoint_saved=saved)
         self.reports.remember(keel_pb2.AgentMessage(checkpoint_saved=saved))
+
+    def _on_event_memory_snapshot(self, saved: keel_pb2.MemorySnapshotSaved) -> None:
+        """A memory snapshot every node committed: told to the controller, the newest
+        kept for replay."""
+        message = keel_pb2.AgentMessage(memory_snapshot_saved=saved)
+        self.link.send(message)
+        self.reports.remember(message)
 
     def _on_event_leave(self, _payload: None) -> None:
         """SIGTERM with ranks running: tell the controller, which moves the job off."""

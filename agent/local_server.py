@@ -55,6 +55,7 @@ class LocalCallbacks:
     identify: Callable[[str], RankIdentity | None]
     on_steps: Callable[[int, list], int | None]
     on_checkpoint: Callable[[keel_pb2.CheckpointSaved], None]
+    on_memory_snapshot: Callable[[keel_pb2.MemorySnapshotSaved], None] = lambda _: None
     on_preflight: Callable[[keel_pb2.PreflightReport], None] = lambda _: None
     on_problem: Callable[[keel_pb2.CheckpointProblem], None] = lambda _: None
     recorded_step: Callable[[], int] = lambda: 0
@@ -138,6 +139,20 @@ class AgentLocalService(keel_pb2_grpc.AgentLocalServicer):
                 f"{who.checkpoint_dir or '(none: the job has no checkpoint_dir)'}",
             )
         self.callbacks.on_checkpoint(request)
+        return self._ack(context)
+
+    def ReportMemorySnapshot(self, request, context):
+        who = self._caller(context, request.generation)
+        self._only(context, who, 0, "a memory snapshot commit (rank 0's to report)")
+        if request.job and request.job != who.job:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"job {request.job!r}: this rank belongs to job {who.job!r}",
+            )
+        if request.step == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step: the snapshot's step, from 1")
+        request.job = who.job
+        self.callbacks.on_memory_snapshot(request)
         return self._ack(context)
 
     def ReportCheckpointProblem(self, request, context):

@@ -1,9 +1,10 @@
 """What the agent knows of its ranks' progress and tells the controller: step reports
 (from the ranks over the local socket, batched up to the flush period), each rank's
 latest report (progress for the hang detector, and replayed after every Hello so a
-controller that took over knows the step and loss), and the exits and newest commit of
-the current generation (replayed after every Hello too; the controller treats both as
-idempotent). The ranks' threads and the agent's main loop share it; one lock guards it.
+controller that took over knows the step and loss), and the exits and newest commits
+(durable and memory) of the current generation (replayed after every Hello too; the
+controller treats both as idempotent). The ranks' threads and the agent's main loop
+share it; one lock guards it.
 """
 
 from __future__ import annotations
@@ -119,19 +120,19 @@ class Reports:
             return dict(self._latest), list(self._step_times)
 
     def remember(self, message: keel_pb2.AgentMessage) -> None:
-        """A rank exit or a checkpoint commit, to replay after every Hello; only the
-        newest commit is kept (an older one changes nothing at the controller)."""
+        """A rank exit, a checkpoint commit or a memory snapshot's, to replay after every
+        Hello; only the newest commit of each kind is kept (an older one changes
+        nothing at the controller)."""
+        kind = message.WhichOneof("kind")
         with self._lock:
-            if message.WhichOneof("kind") == "checkpoint_saved":
-                self._replay = [
-                    m for m in self._replay if m.WhichOneof("kind") != "checkpoint_saved"
-                ]
+            if kind in ("checkpoint_saved", "memory_snapshot_saved"):
+                self._replay = [m for m in self._replay if m.WhichOneof("kind") != kind]
             self._replay.append(message)
 
     def replay(self) -> list[keel_pb2.AgentMessage]:
         """What to send again right after a Hello: each rank's latest step report,
         summed up per step (marked ``replayed``: progress only), then the exits and the
-        newest commit."""
+        newest commits."""
         with self._lock:
             messages = []
             if self._generation is not None and self._latest:

@@ -13,6 +13,8 @@
                                            operator's stop
     /keel/jobs/<job>/generations/<g>       the plan of generation g
     /keel/jobs/<job>/checkpoints/<step>    committed checkpoint records
+    /keel/jobs/<job>/memory_snapshot       the newest complete memory snapshot, and the
+                                           nodes that hold it
     /keel/jobs/<job>/events/<seq>          detections and actions, numbered per job
     /keel/jobs/<job>/operation             the checkpoint-then-stop under way (replace, drain, ...)
     /keel/jobs/<job>/checkpoint_request    an operator's "checkpoint now" not yet satisfied
@@ -95,6 +97,10 @@ def checkpoint(name: str, step: int) -> str:
     return checkpoints(name) + f"{step:012d}"
 
 
+def memory_snapshot(name: str) -> str:
+    return job(name) + "memory_snapshot"
+
+
 def events(name: str) -> str:
     return job(name) + "events/"
 
@@ -122,6 +128,7 @@ KINDS = (
     "job_state",
     "plan",
     "checkpoint",
+    "memory_snapshot",
     "event",
     "operation",
     "checkpoint_request",

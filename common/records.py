@@ -301,6 +301,22 @@ class CheckpointRecord(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemorySnapshotRecord(Record):
+    """``/keel/jobs/<job>/memory_snapshot``: the newest memory snapshot
+    (``trainer.memory_tier``) every node of its generation committed, and ``nodes``,
+    the nodes whose agents hold it. It is restorable while every one of them does: a
+    generation placed without one of them restores from the durable checkpoint, and
+    the record goes."""
+
+    step: int
+    generation: int
+    samples: int
+    bytes: int
+    nodes: tuple[str, ...]
+    recorded_at_unix: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class EventRecord(Record):
     """``/keel/jobs/<job>/events/<seq>``: a detection or an action."""
 

@@ -250,7 +250,7 @@ class ListCertificatesReply(_message.Message):
     def __init__(self, certificates: _Optional[_Iterable[_Union[CertificateStatus, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk")
+    __slots__ = ("hello", "rendezvous_ready", "rank_exited", "steps", "checkpoint_saved", "generation_stopped", "hang_detected", "preflight", "status", "checkpoint_problem", "leaving", "log_chunk", "memory_snapshot_saved")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_READY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class AgentMessage(_message.Message):
     CHECKPOINT_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SNAPSHOT_SAVED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     rendezvous_ready: RendezvousReady
     rank_exited: RankExited
@@ -275,7 +276,8 @@ class AgentMessage(_message.Message):
     checkpoint_problem: CheckpointProblem
     leaving: Leaving
     log_chunk: LogChunk
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
+    memory_snapshot_saved: MemorySnapshotSaved
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., rendezvous_ready: _Optional[_Union[RendezvousReady, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., steps: _Optional[_Union[StepReportBatch, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., generation_stopped: _Optional[_Union[GenerationStopped, _Mapping]] = ..., hang_detected: _Optional[_Union[HangDetected, _Mapping]] = ..., preflight: _Optional[_Union[PreflightReport, _Mapping]] = ..., status: _Optional[_Union[AgentStatus, _Mapping]] = ..., checkpoint_problem: _Optional[_Union[CheckpointProblem, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ..., memory_snapshot_saved: _Optional[_Union[MemorySnapshotSaved, _Mapping]] = ...) -> None: ...
 
 class Leaving(_message.Message):
     __slots__ = ("reason",)
@@ -767,6 +769,22 @@ class CheckpointSaved(_message.Message):
     bytes: int
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., samples: _Optional[int] = ..., save_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class MemorySnapshotSaved(_message.Message):
+    __slots__ = ("job", "generation", "step", "samples", "bytes", "save_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    step: int
+    samples: int
+    bytes: int
+    save_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., save_s: _Optional[float] = ...) -> None: ...
+
 class GenerationStopped(_message.Message):
     __slots__ = ("job", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -935,7 +953,7 @@ class Failure(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., traceback: _Optional[str] = ..., stderr_tail: _Optional[str] = ..., exited_at: _Optional[float] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s", "goodput", "submitted_at", "ended_at", "job_id")
+    __slots__ = ("job", "state", "reason", "generation", "world_size", "restarts", "step", "target_steps", "loss", "initial_loss", "tokens_per_s", "tokens", "last_checkpoint", "failures", "has_loss", "mesh", "events", "preflight", "step_time_s", "goodput", "submitted_at", "ended_at", "job_id", "last_memory_snapshot")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -959,6 +977,7 @@ class JobStatus(_message.Message):
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_MEMORY_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     reason: str
@@ -982,7 +1001,24 @@ class JobStatus(_message.Message):
     submitted_at: float
     ended_at: float
     job_id: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
+    last_memory_snapshot: MemorySnapshot
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., job_id: _Optional[str] = ..., last_memory_snapshot: _Optional[_Union[MemorySnapshot, _Mapping]] = ...) -> None: ...
+
+class MemorySnapshot(_message.Message):
+    __slots__ = ("step", "generation", "samples", "bytes", "nodes", "recorded_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    generation: int
+    samples: int
+    bytes: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    recorded_at: float
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., recorded_at: _Optional[float] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("ratio", "accounted_s", "seconds", "at_risk_s")

@@ -882,6 +882,11 @@ class AgentLocalStub:
                 request_serializer=protos_dot_keel__pb2.CheckpointSaved.SerializeToString,
                 response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
                 _registered_method=True)
+        self.ReportMemorySnapshot = channel.unary_unary(
+                '/keel.v1.AgentLocal/ReportMemorySnapshot',
+                request_serializer=protos_dot_keel__pb2.MemorySnapshotSaved.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.LocalAck.FromString,
+                _registered_method=True)
         self.ReportPreflight = channel.unary_unary(
                 '/keel.v1.AgentLocal/ReportPreflight',
                 request_serializer=protos_dot_keel__pb2.PreflightReport.SerializeToString,
@@ -926,6 +931,12 @@ class AgentLocalServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportMemorySnapshot(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -976,6 +987,11 @@ def add_AgentLocalServicer_to_server(servicer, server):
             'ReportCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCheckpoint,
                     request_deserializer=protos_dot_keel__pb2.CheckpointSaved.FromString,
+                    response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
+            ),
+            'ReportMemorySnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMemorySnapshot,
+                    request_deserializer=protos_dot_keel__pb2.MemorySnapshotSaved.FromString,
                     response_serializer=protos_dot_keel__pb2.LocalAck.SerializeToString,
             ),
             'ReportPreflight': grpc.unary_unary_rpc_method_handler(
@@ -1082,6 +1098,33 @@ class AgentLocal:
             target,
             '/keel.v1.AgentLocal/ReportCheckpoint',
             protos_dot_keel__pb2.CheckpointSaved.SerializeToString,
+            protos_dot_keel__pb2.LocalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMemorySnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keel.v1.AgentLocal/ReportMemorySnapshot',
+            protos_dot_keel__pb2.MemorySnapshotSaved.SerializeToString,
             protos_dot_keel__pb2.LocalAck.FromString,
             options,
             channel_credentials,

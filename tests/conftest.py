@@ -314,6 +314,10 @@ class AgentRecorder:
         with self.lock:
             self.events.append(("checkpoint", saved))
 
+    def on_memory_snapshot(self, saved: keel_pb2.MemorySnapshotSaved) -> None:
+        with self.lock:
+            self.events.append(("memory_snapshot", saved))
+
     def on_problem(self, problem: keel_pb2.CheckpointProblem) -> None:
         with self.lock:
             self.events.append(("problem", problem))
@@ -334,8 +338,8 @@ class AgentRecorder:
         return self.refuse_park
 
     def of(self, kind: str) -> list:
-        """The payloads of ``kind`` ("step", "checkpoint", "problem", "preflight" or
-        "attach": the (generation, rank) of each) so far."""
+        """The payloads of ``kind`` ("step", "checkpoint", "memory_snapshot", "problem",
+        "preflight" or "attach": the (generation, rank) of each) so far."""
         with self.lock:
             return [payload for what, payload in self.events if what == kind]
 
@@ -373,6 +377,7 @@ def local_agent(recorder):
                 identify=recorder.identities.get,
                 on_steps=recorder.on_steps,
                 on_checkpoint=recorder.on_checkpoint,
+                on_memory_snapshot=getattr(recorder, "on_memory_snapshot", lambda _saved: None),
                 on_problem=getattr(recorder, "on_problem", lambda _problem: None),
                 on_preflight=getattr(recorder, "on_preflight", lambda _report: None),
                 on_attach=recorder.on_attach,

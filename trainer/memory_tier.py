@@ -26,7 +26,9 @@ node's staging directory (the first rank of each node also the metadata and the 
 once every rank has written, the first rank of each node renames the directory to its
 committed name. Double-buffered: the previous snapshot is removed only after every node
 has committed the new one, so a save torn by a kill leaves the previous one whole on
-every node, and a torn directory never has a committed name.
+every node, and a torn directory never has a committed name. Once every node has committed
+it, rank 0 reports it to its agent (``Runtime.report_memory_snapshot``), and the
+controller records it beside the durable checkpoint.
 
 Restore (``choose``): every rank lists the committed snapshots of its job whose every
 file its node holds in full (``whole``); the ranks agree on the newest one they all
@@ -244,6 +246,10 @@ class _Plan:
             metadata.storage_data[item.index].length
             for item in items
             if item.type != WriteItemType.BYTE_IO
+        )
+        # Every rank's, as the controller records the snapshot.
+        self.total_bytes = sum(
+            extent.length for extent in metadata.storage_data.values() if extent.dtype is not None
         )
 
     @classmethod
@@ -881,6 +887,14 @@ class MemoryTier:
         if not flag.item():
             return False
         self.saved_step = step
+        if self._rank == 0:
+            # Complete on every node: the controller records it beside the durable one.
+            self.runtime.report_memory_snapshot(
+                step,
+                samples,
+                size=self._plan.total_bytes if self._plan else 0,
+                save_s=time.perf_counter() - copying,
+            )
         if self._failing_since is not None:
             if self._rank == 0:
                 self.runtime.log(

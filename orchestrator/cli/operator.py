@@ -143,6 +143,7 @@ def _job_row(job: keel_pb2.JobStatus) -> list[str]:
         str(job.restarts),
         ",".join(stragglers) or "-",
         str(job.last_checkpoint.step) if job.HasField("last_checkpoint") else "-",
+        str(job.last_memory_snapshot.step) if job.HasField("last_memory_snapshot") else "-",
     ]
 
 
@@ -159,6 +160,7 @@ JOB_HEADERS = [
     "RESTARTS",
     "STRAGGLERS",
     "CHECKPOINT",
+    "MEMORY",
 ]
 
 

@@ -1,8 +1,8 @@
-"""A job's checkpoint records in etcd: recording the commits agents report, telling
-the job's nodes the newest (their ranks' retention keeps it), pruning old records, and
-the problems ranks report (refused stale commits, quarantined checkpoints, failed
-saves, nodes they point at). Part of the executor: called with the state lock held,
-from the reconcile thread."""
+"""A job's checkpoint records in etcd: recording the commits agents report (and the
+newest memory snapshot), telling the job's nodes the newest (their ranks' retention
+keeps it), pruning old records, and the problems ranks report (refused stale commits,
+quarantined checkpoints, failed saves, nodes they point at). Part of the executor:
+called with the state lock held, from the reconcile thread."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from common.wire_kinds import WIRE_PROBLEM_KINDS, CheckpointProblemKind
 from orchestrator.controller.job_runtime import JobRuntime
 from orchestrator.controller.state import ControllerState
 from orchestrator.controller.store import Deposed
+from orchestrator.policy import memory_snapshots
 from orchestrator.policy.event_kind import EventKind
 from orchestrator.policy.offenders import checkpoint_suspect
 from orchestrator.policy.retention import records_to_prune
@@ -57,6 +58,33 @@ class CheckpointRecords:
             )
             self.announce(job)
             self.prune(job)
+
+    def record_memory_snapshot(self, job: JobRuntime) -> None:
+        """Record the newest memory snapshot reported (one etcd write, however many
+        were reported since the last tick); what etcd does not take is tried again
+        next tick, unless a newer one replaces it."""
+        record = job.unrecorded_memory_snapshot
+        if record is None:
+            return
+        held = job.last_memory_snapshot
+        if not memory_snapshots.supersedes(held, record.generation, record.step):
+            job.unrecorded_memory_snapshot = None  # older than what etcd holds (a rebuild)
+            return
+        try:
+            self.store.put_memory_snapshot(job.name, record)
+        except Deposed:
+            raise
+        except Exception as exc:
+            log.warning(
+                "could not record memory snapshot; will retry",
+                job=job.name,
+                step=record.step,
+                error=str(exc),
+            )
+            return
+        if job.unrecorded_memory_snapshot is record:
+            job.unrecorded_memory_snapshot = None
+        job.last_memory_snapshot = record
 
     def announce(self, job: JobRuntime) -> None:
         """Tell the job's nodes the newest recorded checkpoint: their ranks' retention

@@ -25,7 +25,7 @@ from orchestrator.controller.sessions import agent_deadlines
 from orchestrator.controller.state import AgentSession, ControllerState
 from orchestrator.controller.store import Deposed
 from orchestrator.planner.sizing import size_and_layout
-from orchestrator.policy import operations
+from orchestrator.policy import memory_snapshots, operations
 from orchestrator.policy.adoption import Account, AccountDecision
 from orchestrator.policy.convergence import Fix, Fixing
 from orchestrator.policy.event_kind import WIRE_EVENT_KINDS, EventKind
@@ -206,6 +206,19 @@ class Executor:
             )
         if lost:
             health.event(EventKind.FRESH_START, f"starting from step 0 as the spec allows: {lost}")
+        snapshot = job.unrecorded_memory_snapshot or job.last_memory_snapshot
+        gone = memory_snapshots.left_behind(snapshot, {p.node for p in placement})
+        if gone:
+            durable = f"step {restore.step}" if restore.path else "no durable checkpoint"
+            why = (
+                f"the memory snapshot of step {snapshot.step} was held by "
+                f"{', '.join(gone)}, which the new generation does not run on (snapshots are "
+                f"not replicated between nodes): it restores from {durable}"
+            )
+            reason += f"; {why}"
+            log.info("memory snapshot left behind", job=job.name, step=snapshot.step, nodes=gone)
+            self.store.delete_memory_snapshot(job.name)
+            job.last_memory_snapshot = job.unrecorded_memory_snapshot = None
         plan = dict(
             generation=next_generation(job.generation, self.store.epoch),
             placement=placement,

@@ -243,6 +243,18 @@ class JobCollector(Collector):
                 f.gauge(
                     "keel_checkpoint_age_seconds", "Seconds since then", ["job_name"]
                 ).add_metric(labels, max(0.0, wall - last.recorded_at_unix))
+        snapshot = job.last_memory_snapshot
+        if snapshot:
+            f.gauge(
+                "keel_memory_snapshot_last_step",
+                "Step of the newest memory snapshot every node of its generation committed",
+                ["job_name"],
+            ).add_metric(labels, snapshot.step)
+            f.gauge(
+                "keel_memory_snapshot_age_seconds",
+                "Seconds since it was recorded",
+                ["job_name"],
+            ).add_metric(labels, max(0.0, wall - snapshot.recorded_at_unix))
         problems = f.counter(
             "keel_checkpoint_problems",
             "Checkpoints ranks would not use or could not save",

@@ -8,7 +8,12 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from common.records import CheckpointRecord, CheckpointRequestRecord, JobStateRecord
+from common.records import (
+    CheckpointRecord,
+    CheckpointRequestRecord,
+    JobStateRecord,
+    MemorySnapshotRecord,
+)
 from orchestrator.controller.goodput import Goodput
 from orchestrator.controller.job_health import JobHealth
 from orchestrator.controller.recovery import Recovery
@@ -145,6 +150,10 @@ class JobRuntime:
     last_wait_logged_mono: float = 0.0
     health: JobHealth | None = None
     unrecorded: list[CheckpointRecord] = field(default_factory=list)  # not yet in etcd
+    # The newest complete memory snapshot recorded in etcd, and a newer one reported
+    # but not yet recorded (the reconcile loop records the newest only).
+    last_memory_snapshot: MemorySnapshotRecord | None = None
+    unrecorded_memory_snapshot: MemorySnapshotRecord | None = None
     # Checkpoints ranks would not or could not use (refused stale commits, failed
     # verifications, ...), for the reconcile loop to record: (the reporting node, its
     # CheckpointProblem) each.

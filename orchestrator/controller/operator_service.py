@@ -155,6 +155,18 @@ class OperatorService:
                     step=ck.step, path=ck.path, generation=ck.generation, samples=ck.samples
                 )
             )
+        if job.last_memory_snapshot:
+            snapshot = job.last_memory_snapshot
+            status.last_memory_snapshot.CopyFrom(
+                keel_pb2.MemorySnapshot(
+                    step=snapshot.step,
+                    generation=snapshot.generation,
+                    samples=snapshot.samples,
+                    bytes=snapshot.bytes,
+                    nodes=list(snapshot.nodes),
+                    recorded_at=snapshot.recorded_at_unix,
+                )
+            )
         status.failures.extend(job.failures)
         status.events.extend(job.health.events)
         status.preflight.extend(job.health.preflight_status())

@@ -85,6 +85,7 @@ def load_job(store: Store, name: str, now: float) -> JobRuntime | None:
     if plan:
         adopt_plan(job, plan, records)
     job.last_checkpoint = newest_good(records)
+    job.last_memory_snapshot = store.memory_snapshot(name)
     # The step as of the last transition, or the newest checkpoint's if later: what a
     # new leader exports until the agents' replays tell it the step they are at.
     job.progress.step = max(state.step, job.last_checkpoint.step if job.last_checkpoint else 0)
@@ -109,7 +110,7 @@ def carry_over(old: JobRuntime, fresh: JobRuntime) -> None:
     not hold: the job's progress and health record always, and what its agents
     reported of the generation if etcd's is still the one they reported on."""
     fresh.health, fresh.progress = old.health, old.progress
-    for name in ("unrecorded", "checkpoint_problems", "recovery"):
+    for name in ("unrecorded", "unrecorded_memory_snapshot", "checkpoint_problems", "recovery"):
         setattr(fresh, name, getattr(old, name))
     if fresh.state is old.state and fresh.generation == old.generation:
         # No transition happened that this controller missed: its accounting is ahead

@@ -414,6 +414,7 @@ class Reconciler:
     def reconcile(self, job: JobRuntime, now: float) -> None:
         state, executor = self.state, self.executor
         executor.records.record(job)
+        executor.records.record_memory_snapshot(job)
         executor.records.problems(job)
         executor.store_initial_loss(job)
         for node in observe.newly_lost(state, job, now):

@@ -34,7 +34,7 @@ import structlog
 
 from common import deadlines
 from common.keys import NODE_NAME, NODE_NAME_RULE
-from common.records import CheckpointRecord, NodeRecord, RecordError
+from common.records import CheckpointRecord, MemorySnapshotRecord, NodeRecord, RecordError
 from common.steps import MAX_BATCH_REPORTS
 from common.wire_kinds import WIRE_HANG_PHASES, WIRE_PROBLEM_KINDS
 from orchestrator.controller import metrics
@@ -43,12 +43,13 @@ from orchestrator.controller.job_runtime import RECENT_STEPS, JobRuntime
 from orchestrator.controller.leadership import Leadership
 from orchestrator.controller.state import AgentSession, ControllerState, LoopOutbox, LoopPost
 from orchestrator.controller.store import Deposed
-from orchestrator.policy import certificates
+from orchestrator.policy import certificates, memory_snapshots
 from orchestrator.policy.authority import (
     CommitBounds,
     NodeAuthority,
     batch_refusal,
     checkpoint_refusal,
+    memory_snapshot_refusal,
     problem_refusal,
     rank_refusal,
     rendezvous_taken,
@@ -456,6 +457,34 @@ class AgentService:
             )
             and _queue_commit(job, body)
         ):
+            self.state.wake.set()
+
+    def _on_memory_snapshot_saved(self, session: AgentSession, body) -> None:
+        """A memory snapshot every node of the generation committed: queued to be
+        recorded in etcd, with the generation's nodes (whose memory holds it)."""
+        job = self._job_for(body.job, body.generation)
+        if (
+            job is not None
+            and job.state in (JobState.RUNNING, JobState.STOPPING)
+            and not self._refused(
+                session,
+                "memory_snapshot_saved",
+                memory_snapshot_refusal(authority(job, session.node), body.step, job.spec.steps),
+            )
+            and memory_snapshots.supersedes(
+                job.unrecorded_memory_snapshot or job.last_memory_snapshot,
+                body.generation,
+                body.step,
+            )
+        ):
+            job.unrecorded_memory_snapshot = MemorySnapshotRecord(
+                step=body.step,
+                generation=body.generation,
+                samples=body.samples,
+                bytes=body.bytes,
+                nodes=tuple(sorted(job.nodes)),
+                recorded_at_unix=time.time(),
+            )
             self.state.wake.set()
 
     def _on_checkpoint_problem(self, session: AgentSession, body) -> None:

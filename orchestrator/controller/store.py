@@ -56,6 +56,7 @@ from common.records import (
     JobSpecRecord,
     JobStateRecord,
     LeaderRecord,
+    MemorySnapshotRecord,
     NodeRecord,
     OperationRecord,
     PlanPartsRecord,
@@ -456,6 +457,18 @@ class Store:
         set aside: it is never a restore point)."""
         return list(self._prefix(keys.checkpoints(name), CheckpointRecord).values())
 
+    def put_memory_snapshot(self, name: str, record: MemorySnapshotRecord) -> None:
+        """The newest complete memory snapshot of job ``name`` (one key, rewritten)."""
+        self._write([self._put(keys.memory_snapshot(name), record)])
+
+    def memory_snapshot(self, name: str) -> MemorySnapshotRecord | None:
+        """Its record, or None; one that does not parse is set aside (the restore is
+        the ranks' to choose: the record only tells what they hold)."""
+        return self._intent(keys.memory_snapshot(name), MemorySnapshotRecord)
+
+    def delete_memory_snapshot(self, name: str) -> None:
+        self._write([self.client.transactions.delete(keys.memory_snapshot(name))])
+
     # ------------------------------------------------------- operator intents
     def put_operation(self, name: str, record: OperationRecord) -> None:
         """The checkpoint-then-stop under way for job ``name``."""
@@ -478,8 +491,9 @@ class Store:
         self._write([self.client.transactions.delete(keys.checkpoint_request(name))])
 
     def _intent(self, key: str, kind: type[R]) -> R | None:
-        """An operator intent, or None; one that does not parse is set aside (the job
-        goes on without it, and the operator can ask again)."""
+        """An operator intent (or another record the job goes on without), or None; one
+        that does not parse is set aside (the job goes on without it, and the operator
+        can ask again)."""
         try:
             return self._get(key, kind).value
         except RecordError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,12 @@ class LocalCluster:
     # proxy of its own, which partition_node cuts.
     proxied: bool = False
     proxies: list[NodeProxy] = field(default_factory=list)
+    # With a memory tier: the simulated nodes' memory, a directory each under this one
+    # in /dev/shm. On one machine a lost node's memory outlives it (on a cluster it
+    # goes with the node): ``stop`` removes all of it.
+    memory_root: Path = field(
+        default_factory=lambda: Path("/dev/shm") / f"keel-up-{secrets.token_hex(6)}"
+    )
 
     @property
     def endpoints(self) -> str:
@@ -212,7 +219,10 @@ class LocalCluster:
                 str(self._metrics_file(f"agent-node-{index}")),
                 *(["--rank-user", self.options.rank_user] if self.options.rank_user else []),
                 *(
-                    ["--memory-budget-gb", f"{self.options.memory_budget_gb:g}"]
+                    [
+                        *("--memory-budget-gb", f"{self.options.memory_budget_gb:g}"),
+                        *("--memory-dir", str(self.memory_root / local_node(index))),
+                    ]
                     if self.options.memory_budget_gb
                     else []
                 ),
@@ -254,6 +264,7 @@ class LocalCluster:
             proxy.close()
         if self.etcd is not None:
             self.etcd.stop()
+        shutil.rmtree(self.memory_root, ignore_errors=True)
 
 
 def _leader_address(store: Store) -> str | None:

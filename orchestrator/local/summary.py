@@ -136,6 +136,15 @@ def summarize(
             if status.HasField("last_checkpoint")
             else None
         ),
+        "last_memory_snapshot": (
+            {
+                "step": status.last_memory_snapshot.step,
+                "generation": status.last_memory_snapshot.generation,
+                "nodes": list(status.last_memory_snapshot.nodes),
+            }
+            if status.HasField("last_memory_snapshot")
+            else None
+        ),
         "failures": [
             {
                 "generation": f.generation,

@@ -109,6 +109,28 @@ def checkpoint_refusal(authority: NodeAuthority, bounds: CommitBounds, step: int
     return ""
 
 
+def memory_snapshot_refusal(authority: NodeAuthority, step: int, target_steps: int) -> str:
+    """A memory snapshot's commit is recorded only from rank 0's node (the rank that
+    reports it once every node committed), at a step from 1 and within the job's
+    target. Unlike a durable commit it may come before the step reports of its step
+    (a snapshot is reported as soon as it is committed, from its own thread): its
+    record changes no restore (each rank restores only what its node holds, whole),
+    it tells the operator what memory holds."""
+    if not authority.commits:
+        return (
+            f"{authority.node} reported a memory snapshot, but rank 0 of generation "
+            f"{authority.generation} (the reporting rank) is not on it"
+        )
+    if step < 1:
+        return f"{authority.node} reported a memory snapshot of step {step}: steps count from 1"
+    if target_steps and step > target_steps:
+        return (
+            f"{authority.node} reported a memory snapshot of step {step}, past the job's "
+            f"{target_steps} steps"
+        )
+    return ""
+
+
 def committed_path(checkpoint_dir: str, step: int) -> str:
     """Where step ``step``'s committed checkpoint lives in ``checkpoint_dir``, as
     normalized text ("" without an absolute directory): the name

@@ -314,6 +314,17 @@ class Runtime:
             step, path, samples, save_s=save_s, size=size
         )
 
+    def report_memory_snapshot(
+        self, step: int, samples: int, *, size: int = 0, save_s: float = 0.0
+    ) -> bool:
+        """Tells the agent that the memory snapshot of step ``step`` is committed on
+        every node (``samples``: global data position after it; ``size``: the tensor
+        bytes of every rank's shards; ``save_s``: from its start to its commit); whether
+        the agent acknowledged. False without an agent."""
+        return self._agent is not None and self._agent.report_memory_snapshot(
+            step, samples, size=size, save_s=save_s
+        )
+
     def report_checkpoint_problem(
         self, step: int, path: str, kind: str, reason: str, *, suspect_node: str = ""
     ) -> bool:

@@ -252,6 +252,7 @@ class AgentReporter:
         self._checkpoint_lock = threading.Lock()
         self._checkpoint_after: int | None = None
         self._saving_step = -1
+        self._memory_report_failing = False
         self._leave_requested = threading.Event()
         self._channel = grpc.insecure_channel(f"unix:{agent_socket}", options=_CHANNEL_OPTIONS)
         self._stub = keel_pb2_grpc.AgentLocalStub(
@@ -457,6 +458,39 @@ class AgentReporter:
                 f"({error.code().name}: {error.details()})"
             )
             return False
+        self._take_ack(ack)
+        return True
+
+    def report_memory_snapshot(
+        self, step: int, samples: int, *, size: int = 0, save_s: float = 0.0
+    ) -> bool:
+        """Tells the agent that the memory snapshot of step ``step`` is committed on
+        every node (``samples``: global data position after it; ``size``: the tensor
+        bytes of every rank's shards; ``save_s``: from its start to its commit). Blocks
+        for at most ``CHECKPOINT_REPORT_DEADLINE_S`` seconds; whether the agent
+        acknowledged (a failure is logged once until one is acknowledged again: the
+        next snapshot's report tells the controller as much)."""
+        try:
+            ack = self._stub.ReportMemorySnapshot(
+                keel_pb2.MemorySnapshotSaved(
+                    job=self.job,
+                    generation=self.generation,
+                    step=step,
+                    samples=samples,
+                    bytes=size,
+                    save_s=save_s,
+                ),
+                timeout=CHECKPOINT_REPORT_DEADLINE_S,
+            )
+        except grpc.RpcError as error:
+            if not self._memory_report_failing:
+                self.log(
+                    f"cannot report the memory snapshot of step {step} "
+                    f"({error.code().name}: {error.details()}); not said again until one is"
+                )
+            self._memory_report_failing = True
+            return False
+        self._memory_report_failing = False
         self._take_ack(ack)
         return True
 

@@ -18,7 +18,7 @@ def socket(tmp_path):
     recorder.identities[rank1] = recorder.identities[rank1].__class__(
         job="demo", generation=4, ranks=frozenset({1}), checkpoint_dir=str(tmp_path / "ckpt")
     )
-    rank0 = recorder.token_for(4, 1, tmp_path / "ckpt")
+    rank0 = recorder.token_for(4, 1, tmp_path / "ckpt", job="demo")
     with local_agent(recorder) as path, grpc.insecure_channel(f"unix:{path}") as channel:
         yield keel_pb2_grpc.AgentLocalStub(channel), recorder, rank0, rank1, tmp_path / "ckpt"
 
@@ -91,6 +91,30 @@ def test_only_rank_zero_commits_and_only_inside_the_checkpoint_directory(socket)
     assert (
         call(stub.ReportCheckpointProblem, problem, rank1)[0] is grpc.StatusCode.PERMISSION_DENIED
     )
+
+
+def test_only_rank_zero_reports_a_memory_snapshot_and_only_of_its_own_job(socket):
+    stub, recorder, rank0, rank1, _ = socket
+
+    def report(token, job="", step=6, generation=4):
+        return call(
+            stub.ReportMemorySnapshot,
+            keel_pb2.MemorySnapshotSaved(job=job, generation=generation, step=step, samples=24),
+            token,
+        )
+
+    assert report(rank1)[0] is grpc.StatusCode.PERMISSION_DENIED
+    assert report(rank0, generation=3)[0] is grpc.StatusCode.PERMISSION_DENIED
+    code, details = report(rank0, job="other")
+    assert code is grpc.StatusCode.PERMISSION_DENIED and "belongs to job" in details
+    code, details = report(rank0, step=0)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "step" in details
+    assert recorder.of("memory_snapshot") == []
+    assert report(rank0) == (grpc.StatusCode.OK, "")
+    # Passed on as the rank's job's, whether or not the rank named it.
+    (saved,) = recorder.of("memory_snapshot")
+    assert (saved.job, saved.generation, saved.step, saved.samples) == ("demo", 4, 6, 24)
+    assert report(rank0, job="demo", step=7) == (grpc.StatusCode.OK, "")
 
 
 def test_a_rank_attaches_as_itself(socket):

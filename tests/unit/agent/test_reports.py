@@ -35,14 +35,25 @@ def test_a_checkpoint_request_is_passed_on_once_and_only_to_its_generation():
     assert reports.add_steps(2, [step(0, 2)]) is None
 
 
-def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_commit():
+def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_commits():
     reports = Reports()
     reports.begin("j", 2)
     reports.add_steps(2, [step(1, 4), step(0, 4), step(0, 5)])
     reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=3)))
     reports.remember(keel_pb2.AgentMessage(rank_exited=keel_pb2.RankExited(rank=1)))
     reports.remember(keel_pb2.AgentMessage(checkpoint_saved=keel_pb2.CheckpointSaved(step=4)))
-    latest, exited, commit = reports.replay()
+    memory = keel_pb2.AgentMessage(
+        memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(job="j", generation=2, step=5)
+    )
+    reports.remember(memory)
+    reports.remember(
+        keel_pb2.AgentMessage(
+            memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(job="j", generation=2, step=6)
+        )
+    )
+    latest, exited, commit, snapshot = reports.replay()
+    # The newest of each kind of commit: a durable one does not push a memory one out.
+    assert snapshot.memory_snapshot_saved.step == 6
     assert latest.steps.replayed
     assert [(list(s.ranks), s.step, s.loss) for s in latest.steps.node_steps] == [
         ([1], 4, 0.25),

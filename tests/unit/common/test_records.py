@@ -21,6 +21,7 @@ from common.records import (
     JobState,
     JobStateRecord,
     LeaderRecord,
+    MemorySnapshotRecord,
     NodeRecord,
     OperationRecord,
     PlanPartsRecord,
@@ -89,6 +90,9 @@ EXAMPLES = {
     keys.plan("j", 3): PlanPartsRecord(generation=3, parts=12, size=3_000_000, sha256="ab" * 32),
     keys.checkpoint("j", 5): CheckpointRecord(
         step=5, path="/c/step_00000005", generation=2, samples=80, recorded_at_unix=5.0
+    ),
+    keys.memory_snapshot("j"): MemorySnapshotRecord(
+        step=7, generation=2, samples=112, bytes=4096, nodes=("a",), recorded_at_unix=6.5
     ),
     keys.event("j", 1): EventRecord(
         event=keel_pb2.Event(kind=keel_pb2.EVENT_KIND_CRASH, node="a", rank=0, seq=1)
@@ -198,6 +202,7 @@ KINDS = {
     PlanRecord: "plan",
     PlanPartsRecord: "plan",
     CheckpointRecord: "checkpoint",
+    MemorySnapshotRecord: "memory_snapshot",
     EventRecord: "event",
     OperationRecord: "operation",
     CheckpointRequestRecord: "checkpoint_request",
