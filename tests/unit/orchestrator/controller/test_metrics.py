@@ -7,7 +7,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from common.records import CordonRecord
+from common.records import CordonRecord, MemorySnapshotRecord
 from common.steps import summarize
 from orchestrator.controller import exporter, metrics, sessions
 from orchestrator.controller.config import ControllerConfig
@@ -224,3 +224,29 @@ def test_mfu_is_exported_while_running_on_known_accelerators():
         "keel_job_mfu_ratio"
     ]
     assert value == pytest.approx(6 * 1e6 * 1000 / 1e12)
+
+
+def test_the_newest_memory_snapshot_is_exported_beside_the_durable_checkpoint():
+    state, registry = controller()
+    j = state.jobs["j"] = job()
+
+    def exported() -> dict[str, float]:
+        return {
+            s.name: s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name.startswith("keel_memory_snapshot_")
+        }
+
+    assert exported() == {}  # none yet: absent, not 0
+    j.last_memory_snapshot = MemorySnapshotRecord(
+        step=41,
+        generation=1,
+        samples=656,
+        bytes=1 << 20,
+        nodes=("a",),
+        recorded_at_unix=time.time() - 30.0,
+    )
+    values = exported()
+    assert values["keel_memory_snapshot_last_step"] == 41
+    assert 30.0 <= values["keel_memory_snapshot_age_seconds"] < 300.0
