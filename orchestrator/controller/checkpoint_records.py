@@ -32,17 +32,7 @@ class CheckpointRecords:
         the next tick tries again. Not recorded means not committed: until then the
         restore point stays the previous one."""
         for record in list(job.unrecorded):
-            try:
-                self.store.record_checkpoint(job.name, record)
-            except Deposed:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "could not record checkpoint; will retry",
-                    job=job.name,
-                    step=record.step,
-                    error=str(exc),
-                )
+            if not _stored("checkpoint", job, record.step, self.store.record_checkpoint, record):
                 continue
             job.unrecorded.remove(record)
             job.goodput.settle(record.step)
@@ -70,17 +60,7 @@ class CheckpointRecords:
         if not memory_snapshots.supersedes(held, record.generation, record.step):
             job.unrecorded_memory_snapshot = None  # older than what etcd holds (a rebuild)
             return
-        try:
-            self.store.put_memory_snapshot(job.name, record)
-        except Deposed:
-            raise
-        except Exception as exc:
-            log.warning(
-                "could not record memory snapshot; will retry",
-                job=job.name,
-                step=record.step,
-                error=str(exc),
-            )
+        if not _stored("memory snapshot", job, record.step, self.store.put_memory_snapshot, record):
             return
         if job.unrecorded_memory_snapshot is record:
             job.unrecorded_memory_snapshot = None
@@ -174,3 +154,17 @@ class CheckpointRecords:
                 job.checkpoint_problem_counts.get(kind.value, 0) + 1
             )
             job.checkpoint_problems.pop(0)
+
+
+def _stored(what: str, job: JobRuntime, step: int, write, record) -> bool:
+    """Whether etcd took ``write(job.name, record)`` (``what`` of step ``step``); one it
+    did not take is logged, for the next tick to try again. Deposed: raised (no longer
+    leading)."""
+    try:
+        write(job.name, record)
+    except Deposed:
+        raise
+    except Exception as exc:
+        log.warning(f"could not record {what}; will retry", job=job.name, step=step, error=str(exc))
+        return False
+    return True

@@ -439,24 +439,28 @@ class AgentReporter:
         whether the agent acknowledged; failures are logged, never raised, because the
         agent and controller decide what counts as committed."""
         self._reporter.flush()
+        saved = keel_pb2.CheckpointSaved(
+            job=self.job,
+            generation=self.generation,
+            step=step,
+            path=path,
+            samples=samples,
+            save_s=save_s,
+            bytes=size,
+        )
+        return self._commit_reported(
+            self._stub.ReportCheckpoint,
+            saved,
+            lambda why: self.log(f"cannot report checkpoint step={step} path={path} ({why})"),
+        )
+
+    def _commit_reported(self, method, message, failed: Callable[[str], None]) -> bool:
+        """``method(message)``, a commit's report, within ``CHECKPOINT_REPORT_DEADLINE_S``;
+        whether the agent acknowledged (its ack taken), else ``failed(why)``."""
         try:
-            ack = self._stub.ReportCheckpoint(
-                keel_pb2.CheckpointSaved(
-                    job=self.job,
-                    generation=self.generation,
-                    step=step,
-                    path=path,
-                    samples=samples,
-                    save_s=save_s,
-                    bytes=size,
-                ),
-                timeout=CHECKPOINT_REPORT_DEADLINE_S,
-            )
+            ack = method(message, timeout=CHECKPOINT_REPORT_DEADLINE_S)
         except grpc.RpcError as error:
-            self.log(
-                f"cannot report checkpoint step={step} path={path} "
-                f"({error.code().name}: {error.details()})"
-            )
+            failed(f"{error.code().name}: {error.details()}")
             return False
         self._take_ack(ack)
         return True
@@ -470,29 +474,27 @@ class AgentReporter:
         for at most ``CHECKPOINT_REPORT_DEADLINE_S`` seconds; whether the agent
         acknowledged (a failure is logged once until one is acknowledged again: the
         next snapshot's report tells the controller as much)."""
-        try:
-            ack = self._stub.ReportMemorySnapshot(
-                keel_pb2.MemorySnapshotSaved(
-                    job=self.job,
-                    generation=self.generation,
-                    step=step,
-                    samples=samples,
-                    bytes=size,
-                    save_s=save_s,
-                ),
-                timeout=CHECKPOINT_REPORT_DEADLINE_S,
-            )
-        except grpc.RpcError as error:
+        saved = keel_pb2.MemorySnapshotSaved(
+            job=self.job,
+            generation=self.generation,
+            step=step,
+            samples=samples,
+            bytes=size,
+            save_s=save_s,
+        )
+
+        def failed(why: str) -> None:
             if not self._memory_report_failing:
                 self.log(
-                    f"cannot report the memory snapshot of step {step} "
-                    f"({error.code().name}: {error.details()}); not said again until one is"
+                    f"cannot report the memory snapshot of step {step} ({why}); "
+                    "not said again until one is"
                 )
             self._memory_report_failing = True
-            return False
-        self._memory_report_failing = False
-        self._take_ack(ack)
-        return True
+
+        reported = self._commit_reported(self._stub.ReportMemorySnapshot, saved, failed)
+        if reported:
+            self._memory_report_failing = False
+        return reported
 
     def report_checkpoint_problem(
         self, step: int, path: str, kind: str, reason: str, *, suspect_node: str = ""
