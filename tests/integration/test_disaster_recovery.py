@@ -23,8 +23,11 @@ TRAINER = [*TINY_TRAINER, "--no-preflight"]
 
 def spec_file(path: Path, checkpoints: Path) -> Path:
     """One rank of the reference trainer, a checkpoint every 4 steps, far more steps
-    than the test runs."""
-    command = [*TRAINER, "--steps", "100000", "--checkpoint-every", "4"]
+    than the test runs, every checkpoint kept: the etcd snapshot's newest one must be
+    there when etcd is restored from it, however many the run commits meanwhile (with
+    the default retention, a run that got more than three checkpoints past the snapshot
+    before the kill deleted it, and the restored epoch had nothing to resume from)."""
+    command = [*TRAINER, "--steps", "100000", "--checkpoint-every", "4", "--keep-checkpoints", "0"]
     out = path / f"{JOB}.toml"
     out.write_text(
         "\n".join(
