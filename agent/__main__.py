@@ -161,6 +161,33 @@ from common.tls import read_token
     "own under /dev/shm). A job's is released when it ends here or another job starts.",
 )
 @click.option(
+    "--peer-listen",
+    default=":0",
+    show_default=True,
+    metavar="[HOST]:PORT",
+    help="With --memory-budget-gb: where other agents reach this one to send it the "
+    "copies of their nodes' memory snapshots and to fetch the copies it holds (a bare "
+    ":PORT binds --host; port 0 picks a free one, told to the controller). Mutual TLS "
+    "with the agent's certificate when it has one.",
+)
+@click.option(
+    "--replication-mbps",
+    type=float,
+    default=8000.0,
+    show_default=True,
+    help="Each committed memory snapshot of this node is copied to a partner node, "
+    "chosen by the controller outside this node's --failure-domain, at most this many "
+    "megabits per second (0: no bound); a newer snapshot waits for the copy in flight "
+    "and replaces any other waiting.",
+)
+@click.option(
+    "--failure-domain",
+    default="",
+    metavar="NAME",
+    help="What this node fails with (a rack, a power feed): its memory snapshots are "
+    "copied to a node of another domain where there is one. Default: not said.",
+)
+@click.option(
     "--rank-user",
     default=None,
     metavar="USER",
@@ -218,6 +245,9 @@ def main(
     restart_in_place,
     memory_budget_gb,
     memory_dir,
+    peer_listen,
+    replication_mbps,
+    failure_domain,
     rank_user,
     log_format,
     log_level,
@@ -271,6 +301,9 @@ def main(
             rank_user=RankUser.lookup(rank_user) if rank_user else None,
             memory_budget_bytes=int(memory_budget_gb * 2**30),
             memory_dir=Path(memory_dir).resolve() if memory_dir else None,
+            peer_listen=peer_listen,
+            replication_mbps=replication_mbps,
+            failure_domain=failure_domain,
         )
         configure("agent", fmt=log_format, level=log_level, node=node)
     except ValueError as exc:

@@ -47,6 +47,12 @@ class AgentConfig:
     rank_user: RankUser | None = None  # ranks run as this user; None = as the agent's
     memory_budget_bytes: int = 0  # memory for a job's snapshots (agent.memory); 0 = none
     memory_dir: Path | None = None  # where it is held; None = agent.memory.default_root
+    # Its AgentPeer service ([host]:port; a bare :port binds `host`), which other agents
+    # send the copies of their snapshots to and fetch them from (agent.peer); served
+    # when memory is held.
+    peer_listen: str = ":0"
+    replication_mbps: float = 8000.0  # copies to the partner at most this fast; 0 = unbounded
+    failure_domain: str = ""  # a rack, a power feed: partners are chosen outside it
     # What the rank user must not be able to read (the agent refuses to start if it can).
     secret_files: tuple[Path, ...] = ()
 
@@ -96,6 +102,13 @@ class AgentConfig:
             raise ValueError(
                 f"memory_budget_bytes={self.memory_budget_bytes}: give 0 (no memory tier) "
                 "or the bytes a job's snapshots may take on this node"
+            )
+        if self.memory_budget_bytes:
+            listen_address(self.peer_listen, self.host)  # raises with the fix
+        if not self.replication_mbps >= 0:
+            raise ValueError(
+                f"replication_mbps={self.replication_mbps}: give the megabits per second "
+                "a snapshot's copy may take to the partner node, or 0 for no bound"
             )
         if not 0 < self.tick_s <= self.stop_grace_s / 10:
             raise ValueError(f"tick_s={self.tick_s} must be positive and at most stop_grace_s/10")

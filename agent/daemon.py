@@ -24,7 +24,7 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from agent import hangs, leftovers, metrics, rank_logs, rank_user
+from agent import hangs, leftovers, metrics, peer, rank_logs, rank_user
 from agent.config import AgentConfig
 from agent.generation import WIRE_PHASES, Generation, Phase
 from agent.hang import HangConfig
@@ -51,6 +51,9 @@ STATUS_PERIOD_S = 1.0  # the status is looked at this often, and sent when it ch
 # (and sent unchanged every link.status_refresh_s)
 # A rank that parks waits this long at most for the main loop to say whether it is kept.
 PARK_DECISION_S = 5.0
+# The longest a replacement waits for a memory snapshot's copy from the partner before
+# its ranks start without it (and restore from storage).
+FETCH_TIMEOUT_S = 120.0
 
 
 class Agent:
@@ -67,6 +70,8 @@ class Agent:
             "controller": self._on_controller,
             "checkpoint": self._on_event_checkpoint,
             "memory_snapshot": self._on_event_memory_snapshot,
+            "memory_replicated": self._on_event_memory_replicated,
+            "memory_copied": self._on_event_memory_copied,
             "preflight": lambda report: self._send(preflight=report),
             "park": lambda parked: self._park(*parked),
             "leave": self._on_event_leave,
@@ -84,6 +89,7 @@ class Agent:
             "etcd_unreachable": self._do_etcd_unreachable,
             "resync": self._do_resync,
             "read_log": self._do_read_log,
+            "release_replicas": self._do_release_replicas,
         }
         self.stopping = threading.Event()
         interface = net.interface_of(config.host)
@@ -117,6 +123,23 @@ class Agent:
             config.memory_budget_bytes,
             config.rank_user,
         )
+        # The copies of other nodes' snapshots this agent holds, and the thread that
+        # sends this node's to its partner (``agent.peer``): with a memory tier only.
+        self.replicas = peer.Replicas(self.memory.root, config.memory_budget_bytes)
+        self.replicator = (
+            peer.Replicator(
+                config.node,
+                config.tls,
+                config.replication_mbps * 1e6 / 8,
+                lambda *done: self.events.put(("memory_replicated", done)),
+            )
+            if self.memory.enabled
+            else None
+        )
+        self.peer_server: grpc.Server | None = None
+        self.peer_address = ""
+        self.partner: tuple[str, str] | None = None  # this generation's (node, address)
+        self._offered: dict[tuple[str, int], tuple[str, int]] = {}  # → (job, generation)
         self.supervisor = Supervisor(
             config.run_dir,
             node=config.node,
@@ -197,6 +220,13 @@ class Agent:
                         self.config.metrics_address_file,
                         f"{self.config.host}:{self.metrics_server.server_port}",
                     )
+            if self.memory.enabled:
+                self.peer_server, port = peer.serve(
+                    listen_address(self.config.peer_listen, self.config.host),
+                    self.config.tls,
+                    self.replicas,
+                )
+                self.peer_address = f"{self.config.host}:{port}"
             threading.Thread(target=self._keep_lease, name="lease", daemon=True).start()
             self.leaders.start()
             threading.Thread(target=self.link.run, name="stream", daemon=True).start()
@@ -246,6 +276,10 @@ class Agent:
         self.supervisor.parking.kill_all()
         # Whatever the ranks started outside their process groups goes too.
         leftovers.kill_marked(self.socket_path)
+        if self.replicator is not None:
+            self.replicator.close()
+        if self.peer_server is not None:
+            self.peer_server.stop(0.5).wait()
         self.memory.close()
         self.link.close()
         self.leaders.stop()
@@ -317,6 +351,8 @@ class Agent:
             reconnect_max_s=config.reconnect_max_s,
             lease_ttl_s=config.lease_ttl_s,
             accelerator=self.accelerator,
+            peer_address=self.peer_address,
+            failure_domain=config.failure_domain,
         )
         current = self.generation.start
         if current is not None:
@@ -539,6 +575,47 @@ class Agent:
         message = keel_pb2.AgentMessage(memory_snapshot_saved=saved)
         self.link.send(message)
         self.reports.remember(message)
+        # And copied to the partner (the newest committed, as fast as the bound lets).
+        if (
+            self.replicator is not None
+            and self.partner is not None
+            and self.started == (saved.job, saved.generation)
+        ):
+            self._offered[(self.started_id, saved.step)] = (saved.job, saved.generation)
+            while len(self._offered) > 16:
+                del self._offered[next(iter(self._offered))]
+            self.replicator.offer(
+                self.started_id,
+                saved.step,
+                self.memory.root / self.started_id / peer.snapshot_name(saved.step),
+                *self.partner,
+            )
+
+    def _on_event_memory_replicated(self, done: tuple[str, int, str, int, float]) -> None:
+        """A snapshot's copy is whole on the partner: told to the controller, which
+        keeps it with the snapshot's record; the newest kept for replay."""
+        job_id, step, partner, size, seconds = done
+        metrics.REPLICATED_BYTES.labels(self.config.node).inc(size)
+        metrics.REPLICATION_SECONDS.labels(self.config.node).inc(seconds)
+        of = self._offered.pop((job_id, step), None)
+        if of is None:
+            return
+        message = keel_pb2.AgentMessage(
+            memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(
+                job=of[0],
+                generation=of[1],
+                step=step,
+                bytes=size,
+                replicated_to=partner,
+                replicate_s=seconds,
+            )
+        )
+        self.link.send(message)
+        self.reports.remember(message)
+
+    def _do_release_replicas(self, release: keel_pb2.ReleaseReplicas) -> None:
+        """A job ended: the copies of its snapshots held here for other nodes go."""
+        self.replicas.release(release.job_id, "the job ended")
 
     def _on_event_leave(self, _payload: None) -> None:
         """SIGTERM with ranks running: tell the controller, which moves the job off."""
@@ -660,6 +737,95 @@ class Agent:
         if refused:
             self._refuse_start(start, refused)
             return
+        self.partner = (
+            (start.replica_node, start.replica_address) if start.replica_address else None
+        )
+        copy = start.memory_copy if start.HasField("memory_copy") else None
+        if copy is not None and self.memory.enabled and start.job_id:
+            if copy.holder == self.config.node:
+                self._take_copy(start)
+            else:
+                # Fetched beside the main loop; the ranks start once it is here (or
+                # not: they then restore from storage).
+                threading.Thread(
+                    target=self._fetch_copy, args=(start,), name="memory-copy", daemon=True
+                ).start()
+                return
+        self._launch(start)
+
+    def _take_copy(self, start: keel_pb2.StartGeneration) -> None:
+        """The copy of another node's snapshot this agent holds, moved into the job's
+        memory, where the ranks restore it."""
+        copy = start.memory_copy
+        try:
+            self.memory.hold(start.job_id)
+            into = self.memory.root / start.job_id / peer.snapshot_name(copy.step)
+            if self.replicas.take(start.job_id, copy.node, copy.step, into):
+                self.memory.give_tree(start.job_id)
+                log.info(
+                    "memory snapshot copy taken", job=start.job, of_node=copy.node, step=copy.step
+                )
+                return
+            log.warning(
+                "no copy of the memory snapshot here; the ranks restore from storage",
+                job=start.job,
+                of_node=copy.node,
+                step=copy.step,
+            )
+        except OSError as exc:
+            log.warning("cannot take the memory snapshot copy", job=start.job, error=str(exc))
+
+    def _fetch_copy(self, start: keel_pb2.StartGeneration) -> None:
+        """Another node's snapshot, fetched from the partner that holds its copy into
+        the job's memory; then the ranks start (the main loop's ``memory_copied``)."""
+        copy = start.memory_copy
+        began = time.monotonic()
+        try:
+            self.memory.hold(start.job_id)
+            into = self.memory.root / start.job_id / peer.snapshot_name(copy.step)
+            size = peer.fetch_snapshot(
+                copy.address,
+                self.config.tls,
+                start.job_id,
+                copy.node,
+                copy.step,
+                into,
+                FETCH_TIMEOUT_S,
+            )
+            self.memory.give_tree(start.job_id)
+            log.info(
+                "memory snapshot copy fetched",
+                job=start.job,
+                of_node=copy.node,
+                step=copy.step,
+                holder=copy.holder,
+                bytes=size,
+                seconds=round(time.monotonic() - began, 3),
+            )
+        except (peer.PeerError, OSError) as exc:
+            log.warning(
+                "memory snapshot copy not fetched; the ranks restore from storage",
+                job=start.job,
+                holder=copy.holder,
+                error=str(exc),
+            )
+        self.events.put(("memory_copied", start))
+
+    def _on_event_memory_copied(self, start: keel_pb2.StartGeneration) -> None:
+        """The copy is here (or will not be): the ranks start, if their generation is
+        still the one to run."""
+        current = self.started == (start.job, start.generation) and self.started_id == start.job_id
+        if not current or self.generation.phase is not Phase.RUNNING:
+            log.info(
+                "generation ended while its memory snapshot was fetched; not starting it",
+                job=start.job,
+                generation=start.generation,
+            )
+            return
+        self._launch(start)
+
+    def _launch(self, start: keel_pb2.StartGeneration) -> None:
+        """Start the generation's ranks here."""
         try:
             chain = self._deadlines(start)
             self.hang_config = HangConfig(

@@ -70,7 +70,11 @@ class JobMemory:
         """The job ids memory is held for."""
         if not self.root.is_dir():
             return []
-        return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir())
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_dir() and not entry.name.startswith(".")  # not agent.peer's copies
+        )
 
     def hold(self, job_id: str) -> dict[str, str]:
         """The memory for job ``job_id``, made if it is not there, with every other
@@ -93,6 +97,18 @@ class JobMemory:
             keel_env.MEMORY_DIR: str(path),
             keel_env.MEMORY_BUDGET_BYTES: str(self.budget_bytes),
         }
+
+    def give_tree(self, job_id: str) -> None:
+        """Everything in job ``job_id``'s memory made the rank user's (a snapshot copy
+        the agent brought in: the ranks read it, and remove it once they have a newer)."""
+        if self.rank_user is None:
+            return
+        path = self.root / job_id
+        for folder, directories, files in os.walk(path):
+            for name in directories:
+                self.rank_user.give(Path(folder) / name, 0o700)
+            for name in files:
+                self.rank_user.give(Path(folder) / name, 0o600)
 
     def close(self) -> None:
         """At the agent's exit: its directory goes if no job's memory is in it (what is

@@ -25,6 +25,14 @@ CONTROLLER_CONNECTED = Gauge(
 )
 LEASE_OK = Gauge("keel_agent_lease_ok", "1 while the agent's etcd lease is alive", ["node"])
 HANGS = Counter("keel_agent_hangs", "Hangs this agent declared", ["node"])
+REPLICATED_BYTES = Counter(
+    "keel_agent_replicated_bytes",
+    "Bytes of this node's memory snapshots whose copy its partner took whole",
+    ["node"],
+)
+REPLICATION_SECONDS = Counter(
+    "keel_agent_replication_seconds", "Seconds those copies took", ["node"]
+)
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STEP_SECONDS = Histogram(

@@ -120,14 +120,19 @@ class Reports:
             return dict(self._latest), list(self._step_times)
 
     def remember(self, message: keel_pb2.AgentMessage) -> None:
-        """A rank exit, a checkpoint commit or a memory snapshot's, to replay after every
-        Hello; only the newest commit of each kind is kept (an older one changes
-        nothing at the controller)."""
-        kind = message.WhichOneof("kind")
+        """A rank exit, a checkpoint commit, a memory snapshot's or its copy's on the
+        partner, to replay after every Hello; only the newest commit of each kind is
+        kept (an older one changes nothing at the controller), a snapshot's before its
+        copy's (the controller keeps a copy with the snapshot it records)."""
+        kind = _commit_kind(message)
         with self._lock:
-            if kind in ("checkpoint_saved", "memory_snapshot_saved"):
-                self._replay = [m for m in self._replay if m.WhichOneof("kind") != kind]
-            self._replay.append(message)
+            if kind:
+                self._replay = [m for m in self._replay if _commit_kind(m) != kind]
+            if kind == "memory_snapshot":
+                copies = [m for m in self._replay if _commit_kind(m) == "memory_copy"]
+                self._replay = [m for m in self._replay if m not in copies] + [message, *copies]
+            else:
+                self._replay.append(message)
 
     def replay(self) -> list[keel_pb2.AgentMessage]:
         """What to send again right after a Hello: each rank's latest step report,
@@ -149,3 +154,12 @@ class Reports:
                     )
                 )
             return messages + list(self._replay)
+
+
+def _commit_kind(message: keel_pb2.AgentMessage) -> str:
+    """Which commit ``message`` reports, of which only the newest is replayed ("": not
+    a commit)."""
+    kind = message.WhichOneof("kind")
+    if kind == "memory_snapshot_saved":
+        return "memory_copy" if message.memory_snapshot_saved.replicated_to else "memory_snapshot"
+    return "checkpoint" if kind == "checkpoint_saved" else ""

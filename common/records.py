@@ -304,9 +304,11 @@ class CheckpointRecord(Record):
 class MemorySnapshotRecord(Record):
     """``/keel/jobs/<job>/memory_snapshot``: the newest memory snapshot
     (``trainer.memory_tier``) every node of its generation committed, and ``nodes``,
-    the nodes whose agents hold it. It is restorable while every one of them does: a
-    generation placed without one of them restores from the durable checkpoint, and
-    the record goes."""
+    the nodes whose agents hold it. It is restorable while every one of them does; and
+    ``replica_step``, the newest of the generation's snapshots whose copy is whole on
+    ``replica_node``, a partner (0: none): a generation placed without one of the
+    nodes restores that copy, or the durable checkpoint (``policy.memory_snapshots``),
+    and the record goes."""
 
     step: int
     generation: int
@@ -314,6 +316,8 @@ class MemorySnapshotRecord(Record):
     bytes: int
     nodes: tuple[str, ...]
     recorded_at_unix: float
+    replica_step: int = 0
+    replica_node: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

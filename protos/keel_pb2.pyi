@@ -334,7 +334,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ..., suspect_node: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "term", "epoch")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "release_replicas", "term", "epoch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +345,7 @@ class ControllerMessage(_message.Message):
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
     REPORT_PACE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
@@ -357,9 +358,10 @@ class ControllerMessage(_message.Message):
     resync: Resync
     read_log: ReadLog
     report_pace: ReportPace
+    release_replicas: ReleaseReplicas
     term: int
     epoch: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., term: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., release_replicas: _Optional[_Union[ReleaseReplicas, _Mapping]] = ..., term: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
@@ -457,7 +459,7 @@ class PreflightReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s", "accelerator")
+    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s", "accelerator", "peer_address", "failure_domain")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -470,6 +472,8 @@ class Hello(_message.Message):
     RECONNECT_MAX_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     slots: int
@@ -482,7 +486,9 @@ class Hello(_message.Message):
     reconnect_max_s: float
     lease_ttl_s: float
     accelerator: str
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    failure_domain: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ...) -> None: ...
 
 class ReadLog(_message.Message):
     __slots__ = ("request_id", "job", "generation", "rank", "out_offset", "err_offset", "max_bytes")
@@ -536,6 +542,12 @@ class ReportPace(_message.Message):
     interval_s: float
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
+class ReleaseReplicas(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
 class PrepareRendezvous(_message.Message):
     __slots__ = ("job", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -565,7 +577,7 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StartGeneration(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir", "cold_start", "job_id", "resume_from")
+    __slots__ = ("job", "generation", "world_size", "local_world_size", "master_addr", "master_port", "ranks", "command", "env", "restart_count", "checkpoint_dir", "restore_from", "mesh", "health", "deadlines", "restore_fallbacks", "group_rank", "group_world_size", "max_restarts", "working_dir", "cold_start", "job_id", "resume_from", "replica_node", "replica_address", "memory_copy")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -596,6 +608,9 @@ class StartGeneration(_message.Message):
     COLD_START_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_COPY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -619,7 +634,22 @@ class StartGeneration(_message.Message):
     cold_start: bool
     job_id: str
     resume_from: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ..., job_id: _Optional[str] = ..., resume_from: _Optional[str] = ...) -> None: ...
+    replica_node: str
+    replica_address: str
+    memory_copy: MemoryCopy
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_count: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., restore_from: _Optional[str] = ..., mesh: _Optional[str] = ..., health: _Optional[_Union[HealthSpec, _Mapping]] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., restore_fallbacks: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_world_size: _Optional[int] = ..., max_restarts: _Optional[int] = ..., working_dir: _Optional[str] = ..., cold_start: _Optional[bool] = ..., job_id: _Optional[str] = ..., resume_from: _Optional[str] = ..., replica_node: _Optional[str] = ..., replica_address: _Optional[str] = ..., memory_copy: _Optional[_Union[MemoryCopy, _Mapping]] = ...) -> None: ...
+
+class MemoryCopy(_message.Message):
+    __slots__ = ("node", "step", "holder", "address")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    step: int
+    holder: str
+    address: str
+    def __init__(self, node: _Optional[str] = ..., step: _Optional[int] = ..., holder: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Deadlines(_message.Message):
     __slots__ = ("heartbeat_s", "hang_floor_s", "first_step_timeout_s", "checkpoint_timeout_s", "stop_grace_s", "collective_timeout_s", "startup_timeout_s", "lease_ttl_s", "node_lost_grace_s", "leader_ttl_s", "reconnect_max_s", "stop_deadline_s")
@@ -770,20 +800,24 @@ class CheckpointSaved(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., samples: _Optional[int] = ..., save_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class MemorySnapshotSaved(_message.Message):
-    __slots__ = ("job", "generation", "step", "samples", "bytes", "save_s")
+    __slots__ = ("job", "generation", "step", "samples", "bytes", "save_s", "replicated_to", "replicate_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SAVE_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_TO_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     step: int
     samples: int
     bytes: int
     save_s: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., save_s: _Optional[float] = ...) -> None: ...
+    replicated_to: str
+    replicate_s: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., save_s: _Optional[float] = ..., replicated_to: _Optional[str] = ..., replicate_s: _Optional[float] = ...) -> None: ...
 
 class GenerationStopped(_message.Message):
     __slots__ = ("job", "generation")
@@ -1005,20 +1039,24 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., step: _Optional[int] = ..., target_steps: _Optional[int] = ..., loss: _Optional[float] = ..., initial_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CommittedCheckpoint, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., has_loss: _Optional[bool] = ..., mesh: _Optional[str] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., preflight: _Optional[_Iterable[_Union[NodePreflight, _Mapping]]] = ..., step_time_s: _Optional[float] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., submitted_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., job_id: _Optional[str] = ..., last_memory_snapshot: _Optional[_Union[MemorySnapshot, _Mapping]] = ...) -> None: ...
 
 class MemorySnapshot(_message.Message):
-    __slots__ = ("step", "generation", "samples", "bytes", "nodes", "recorded_at")
+    __slots__ = ("step", "generation", "samples", "bytes", "nodes", "recorded_at", "replica_step", "replica_node")
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NODE_FIELD_NUMBER: _ClassVar[int]
     step: int
     generation: int
     samples: int
     bytes: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     recorded_at: float
-    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., recorded_at: _Optional[float] = ...) -> None: ...
+    replica_step: int
+    replica_node: str
+    def __init__(self, step: _Optional[int] = ..., generation: _Optional[int] = ..., samples: _Optional[int] = ..., bytes: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., recorded_at: _Optional[float] = ..., replica_step: _Optional[int] = ..., replica_node: _Optional[str] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("ratio", "accounted_s", "seconds", "at_risk_s")
@@ -1239,6 +1277,47 @@ class ListNodesReply(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("job_id", "node", "step", "file", "offset", "data", "files")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node: str
+    step: int
+    file: str
+    offset: int
+    data: bytes
+    files: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., node: _Optional[str] = ..., step: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., files: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class SnapshotReceived(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class SnapshotWanted(_message.Message):
+    __slots__ = ("job_id", "node", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node: str
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., node: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RankAttach(_message.Message):
     __slots__ = ("generation", "rank", "restart_in_place")

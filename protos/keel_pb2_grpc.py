@@ -855,6 +855,137 @@ class Bootstrap:
             _registered_method=True)
 
 
+class AgentPeerStub:
+    """---------------------------------------------------------------- agent-peer
+
+    Served by each agent that holds memory for jobs (Hello.peer_address), to the other
+    agents: mutual TLS with the cluster's CA where the agents have certificates.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutSnapshot = channel.stream_unary(
+                '/keel.v1.AgentPeer/PutSnapshot',
+                request_serializer=protos_dot_keel__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.SnapshotReceived.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_stream(
+                '/keel.v1.AgentPeer/GetSnapshot',
+                request_serializer=protos_dot_keel__pb2.SnapshotWanted.SerializeToString,
+                response_deserializer=protos_dot_keel__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
+
+
+class AgentPeerServicer:
+    """---------------------------------------------------------------- agent-peer
+
+    Served by each agent that holds memory for jobs (Hello.peer_address), to the other
+    agents: mutual TLS with the cluster's CA where the agents have certificates.
+    """
+
+    def PutSnapshot(self, request_iterator, context):
+        """A node's committed memory snapshot, sent to its partner to hold: every file in
+        chunks, then a last message naming every file and its size. Committed whole or
+        not at all; it replaces the copy of that node's snapshot of that job held before.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """A snapshot this agent holds (a node's copy), to a node that restores it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentPeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutSnapshot,
+                    request_deserializer=protos_dot_keel__pb2.SnapshotChunk.FromString,
+                    response_serializer=protos_dot_keel__pb2.SnapshotReceived.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=protos_dot_keel__pb2.SnapshotWanted.FromString,
+                    response_serializer=protos_dot_keel__pb2.SnapshotChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'keel.v1.AgentPeer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('keel.v1.AgentPeer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AgentPeer:
+    """---------------------------------------------------------------- agent-peer
+
+    Served by each agent that holds memory for jobs (Hello.peer_address), to the other
+    agents: mutual TLS with the cluster's CA where the agents have certificates.
+    """
+
+    @staticmethod
+    def PutSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/keel.v1.AgentPeer/PutSnapshot',
+            protos_dot_keel__pb2.SnapshotChunk.SerializeToString,
+            protos_dot_keel__pb2.SnapshotReceived.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/keel.v1.AgentPeer/GetSnapshot',
+            protos_dot_keel__pb2.SnapshotWanted.SerializeToString,
+            protos_dot_keel__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AgentLocalStub:
     """---------------------------------------------------------------- agent-local
 

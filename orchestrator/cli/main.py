@@ -198,6 +198,22 @@ def main():
     "--memory-budget-gb). 0: no memory tier.",
 )
 @click.option(
+    "--replication-mbps",
+    type=float,
+    default=None,
+    help="With --memory-budget-gb: each node's snapshots are copied to a partner node "
+    "at most this many megabits per second (keel agent --replication-mbps; 0: no "
+    "bound). Default: the agents'.",
+)
+@click.option(
+    "--failure-domains",
+    default="",
+    metavar="D0,D1,...",
+    help="Each node's failure domain, in order, spares last (keel agent "
+    "--failure-domain): a node's snapshot copies go to a partner in another domain "
+    "where there is one. Default: none said.",
+)
+@click.option(
     "--warm-fill",
     type=click.Choice(env.WARM_FILLS),
     default=None,
@@ -259,6 +275,8 @@ def up(
     linger_s,
     use_tls,
     memory_budget_gb,
+    replication_mbps,
+    failure_domains,
     warm_fill,
     rank_user,
     as_json,
@@ -312,6 +330,8 @@ def up(
             tls=use_tls,
             rank_user=rank_user or "",
             memory_budget_gb=memory_budget_gb,
+            replication_mbps=replication_mbps,
+            failure_domains=tuple(d.strip() for d in failure_domains.split(",") if d.strip()),
             warm_fill=warm_fill or "",
             etcd_credentials=etcd_credentials(**etcd),
             json=as_json,

@@ -57,7 +57,9 @@ class CheckpointRecords:
         if record is None:
             return
         held = job.last_memory_snapshot
-        if not memory_snapshots.supersedes(held, record.generation, record.step):
+        if not memory_snapshots.supersedes(
+            held, record.generation, record.step, record.replica_step
+        ):
             job.unrecorded_memory_snapshot = None  # older than what etcd holds (a rebuild)
             return
         if not _stored("memory snapshot", job, record.step, self.store.put_memory_snapshot, record):

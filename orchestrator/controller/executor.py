@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
 import structlog
 
@@ -207,18 +208,24 @@ class Executor:
         if lost:
             health.event(EventKind.FRESH_START, f"starting from step 0 as the spec allows: {lost}")
         snapshot = job.unrecorded_memory_snapshot or job.last_memory_snapshot
-        gone = memory_snapshots.left_behind(snapshot, {p.node for p in placement})
-        if gone:
-            durable = f"step {restore.step}" if restore.path else "no durable checkpoint"
-            why = (
-                f"the memory snapshot of step {snapshot.step} was held by "
-                f"{', '.join(gone)}, which the new generation does not run on (snapshots are "
-                f"not replicated between nodes): it restores from {durable}"
+        alive = {node for node, session in self.state.sessions.items() if session.connected}
+        memory = memory_snapshots.placed(
+            snapshot, {p.node for p in placement}, alive, restore.step or 0
+        )
+        if memory.reason:
+            reason += f"; {memory.reason}"
+        if snapshot is not None and not memory.keep:
+            log.info(
+                "memory snapshot left behind",
+                job=job.name,
+                step=snapshot.step,
+                nodes=sorted(set(snapshot.nodes) - {p.node for p in placement}),
+                copy=memory.copy,
             )
-            reason += f"; {why}"
-            log.info("memory snapshot left behind", job=job.name, step=snapshot.step, nodes=gone)
             self.store.delete_memory_snapshot(job.name)
             job.last_memory_snapshot = job.unrecorded_memory_snapshot = None
+        job.memory_copy = memory.copy
+        job.replica_partners = {}
         plan = dict(
             generation=next_generation(job.generation, self.store.epoch),
             placement=placement,
@@ -338,12 +345,49 @@ class Executor:
             working_dir=job.spec.working_dir,
             cold_start=job.spec.cold_start,
         )
+        self._memory_of(job, part.node, start)
         if job.health.spec.preflight_off:
             start.env[env.PREFLIGHT] = "0"
         for local_rank, rank in enumerate(part.ranks):
             start.ranks.append(keel_pb2.RankAssignment(rank=rank, local_rank=local_rank))
         self.state.send(part.node, keel_pb2.ControllerMessage(start_generation=start))
         self._fixed(part.node, now)
+
+    def _memory_of(self, job: JobRuntime, node: str, start: keel_pb2.StartGeneration) -> None:
+        """``start``'s memory tier fields for ``node``: the partner its snapshots are
+        replicated to (chosen once a generation, ``policy.memory_snapshots.partner``),
+        and the copy it brings into its memory before its ranks start."""
+        session = self.state.sessions.get(node)
+        if session is None or not session.hello.peer_address:
+            return  # it holds no memory for jobs
+        if node not in job.replica_partners:
+            holding = {
+                name: s.hello.failure_domain
+                for name, s in self.state.sessions.items()
+                if s.connected and s.hello.peer_address
+            }
+            load = Counter(
+                partner
+                for other in self.state.jobs.values()
+                if other.state in (JobState.STARTING, JobState.RUNNING)
+                for partner in other.replica_partners.values()
+            )
+            job.replica_partners[node] = memory_snapshots.partner(
+                node, holding, set(job.nodes), load
+            )
+        chosen = self.state.sessions.get(job.replica_partners[node])
+        if chosen is not None:
+            start.replica_node = chosen.node
+            start.replica_address = chosen.hello.peer_address
+        if job.memory_copy is not None:
+            source, step, holder = job.memory_copy
+            held = self.state.sessions.get(holder)
+            if held is not None and held.hello.peer_address:
+                start.memory_copy.CopyFrom(
+                    keel_pb2.MemoryCopy(
+                        node=source, step=step, holder=holder, address=held.hello.peer_address
+                    )
+                )
 
     def _fixed(self, node: str, now: float) -> None:
         session = self.state.sessions.get(node)
@@ -491,6 +535,14 @@ class Executor:
             Action.CANCEL: JobState.CANCELLED,
         }[decision.action]
         self.transition(job, target, decision.reason, now)
+        # Its snapshots' copies, wherever partners hold them (a partner chosen by an
+        # earlier leader too): every connected agent drops what it holds of the job.
+        release = keel_pb2.ControllerMessage(
+            release_replicas=keel_pb2.ReleaseReplicas(job_id=job.job_id)
+        )
+        for session in self.state.sessions.values():
+            if session.connected and session.hello.peer_address:
+                session.send(release)
 
     def create(self, job: JobRuntime) -> bool:
         """Store a submitted job's spec and first state, then hold it here; False (and

@@ -255,6 +255,12 @@ class JobCollector(Collector):
                 "Seconds since it was recorded",
                 ["job_name"],
             ).add_metric(labels, max(0.0, wall - snapshot.recorded_at_unix))
+            f.gauge(
+                "keel_memory_snapshot_replica_step",
+                "Step of the newest of its generation's snapshots whose copy is whole on a "
+                "partner node (0: none)",
+                ["job_name"],
+            ).add_metric(labels, snapshot.replica_step)
         problems = f.counter(
             "keel_checkpoint_problems",
             "Checkpoints ranks would not use or could not save",

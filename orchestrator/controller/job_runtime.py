@@ -154,6 +154,12 @@ class JobRuntime:
     # but not yet recorded (the reconcile loop records the newest only).
     last_memory_snapshot: MemorySnapshotRecord | None = None
     unrecorded_memory_snapshot: MemorySnapshotRecord | None = None
+    # This generation's: the partner each node's snapshots are replicated to, and the
+    # copy (node, step, holder) its one node brings into memory before its ranks start
+    # (``policy.memory_snapshots``). Not stored: a new leader chooses partners anew
+    # for the starts it sends, and its generation restores from storage.
+    replica_partners: dict[str, str] = field(default_factory=dict)
+    memory_copy: tuple[str, int, str] | None = None
     # Checkpoints ranks would not or could not use (refused stale commits, failed
     # verifications, ...), for the reconcile loop to record: (the reporting node, its
     # CheckpointProblem) each.

@@ -165,6 +165,8 @@ class OperatorService:
                     bytes=snapshot.bytes,
                     nodes=list(snapshot.nodes),
                     recorded_at=snapshot.recorded_at_unix,
+                    replica_step=snapshot.replica_step,
+                    replica_node=snapshot.replica_node,
                 )
             )
         status.failures.extend(job.failures)

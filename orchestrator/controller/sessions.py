@@ -461,30 +461,41 @@ class AgentService:
 
     def _on_memory_snapshot_saved(self, session: AgentSession, body) -> None:
         """A memory snapshot every node of the generation committed: queued to be
-        recorded in etcd, with the generation's nodes (whose memory holds it)."""
+        recorded in etcd, with the generation's nodes (whose memory holds it); or, with
+        ``replicated_to``, its copy now whole on that partner node, kept with the
+        record."""
         job = self._job_for(body.job, body.generation)
         if (
-            job is not None
-            and job.state in (JobState.RUNNING, JobState.STOPPING)
-            and not self._refused(
+            job is None
+            or job.state not in (JobState.RUNNING, JobState.STOPPING)
+            or self._refused(
                 session,
                 "memory_snapshot_saved",
                 memory_snapshot_refusal(authority(job, session.node), body.step, job.spec.steps),
             )
-            and memory_snapshots.supersedes(
-                job.unrecorded_memory_snapshot or job.last_memory_snapshot,
-                body.generation,
-                body.step,
-            )
         ):
-            job.unrecorded_memory_snapshot = MemorySnapshotRecord(
-                step=body.step,
-                generation=body.generation,
-                samples=body.samples,
-                bytes=body.bytes,
-                nodes=tuple(sorted(job.nodes)),
-                recorded_at_unix=time.time(),
+            return
+        held = job.unrecorded_memory_snapshot or job.last_memory_snapshot
+        if body.replicated_to:
+            record = memory_snapshots.with_replica(
+                held, body.generation, body.step, body.replicated_to
             )
+        elif memory_snapshots.supersedes(held, body.generation, body.step):
+            record = memory_snapshots.carried(
+                held,
+                MemorySnapshotRecord(
+                    step=body.step,
+                    generation=body.generation,
+                    samples=body.samples,
+                    bytes=body.bytes,
+                    nodes=tuple(sorted(job.nodes)),
+                    recorded_at_unix=time.time(),
+                ),
+            )
+        else:
+            record = None
+        if record is not None:
+            job.unrecorded_memory_snapshot = record
             self.state.wake.set()
 
     def _on_checkpoint_problem(self, session: AgentSession, body) -> None:

@@ -222,11 +222,21 @@ class LocalCluster:
                     [
                         *("--memory-budget-gb", f"{self.options.memory_budget_gb:g}"),
                         *("--memory-dir", str(self.memory_root / local_node(index))),
+                        *(
+                            ["--replication-mbps", f"{self.options.replication_mbps:g}"]
+                            if self.options.replication_mbps is not None
+                            else []
+                        ),
                     ]
                     if self.options.memory_budget_gb
                     else []
                 ),
                 *(["--warm-fill", self.options.warm_fill] if self.options.warm_fill else []),
+                *(
+                    ["--failure-domain", self.options.failure_domains[index]]
+                    if self.options.failure_domains
+                    else []
+                ),
             ],
             f"agent-node-{index}.log",
         )

@@ -7,6 +7,7 @@ the latest, by ``release`` when the cluster stops: no process is left stopped.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from common import env, procs
+from common.keys import local_node
 from common.wire_kinds import FaultKind
 from orchestrator.local.cluster import LocalCluster
 from orchestrator.local.faults import CLUSTER_FAULTS, kind_of
@@ -74,9 +76,12 @@ class ClusterFaults:
         agent = cluster.agents[fault.node]
         os.killpg(agent.pid, signal.SIGKILL)
         self.lost.add(fault.node)
+        # Its memory goes with it, as a node's does: on one machine the tmpfs would
+        # outlive it, and another node's agent could not have read it anyway.
+        shutil.rmtree(cluster.memory_root / local_node(fault.node), ignore_errors=True)
         return (
-            f"injected: node-{fault.node} lost (agent pid {agent.pid} and its "
-            f"ranks killed) at step {step}"
+            f"injected: node-{fault.node} lost (agent pid {agent.pid}, its ranks and "
+            f"its memory) at step {step}"
         )
 
     def _kill_agent(self, fault: keel_pb2.Fault, step: int, cluster: LocalCluster) -> str:

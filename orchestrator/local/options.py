@@ -70,6 +70,10 @@ class UpOptions:
     resume_from: str = ""  # absolute: a checkpoint, or a directory of them, to start from
     rank_user: str = ""  # ranks run as this user (orchestrator.local.rank_user); "" = as keel up
     memory_budget_gb: float = 0.0  # each agent's memory for the job's snapshots; 0 = none
+    # Each node's failure domain, by index (nodes, then spares): its snapshots' copies go
+    # to a partner outside it. (): none said.
+    failure_domains: tuple[str, ...] = ()
+    replication_mbps: float | None = None  # the agents' bound on a copy; None = theirs
     # When agents fill their warm processes (eager, lazy); "": the agents' default
     # (KEEL_WARM_FILL, else eager).
     warm_fill: str = ""
@@ -97,6 +101,13 @@ class UpOptions:
             raise ValueError("--memory-budget-gb must be 0 (no memory tier) or more")
         if self.spares < 0:
             raise ValueError("--spares must be 0 or more")
+        if self.failure_domains and len(self.failure_domains) != self.nodes + self.spares:
+            raise ValueError(
+                f"--failure-domains names {len(self.failure_domains)} domains: give one per "
+                f"node, spares last ({self.nodes + self.spares}), e.g. rack-a,rack-a,rack-b"
+            )
+        if self.replication_mbps is not None and self.replication_mbps < 0:
+            raise ValueError("--replication-mbps must be 0 (no bound) or more")
         if self.controllers < 1:
             raise ValueError("--controllers must be at least 1")
         if self.etcd_credentials and not self.etcd_endpoints:

@@ -141,6 +141,8 @@ def summarize(
                 "step": status.last_memory_snapshot.step,
                 "generation": status.last_memory_snapshot.generation,
                 "nodes": list(status.last_memory_snapshot.nodes),
+                "replica_step": status.last_memory_snapshot.replica_step,
+                "replica_node": status.last_memory_snapshot.replica_node,
             }
             if status.HasField("last_memory_snapshot")
             else None

@@ -1,30 +1,143 @@
 """What the controller records of a job's memory snapshots (``trainer.memory_tier``):
-which report replaces the record, and when a new generation's placement leaves the
-snapshot behind. Pure: the controller passes the record it holds, the report or the
+which report replaces the record, which partner node holds a node's copy, and what a
+new generation's placement does with the snapshot: keeps it, brings a partner's copy
+to its node, or leaves it behind. Pure: the controller passes the record it holds, the report or the
 placement, and stores or deletes what this decides."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 from common.records import MemorySnapshotRecord
 
 
-def supersedes(held: MemorySnapshotRecord | None, generation: int, step: int) -> bool:
-    """Whether a snapshot of ``step`` committed by ``generation`` replaces ``held``:
-    a later generation's always (it removed the older snapshots when it committed its
-    first, even of an earlier step: it restored from further back), the same
-    generation's when it is of a later step (an earlier one is a replay)."""
+def supersedes(
+    held: MemorySnapshotRecord | None, generation: int, step: int, replica_step: int = 0
+) -> bool:
+    """Whether a snapshot of ``step`` committed by ``generation`` (with its copy of
+    ``replica_step`` on a partner) replaces ``held``: a later generation's always (it
+    removed the older snapshots when it committed its first, even of an earlier step:
+    it restored from further back), the same generation's when it is of a later step,
+    or of the same step with a newer copy (an earlier one is a replay)."""
     if held is None or generation > held.generation:
         return True
-    return generation == held.generation and step > held.step
+    return generation == held.generation and (
+        step > held.step or (step == held.step and replica_step > held.replica_step)
+    )
 
 
-def left_behind(held: MemorySnapshotRecord | None, placement: Collection[str]) -> list[str]:
-    """The nodes holding ``held`` that a generation placed on ``placement`` does not
-    run on, sorted: a snapshot is in the memory of the nodes that wrote it only, so
-    with any of them gone no rank can restore it, and the generation restores from
-    the durable checkpoint. Empty: the snapshot stays restorable (or there is none)."""
+def with_replica(
+    held: MemorySnapshotRecord | None, generation: int, step: int, node: str
+) -> MemorySnapshotRecord | None:
+    """``held`` with its copy of ``step`` now whole on ``node`` (the partner that an
+    agent of ``generation`` replicated it to), or None if the report changes nothing: a
+    copy of another generation's, of a step the record has not reached (its snapshot
+    report comes first), or no newer than the copy recorded."""
+    if held is None or generation != held.generation:
+        return None
+    if step > held.step or step <= held.replica_step or node in held.nodes:
+        return None
+    return replace(held, replica_step=step, replica_node=node)
+
+
+def carried(held: MemorySnapshotRecord | None, new: MemorySnapshotRecord) -> MemorySnapshotRecord:
+    """A newer snapshot's record ``new``, keeping the copy ``held`` recorded where it is
+    of the same generation: the partner keeps its copy until a newer one replaces it,
+    while the nodes keep only their newest snapshot."""
+    if held is None or held.generation != new.generation or not held.replica_step:
+        return new
+    return replace(new, replica_step=held.replica_step, replica_node=held.replica_node)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a new generation's placement does with the memory snapshot recorded:
+    ``keep`` the record (its nodes all run the generation), or drop it; ``copy``: the
+    node whose copy the generation's one node brings into its memory before its ranks
+    start, ``(node, step, holder)``; ``reason``: what to add to the generation's."""
+
+    keep: bool
+    copy: tuple[str, int, str] | None = None
+    reason: str = ""
+
+
+def placed(
+    held: MemorySnapshotRecord | None,
+    placement: Collection[str],
+    alive: Collection[str],
+    durable_step: int,
+) -> Placed:
+    """What a generation placed on ``placement`` does with ``held``, with ``alive`` the
+    nodes whose agents are connected and ``durable_step`` the durable checkpoint it
+    would restore (0: none). A snapshot is in the memory of the nodes that wrote it;
+    with one of them left out, the generation can restore it only from a partner's
+    copy, and only on one node (a snapshot is restored on one node: the tier is off
+    for a job across nodes): brought there from the partner (or found there, if the
+    generation runs on the partner), if the copy is newer than the durable checkpoint.
+    Else the record goes and the reason says what the generation restores instead."""
     if held is None:
-        return []
-    return sorted(set(held.nodes) - set(placement))
+        return Placed(keep=False)
+    gone = sorted(set(held.nodes) - set(placement))
+    if not gone:
+        return Placed(keep=True)
+    durable = f"step {durable_step}" if durable_step else "no durable checkpoint"
+    lost = (
+        f"the memory snapshot of step {held.step} was held by {', '.join(gone)}, which "
+        "the new generation does not run on"
+    )
+    copy = f"its copy on {held.replica_node} (step {held.replica_step})"
+    if not held.replica_step:
+        why = "no copy of it was replicated"
+    elif held.replica_step <= durable_step:
+        why = f"{copy} is no newer than the durable checkpoint"
+    elif held.replica_node not in alive:
+        why = f"{copy} was lost too"
+    elif len(set(placement)) != 1 or len(held.nodes) != 1:
+        why = (
+            f"{copy} is restored on one node only, and the generation runs on {len(set(placement))}"
+        )
+    else:
+        (target,) = set(placement)
+        (source,) = held.nodes
+        behind = held.step - held.replica_step
+        fetched = "which it runs on" if target == held.replica_node else f"fetched to {target}"
+        return Placed(
+            keep=False,
+            copy=(source, held.replica_step, held.replica_node),
+            reason=(
+                f"{lost}: it restores the copy of step {held.replica_step} on "
+                f"{held.replica_node} ({fetched})"
+                + (f", {behind} steps behind the snapshot" if behind else "")
+            ),
+        )
+    return Placed(keep=False, reason=f"{lost}, and {why}: it restores from {durable}")
+
+
+def partner(
+    node: str,
+    candidates: Mapping[str, str],
+    placement: Collection[str],
+    load: Mapping[str, int],
+) -> str:
+    """The node that ``node``'s memory snapshots are replicated to ("" if none can be):
+    one of ``candidates`` (node → its failure domain, "" where not said: the nodes
+    whose agents hold memory and are connected) other than ``node``, preferring, in
+    order, one in another failure domain than ``node``'s when both say theirs, one
+    that does not run the generation (``placement``: a node that does would be lost
+    with the job's failure as often as not, and a spare is the likely replacement),
+    the fewest partnerships already (``load``: spread, so that no node holds every
+    job's copies), then the name."""
+    own = candidates.get(node, "")
+
+    def rank(other: str) -> tuple:
+        domain = candidates[other]
+        return (
+            bool(own and domain and domain == own),
+            other in placement,
+            load.get(other, 0),
+            other,
+        )
+
+    others = [other for other in candidates if other != node]
+    return min(others, key=rank) if others else ""

@@ -85,9 +85,10 @@ def test_a_bad_fault_or_layout_is_refused_before_anything_starts(tmp_path):
         assert not (tmp_path / "run" / "logs").exists()
 
 
-def steps_logged(workdir: Path, generation: int) -> dict[int, float]:
-    """step -> loss from rank 0's ``step`` log events in one generation (its stderr)."""
-    err = workdir / "nodes" / "node-0" / "keel-up" / f"gen{generation}" / "rank0.err"
+def steps_logged(workdir: Path, generation: int, node: str = "node-0") -> dict[int, float]:
+    """step -> loss from rank 0's ``step`` log events in one generation (its stderr, on
+    ``node``)."""
+    err = workdir / "nodes" / node / "keel-up" / f"gen{generation}" / "rank0.err"
     return {step: event["loss"] for step, event in step_events(err.read_text()).items()}
 
 

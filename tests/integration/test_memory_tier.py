@@ -187,7 +187,14 @@ def test_a_killed_rank_restores_the_snapshot_its_agent_held_and_the_memory_goes_
     assert abs(summary["final_loss"] - clean["final_loss"]) <= 1e-5 * clean["final_loss"]
     # The controller recorded the newest snapshot every node committed: step 15's (none
     # follows the last step, whose durable checkpoint is saved), held by node-0.
-    assert summary["last_memory_snapshot"] == {"step": 15, "generation": 2, "nodes": ["node-0"]}
+    # (No copy: the cluster has no other node to be its partner.)
+    assert summary["last_memory_snapshot"] == {
+        "step": 15,
+        "generation": 2,
+        "nodes": ["node-0"],
+        "replica_step": 0,
+        "replica_node": "",
+    }
     assert summary["last_checkpoint"]["step"] == 16
     # The memory was the agent's, for the job, and went when the job ended.
     held, released = memory_events(run)
@@ -222,37 +229,183 @@ def test_a_job_across_two_nodes_takes_no_snapshots_and_says_why(no_leaks):
     assert summary["last_memory_snapshot"] is None
 
 
-def test_a_snapshot_left_behind_on_a_lost_node_is_dropped_and_the_spare_reads_storage(no_leaks):
+# A node lost with its memory: one node of two ranks, snapshotting every step, with spares
+# its agent copies each snapshot to. keel up removes a lost node's memory, as losing the
+# node would; the durable checkpoints (every 50 steps) never come before the loss.
+LOST = ("--slots-per-node", "2", "--steps", "30", "--memory-budget-gb", "1")
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory) -> dict:
+    """The run the lost-node runs are held to: no fault, no memory tier."""
+    summary = run_up(
+        tmp_path_factory.mktemp("fault-free") / "run",
+        *("--nodes", "1", "--slots-per-node", "2", "--steps", "30", "--checkpoint-every", "50"),
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    return summary
+
+
+def log_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def restored_from_memory(run: Path, node: str, generation: int) -> int:
+    """The step of the memory snapshot ``generation``'s rank 0 restored on ``node``."""
+    err = (run / "nodes" / node / "keel-up" / f"gen{generation}" / "rank0.err").read_text()
+    restored = re.search(
+        r"restoring the memory snapshot of step (\d+), newer than no durable checkpoint", err
+    )
+    assert restored, err[-3000:]
+    return int(restored.group(1))
+
+
+def assert_exact(summary: dict, fault_free: dict, samples: int = 480) -> None:
+    assert summary["data"] == {
+        "expected": samples,
+        "consumed": samples,
+        "duplicates": 0,
+        "missing": 0,
+    }
+    assert abs(summary["final_loss"] - fault_free["final_loss"]) <= 1e-5 * fault_free["final_loss"]
+
+
+def test_a_lost_node_restores_on_the_spare_from_the_copy_its_partner_held(no_leaks, fault_free):
     run = no_leaks / "run"
     summary = run_up(
         run,
-        *("--nodes", "1", "--spares", "1", "--slots-per-node", "2"),
-        *("--steps", "40", "--checkpoint-every", "4", "--memory-budget-gb", "1"),
+        *("--nodes", "1", "--spares", "1", *LOST, "--checkpoint-every", "50"),
         *("--inject", "lose_node:node=0,step=10"),
         *EVERY_STEP,
     )
     assert summary["_rc"] == 0, summary["_stderr"][-4000:]
     assert (summary["generations"], summary["restarts"]) == (2, 1)
-    # node-0 held the snapshots (its memory lost with it, as on a cluster): the record
-    # went when generation 2 was placed on the spare, which restored from storage.
-    controller = [
-        json.loads(line)
-        for line in (run / "logs" / "controller.log").read_text().splitlines()
-        if line.startswith("{")
+    # node-1, the spare, was node-0's partner: it held the copy of node-0's newest
+    # snapshot it had been sent, and generation 2 ran there and restored it.
+    (left,) = [
+        r
+        for r in log_records(run / "logs" / "controller.log")
+        if r.get("event") == "memory snapshot left behind"
     ]
-    (dropped,) = [r for r in controller if r.get("event") == "memory snapshot left behind"]
-    # (Of a step at or after the injection's: keel up kills the node once it sees step
-    # 10, by then node-0 may have run on a few steps.)
-    assert dropped["nodes"] == ["node-0"] and dropped["step"] >= 9, dropped
-    second = (run / "nodes" / "node-1" / "keel-up" / "gen2" / "rank0.err").read_text()
-    assert "restoring the memory snapshot" not in second
-    resumed = re.search(r"resumed from \S+/step_(\d{8}) at step=(\d+)", second)
-    assert resumed and int(resumed.group(1)) == int(resumed.group(2)), second[-3000:]
-    durable = int(resumed.group(2))
-    assert durable % 4 == 0 and 8 <= durable <= dropped["step"]
-    # The spare's own snapshots replaced it.
-    assert summary["last_memory_snapshot"] == {"step": 39, "generation": 2, "nodes": ["node-1"]}
-    assert summary["data"] == {"expected": 640, "consumed": 640, "duplicates": 0, "missing": 0}
+    assert left["nodes"] == ["node-0"] and left["copy"][0::2] == ["node-0", "node-1"], left
+    copied = left["copy"][1]
+    # (keel up kills the node once it sees step 10; by then it may have run a few more.)
+    assert 5 <= copied <= left["step"], left
+    assert restored_from_memory(run, "node-1", 2) == copied
+    assert min(steps_logged(run, 2, "node-1")) == copied + 1
+    taken = [
+        r
+        for r in log_records(run / "logs" / "agent-node-1.log")
+        if r.get("event") == "memory snapshot copy taken"
+    ]
+    assert taken and taken[0]["step"] == copied, taken
+    controller = (run / "logs" / "controller.log").read_text()
+    assert f"restores the copy of step {copied} on node-1 (which it runs on)" in controller
+    assert_exact(summary, fault_free)
+    # Generation 2 had no partner left (node-0 was lost): its snapshots have no copy.
+    assert summary["last_memory_snapshot"] == {
+        "step": 29,
+        "generation": 2,
+        "nodes": ["node-1"],
+        "replica_step": 0,
+        "replica_node": "",
+    }
     # keel up gave back every simulated node's memory, the lost one's too.
     (held,) = [r for r in memory_events(run) if r["event"] == "memory held for the job"]
     assert not Path(held["path"]).exists()
+
+
+def test_a_replacement_fetches_the_copy_from_a_partner_in_another_failure_domain(
+    no_leaks, fault_free
+):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "1", "--spares", "2", *LOST, "--checkpoint-every", "50"),
+        *("--failure-domains", "rack-a,rack-a,rack-b"),
+        *("--inject", "lose_node:node=0,step=10"),
+        *EVERY_STEP,
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert summary["generations"] == 2
+    # node-0's partner was node-2, the spare outside its rack; generation 2 was placed
+    # on node-1 (the first free node), whose agent fetched the copy from node-2's.
+    fetched = [
+        r
+        for r in log_records(run / "logs" / "agent-node-1.log")
+        if r.get("event") == "memory snapshot copy fetched"
+    ]
+    assert len(fetched) == 1 and fetched[0]["holder"] == "node-2", fetched
+    assert fetched[0]["of_node"] == "node-0" and fetched[0]["bytes"] > 0
+    copied = fetched[0]["step"]
+    assert restored_from_memory(run, "node-1", 2) == copied
+    assert min(steps_logged(run, 2, "node-1")) == copied + 1
+    controller = (run / "logs" / "controller.log").read_text()
+    assert f"restores the copy of step {copied} on node-2 (fetched to node-1)" in controller
+    assert_exact(summary, fault_free)
+    # Generation 2's snapshots were copied to node-2 in turn; the copies went when the
+    # job ended.
+    last = summary["last_memory_snapshot"]
+    assert last["nodes"] == ["node-1"] and last["replica_node"] == "node-2", last
+    assert copied < last["replica_step"] <= last["step"], last
+    released = [
+        r
+        for r in log_records(run / "logs" / "agent-node-2.log")
+        if r.get("event") == "replicas released"
+    ]
+    assert released and released[-1]["bytes"] > 0, released
+
+
+def test_a_node_lost_with_its_partner_falls_back_to_the_durable_checkpoint_and_says_so(
+    no_leaks, fault_free
+):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "1", "--spares", "2", *LOST, "--checkpoint-every", "4"),
+        *("--inject", "lose_node:node=0,step=10", "--inject", "lose_node:node=1,step=10"),
+        *EVERY_STEP,
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    # node-1 held node-0's copies and was lost with it: the generation on node-2
+    # restored the durable checkpoint, and its reason says why.
+    controller = (run / "logs" / "controller.log").read_text()
+    lost_too = re.search(
+        r"held by node-0, which the new generation does not run on, and its copy on node-1 "
+        r"\(step (\d+)\) was lost too: it restores from step (\d+)",
+        controller,
+    )
+    assert lost_too, controller[-4000:]
+    durable = int(lost_too.group(2))
+    assert durable % 4 == 0 and durable >= 8
+    last = summary["generations"]
+    err = (run / "nodes" / "node-2" / "keel-up" / f"gen{last}" / "rank0.err").read_text()
+    assert "restoring the memory snapshot" not in err
+    assert f"step_{durable:08d} at step={durable}" in err, err[-3000:]
+    assert_exact(summary, fault_free)
+
+
+def test_a_stalled_partner_costs_the_job_nothing_and_its_copies_resume_after(no_leaks):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "1", "--spares", "1", "--slots-per-node", "2", "--memory-budget-gb", "1"),
+        # Steps enough to train on well past the stall (a step takes about 0.1 s here).
+        *("--steps", "150", "--checkpoint-every", "50"),
+        *("--inject", "stall_agent:node=1,step=5,for=8"),
+        *EVERY_STEP,
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    # The partner's agent froze (as a frozen host's would: its kernel still takes the
+    # connection): the job trained on, one generation, while node-0's agent said once
+    # that its copies failed, and again once they went through.
+    assert (summary["generations"], summary["restarts"]) == (1, 0)
+    sender = log_records(run / "logs" / "agent-node-0.log")
+    failed = [r for r in sender if r.get("event") == "memory snapshot not replicated"]
+    again = [r for r in sender if r.get("event") == "memory snapshots replicated again"]
+    assert len(failed) == 1 and failed[0]["partner"] == "node-1", failed
+    assert len(again) == 1 and again[0]["step"] > failed[0]["step"], again
+    last = summary["last_memory_snapshot"]
+    assert (last["step"], last["nodes"], last["replica_node"]) == (149, ["node-0"], "node-1")
+    assert again[0]["step"] <= last["replica_step"] <= 149
+    assert summary["data"] == {"expected": 2400, "consumed": 2400, "duplicates": 0, "missing": 0}

@@ -28,11 +28,17 @@ RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 # Exported only where the accelerators' peak FLOP/s is known: never on CPU (its value
 # is checked in tests/unit/orchestrator/controller/test_metrics.py).
 NOT_ON_CPU = {"keel_job_mfu_ratio"}
-# Exported for a job whose memory snapshots the controller records: one on a single
-# node (a job across nodes takes none until snapshots are replicated), not this run's
-# (checked in tests/unit/orchestrator/controller/test_metrics.py; the record itself in
-# tests/integration/test_memory_tier.py).
-NOT_ACROSS_NODES = {"keel_memory_snapshot_last_step", "keel_memory_snapshot_age_seconds"}
+# Exported for a job whose memory snapshots the controller records, and by agents that
+# copy them to a partner: a job on a single node (a job across nodes takes none), not
+# this run's (checked in tests/unit/orchestrator/controller/test_metrics.py; the record
+# and the copies in tests/integration/test_memory_tier.py).
+NOT_ACROSS_NODES = {
+    "keel_memory_snapshot_last_step",
+    "keel_memory_snapshot_age_seconds",
+    "keel_memory_snapshot_replica_step",
+    "keel_agent_replicated_bytes_total",
+    "keel_agent_replication_seconds_total",
+}
 JOB = "keel-up"
 # The run (three generations, a failover) happens in the first test's fixture.
 pytestmark = pytest.mark.timeout(600)

@@ -51,9 +51,29 @@ def test_the_replay_holds_each_ranks_latest_step_the_exits_and_only_the_newest_c
             memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(job="j", generation=2, step=6)
         )
     )
-    latest, exited, commit, snapshot = reports.replay()
-    # The newest of each kind of commit: a durable one does not push a memory one out.
-    assert snapshot.memory_snapshot_saved.step == 6
+    copied = [
+        keel_pb2.AgentMessage(
+            memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(
+                job="j", generation=2, step=step, replicated_to="b"
+            )
+        )
+        for step in (4, 5)
+    ]
+    for message in copied:
+        reports.remember(message)
+    # A newer snapshot after its copy: it still goes first (the controller keeps a copy
+    # with the snapshot it recorded).
+    reports.remember(
+        keel_pb2.AgentMessage(
+            memory_snapshot_saved=keel_pb2.MemorySnapshotSaved(job="j", generation=2, step=7)
+        )
+    )
+    latest, exited, commit, snapshot, copy = reports.replay()
+    # The newest of each kind of commit: a durable one does not push a memory one out,
+    # nor a copy's the snapshot's.
+    assert snapshot.memory_snapshot_saved.step == 7
+    assert copy.memory_snapshot_saved.step == 5
+    assert copy.memory_snapshot_saved.replicated_to == "b"
     assert latest.steps.replayed
     assert [(list(s.ranks), s.step, s.loss) for s in latest.steps.node_steps] == [
         ([1], 4, 0.25),

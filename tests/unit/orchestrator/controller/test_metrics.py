@@ -246,7 +246,10 @@ def test_the_newest_memory_snapshot_is_exported_beside_the_durable_checkpoint():
         bytes=1 << 20,
         nodes=("a",),
         recorded_at_unix=time.time() - 30.0,
+        replica_step=40,
+        replica_node="b",
     )
     values = exported()
     assert values["keel_memory_snapshot_last_step"] == 41
+    assert values["keel_memory_snapshot_replica_step"] == 40
     assert 30.0 <= values["keel_memory_snapshot_age_seconds"] < 300.0

@@ -1,11 +1,19 @@
-"""Which memory snapshot the controller records for a job, and when a new generation
-leaves it behind."""
+"""Which memory snapshot the controller records for a job, with its copy on a partner;
+which partner; and what a new generation's placement does with the snapshot."""
+
+from dataclasses import replace
 
 import pytest
 
 from common.records import MemorySnapshotRecord
 from orchestrator.policy.authority import NodeAuthority, memory_snapshot_refusal
-from orchestrator.policy.memory_snapshots import left_behind, supersedes
+from orchestrator.policy.memory_snapshots import (
+    carried,
+    partner,
+    placed,
+    supersedes,
+    with_replica,
+)
 
 HELD = MemorySnapshotRecord(
     step=40, generation=3, samples=640, bytes=1 << 20, nodes=("a", "b"), recorded_at_unix=1.0
@@ -29,11 +37,85 @@ def test_a_report_replaces_the_record_if_it_is_newer_in_generation_then_step(
     assert supersedes(None, generation, step)
 
 
-def test_a_snapshot_is_left_behind_by_a_generation_off_any_node_that_holds_it():
-    assert left_behind(HELD, {"a", "b", "c"}) == []
-    assert left_behind(HELD, {"c", "a"}) == ["b"]
-    assert left_behind(HELD, {"c"}) == ["a", "b"]
-    assert left_behind(None, {"c"}) == []
+def test_a_copy_is_kept_with_the_record_of_its_generation_up_to_the_snapshots_step():
+    one = replace(HELD, nodes=("a",))
+    copied = with_replica(one, 3, 38, "b")
+    assert (copied.step, copied.replica_step, copied.replica_node) == (40, 38, "b")
+    assert supersedes(one, 3, 40, replica_step=38)  # the same snapshot, now with a copy
+    assert not supersedes(copied, 3, 40, replica_step=38)  # a replay
+    assert with_replica(copied, 3, 37, "b") is None  # older than the copy recorded
+    assert with_replica(one, 3, 41, "b") is None  # its snapshot's report comes first
+    assert with_replica(one, 2, 38, "b") is None  # another generation's
+    assert with_replica(one, 3, 38, "a") is None  # a node that holds the snapshot itself
+    assert with_replica(None, 3, 38, "b") is None
+    # A newer snapshot keeps the copy of its generation; a later generation's does not.
+    newer = replace(one, step=41)
+    assert carried(copied, newer).replica_step == 38
+    assert carried(copied, replace(newer, generation=4)).replica_step == 0
+    assert carried(None, newer) is newer
+
+
+COPIED = MemorySnapshotRecord(
+    step=40,
+    generation=3,
+    samples=640,
+    bytes=1 << 20,
+    nodes=("a",),
+    recorded_at_unix=1.0,
+    replica_step=39,
+    replica_node="b",
+)
+
+
+def test_a_generation_on_the_snapshots_nodes_keeps_it():
+    assert placed(COPIED, {"a"}, {"a", "b"}, 20) == placed(HELD, {"a", "b"}, set(), 0)
+    assert placed(COPIED, {"a"}, {"a", "b"}, 20).keep
+    assert not placed(None, {"a"}, {"a"}, 20).keep
+
+
+def test_a_generation_off_the_snapshots_node_restores_the_partners_copy():
+    on_partner = placed(COPIED, {"b"}, {"b"}, 20)
+    assert (on_partner.keep, on_partner.copy) == (False, ("a", 39, "b"))
+    assert "restores the copy of step 39 on b (which it runs on)" in on_partner.reason
+    assert "1 steps behind the snapshot" in on_partner.reason
+    fetched = placed(COPIED, {"c"}, {"b", "c"}, 20)
+    assert fetched.copy == ("a", 39, "b") and "fetched to c" in fetched.reason
+
+
+@pytest.mark.parametrize(
+    "record, placement, alive, durable, why",
+    [
+        (replace(COPIED, replica_step=0), {"c"}, {"b", "c"}, 20, "no copy of it was replicated"),
+        (
+            COPIED,
+            {"c"},
+            {"c"},
+            20,
+            "its copy on b (step 39) was lost too: it restores from step 20",
+        ),
+        (COPIED, {"c"}, {"b", "c"}, 39, "is no newer than the durable checkpoint"),
+        (COPIED, {"c", "d"}, {"b", "c", "d"}, 20, "restored on one node only"),
+        (HELD, {"c"}, {"c"}, 0, "it restores from no durable checkpoint"),
+    ],
+)
+def test_a_snapshot_left_behind_with_no_usable_copy_goes_and_the_reason_says_why(
+    record, placement, alive, durable, why
+):
+    decided = placed(record, placement, alive, durable)
+    assert (decided.keep, decided.copy) == (False, None)
+    assert "which the new generation does not run on" in decided.reason
+    assert why in decided.reason
+
+
+def test_the_partner_is_outside_the_failure_domain_then_the_placement_then_least_loaded():
+    nodes = {"a": "r1", "b": "r1", "c": "r2", "d": "r2"}
+    assert partner("a", nodes, {"a"}, {}) == "c"  # another rack first
+    assert partner("a", nodes, {"a", "c"}, {}) == "d"  # then a node off the job
+    assert partner("a", nodes, {"a"}, {"c": 2}) == "d"  # then the fewest partnerships
+    assert partner("a", {"a": "", "b": "", "c": ""}, {"a", "b"}, {}) == "c"
+    assert partner("a", {"a": "r1", "b": ""}, {"a"}, {}) == "b"  # "" is not the same
+    assert partner("a", {"a": "r1"}, {"a"}, {}) == ""
+    assert partner("a", {}, {"a"}, {}) == ""
 
 
 def test_only_rank_zeros_node_reports_a_memory_snapshot_within_the_jobs_steps():
