@@ -12,6 +12,13 @@ baseline measured in the same run, on 4 ranks (gloo, one CPU thread each):
    durable checkpoint's files are dropped from the page cache before each of its
    restores (a restart after a failure does not find the whole state cached; on a
    cluster it is read from a shared file system). Times are the slowest rank's.
+   **From a peer's memory** too: the snapshot is sent to a partner agent's
+   ``AgentPeer`` service (``agent.peer``, served by this benchmark's own process on
+   loopback, into its ``/dev/shm``), and each round a replacement fetches it back
+   (``fetch_snapshot``, as a replacement node's agent does before its ranks start) into
+   the node's memory, from which the ranks restore it; the fetch counts in its total.
+   The copy to the partner is timed unbounded and at ``--bound-mbps`` (the agents'
+   ``--replication-mbps``), to show the bound holds.
 2. **Step-time overhead**: the reference trainer's default model (``--dim 64
    --layers 2``) in ``dp_shard=4``, blocks of optimizer steps with memory snapshots
    against blocks without, alternating, the order flipped every round: first with a
@@ -27,9 +34,10 @@ killed as step 9 begins resumes at step 8 or 9 (from the snapshot of step 7 or 8
 at ``--checkpoint-every 50``, it would start over.
 
     python -m benchmarks.memory_tier [--rounds 3] [--dir /tmp] [--overhead-rounds 8]
-        [--steps 10] [--warmup-steps 60]
+        [--steps 10] [--warmup-steps 60] [--bound-mbps 2000]
 
-Targets (docs/BENCHMARKS.md): restore from memory ≤ 0.2× from storage; overhead ≤ 2 %.
+Targets (docs/BENCHMARKS.md): restore from memory, and from a peer's memory, ≤ 0.2×
+from storage; overhead ≤ 2 %.
 """
 
 from __future__ import annotations
@@ -46,9 +54,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TARGETS = {"memory_over_storage": 0.2, "overhead": 0.02}
+TARGETS = {"memory_over_storage": 0.2, "peer_over_storage": 0.2, "overhead": 0.02}
 DEFAULT_OVERHEAD_MAX = 0.02  # the trainer's --memory-overhead-max default
 WORLD = 4
+PARTNER = "KEEL_BENCH_PARTNER"  # the partner agent's AgentPeer address
+JOB, NODE = "bench", "node-0"  # whose copy the partner holds
 
 
 def ranks(options: argparse.Namespace) -> None:
@@ -56,11 +66,12 @@ def ranks(options: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from agent import peer
     from benchmarks.checkpoint_ranks import built, drop_cache, slowest, trainer_state
     from trainer import checkpoint, restore, train
     from trainer import runtime as keel_runtime
     from trainer.checkpoint import Checkpointer
-    from trainer.memory_tier import MemoryTier, SnapshotReader
+    from trainer.memory_tier import MemoryTier, SnapshotReader, snapshot_path
     from trainer.mesh import Layout
     from trainer.phases import PhaseTimer
 
@@ -90,26 +101,50 @@ def ranks(options: argparse.Namespace) -> None:
     memory.save(2, 2 * args.global_batch, state)
     assert memory.wait(), "the memory snapshot was not taken"
     del state
+    # The copy to the partner, as the node's agent sends it: unbounded, then bounded.
+    partner = os.environ[PARTNER]
+    snapshot = Path(snapshot_path(memory.directory, 2))
+    if dist.get_rank() == 0:
+        results["replication"] = {
+            "unbounded": peer.send_snapshot(partner, None, JOB, NODE, 2, snapshot, 0, 900),
+            "bounded": peer.send_snapshot(
+                partner, None, JOB, NODE, 2, snapshot, options.bound_mbps * 1e6 / 8, 900
+            ),
+        }
+    dist.barrier()
     template = trainer_state(run, args, 0)
-    times: dict[str, list[dict]] = {"storage": [], "memory": []}
+    times: dict[str, list[dict]] = {"storage": [], "memory": [], "peer": []}
+    sources = ["storage", "memory", "peer"]
     for round_ in range(options.rounds + 1):
-        order = ["storage", "memory"] if round_ % 2 == 0 else ["memory", "storage"]
-        for source in order:
+        for source in sources[round_ % 3 :] + sources[: round_ % 3]:
             if source == "storage":
                 drop_cache(durable_dir)
             dist.barrier()
             started = time.perf_counter()
-            chosen = restore.choose(durable_dir, rt, memory=source == "memory")
-            chose_s = time.perf_counter() - started
-            assert chosen is not None and chosen.memory == (source == "memory"), chosen
+            fetch_s = 0.0
+            if source == "peer":
+                # The node is gone, its memory with it; its replacement fetches the copy.
+                if dist.get_rank() == 0:
+                    os.rename(snapshot, f"{snapshot}.aside")
+                    peer.fetch_snapshot(partner, None, JOB, NODE, 2, snapshot, 900)
+                dist.barrier()
+                fetch_s = time.perf_counter() - started
+            chosen = restore.choose(durable_dir, rt, memory=source != "storage")
+            chose_s = time.perf_counter() - started - fetch_s
+            assert chosen is not None and chosen.memory == (source != "storage"), chosen
             reader = SnapshotReader(chosen.path) if chosen.memory else None
             loaded = checkpoint.load(
                 chosen.path, run.parts, run.optimizers.optimizers, template, reader
             )
-            load_s = time.perf_counter() - started - chose_s
-            assert loaded.step == (2 if source == "memory" else 1), loaded.step
-            phases = {"choose": slowest(chose_s), "load": slowest(load_s)}
-            phases["total"] = slowest(chose_s + load_s)
+            load_s = time.perf_counter() - started - fetch_s - chose_s
+            assert loaded.step == (1 if source == "storage" else 2), loaded.step
+            phases = {"fetch": slowest(fetch_s), "choose": slowest(chose_s)}
+            phases["load"] = slowest(load_s)
+            phases["total"] = slowest(fetch_s + chose_s + load_s)
+            dist.barrier()
+            if source == "peer" and dist.get_rank() == 0:
+                shutil.rmtree(snapshot)
+                os.rename(f"{snapshot}.aside", snapshot)
             if round_:
                 times[source].append(phases)
     results["state_bytes"] = sum(
@@ -193,6 +228,9 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=2048, help="restore model width")
     parser.add_argument("--layers", type=int, default=2, help="restore model blocks")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoint goes")
+    parser.add_argument(
+        "--bound-mbps", type=float, default=2000.0, help="the copy's bound, megabits per second"
+    )
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -201,6 +239,12 @@ def main() -> int:
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="keel-bench-memory-", dir=options.dir))
     memory_dir = Path(tempfile.mkdtemp(prefix="keel-bench-memory-", dir="/dev/shm"))
+    partner_dir = Path(tempfile.mkdtemp(prefix="keel-bench-partner-", dir="/dev/shm"))
+    from agent import peer
+
+    # The partner agent's peer service, in this process: the ranks send it the copy and
+    # fetch it back.
+    server, port = peer.serve("127.0.0.1:0", None, peer.Replicas(partner_dir, 0))
     try:
         command = [
             sys.executable,
@@ -216,6 +260,7 @@ def main() -> int:
             *("--overhead-rounds", str(options.overhead_rounds), "--steps", str(options.steps)),
             *("--warmup-steps", str(options.warmup_steps)),
             *("--dim", str(options.dim), "--layers", str(options.layers)),
+            *("--bound-mbps", str(options.bound_mbps)),
         ]
         base = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
         env = base | {
@@ -223,6 +268,7 @@ def main() -> int:
             "PYTHONPATH": str(REPO),
             "KEEL_LOG_FORMAT": "console",
             "KEEL_MEMORY_DIR": str(memory_dir),
+            PARTNER: f"127.0.0.1:{port}",
         }
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -232,19 +278,28 @@ def main() -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(memory_dir, ignore_errors=True)
+        server.stop(0).wait()
+        shutil.rmtree(partner_dir, ignore_errors=True)
     restores = results["restores"]
     print(
         f"restore of {results['state_bytes'] / 2**30:.2f} GiB of state on {WORLD} ranks, "
         f"medians of {options.rounds} rounds, slowest rank (s); storage under {options.dir}:"
     )
-    print(f"{'phase':<10}{'storage':>10}{'memory':>10}")
-    for phase in ("choose", "load", "total"):
-        storage = median([r[phase] for r in restores["storage"]])
-        memory = median([r[phase] for r in restores["memory"]])
-        print(f"{phase:<10}{storage:>10.3f}{memory:>10.3f}")
-    ratio = median([r["total"] for r in restores["memory"]]) / median(
-        [r["total"] for r in restores["storage"]]
-    )
+    print(f"{'phase':<10}{'storage':>10}{'memory':>10}{'peer':>10}")
+    for phase in ("fetch", "choose", "load", "total"):
+        row = [median([r[phase] for r in restores[s]]) for s in ("storage", "memory", "peer")]
+        print(f"{phase:<10}" + "".join(f"{value:>10.3f}" for value in row))
+    storage_s = median([r["total"] for r in restores["storage"]])
+    ratio = median([r["total"] for r in restores["memory"]]) / storage_s
+    peer_ratio = median([r["total"] for r in restores["peer"]]) / storage_s
+    for arm, (size, seconds) in results["replication"].items():
+        bound = f" (bound {options.bound_mbps:g} Mb/s)" if arm == "bounded" else ""
+        rate = size * 8 / 1e6 / seconds
+        share = f", {rate / options.bound_mbps:.2f} of the bound" if bound else ""
+        print(
+            f"copy to the partner, {arm}{bound}: {size / 2**30:.2f} GiB in {seconds:.2f} s, "
+            f"{rate:.0f} Mb/s{share}"
+        )
     overheads = {}
     for arm, what in (("every_step", "a snapshot every step"), ("bounded", None)):
         blocks = results[arm]
@@ -266,6 +321,7 @@ def main() -> int:
     print(f"steps a failure may lose at the default bound: {results['interval']}")
     for name, value, target in (
         ("restore from memory / from storage", ratio, TARGETS["memory_over_storage"]),
+        ("restore from a peer's memory / from storage", peer_ratio, TARGETS["peer_over_storage"]),
         ("memory tier step-time overhead at the default bound", overhead, TARGETS["overhead"]),
     ):
         shown = f"{value * 100:+.2f} %" if "overhead" in name else f"{value:.3f}x"
