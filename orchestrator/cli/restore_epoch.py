@@ -10,8 +10,10 @@ the restored etcd holds: each job's generation and the checkpoint it resumes fro
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from collections.abc import Callable
 
 import click
 import etcd3
@@ -21,7 +23,7 @@ from common import env, epoch, flags, keys
 from common.etcd import EtcdClient, connect, etcd_credentials
 from common.records import EpochRecord, LeaderRecord, RecordError
 from orchestrator.controller.store import Store
-from orchestrator.policy.generation import restore_point
+from orchestrator.policy.generation import RestorePoint, restore_point
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 CALL_TIMEOUT_S = 5.0
@@ -96,16 +98,37 @@ def _jobs(store: Store) -> list[str]:
             lines.append(f"  job {name}: its records do not parse ({error}); see the controller")
             continue
         generation = state.generation if state else 0
-        where = (
-            f"resumes from {point.path} (step {point.step})"
-            if point.path
-            else "has no checkpoint recorded: starts from step 0"
-        )
+        where = resumes_from(point)
         lines.append(
             f"  job {name}: {state.state.value if state else 'no state'} at generation "
             f"{generation} in the snapshot; {where}"
         )
     return lines
+
+
+def resumes_from(point: RestorePoint, there: Callable[[str], bool] = os.path.isdir) -> str:
+    """Where a job restored with ``point`` resumes, as this host sees its checkpoint
+    directory (``there``): the recorded restore point if it is there, else the newest
+    of its fallbacks that is, and why; or that none is. Checkpoint retention goes on
+    after the etcd snapshot is taken, so a snapshot older than ``--keep-checkpoints``
+    checkpoints names restore points that are gone."""
+    if not point.path:
+        return "has no checkpoint recorded: starts from step 0"
+    if there(point.path):
+        return f"resumes from {point.path} (step {point.step})"
+    gone = (
+        f"its restore point {point.path} (step {point.step}) is not there from this host "
+        "(retention deletes checkpoints after a snapshot is taken: keep etcd snapshots "
+        "younger than --keep-checkpoints checkpoints)"
+    )
+    present = next((path for path in point.fallbacks if there(path)), None)
+    if present is not None:
+        return f"{gone}; it falls back to {present}, the newest recorded one that is there"
+    return (
+        f"{gone}, nor is any older one recorded: its next generation cannot restore. "
+        "Delete it (keel delete) and submit it again with --resume-from a checkpoint "
+        "that is there, or restore a newer etcd snapshot"
+    )
 
 
 @click.command("restore-epoch", context_settings=CONTEXT)
