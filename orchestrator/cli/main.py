@@ -193,9 +193,12 @@ def main():
     default=0.0,
     show_default=True,
     help="Each agent holds this much memory (GiB, under /dev/shm) for the job's "
-    "snapshots: the reference trainer snapshots every step there and a restart on the "
-    "same node restores the newest snapshot instead of an older checkpoint (keel agent "
-    "--memory-budget-gb). 0: no memory tier.",
+    "snapshots: the reference trainer snapshots every step there, each is copied to a "
+    "partner node, and a restart restores the newest snapshot (on a replacement node, "
+    "its partner's copy) instead of an older checkpoint (keel agent --memory-budget-gb). "
+    "The simulated nodes' memory is one /dev/shm/keel-up-* "
+    "directory, removed when keel up stops (or by the next keel up, if this one was "
+    "killed). 0: no memory tier.",
 )
 @click.option(
     "--replication-mbps",

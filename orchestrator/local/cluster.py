@@ -27,6 +27,44 @@ from orchestrator.local.proxy import NodeProxy
 from orchestrator.security import etcd_roles, etcd_setup
 from orchestrator.security.certs import init_once
 
+SHARED_MEMORY = Path("/dev/shm")
+MEMORY_ROOT_PREFIX = "keel-up-"
+OWNER_FILE = "owner"  # in a memory root: "<pid> <start time>" of the keel up it is
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks after boot, /proc/<pid>/stat field 22):
+    with the pid, it names the process even after the pid is reused. None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def claim_memory_root(root: Path) -> None:
+    """Make ``root`` and mark it this process's, for ``sweep_memory_roots``."""
+    root.mkdir(mode=0o711, parents=True)
+    (root / OWNER_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}\n")
+
+
+def sweep_memory_roots(parent: Path = SHARED_MEMORY) -> list[Path]:
+    """Remove the memory roots under ``parent`` whose keel up is gone (SIGKILLed, so its
+    ``stop`` never ran; a lost node's memory, and a finished job's replicas, would stay
+    in /dev/shm until reboot); the ones removed. A root without an owner file is left:
+    it may be being made."""
+    swept = []
+    for root in sorted(parent.glob(f"{MEMORY_ROOT_PREFIX}*")):
+        try:
+            pid, started = (root / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if pid.isdigit() and _started(int(pid)) == started:
+            continue  # its keel up runs
+        shutil.rmtree(root, ignore_errors=True)
+        swept.append(root)
+    return swept
+
 
 @dataclass
 class LocalCluster:
@@ -53,7 +91,7 @@ class LocalCluster:
     # in /dev/shm. On one machine a lost node's memory outlives it (on a cluster it
     # goes with the node): ``stop`` removes all of it.
     memory_root: Path = field(
-        default_factory=lambda: Path("/dev/shm") / f"keel-up-{secrets.token_hex(6)}"
+        default_factory=lambda: SHARED_MEMORY / f"{MEMORY_ROOT_PREFIX}{secrets.token_hex(6)}"
     )
 
     @property
@@ -127,6 +165,15 @@ class LocalCluster:
         (self.workdir / "prometheus").mkdir(parents=True, exist_ok=True)
         for stale in (self.workdir / "prometheus").glob("*.address"):
             stale.unlink()  # of an earlier run in this workdir
+        if self.options.memory_budget_gb:
+            swept = sweep_memory_roots()
+            if swept:
+                print(
+                    f"removed the memory of {len(swept)} earlier keel up run(s) that "
+                    f"ended without giving it back: {', '.join(str(p) for p in swept)}",
+                    file=sys.stderr,
+                )
+            claim_memory_root(self.memory_root)
         credentials, self.agent_credentials = self._credentials()
         if not self.options.etcd_endpoints:
             self.etcd = EmbeddedEtcd(
