@@ -14,9 +14,15 @@ With ``--saves`` (the first layout's state):
   False: staging directory and ledger, ``dcp.save`` (every rank writes and fsyncs its
   shard file, summing it as it goes, rank 0 the metadata), and rank 0's commit
   (manifest from those sums, fsyncs, fence, rename).
-* ``async``: the same with ``use_async`` True, timed until ``save`` returns (what the
-  training loop waits for: staging to CPU memory), then ``wait`` until rank 0's
-  commit is done (``to commit``).
+* ``async``: the same with ``use_async`` True: ``save`` returns once the staging copy to
+  CPU memory has started.
+* After either save, one optimizer step of ``TrainStep`` (``with step``: the save and
+  that step), whose ``before_update`` is the async checkpointer's: the step waits there
+  for the staging copy before its optimizer changes the state; then ``wait`` until rank
+  0's commit is done (``to commit``). ``blocked``: the time the loop waited in the
+  checkpointer's calls (``save``, and that step's wait for the copy). ``train step``:
+  the same step alone, the baseline a save's whole cost to the loop is measured
+  against.
 
 Loads, for every checkpoint source (one saved here per layout, once, plus
 ``--foreign`` ones another launch saved) into every layout of ``--load-into``: the source's page
@@ -296,6 +302,26 @@ def main() -> None:
         os.makedirs(raw_dir, exist_ok=True)
         chunk = memoryview(os.urandom(CHUNK_BYTES))
 
+        # One optimizer step of the trainer's own (TrainStep, as the loop calls it): the
+        # next step after a save, beside which an async save's staging copy runs and
+        # which waits for it before its optimizer step.
+        layout = layouts[options.layouts[0]]
+        first, count = rank_samples(0, args.global_batch, layout.dp_rank(rank), layout.dp_size)
+        batch = SyntheticTokens(args.vocab, args.seq_len, args.seed).batch(first, count)
+        run.step.before_update = background.before_update
+
+        def train_step() -> None:
+            timer = PhaseTimer(device)
+            timer.start()
+            run.step(*batch, timer)
+
+        def step_alone() -> tuple[dict[str, float], dict[str, float]]:
+            dist.barrier()
+            started = time.perf_counter()
+            train_step()
+            times = {"blocked": slowest(time.perf_counter() - started)}
+            return times, clock.take()
+
         def save(saver: Checkpointer) -> tuple[dict[str, float], dict[str, float]]:
             step = next(steps)
             saved = trainer_state(run, args, step)
@@ -309,10 +335,24 @@ def main() -> None:
                 args.global_batch,
             )
             blocked_s = time.perf_counter() - started
+            train_step()
+            with_step_s = time.perf_counter() - started
+            staging_wait_s = saver.take_update_wait_s()
             saver.wait()
             committed_s = time.perf_counter() - started
-            phases = clock.take() | {"own blocked": blocked_s, "own to commit": committed_s}
-            times = {"blocked": slowest(blocked_s), "to commit": slowest(committed_s)}
+            phases = clock.take() | {
+                "own blocked": blocked_s,
+                "own with step": with_step_s,
+                "own staging wait": staging_wait_s,
+                "own to commit": committed_s,
+            }
+            times = {
+                # What the loop waits in the checkpointer's calls: the save, and the next
+                # step's wait for its staging copy before the optimizer step.
+                "blocked": slowest(blocked_s + staging_wait_s),
+                "with step": slowest(with_step_s),
+                "to commit": slowest(committed_s),
+            }
             if rank == 0:
                 final = committed_steps(saver.checkpoint_dir)[step]
                 kind = "async" if saver.use_async else "sync"
@@ -344,6 +384,7 @@ def main() -> None:
         dist.broadcast_object_list(shared, src=0)
         owed = shared[0]
         arms += [
+            ("train step", step_alone),
             ("raw write", raw),
             ("sync save", lambda: save(sync)),
             ("async save", lambda: save(background)),

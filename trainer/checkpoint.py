@@ -24,8 +24,10 @@ layout: DCP reads whichever pieces of each tensor a rank now owns. Beside them, 
 trainer state: steps done, samples consumed, the LR scheduler, the RNG state and the
 data ledger.
 
-A save is staged (copied to CPU memory) while training waits, written in a background
-thread while training goes on, and committed by rank 0 on a thread of its own once the
+A save is staged (copied to CPU memory) on a thread of its own beside the next step's
+forward and backward (the step waits for the copy before its optimizer changes the
+state: ``Checkpointer.before_update``), written in a background thread while training
+goes on, and committed by rank 0 on a thread of its own once the
 write is complete: the manifest, fsyncs, atomic rename to ``step_<08d>``, report to
 the agent, then retention. One save is in flight at a time. Only the generation that
 owns the directory (``trainer.fence``) commits, removes or cleans up there.
@@ -75,6 +77,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +94,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from trainer import fence, manifest
 from trainer.checkpoint_dir import (
@@ -229,7 +233,8 @@ class _Pending:
 class Checkpointer:
     """Saves checkpoints of one run and commits them, one save at a time.
 
-    ``save`` blocks while the state is staged; ``poll`` (each step, non-blocking) and
+    ``save`` starts the staging copy and returns; ``before_update`` (before the next
+    optimizer step) waits for the copy to end; ``poll`` (each step, non-blocking) and
     ``wait`` (before the next save and at exit, blocking) see to a save whose write
     finished: rank 0 then commits it (manifest, fsyncs, rename, report, retention) on a
     thread of its own, so neither it nor its peers wait for the commit. With
@@ -291,24 +296,29 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo")
         # One stager for the run: it keeps the CPU copy it staged into and reuses it on
         # the next save (pinned on a GPU, for fast copies), where a stager per save
-        # would allocate and fault in the whole state again each time.
+        # would allocate and fault in the whole state again each time. It copies on a
+        # thread of its own, beside the next step's forward and backward; the step
+        # waits for the copy before its optimizer changes the state (``before_update``).
         self._stager = (
             DefaultStager(
                 StagingOptions(
                     use_pinned_memory=torch.cuda.is_available(),
                     use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=torch.cuda.is_available(),
                 )
             )
             if use_async
             else None
         )
+        self._staging: Future | None = None  # the copy in flight, until it is waited for
+        self._update_wait_s = 0.0
 
     def save(self, step: int, samples: int, state: dict, ledger: Ledger, global_batch: int) -> None:
         """Starts the checkpoint of step ``step`` (``samples``: global data position
         after it) from ``state`` (see ``state_dict``); rank 0 writes the ledger into the
-        staging directory first. Returns once the state is staged (``use_async``) or
+        staging directory first. Returns once the state's staging copy has started
+        (``use_async``: ``before_update`` waits for it to end) or once it is
         committed. Collective."""
         started = time.perf_counter()
         self.wait()
@@ -326,9 +336,13 @@ class Checkpointer:
             return
         writer = SummingWriter(staging)
         if self.use_async:
-            future = dcp.async_save(
+            response = dcp.async_save(
                 state, storage_writer=writer, process_group=self._group, async_stager=self._stager
             )
+            if isinstance(response, AsyncSaveResponse):
+                self._staging, future = response.staging_completion, response.upload_completion
+            else:
+                future = response
             pending = _Pending(step, samples, staging, future, started, writer)
             if self._rank == 0:
                 # Committed as soon as it is written, by the committer thread: not when
@@ -383,15 +397,41 @@ class Checkpointer:
             done.result()
 
     def take_blocked_s(self) -> float:
-        """Seconds ``save`` blocked its caller (staging, a synchronous write and
-        commit, the wait for the previous save) since the last call."""
+        """Seconds ``save`` and ``before_update`` blocked their caller (a synchronous
+        write and commit, the wait for the previous save, the wait for the staging
+        copy) since the last call."""
         blocked_s, self._blocked_s = self._blocked_s, 0.0
         return blocked_s
+
+    def take_update_wait_s(self) -> float:
+        """Seconds of them ``before_update`` held up a step since the last call (the
+        step's own time, which peers compare, is without them)."""
+        waited_s, self._update_wait_s = self._update_wait_s, 0.0
+        return waited_s
+
+    def before_update(self) -> None:
+        """Returns once the staging copy of the save in flight has ended: called before
+        the optimizer changes the state it copies. A copy that failed fails the save,
+        which ``poll`` and ``wait`` see to."""
+        waited_s = self._staged()
+        self._update_wait_s += waited_s
+        self._blocked_s += waited_s
+
+    def _staged(self) -> float:
+        """Waits for the staging copy in flight to end, however it ends; the seconds
+        waited."""
+        staging, self._staging = self._staging, None
+        if staging is None or staging.done():
+            return 0.0
+        started = time.perf_counter()
+        futures_wait([staging])
+        return time.perf_counter() - started
 
     def wait(self) -> None:
         """Blocks until the save in flight is written and committed, and until the
         checkpoints removed so far are deleted (the process may end after this call
         without running its threads to completion)."""
+        self._staged()
         if self._pending is not None:
             self._written()
         if self._commit_future is not None:
@@ -410,7 +450,11 @@ class Checkpointer:
         deadline = time.monotonic() + timeout_s
         pending = [
             f
-            for f in (self._pending.future if self._pending else None, self._commit_future)
+            for f in (
+                self._staging,
+                self._pending.future if self._pending else None,
+                self._commit_future,
+            )
             if f is not None
         ]
         with self._deletions_lock:
@@ -425,7 +469,7 @@ class Checkpointer:
                     f"a checkpoint operation failed with the run: "
                     f"{type(error).__name__}: {str(error)[:200]}"
                 )
-        self._pending = self._commit_future = None
+        self._pending = self._commit_future = self._staging = None
         for pool in (self._committer, self._deleter):
             if pool is not None:
                 pool.shutdown(wait=False)

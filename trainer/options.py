@@ -158,7 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--async-checkpoint",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write checkpoints in the background; training waits only while the state is copied",
+        help="write checkpoints in the background; the state is copied to host memory beside "
+        "the next step's forward and backward, which waits for the copy only before its "
+        "optimizer step",
     )
     ckpt.add_argument(
         "--keep-checkpoints",

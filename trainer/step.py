@@ -38,7 +38,8 @@ class TrainStep:
     ``clip_grad``: maximum global gradient norm, None for no clipping. After a step
     with clipping, ``grad_norm`` is the global gradient norm it measured before
     clipping. ``before_update``, if set, is called before the optimizer changes the
-    state (a memory snapshot still copying it waits there: ``MemoryTier``)."""
+    state (a memory snapshot or an async checkpoint's staging copy still copying it
+    waits there: ``MemoryTier``, ``Checkpointer``)."""
 
     def __init__(
         self,

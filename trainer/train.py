@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -390,8 +391,10 @@ def train(
         else None
     )
 
-    if memory is not None:
-        run.step.before_update = memory.before_update
+    # Before each optimizer step: the state it changes is no longer being copied.
+    waits = [part.before_update for part in (checkpointer, memory) if part is not None]
+    if waits:
+        run.step.before_update = waits[0] if len(waits) == 1 else _in_turn(*waits)
     if current is not None:
         current.checkpointer, current.memory = checkpointer, memory
     _loop(args, rt, device, run, data, state, checkpointer, restore_s, memory)
@@ -400,6 +403,16 @@ def train(
     if checkpointer:
         checkpointer.wait()
     return run
+
+
+def _in_turn(*calls: Callable[[], None]) -> Callable[[], None]:
+    """One call that makes ``calls``, in order."""
+
+    def each() -> None:
+        for call in calls:
+            call()
+
+    return each
 
 
 def _loop(
@@ -435,8 +448,11 @@ def _loop(
         # Measured before the exchange's all-gather, where every rank waits for the
         # slowest, this is the rank's own step time: what the straggler detector compares.
         busy_s = time.perf_counter() - started
+        # Checkpointing's waits, not the step's.
         if memory:
-            busy_s -= memory.take_update_wait_s()  # checkpointing's, not the step's
+            busy_s -= memory.take_update_wait_s()
+        if checkpointer:
+            busy_s -= checkpointer.take_update_wait_s()
         busy_s += rt.after_step(busy_s)
         shared = exchange_step(
             loss,

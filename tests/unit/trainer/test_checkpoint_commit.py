@@ -8,9 +8,12 @@ deletions."""
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from tests.unit.trainer.runtimes import one_rank as runtime
 from trainer import checkpoint_dir
@@ -125,3 +128,38 @@ def test_a_failed_deletion_fails_wait(tmp_path, monkeypatch, one_rank_group):
     saver.save(2, 32, model_state(2), Ledger(), 16)
     with pytest.raises(PermissionError, match="cannot delete"):
         saver.wait()
+
+
+def test_an_async_save_holds_the_state_as_it_was_though_the_next_step_changes_it(
+    tmp_path, monkeypatch, one_rank_group
+):
+    # The staging copy runs beside the next step; it is made slow here, so that an
+    # optimizer step that did not wait for it would change what it copies.
+    real_stage = DefaultStager._stage
+    started = threading.Event()
+
+    def slow_stage(self, state_dict, **kwargs):
+        started.set()
+        time.sleep(0.5)
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", slow_stage)
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(str(ckpt), runtime(), use_async=True, keep=0, restored_from=None)
+    state = model_state(5)
+    saver.save(5, 80, state, Ledger([[step, (step - 1) * 16, 16] for step in range(1, 6)]), 16)
+    assert started.wait(10)
+    assert saver.take_blocked_s() < 0.5  # save returned before the copy ended
+    saver.before_update()  # the optimizer step comes next
+    assert saver.take_update_wait_s() > 0
+    state["model"]["w"].add_(100.0)  # what the optimizer step does, in place
+    state["step"].fill_(99)
+    saver.wait()
+
+    loaded = {"model": {"w": torch.zeros(64), "b": torch.zeros(8)}, "step": torch.tensor(0)}
+    dcp.load(loaded, checkpoint_id=str(ckpt / "step_00000005"))
+    assert torch.equal(loaded["model"]["w"], torch.full((64,), 5.0))
+    assert int(loaded["step"]) == 5
+    # Nothing left to wait for: the next step's call returns at once.
+    saver.before_update()
+    assert saver.take_update_wait_s() == 0.0
