@@ -759,12 +759,12 @@ class Agent:
         copy = start.memory_copy
         try:
             self.memory.hold(start.job_id)
-            into = self.memory.root / start.job_id / peer.snapshot_name(copy.step)
-            if self.replicas.take(start.job_id, copy.node, copy.step, into):
+            step = self.replicas.take(
+                start.job_id, copy.node, copy.step, self.memory.root / start.job_id
+            )
+            if step is not None:
                 self.memory.give_tree(start.job_id)
-                log.info(
-                    "memory snapshot copy taken", job=start.job, of_node=copy.node, step=copy.step
-                )
+                log.info("memory snapshot copy taken", job=start.job, of_node=copy.node, step=step)
                 return
             log.warning(
                 "no copy of the memory snapshot here; the ranks restore from storage",
@@ -782,22 +782,22 @@ class Agent:
         began = time.monotonic()
         try:
             self.memory.hold(start.job_id)
-            into = self.memory.root / start.job_id / peer.snapshot_name(copy.step)
-            size = peer.fetch_snapshot(
+            step, size = peer.fetch_snapshot(
                 copy.address,
                 self.config.tls,
                 start.job_id,
                 copy.node,
                 copy.step,
-                into,
+                self.memory.root / start.job_id,
                 FETCH_TIMEOUT_S,
+                copy.holder,
             )
             self.memory.give_tree(start.job_id)
             log.info(
                 "memory snapshot copy fetched",
                 job=start.job,
                 of_node=copy.node,
-                step=copy.step,
+                step=step,
                 holder=copy.holder,
                 bytes=size,
                 seconds=round(time.monotonic() - began, 3),

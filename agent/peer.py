@@ -47,6 +47,7 @@ import structlog
 from agent.memory import held_bytes
 from common import rpc
 from common.call_bounds import KIB, MIB, RequestLimits
+from common.node_identity import peer_name
 from common.tls import TlsFiles
 from protos import keel_pb2, keel_pb2_grpc
 
@@ -415,22 +416,25 @@ class Replicas:
         log.info("replicas released", job_id=job_id, bytes=size, reason=why)
         return size
 
-    def take(self, job_id: str, node: str, step: int, into: Path) -> bool:
-        """Moves the copy of ``node``'s snapshot of ``step`` of job ``job_id`` to
-        ``into`` (a rename: ``into`` must be on the same file system and not exist);
-        False if that copy is not held. Raises OSError if the rename fails."""
+    def take(self, job_id: str, node: str, step: int, into: Path) -> int | None:
+        """Moves the copy held of ``node``'s snapshot of job ``job_id``, if it is of
+        ``step`` or later (a later one may have arrived since ``step``'s was reported),
+        into the directory ``into`` under its committed name (a rename: on the same file
+        system); its step, or None if no such copy is held. Raises OSError if the
+        rename fails."""
         parent = self._node_dir(job_id, node)
         with self._lock:
-            copy = _committed(parent).get(step)
-            if copy is None:
-                return False
-            os.rename(copy, into)
+            copies = _committed(parent)
+            newest = max(copies, default=0)
+            if newest < step or not copies:
+                return None
+            os.rename(copies[newest], into / snapshot_name(newest))
             left = sum(held_bytes(path) for path in _committed(parent).values())
             if left:
                 self._held[(job_id, node)] = left
             else:
                 self._held.pop((job_id, node), None)
-        return True
+        return newest
 
 
 class _Pace:
@@ -536,13 +540,14 @@ class PeerService(keel_pb2_grpc.AgentPeerServicer):
             held = self.replicas.held(job_id, node)
         except PeerRefusal as refusal:
             context.abort(refusal.code, refusal.message)
-        if held is None or held[0] != step:
+        if held is None or held[0] < step:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no copy of node {node}'s memory snapshot of step {step} of job {job_id} "
-                "is held here: "
+                f"no copy of node {node}'s memory snapshot of step {step} or later of job "
+                f"{job_id} is held here: "
                 + (f"the copy held is of step {held[0]}" if held else "none of that node's is"),
             )
+        step = held[0]
         try:
             chunks = snapshot_chunks(job_id, node, step, held[1])
         except FileNotFoundError:
@@ -572,6 +577,15 @@ def serve(
     return server, port
 
 
+def _channel(address: str, tls: TlsFiles | None, node: str) -> grpc.Channel:
+    """A channel to node ``node``'s agent at ``address``: with mutual TLS, its
+    certificate must name it (``peer_name``), whatever the address."""
+    options = rpc.CHANNEL_OPTIONS
+    if tls is not None and node:
+        options = [*options, ("grpc.ssl_target_name_override", peer_name(node))]
+    return rpc.channel(address, tls, options)
+
+
 def _peer_error(address: str, what: str, error: grpc.RpcError) -> PeerError:
     code = error.code()
     message = f"{what} {address}: {code.name}: {error.details()}"
@@ -586,12 +600,13 @@ def _put(
     chunks: Iterator[keel_pb2.SnapshotChunk],
     timeout_s: float,
     started: Callable[[grpc.Future], None],
+    peer: str = "",
 ) -> tuple[int, float]:
-    """Sends ``chunks`` to the agent at ``address`` (``PutSnapshot``), within
-    ``timeout_s``; ``started(call)`` is given the call, to cancel it. The bytes it
-    took and the seconds the send took; raises PeerError."""
+    """Sends ``chunks`` to the agent of node ``peer`` at ``address`` (``PutSnapshot``),
+    within ``timeout_s``; ``started(call)`` is given the call, to cancel it. The bytes
+    it took and the seconds the send took; raises PeerError."""
     start = time.monotonic()
-    with rpc.channel(address, tls) as channel:
+    with _channel(address, tls, peer) as channel:
         call = keel_pb2_grpc.AgentPeerStub(channel).PutSnapshot.future(chunks, timeout=timeout_s)
         started(call)
         try:
@@ -614,9 +629,11 @@ def send_snapshot(
     directory: Path,
     rate_bytes_per_s: float,
     timeout_s: float,
+    peer: str = "",
 ) -> tuple[int, float]:
     """Sends the snapshot in ``directory`` (``node``'s of ``step`` of job ``job_id``)
-    to the agent at ``address`` to hold, at most at ``rate_bytes_per_s`` (0: unbounded),
+    to the agent of node ``peer`` at ``address`` to hold (with mutual TLS its
+    certificate must name ``peer``), at most at ``rate_bytes_per_s`` (0: unbounded),
     within ``timeout_s``. The bytes the peer took and the seconds the send took; raises
     PeerError with the peer's message (PeerTimeout past the deadline), or if the
     snapshot cannot be read."""
@@ -624,7 +641,7 @@ def send_snapshot(
         chunks = snapshot_chunks(job_id, node, step, directory, rate_bytes_per_s)
     except OSError as error:
         raise PeerError(f"the snapshot in {directory} cannot be read: {error}") from error
-    return _put(address, tls, chunks, timeout_s, lambda call: None)
+    return _put(address, tls, chunks, timeout_s, lambda call: None, peer)
 
 
 def fetch_snapshot(
@@ -635,20 +652,33 @@ def fetch_snapshot(
     step: int,
     into: Path,
     timeout_s: float,
-) -> int:
-    """Fetches the copy of ``node``'s snapshot of ``step`` of job ``job_id`` that the
-    agent at ``address`` holds into the directory ``into`` (which must not exist; its
-    parent must), whole or not at all, within ``timeout_s``; the bytes of the snapshot.
-    Raises PeerError (the peer's NOT_FOUND names the step it holds) and leaves nothing
+    holder: str = "",
+) -> tuple[int, int]:
+    """Fetches the copy of ``node``'s snapshot of job ``job_id`` that the agent of node
+    ``holder`` at ``address`` holds (with mutual TLS its certificate must name
+    ``holder``), of ``step`` or later (the newest it holds: a later one may have arrived
+    since ``step``'s was reported), into the directory ``into`` under its committed
+    name, whole or not at all, within ``timeout_s``; its step and bytes. Raises
+    PeerError (the peer's NOT_FOUND names the step it holds) and leaves nothing
     behind."""
     wanted = keel_pb2.SnapshotWanted(job_id=job_id, node=node, step=step)
     staging = None
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=into.parent))
-        with rpc.channel(address, tls) as channel:
+        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=into))
+        with _channel(address, tls, holder) as channel:
             stream = keel_pb2_grpc.AgentPeerStub(channel).GetSnapshot(wanted, timeout=timeout_s)
-            size = _write_chunks(stream, staging, job_id, node, step, lambda total: None)
-        os.rename(staging, into)
+            first = next(stream, None)
+            if first is None or first.step < step:
+                raise PeerRefusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"it sent step {first.step}, not {step} or later"
+                    if first
+                    else "it sent nothing",
+                )
+            got = first.step
+            chunks = itertools.chain([first], stream)
+            size = _write_chunks(chunks, staging, job_id, node, got, lambda total: None)
+        os.rename(staging, into / snapshot_name(got))
         staging = None
     except grpc.RpcError as error:
         raise _peer_error(address, "fetching a memory snapshot from", error) from error
@@ -659,7 +689,7 @@ def fetch_snapshot(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-    return size
+    return got, size
 
 
 @dataclass(frozen=True)
@@ -766,6 +796,7 @@ class Replicator:
                 chunks,
                 self.deadline_s(sum(size for _, _, size in opened)),
                 self._started,
+                offer.partner_node,
             )
         except PeerError as error:
             if not self._closed:

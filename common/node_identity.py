@@ -12,6 +12,11 @@ Two kinds of certificate bind a node, both signed by the cluster's CA:
 
 A certificate with neither binds no node: the shared agent certificate, accepted only
 behind the controller's ``--allow-shared-agent-certificate``.
+
+Agents also serve each other (``agent.peer``): an agent's certificate is good for a
+server too, under the DNS name ``NODE.agent.keel`` (``peer_name``; the shared one under
+``*.agent.keel``), and an agent calling its partner checks that name, not the address
+it dials: the partner it was told of answers, not another node that took its address.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ NODE_URI_PREFIX = "urn:keel:node:"
 
 def node_uri(node: str) -> str:
     return NODE_URI_PREFIX + node
+
+
+PEER_DOMAIN = "agent.keel"
+
+
+def peer_name(node: str) -> str:
+    """The DNS name node ``node``'s agent serves its peers under, in its certificate."""
+    return f"{node}.{PEER_DOMAIN}"
 
 
 def key_sha256(public_key) -> str:

@@ -100,15 +100,15 @@ def placed(
     else:
         (target,) = set(placement)
         (source,) = held.nodes
-        behind = held.step - held.replica_step
         fetched = "which it runs on" if target == held.replica_node else f"fetched to {target}"
+        # The partner may hold a later copy than the one reported: the newest it holds.
+        later = " or later" if held.replica_step < held.step else ""
         return Placed(
             keep=False,
             copy=(source, held.replica_step, held.replica_node),
             reason=(
-                f"{lost}: it restores the copy of step {held.replica_step} on "
+                f"{lost}: it restores the copy of step {held.replica_step}{later} on "
                 f"{held.replica_node} ({fetched})"
-                + (f", {behind} steps behind the snapshot" if behind else "")
             ),
         )
     return Placed(keep=False, reason=f"{lost}, and {why}: it restores from {durable}")

@@ -35,7 +35,13 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from common.keys import NODE_NAME, NODE_NAME_RULE
-from common.node_identity import AGENT_CERT_PREFIX, NODE_URI_PREFIX, SHARED_AGENT_NAME, node_uri
+from common.node_identity import (
+    AGENT_CERT_PREFIX,
+    NODE_URI_PREFIX,
+    SHARED_AGENT_NAME,
+    node_uri,
+    peer_name,
+)
 from orchestrator.security.etcd_roles import ROOT
 
 CA_DAYS = 3650
@@ -81,6 +87,9 @@ def _cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+# An agent's: a client of the controller and etcd, and a server to the other agents
+# (``agent.peer``), under ``common.node_identity.peer_name``.
+AGENT_USAGES = [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
 # What a party's (not the CA's) key may do: sign its handshakes, agree on keys.
 LEAF_KEY_USAGE = x509.KeyUsage(
     digital_signature=True,
@@ -221,7 +230,8 @@ class NodeSigner:
         self, node: str, request: x509.CertificateSigningRequest, lifetime_s: float, now=None
     ) -> x509.Certificate:
         """``node``'s certificate for the request's key: common name ``keel-agent``
-        (etcd's user of every agent), the node in a URI name, client use only. Nothing
+        (etcd's user of every agent), the node in a URI name, and for its peers'
+        calls a server's use under ``peer_name(node)`` (``agent.peer``). Nothing
         else of the request is taken. It expires after ``lifetime_s``, or with the CA."""
         now = now or datetime.datetime.now(datetime.UTC)
         until = min(now + datetime.timedelta(seconds=lifetime_s), self.cert.not_valid_after_utc)
@@ -238,9 +248,11 @@ class NodeSigner:
             .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(LEAF_KEY_USAGE, critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(AGENT_USAGES), critical=False)
             .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(node_uri(node))]),
+                x509.SubjectAlternativeName(
+                    [x509.UniformResourceIdentifier(node_uri(node)), x509.DNSName(peer_name(node))]
+                ),
                 critical=False,
             )
             .add_extension(
@@ -349,9 +361,15 @@ def init(
     if agents:
         for agent in agents:
             # The controller lets this certificate register node `agent` only.
-            party(f"agent-{agent}", AGENT_CERT_PREFIX + agent, [client], f"agent {agent}'s")
+            party(
+                f"agent-{agent}",
+                AGENT_CERT_PREFIX + agent,
+                AGENT_USAGES,
+                f"agent {agent}'s",
+                (peer_name(agent),),
+            )
     else:
-        party("agent", "keel-agent", [client], "every agent's")
+        party("agent", "keel-agent", AGENT_USAGES, "every agent's", (peer_name("*"),))
     party("operator", "keel-operator", [client], "operator")
     party("reader", "keel-reader", [client], "read-only")
     # etcd's root user (``keel etcd setup``); Keel's own calls never present it.
@@ -383,12 +401,23 @@ def add(directory: Path, agents: list[str], root: bool = False) -> list[Written]
     directory = Path(directory)
     agents = list(dict.fromkeys(agents))
     plan_files(tuple(agents))  # the names' check
-    parties = [(f"agent-{a}", AGENT_CERT_PREFIX + a, f"agent {a}'s") for a in agents]
+    parties = [
+        (f"agent-{a}", AGENT_CERT_PREFIX + a, f"agent {a}'s", AGENT_USAGES, (peer_name(a),))
+        for a in agents
+    ]
     if root:
-        parties.append(("root", ROOT, "etcd root's (keep it with the operator, off the nodes)"))
+        parties.append(
+            (
+                "root",
+                ROOT,
+                "etcd root's (keep it with the operator, off the nodes)",
+                [ExtendedKeyUsageOID.CLIENT_AUTH],
+                (),
+            )
+        )
     present = [
         f"{name}.{ext}"
-        for name, _, _ in parties
+        for name, *_ in parties
         for ext in ("pem", "key")
         if (directory / f"{name}.{ext}").exists()
     ]
@@ -400,8 +429,8 @@ def add(directory: Path, agents: list[str], root: bool = False) -> list[Written]
     until = (now + datetime.timedelta(days=LEAF_DAYS)).date().isoformat()
     ca = _Authority(now, directory) if parties else None
     written = []
-    for name, common_name, what in parties:
-        cert, key = ca.issue(common_name, [ExtendedKeyUsageOID.CLIENT_AUTH])
+    for name, common_name, what, usages, hosts in parties:
+        cert, key = ca.issue(common_name, usages, hosts)
         for path, data, mode, kind in (
             (
                 directory / f"{name}.pem",

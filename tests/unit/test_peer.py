@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -177,17 +178,22 @@ def test_a_held_copy_is_fetched_byte_identical_and_an_unheld_step_is_not_found(t
     restored.mkdir()
     with holding(tmp_path / "holder") as (_, address):
         send(address, snapshot, 5)
+        step, size = fetch_snapshot(address, None, JOB, NODE, 5, restored, TIMEOUT_S)
         into = restored / "mem_00000005"
-        size = fetch_snapshot(address, None, JOB, NODE, 5, into, TIMEOUT_S)
-        assert size == sum(FILES.values()) and contents(into) == contents(snapshot)
+        assert (step, size) == (5, sum(FILES.values()))
+        assert contents(into) == contents(snapshot)
+        # Asked for step 4 or later, it gets the newest held: a copy of a later step
+        # arrived after step 4's was reported.
+        shutil.rmtree(into)
+        assert fetch_snapshot(address, None, JOB, NODE, 4, restored, TIMEOUT_S)[0] == 5
 
         with pytest.raises(PeerError) as missing:
-            fetch_snapshot(address, None, JOB, NODE, 6, restored / "mem_00000006", TIMEOUT_S)
+            fetch_snapshot(address, None, JOB, NODE, 6, restored, TIMEOUT_S)
         assert missing.value.code is grpc.StatusCode.NOT_FOUND
-        assert "step 6" in missing.value.message
+        assert "step 6 or later" in missing.value.message
         assert "the copy held is of step 5" in missing.value.message
         with pytest.raises(PeerError, match="none of that node's is"):
-            fetch_snapshot(address, None, JOB, "node-z", 5, restored / "z", TIMEOUT_S)
+            fetch_snapshot(address, None, JOB, "node-z", 5, restored, TIMEOUT_S)
         # Nothing of the failed fetches is left: no directory, no staging.
         assert sorted(p.name for p in restored.iterdir()) == ["mem_00000005"]
 
@@ -199,8 +205,8 @@ def test_take_moves_the_copy_and_release_gives_back_its_bytes(tmp_path: Path):
         send(address, snapshot, 5, node="node-b")
         job_memory = tmp_path / "holder" / JOB
         job_memory.mkdir()
-        assert not replicas.take(JOB, NODE, 4, job_memory / "mem_00000004")
-        assert replicas.take(JOB, NODE, 5, job_memory / "mem_00000005")
+        assert replicas.take(JOB, NODE, 6, job_memory) is None  # not that far
+        assert replicas.take(JOB, NODE, 4, job_memory) == 5  # the newest held, a later one
         assert contents(job_memory / "mem_00000005") == contents(snapshot)
         assert replicas.held(JOB, NODE) is None
 
@@ -349,3 +355,71 @@ def test_close_cancels_a_send_in_flight(tmp_path: Path):
         wait_until(lambda: not any(node_dir.iterdir()))
     assert reported.calls == [] and replicator.sent_bytes == 0
     assert replicas.held(JOB, NODE) is None
+
+
+def _bootstrapped(tls_dir: Path, node: str, into: Path):
+    """Node ``node``'s certificate as the controller signs it for an agent that
+    bootstrapped (``NodeSigner``), written beside its key: its TlsFiles."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from common.node_identity import certificate_request
+    from common.tls import TlsFiles
+    from orchestrator.security.certs import NodeSigner
+
+    signer = NodeSigner(tls_dir / "ca.pem", tls_dir / "ca.key")
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = signer.sign(node, signer.check(node, certificate_request(node, key)), 3600.0)
+    (into / f"{node}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (into / f"{node}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return TlsFiles(tls_dir / "ca.pem", into / f"{node}.pem", into / f"{node}.key")
+
+
+def test_over_mutual_tls_a_copy_goes_to_the_partner_named_and_to_no_other(tmp_path: Path):
+    """Agents' certificates are servers' too, under their node's peer name: a copy goes
+    to the node the controller named, whichever certificate kind it has (written by
+    keel certs init, or signed for a bootstrapped agent), and a node answering at that
+    address under another name is refused before a byte is sent."""
+    from common.tls import TlsFiles
+    from orchestrator.security import certs
+
+    tls_dir = tmp_path / "tls"
+    certs.init(tls_dir, agents=("node-a", "node-b"))
+    sender = TlsFiles(
+        tls_dir / "ca.pem", tls_dir / "agent-node-a.pem", tls_dir / "agent-node-a.key"
+    )
+    issued = tmp_path / "issued"
+    issued.mkdir()
+    for holder, files in (
+        (
+            "node-b",
+            TlsFiles(
+                tls_dir / "ca.pem", tls_dir / "agent-node-b.pem", tls_dir / "agent-node-b.key"
+            ),
+        ),
+        ("node-c", _bootstrapped(tls_dir, "node-c", issued)),
+    ):
+        root = tmp_path / holder
+        replicas = Replicas(root, 0)
+        server, port = serve("127.0.0.1:0", files, replicas)
+        try:
+            directory = write_snapshot(tmp_path / f"from-{holder}" / "mem_00000003")
+            address = f"127.0.0.1:{port}"
+            sent = send_snapshot(address, sender, JOB, NODE, 3, directory, 0, TIMEOUT_S, holder)
+            assert sent[0] == sum(FILES.values())
+            assert replicas.held(JOB, NODE)[0] == 3
+            with pytest.raises(PeerError, match="UNAVAILABLE"):
+                send_snapshot(address, sender, JOB, NODE, 4, directory, 0, TIMEOUT_S, "node-x")
+            assert replicas.held(JOB, NODE)[0] == 3
+            fetched = tmp_path / f"fetched-{holder}" / "mem_00000003"
+            fetched.parent.mkdir()
+            fetch_snapshot(address, sender, JOB, NODE, 3, fetched.parent, TIMEOUT_S, holder)
+            assert contents(fetched) == contents(directory)
+        finally:
+            server.stop(0).wait()

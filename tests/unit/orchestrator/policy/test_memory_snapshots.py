@@ -76,8 +76,9 @@ def test_a_generation_on_the_snapshots_nodes_keeps_it():
 def test_a_generation_off_the_snapshots_node_restores_the_partners_copy():
     on_partner = placed(COPIED, {"b"}, {"b"}, 20)
     assert (on_partner.keep, on_partner.copy) == (False, ("a", 39, "b"))
-    assert "restores the copy of step 39 on b (which it runs on)" in on_partner.reason
-    assert "1 steps behind the snapshot" in on_partner.reason
+    assert "restores the copy of step 39 or later on b (which it runs on)" in on_partner.reason
+    caught_up = placed(replace(COPIED, replica_step=40), {"b"}, {"b"}, 20)
+    assert "restores the copy of step 40 on b" in caught_up.reason
     fetched = placed(COPIED, {"c"}, {"b", "c"}, 20)
     assert fetched.copy == ("a", 39, "b") and "fetched to c" in fetched.reason
 

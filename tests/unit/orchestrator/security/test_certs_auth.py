@@ -160,7 +160,8 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
     assert san.get_values_for_type(x509.DNSName) == ["localhost", "ctl.example.com"]
     usages = {
         "controller": {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH},
-        "agent": {ExtendedKeyUsageOID.CLIENT_AUTH},
+        # A server too, to the other agents (agent.peer), under *.agent.keel.
+        "agent": {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH},
         "operator": {ExtendedKeyUsageOID.CLIENT_AUTH},
         "reader": {ExtendedKeyUsageOID.CLIENT_AUTH},
         "root": {ExtendedKeyUsageOID.CLIENT_AUTH},
@@ -170,6 +171,9 @@ def test_certs_init_writes_a_ca_every_partys_cert_and_key_and_three_tokens(tmp_p
         cert.verify_directly_issued_by(ca)
         assert set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == expected
         assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    shared = load(directory / "agent.pem").extensions
+    names = shared.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["*.agent.keel"]
     tokens = {
         (directory / f"{r}.token").read_text().strip() for r in ("join", "operator", "reader")
     }
@@ -185,6 +189,9 @@ def test_certs_init_per_agent_and_never_overwrites(tmp_path):
         load(tmp_path / "a" / "agent-node-1.pem").subject.rfc4514_string()
         == "CN=keel-agent-node-1,O=Keel"
     )
+    names = load(tmp_path / "a" / "agent-node-1.pem").extensions
+    names = names.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["node-1.agent.keel"]
 
     before = (tmp_path / "a" / "ca.pem").read_bytes()
     with pytest.raises(FileExistsError, match="never overwrites"):
