@@ -126,7 +126,7 @@ def ranks(options: argparse.Namespace) -> None:
                 # The node is gone, its memory with it; its replacement fetches the copy.
                 if dist.get_rank() == 0:
                     os.rename(snapshot, f"{snapshot}.aside")
-                    peer.fetch_snapshot(partner, None, JOB, NODE, 2, snapshot, 900)
+                    peer.fetch_snapshot(partner, None, JOB, NODE, 2, snapshot.parent, 900)
                 dist.barrier()
                 fetch_s = time.perf_counter() - started
             chosen = restore.choose(durable_dir, rt, memory=source != "storage")
