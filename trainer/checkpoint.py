@@ -169,20 +169,12 @@ def state_dict(
     return {"model": model_state, "optim": optimizer_state, "trainer": trainer.to_state_dict()}
 
 
-def load(
-    path: str,
-    parts: list[nn.Module],
-    optimizers: list[torch.optim.Optimizer],
-    template: TrainerState,
-    storage_reader: StorageReader | None = None,
-) -> TrainerState:
-    """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
-    resharding to the current layout, and returns its trainer state (``template``
-    gives its shape: the current scheduler's state dict and RNG state).
-    ``storage_reader``: how to read it, where not DCP's files (a memory snapshot:
-    ``memory_tier.SnapshotReader``, whose every file is on every node: each rank then
-    plans its reads alone, from the metadata and its own shards, without DCP's
-    planning round). Collective, but with a ``storage_reader``."""
+def load_target(
+    parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], template: TrainerState
+) -> tuple[dict, list[tuple[dict, dict]]]:
+    """The state a checkpoint is loaded into, over this rank's model ``parts`` and
+    their ``optimizers`` (``template``: the trainer state's shape), and each part's
+    model and optimizer state dicts in it."""
     per_part = [
         (
             get_model_state_dict(part, options=STATE_DICT_OPTIONS),
@@ -197,6 +189,24 @@ def load(
         },
         "trainer": template.to_state_dict(),
     }
+    return target, per_part
+
+
+def load(
+    path: str,
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    template: TrainerState,
+    storage_reader: StorageReader | None = None,
+) -> TrainerState:
+    """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
+    resharding to the current layout, and returns its trainer state (``template``
+    gives its shape: the current scheduler's state dict and RNG state).
+    ``storage_reader``: how to read it, where not DCP's files (a memory snapshot:
+    ``memory_tier.SnapshotReader``, whose every file the rank reads is on its node:
+    each rank then plans its reads alone, from its node's metadata, without DCP's
+    planning round). Collective, but with a ``storage_reader``."""
+    target, per_part = load_target(parts, optimizers, template)
     dcp.load(
         target,
         checkpoint_id=path,

@@ -7,37 +7,43 @@ Where: ``KEEL_MEMORY_DIR``, the job's directory in memory its node's agent holds
 tmpfs, ``/dev/shm`` by default: it survives the ranks, not the node; the agent creates
 it, bounds it and releases it when the job ends: ``agent.memory``). Layout::
 
-    mem_00000041/            committed: step 41, whole on this node
-        .metadata            DCP's metadata of the snapshot (every node holds a copy)
+    mem_00000041/            committed: step 41, this node's copy whole
+        .metadata            DCP's metadata of the snapshot, naming this node's copies
         __0.mem ...          each rank of the node: its tensor chunks' raw bytes
         __0.obj ...          and its other objects, pickled
-        snapshot.json        step, samples, job id, lineage, generation, world size
+        snapshot.json        step, samples, job id, lineage, generation, world size,
+                             the ranks whose files this node holds
     .mem_00000042.g3.tmp/    being written by generation 3; never loaded
 
 A snapshot holds what a durable checkpoint holds (``checkpoint.state_dict``: model and
 optimizer under their global names, the trainer state with the data ledger and the RNG
 state). What each rank writes is planned once per generation by DCP's own save planner
-(``_Plan``: the same items DCP would save, each chunk written once across the ranks)
-and reused by every snapshot after, so a snapshot is one copy of the rank's chunks into
-memory and two small all-reduces, not DCP's planning round, per-tensor serialization
-and object gathers every step; and it overlaps the next step's forward and backward
-(``MemoryTier``). It is committed all or nothing: every rank writes its files into its
-node's staging directory (the first rank of each node also the metadata and the info);
-once every rank has written, the first rank of each node renames the directory to its
-committed name. Double-buffered: the previous snapshot is removed only after every node
-has committed the new one, so a save torn by a kill leaves the previous one whole on
-every node, and a torn directory never has a committed name. Once every node has committed
-it, rank 0 reports it to its agent (``Runtime.report_memory_snapshot``), and the
-controller records it beside the durable checkpoint.
+(``_Plan``: the same items DCP would save, each chunk written once across the ranks, and
+on each node what its ranks hold that DCP saves on another node's rank: a chunk
+replicated across nodes) and reused by every snapshot after, so a snapshot is one copy
+of the rank's chunks into memory and two small all-reduces, not DCP's planning round,
+per-tensor serialization and object gathers every step; and it overlaps the next step's
+forward and backward (``MemoryTier``). It is committed all or nothing: every rank writes
+its files into its node's staging directory (the first rank of each node also the
+metadata and the info); once every rank has written, the first rank of each node renames
+the directory to its committed name. Double-buffered: the previous snapshot is removed
+only after every node has committed the new one, so a save torn by a kill leaves the
+previous one whole on every node, and a torn directory never has a committed name. Once
+every node has committed it, rank 0 reports it to its agent
+(``Runtime.report_memory_snapshot``), and the controller records it beside the durable
+checkpoint.
 
-Restore (``choose``): every rank lists the committed snapshots of its job whose every
-file its node holds in full (``whole``); the ranks agree on the newest one they all
+Restore (``choose``): every rank lists the committed snapshots of its job that its node
+holds whole and that hold every file the rank's restore reads (``files_read``: DCP's
+load planner's reads for the rank's state); the ranks agree on the newest one they all
 hold, and it is restored if it is newer than the durable checkpoint the restore would
 otherwise load. It loads through DCP's load planner as a durable one does, by a storage
 reader over the memory (``SnapshotReader``), so it reshards to any world size and
-layout. Where a node lacks some rank's shard files (each node holds
-only its own ranks'), the restore falls back to the durable checkpoint and rank 0 says
-so.
+layout whose reads its nodes hold: any, on one node; across nodes, the same layout on
+the same nodes (each node holds its own ranks' files), as after a rank's crash or a
+hang. Where a rank would read a file its node lacks (another layout, a rank on another
+node, a node lost), the restore falls back to the durable checkpoint and rank 0 says
+why.
 
 Bounded: snapshots are taken only if two of them (the one kept and the one being
 written) for every rank on the node fit ``KEEL_MEMORY_BUDGET_BYTES``; a save that fails
@@ -46,6 +52,7 @@ on the memory (a full tmpfs: ENOSPC) is skipped, logged, and tried again on sche
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -54,10 +61,12 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
@@ -65,7 +74,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -99,7 +108,9 @@ def staging_path(directory: str, step: int, generation: int) -> str:
 class SnapshotInfo:
     """What a snapshot is of: ``step`` and ``samples`` (the data position after it),
     the ``job_id`` and ``lineage`` (job ids, origin first) it continues, the
-    ``generation`` that wrote it and its ``world_size``."""
+    ``generation`` that wrote it and its ``world_size``; ``ranks``, the ranks whose
+    files this node's copy holds (empty in a snapshot written before copies said: every
+    rank's)."""
 
     step: int
     samples: int
@@ -107,6 +118,7 @@ class SnapshotInfo:
     lineage: tuple[str, ...]
     generation: int
     world_size: int
+    ranks: tuple[int, ...] = ()
 
     def write(self, directory: str) -> None:
         with open(os.path.join(directory, INFO_FILE), "w") as out:
@@ -125,6 +137,7 @@ class SnapshotInfo:
             lineage=tuple(str(job) for job in raw["lineage"]),
             generation=int(raw["generation"]),
             world_size=int(raw["world_size"]),
+            ranks=tuple(int(rank) for rank in raw.get("ranks", ())),
         )
 
 
@@ -159,9 +172,13 @@ def candidates(directory: str | None) -> dict[int, list[str]]:
     return {step: [path for _, path in sorted(paths)] for step, paths in found.items()}
 
 
-def whole(path: str) -> tuple[SnapshotInfo | None, str]:
-    """The snapshot at ``path`` and "" if this node holds all of it (its info, its
-    metadata and, in full, every file the metadata names), else None and why not."""
+def whole(
+    path: str, reads: Callable[[Metadata], set[str]] | None = None
+) -> tuple[SnapshotInfo | None, str]:
+    """The snapshot at ``path`` and "" if this node's copy is whole (its info, its
+    metadata and, in full, the files of every rank the info names) and holds every
+    file ``reads(metadata)`` names (the files a rank's restore reads: ``files_read``),
+    else None and why not."""
     try:
         info = SnapshotInfo.read(path)
         with open(os.path.join(path, METADATA_FILE), "rb") as source:
@@ -174,16 +191,39 @@ def whole(path: str) -> tuple[SnapshotInfo | None, str]:
                 continue
             end = stored.offset + stored.length
             needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), end)
-    except (OSError, ValueError, LookupError, TypeError, AttributeError, pickle.PickleError) as exc:
+        files = set(needed) | set(objects)
+        if info.ranks:
+            files = {name for name in files if _rank_of(name) in info.ranks}
+        read = reads(metadata) if reads is not None else set()
+    except (
+        OSError,
+        ValueError,
+        LookupError,
+        TypeError,
+        AttributeError,
+        RuntimeError,
+        pickle.PickleError,
+    ) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
-    for name in sorted(set(needed) | set(objects)):
+    elsewhere = sorted(read - files)
+    if elsewhere:
+        return None, (
+            f"{path}: this rank reads {elsewhere[0]}, which another node's copy holds (this "
+            f"node's holds ranks {list(info.ranks)}'s files: the layout or the placement "
+            "changed)"
+        )
+    for name in sorted(files):
         if not os.path.isfile(os.path.join(path, name)):
             return None, f"{path}: {name} is not on this node"
     for name, size in sorted(needed.items()):
+        if name not in files:
+            continue
         held = os.path.getsize(os.path.join(path, name))
         if held < size:
             return None, f"{path}: {name} holds {held} of its {size} bytes"
     for name, indexes in sorted(objects.items()):
+        if name not in files:
+            continue
         try:
             held_objects = _read_objects(os.path.join(path, name))
         except (OSError, ValueError, EOFError, pickle.PickleError) as exc:
@@ -192,6 +232,19 @@ def whole(path: str) -> tuple[SnapshotInfo | None, str]:
         if lacking:
             return None, f"{path}: {name} lacks {lacking[0]}"
     return info, ""
+
+
+def files_read(metadata: Metadata, state: dict) -> set[str]:
+    """The files of a snapshot (with ``metadata``, its node's) that loading it into
+    ``state`` (``checkpoint.load_target``: this rank's) reads, as DCP's load planner
+    plans the reads. Raises RuntimeError or KeyError if ``state`` has what the snapshot
+    lacks."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    return {
+        metadata.storage_data[item.storage_index].relative_path
+        for item in planner.create_local_plan().items
+    }
 
 
 def state_bytes(state: object) -> int:
@@ -226,6 +279,15 @@ def _tensor_file(rank: int) -> str:
     return f"__{rank}.mem"
 
 
+_RANK_FILE = re.compile(r"__(\d+)\.(?:mem|obj)")
+
+
+def _rank_of(name: str) -> int:
+    """The rank whose file ``name`` is (-1: none's)."""
+    match = _RANK_FILE.fullmatch(name)
+    return int(match.group(1)) if match else -1
+
+
 def _object_file(rank: int) -> str:
     return f"__{rank}.obj"
 
@@ -233,12 +295,26 @@ def _object_file(rank: int) -> str:
 class _Plan:
     """What each rank writes into a snapshot, planned once by DCP's planner for a
     state of a given shape and reused by every snapshot after: which items this rank
-    writes (each tensor chunk and object of the state once across all ranks, as DCP
-    saves them), where each lies in its rank's files, and the global metadata through
-    which DCP's load planner reads any rank's chunk into any layout
-    (``SnapshotReader``)."""
+    writes, where each lies in its rank's files, and the metadata of its node's copy,
+    through which DCP's load planner reads any chunk its node holds into any layout
+    (``SnapshotReader``).
 
-    def __init__(self, items: list[WriteItem], metadata: Metadata, signature: tuple) -> None:
+    Each chunk and object of the state is written once on every node that holds it:
+    first the items DCP's global plan gives the rank (each once across all ranks),
+    then the items of the rank's state that no rank of its node was given (a chunk
+    replicated across nodes, which DCP saves on one of them). So each node's copy holds
+    everything its ranks hold, and a restore in the same layout on the same nodes reads
+    its node's memory alone; each node's metadata names its own copy of such an item.
+    ``ranks``: the ranks of this rank's node (which write into its directory)."""
+
+    def __init__(
+        self,
+        items: list[WriteItem],
+        metadata: Metadata,
+        signature: tuple,
+        total_bytes: int,
+        ranks: tuple[int, ...],
+    ) -> None:
         self.items = items
         self.metadata_bytes = pickle.dumps(metadata)
         self.signature = signature
@@ -247,38 +323,60 @@ class _Plan:
             for item in items
             if item.type != WriteItemType.BYTE_IO
         )
-        # Every rank's, as the controller records the snapshot.
-        self.total_bytes = sum(
-            extent.length for extent in metadata.storage_data.values() if extent.dtype is not None
-        )
+        self.total_bytes = total_bytes  # the state's, once: the controller records it
+        self.ranks = ranks
 
     @classmethod
-    def make(cls, state: dict, group: dist.ProcessGroup) -> _Plan:
-        """Collective over ``group``: every rank's local plan to every rank, each of which
-        makes the same global plan from them."""
+    def make(cls, state: dict, group: dist.ProcessGroup, node: object) -> _Plan:
+        """Collective over ``group``: every rank's local plan and ``node`` (where it
+        writes: the same for the ranks of a node, and only for them) to every rank,
+        each of which makes the same global plan from them."""
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict=state, is_coordinator=False)
         local = planner.create_local_plan()
-        plans: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(plans, local, group=group)
-        final_plans, metadata = planner.create_global_plan(plans)
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (local, node), group=group)
+        nodes = [where for _, where in gathered]
+        final_plans, metadata = planner.create_global_plan([plan for plan, _ in gathered])
+        # The items each node writes: the global plan's of its ranks, then, on the first
+        # of its ranks that holds it, any other item of its ranks' state.
+        written: dict[object, set[MetadataIndex]] = {}
+        for rank, plan in enumerate(final_plans):
+            written.setdefault(nodes[rank], set()).update(item.index for item in plan.items)
+        extra: list[list[WriteItem]] = [[] for _ in final_plans]
+        for rank, (plan, _) in enumerate(gathered):
+            held = written[nodes[rank]]
+            for item in plan.items:
+                if item.index not in held:
+                    held.add(item.index)
+                    extra[rank].append(item)
         storage: dict[MetadataIndex, Extent] = {}
+        own: dict[MetadataIndex, Extent] = {}  # the extra items of this node's ranks
         for rank, plan in enumerate(final_plans):
             offset = 0
-            for item in plan.items:
+            for number, item in enumerate([*plan.items, *extra[rank]]):
+                into = storage if number < len(plan.items) else own
+                if nodes[rank] != node and into is own:
+                    continue
                 if item.type == WriteItemType.BYTE_IO:
-                    storage[item.index] = Extent(_object_file(rank), 0, 0)
+                    into[item.index] = Extent(_object_file(rank), 0, 0)
                     continue
                 chunk = item.tensor_data.chunk
                 dtype = item.tensor_data.properties.dtype
                 length = math.prod(chunk.sizes) * dtype.itemsize
-                storage[item.index] = Extent(
+                into[item.index] = Extent(
                     _tensor_file(rank), offset, length, dtype, tuple(chunk.sizes)
                 )
                 offset += length
-        metadata.storage_data = storage
+        total_bytes = sum(extent.length for extent in storage.values() if extent.dtype is not None)
+        metadata.storage_data = {**storage, **own}
         rank = dist.get_rank(group)
-        return cls(planner.finish_plan(final_plans[rank]).items, metadata, _signature(planner))
+        own_plan = final_plans[rank]
+        mine = dataclasses.replace(own_plan, items=[*own_plan.items, *extra[rank]])
+        ranks = tuple(other for other, where in enumerate(nodes) if where == node)
+        return cls(
+            planner.finish_plan(mine).items, metadata, _signature(planner), total_bytes, ranks
+        )
 
     def prepare(self, state: dict) -> _Copy | None:
         """What this rank writes of ``state``: its tensor chunks, as host buffers in
@@ -492,17 +590,21 @@ class Chosen:
     info: SnapshotInfo
 
 
-def choose(runtime: Runtime, durable_step: int) -> Chosen | None:
-    """The newest snapshot of the job that every rank's node holds whole, if it is newer
-    than ``durable_step`` (the durable checkpoint the restore would load; 0: none);
-    else None. Collective. Rank 0 logs a newer snapshot that it cannot use, and why."""
+def choose(
+    runtime: Runtime, durable_step: int, reads: Callable[[Metadata], set[str]] | None = None
+) -> Chosen | None:
+    """The newest snapshot of the job whose every rank's node holds its copy whole and
+    every file the rank reads (``reads``: ``files_read`` of the rank's state; None:
+    every file), if it is newer than ``durable_step`` (the durable checkpoint the
+    restore would load; 0: none); else None. Collective. Rank 0 logs a newer snapshot
+    that it cannot use, and why."""
     held: dict[int, Chosen] = {}
     problems: list[str] = []
     for step, paths in sorted(candidates(runtime.memory_dir).items(), reverse=True):
         if step <= durable_step:
             break
         for path in paths:
-            info, problem = usable(path, step, runtime)
+            info, problem = usable(path, step, runtime, reads)
             if info is not None:
                 held[step] = Chosen(path, info)
                 break
@@ -527,10 +629,15 @@ def choose(runtime: Runtime, durable_step: int) -> Chosen | None:
     return held[step]
 
 
-def usable(path: str, step: int, runtime: Runtime) -> tuple[SnapshotInfo | None, str]:
-    """``whole``, and of step ``step`` of this job by a generation before this one (or
-    this one, restarted); else None and why not."""
-    info, problem = whole(path)
+def usable(
+    path: str,
+    step: int,
+    runtime: Runtime,
+    reads: Callable[[Metadata], set[str]] | None = None,
+) -> tuple[SnapshotInfo | None, str]:
+    """``whole`` (with ``reads``), and of step ``step`` of this job by a generation
+    before this one (or this one, restarted); else None and why not."""
+    info, problem = whole(path, reads)
     if info is None:
         return None, problem
     if info.step != step:
@@ -553,22 +660,6 @@ def everywhere(runtime: Runtime) -> bool:
     if some and not every and dist.get_rank() == 0:
         runtime.log("memory tier off: not every rank's agent holds memory for the job")
     return every
-
-
-def on_one_node(runtime: Runtime) -> bool:
-    """Whether every rank of the job is on this node (its agent's), so that snapshots
-    can be restored: a node holds only its own ranks' shards, and snapshots are not
-    replicated between nodes. Rank 0 says when they are not taken for it."""
-    if runtime.local_world_size >= dist.get_world_size():
-        return True
-    if dist.get_rank() == 0:
-        runtime.log(
-            f"memory tier off: the job's {dist.get_world_size()} ranks are on more than one "
-            f"node ({runtime.local_world_size} on this one), and a node holds only its own "
-            "ranks' shards, which no restore can use (snapshots are not replicated between "
-            "nodes); durable checkpoints only"
-        )
-    return False
 
 
 def bounded_interval(
@@ -623,6 +714,8 @@ class MemoryTier:
         self.saved_step = 0
         self._rank = dist.get_rank()
         self._leader = runtime.local_rank == 0
+        # Where this rank writes: the ranks of a node share it, and no other rank does.
+        self._node = (runtime.node, socket.gethostname(), os.path.realpath(self.directory))
         self._fits: bool | None = None
         self._plan: _Plan | None = None
         self._blocked_s = 0.0
@@ -708,7 +801,7 @@ class MemoryTier:
             if not self._fits:
                 return
             if self._plan is None:
-                self._plan = _Plan.make(state, self._group)
+                self._plan = _Plan.make(state, self._group, self._node)
             copy = self._plan.prepare(state)
             steps = step - self._last_step if self._last_step is not None else 0
             period_s = started - self._last_at if self._last_step is not None else 0.0
@@ -842,6 +935,7 @@ class MemoryTier:
                     lineage=self.lineage,
                     generation=self.generation,
                     world_size=dist.get_world_size(),
+                    ranks=self._plan.ranks,
                 ).write(staging)
         except OSError as error:
             wrote = False

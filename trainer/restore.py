@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer import fence, memory_tier, verify
 from trainer.checkpoint_dir import committed_steps
@@ -135,19 +137,25 @@ def _listed(checkpoint_dir: str | None, runtime: Runtime) -> tuple[list[str], bo
     return tried, resumed, ""
 
 
-def choose(checkpoint_dir: str | None, runtime: Runtime, memory: bool = False) -> Restored | None:
+def choose(
+    checkpoint_dir: str | None,
+    runtime: Runtime,
+    memory: bool = False,
+    reads: Callable[[Metadata], set[str]] | None = None,
+) -> Restored | None:
     """The checkpoint every rank loads (None: a fresh start). Collective: rank 0 lists
     the candidates; with ``memory`` (the memory tier is on) the newest memory snapshot
-    every node holds whole is taken if it is newer than the first of them
-    (``memory_tier.choose``); else every rank verifies its share of each; rank 0
-    quarantines and reports. Raises NothingToRestore (or CheckpointUnreachable)."""
+    every rank's node holds, with every file the rank ``reads`` of it, is taken if it is
+    newer than the first of them (``memory_tier.choose``); else every rank verifies its
+    share of each; rank 0 quarantines and reports. Raises NothingToRestore (or
+    CheckpointUnreachable)."""
     listed: list = [[], False, ""]
     if dist.get_rank() == 0:
         listed = list(_listed(checkpoint_dir, runtime))
     dist.broadcast_object_list(listed, src=0)
     tried, resumed, unlisted = listed
     if memory:
-        snapshot = memory_tier.choose(runtime, _step_of(tried[0]) if tried else 0)
+        snapshot = memory_tier.choose(runtime, _step_of(tried[0]) if tried else 0, reads)
         if snapshot is not None:
             if dist.get_rank() == 0:
                 durable = f"the durable checkpoint {tried[0]}" if tried else "no durable checkpoint"

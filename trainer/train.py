@@ -45,6 +45,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -334,7 +335,9 @@ def train(
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
     memory_on = args.memory_checkpoint_every > 0 and memory_tier.everywhere(rt)
-    restored = restore_from.choose(args.checkpoint_dir, rt, memory=memory_on)
+    restored = restore_from.choose(
+        args.checkpoint_dir, rt, memory=memory_on, reads=_snapshot_reads(run, state)
+    )
     chain = lineage.descent(restored, rt)
     if rank == 0 and args.checkpoint_dir and restored and restored.lineage:
         # The fence names the lineage the restored checkpoint continues.
@@ -387,7 +390,7 @@ def train(
             overhead_max=args.memory_overhead_max,
             lineage=chain,
         )
-        if memory_on and memory_tier.on_one_node(rt)
+        if memory_on
         else None
     )
 
@@ -403,6 +406,19 @@ def train(
     if checkpointer:
         checkpointer.wait()
     return run
+
+
+def _snapshot_reads(run, state: TrainerState) -> Callable[[Metadata], set[str]]:
+    """The files of a memory snapshot (given its node's metadata) that restoring it into
+    ``run``'s parts reads on this rank (``memory_tier.files_read``)."""
+    target: list[dict] = []
+
+    def reads(metadata: Metadata) -> set[str]:
+        if not target:
+            target.append(checkpoint.load_target(run.parts, run.optimizers.optimizers, state)[0])
+        return memory_tier.files_read(metadata, target[0])
+
+    return reads
 
 
 def _in_turn(*calls: Callable[[], None]) -> Callable[[], None]:

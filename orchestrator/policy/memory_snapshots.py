@@ -70,12 +70,13 @@ def placed(
 ) -> Placed:
     """What a generation placed on ``placement`` does with ``held``, with ``alive`` the
     nodes whose agents are connected and ``durable_step`` the durable checkpoint it
-    would restore (0: none). A snapshot is in the memory of the nodes that wrote it;
-    with one of them left out, the generation can restore it only from a partner's
-    copy, and only on one node (a snapshot is restored on one node: the tier is off
-    for a job across nodes): brought there from the partner (or found there, if the
-    generation runs on the partner), if the copy is newer than the durable checkpoint.
-    Else the record goes and the reason says what the generation restores instead."""
+    would restore (0: none). A snapshot is in the memory of the nodes that wrote it,
+    each holding its own ranks' part; with one of them left out, the generation can
+    restore it only from a partner's copy, and only a snapshot of one node on one node
+    (copies of a job across nodes are not made): brought there from the partner (or
+    found there, if the generation runs on the partner), if the copy is newer than the
+    durable checkpoint. Else the record goes and the reason says what the generation
+    restores instead."""
     if held is None:
         return Placed(keep=False)
     gone = sorted(set(held.nodes) - set(placement))
@@ -87,7 +88,9 @@ def placed(
         "the new generation does not run on"
     )
     copy = f"its copy on {held.replica_node} (step {held.replica_step})"
-    if not held.replica_step:
+    if len(held.nodes) > 1:
+        why = "a snapshot of a job across nodes is not copied to partners"
+    elif not held.replica_step:
         why = "no copy of it was replicated"
     elif held.replica_step <= durable_step:
         why = f"{copy} is no newer than the durable checkpoint"

@@ -19,6 +19,7 @@ from trainer.memory_tier import (
     _Plan,
     bounded_interval,
     committed,
+    files_read,
     snapshot_path,
     staging_path,
     state_bytes,
@@ -55,6 +56,29 @@ def test_a_snapshot_is_whole_only_with_every_file_its_metadata_names_in_full(tmp
     (path / "__1.mem").write_bytes(b"\0" * 10)
     (path / "__0.mem").write_bytes(b"\0" * 100)
     assert whole(str(path))[1] == ""
+
+
+def test_a_node_copy_is_whole_with_its_own_ranks_files_and_usable_where_it_holds_the_reads(
+    tmp_path: Path,
+):
+    # Node 1 of a job across two nodes: its copy holds ranks 2 and 3's files; ranks 0
+    # and 1's are on node 0.
+    needed = {name: stored(f"__{rank}.mem", 0, 10) for rank, name in enumerate("abcd")}
+    path = snapshot(tmp_path, 7, {"__2.mem": 10, "__3.mem": 10}, needed)
+    info = SnapshotInfo(7, 112, "job", ("origin", "job"), 2, 4, ranks=(2, 3))
+    info.write(str(path))
+    assert whole(str(path)) == (info, "")
+    assert SnapshotInfo.read(str(path)).ranks == (2, 3)
+    # A rank restoring the same layout on the same node reads its own files.
+    assert whole(str(path), lambda metadata: {"__3.mem"}) == (info, "")
+    # One that would read another node's (a layout or a placement changed) cannot.
+    assert whole(str(path), lambda metadata: {"__1.mem", "__3.mem"}) == (
+        None,
+        f"{path}: this rank reads __1.mem, which another node's copy holds (this node's "
+        "holds ranks [2, 3]'s files: the layout or the placement changed)",
+    )
+    (path / "__3.mem").write_bytes(b"\0" * 9)  # the node's own copy, torn
+    assert whole(str(path)) == (None, f"{path}: __3.mem holds 9 of its 10 bytes")
 
 
 def test_a_snapshot_without_its_info_or_metadata_is_not_whole(tmp_path: Path):
@@ -120,7 +144,7 @@ def test_a_snapshot_is_read_back_through_dcp_as_it_was_written(tmp_path: Path, o
         "trainer": {"step": torch.tensor(7), "ledger": [[0, 16], [32, 48]], "lr": 0.25},
     }
     group = dist.new_group(backend="gloo")
-    plan = _Plan.make(state, group)
+    plan = _Plan.make(state, group, "node-0")
     path = tmp_path / "mem_00000007"
     path.mkdir()
     plan.prepare(state).write(str(path), 0)
@@ -128,6 +152,7 @@ def test_a_snapshot_is_read_back_through_dcp_as_it_was_written(tmp_path: Path, o
     SnapshotInfo(7, 112, "job", ("job",), 1, 1).write(str(path))
     assert whole(str(path))[1] == ""
     assert (path / "__0.mem").stat().st_size == plan.tensor_bytes == 48 + 12 + 3 + 8
+    assert plan.ranks == (0,) and plan.total_bytes == plan.tensor_bytes
 
     target = {
         "model": {
@@ -137,6 +162,15 @@ def test_a_snapshot_is_read_back_through_dcp_as_it_was_written(tmp_path: Path, o
         },
         "trainer": {"step": torch.tensor(0), "ledger": [], "lr": 0.0},
     }
+    # The restore of this state reads both of the rank's files; one of a state with a
+    # key the snapshot lacks cannot be planned at all.
+    metadata = pickle.loads(plan.metadata_bytes)
+    assert files_read(metadata, target) == {"__0.mem", "__0.obj"}
+    assert whole(str(path), lambda m: files_read(m, target))[1] == ""
+    extra = {**target, "model": {**target["model"], "bias": torch.zeros(2)}}
+    assert whole(str(path), lambda m: files_read(m, extra))[1].startswith(
+        f"{path}: unreadable (RuntimeError: Missing key in checkpoint state_dict: model.bias"
+    )
     dcp.load(target, storage_reader=SnapshotReader(str(path)))
     assert torch.equal(target["model"]["w"], state["model"]["w"])
     assert torch.equal(target["model"]["h"], state["model"]["h"])

@@ -96,6 +96,14 @@ def test_a_generation_off_the_snapshots_node_restores_the_partners_copy():
         ),
         (COPIED, {"c"}, {"b", "c"}, 39, "is no newer than the durable checkpoint"),
         (COPIED, {"c", "d"}, {"b", "c", "d"}, 20, "restored on one node only"),
+        (
+            replace(COPIED, nodes=("a", "e")),
+            {"a", "c"},
+            {"a", "b", "c"},
+            20,
+            "held by e, which the new generation does not run on, and a snapshot of a job "
+            "across nodes is not copied to partners: it restores from step 20",
+        ),
         (HELD, {"c"}, {"c"}, 0, "it restores from no durable checkpoint"),
     ],
 )
