@@ -272,7 +272,7 @@ def main() -> int:
         }
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            print(done.stderr[-6000:], file=sys.stderr)
+            print(done.stderr[-20000:], file=sys.stderr)
             return 1
         results = json.loads((workdir / "results.json").read_text())
     finally:

@@ -204,16 +204,30 @@ def test_a_killed_rank_restores_the_snapshot_its_agent_held_and_the_memory_goes_
     assert not Path(held["path"]).exists()
 
 
-def test_a_job_across_two_nodes_restores_each_nodes_memory_after_a_crash(no_leaks):
-    # Replicated across the nodes (dp_replicate=2): DCP saves each chunk once, on one
-    # node or the other, and each node's copy also holds the chunks its rank was not
-    # given, so that a restore reads its own node's memory alone.
-    common = [
-        *("--nodes", "2", "--slots-per-node", "1", "--steps", "12", "--checkpoint-every", "50"),
-        *("--layout", "dp_replicate=2"),
-    ]
-    clean = run_up(no_leaks / "clean", *common)
-    assert clean["_rc"] == 0, clean["_stderr"][-4000:]
+# A job across two nodes, replicated across them (dp_replicate=2): DCP saves each chunk
+# once, on one node or the other, and each node's copy also holds the chunks its rank was
+# not given, so that a restore reads its own node's memory alone.
+ACROSS = (
+    *("--nodes", "2", "--slots-per-node", "1", "--steps", "12"),
+    *("--layout", "dp_replicate=2"),
+)
+
+
+@pytest.fixture(scope="module")
+def across_fault_free(tmp_path_factory) -> dict:
+    """The run the two-node runs are held to: no fault, no memory tier."""
+    summary = run_up(
+        tmp_path_factory.mktemp("across-fault-free") / "run", *ACROSS, "--checkpoint-every", "50"
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    return summary
+
+
+def test_a_job_across_two_nodes_restores_each_nodes_memory_after_a_crash(
+    no_leaks, across_fault_free
+):
+    common = [*ACROSS, "--checkpoint-every", "50"]
+    clean = across_fault_free
     run = no_leaks / "run"
     summary = run_up(
         run, *common, "--memory-budget-gb", "1", "--inject", "kill:rank=1,step=7", *EVERY_STEP
@@ -242,6 +256,43 @@ def test_a_job_across_two_nodes_restores_each_nodes_memory_after_a_crash(no_leak
         assert held["event"] == "memory held for the job"
         assert released["event"] == "memory released" and released["bytes"] > 0
         assert not Path(held["path"]).exists()
+
+
+def test_a_node_of_a_job_across_nodes_lost_restores_the_durable_checkpoint_and_says_why(
+    no_leaks, across_fault_free
+):
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *ACROSS,
+        *("--spares", "1", "--checkpoint-every", "4", "--memory-budget-gb", "1"),
+        *("--inject", "lose_node:node=1,step=6"),
+        *EVERY_STEP,
+        # Synchronous: a durable checkpoint is committed before the next step begins.
+        "--no-async-checkpoint",
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    # node-1's part of the snapshot went with it, and no partner held a copy: node-0's
+    # part alone restores nothing, so the generation on node-0 and the spare reads
+    # storage, and the reason says why.
+    controller = (run / "logs" / "controller.log").read_text()
+    why = re.search(
+        r"held by node-1, which the new generation does not run on, and a snapshot of a job "
+        r"across nodes is not copied to partners: it restores from step (\d+)",
+        controller,
+    )
+    assert why, controller[-4000:]
+    durable = int(why.group(1))
+    second = (run / "nodes" / "node-0" / "keel-up" / "gen2" / "rank0.err").read_text()
+    assert f"step_{durable:08d} at step={durable}" in second, second[-3000:]
+    assert "restoring the memory snapshot" not in second
+    assert summary["data"] == {"expected": 192, "consumed": 192, "duplicates": 0, "missing": 0}
+    fault_free = across_fault_free["final_loss"]
+    assert abs(summary["final_loss"] - fault_free) <= 1e-5 * fault_free
+    # No copies of a job across nodes were sent.
+    for node in ("node-0", "node-1", "node-2"):
+        log = (run / "logs" / f"agent-{node}.log").read_text()
+        assert "memory snapshot copy received" not in log
 
 
 # A node lost with its memory: one node of two ranks, snapshotting every step, with spares

@@ -29,9 +29,9 @@ RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 # is checked in tests/unit/orchestrator/controller/test_metrics.py).
 NOT_ON_CPU = {"keel_job_mfu_ratio"}
 # Exported for a job whose memory snapshots the controller records, and by agents that
-# copy them to a partner: a job on a single node (a job across nodes takes none), not
-# this run's (checked in tests/unit/orchestrator/controller/test_metrics.py; the record
-# and the copies in tests/integration/test_memory_tier.py).
+# copy them to a partner (a job on a single node: one across nodes makes no copies); this
+# run has no memory tier (checked in tests/unit/orchestrator/controller/test_metrics.py;
+# the record and the copies in tests/integration/test_memory_tier.py).
 NOT_ACROSS_NODES = {
     "keel_memory_snapshot_last_step",
     "keel_memory_snapshot_age_seconds",
