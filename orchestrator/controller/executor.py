@@ -460,7 +460,8 @@ class Executor:
             planned_stop=decision.replacement,
             restarts_by_cause=counts,
         )
-        if cause is not None and decision.cause == "crash":
+        if cause is not None and decision.cause == "crash" and not cause.parked:
+            # (A parked rank says its generation failed under it: not its node's failure.)
             self._failed_on(job, cause.node, decision.reason)
         # A hang's culprit is named once every node's stacks are in: it is counted
         # against its node when the stop is done (``_restart``).

@@ -428,6 +428,8 @@ class AgentService:
             last_step=body.last_step,
             reported_at=time.time(),
             reaped_at=body.reaped_at,
+            parked=body.parked,
+            heard_at=time.monotonic(),
         )
         log.info(
             "rank exited",

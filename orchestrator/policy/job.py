@@ -14,6 +14,11 @@ from orchestrator.policy.lifecycle import JobState
 
 # What can end a generation (``Decision.cause``), as the restarts metric counts them.
 RESTART_CAUSES = ("crash", "hang", "straggler", "node_lost", "operator", "agent_restart")
+# A rank that left its generation alive says the generation failed under it (a peer
+# gone): when that is all the controller has heard, it waits this long for the peer's
+# own exit (a SIGKILLed rank is reaped a tick after its sockets close, or later on a
+# loaded node, while its peers may park at once) before it names the parked rank.
+PARKED_CAUSE_GRACE_S = 1.0
 
 
 class Action(str, enum.Enum):
@@ -41,6 +46,10 @@ class RankExit:
     last_step: int = 0
     reported_at: float = 0.0  # unix seconds, when the controller heard of it
     reaped_at: float = 0.0  # unix seconds, when its agent reaped the process
+    # It left its generation alive because the generation failed under it (a peer's
+    # failure by its own account, ``trainer.runtime.in_place``): kept for the next one.
+    parked: bool = False
+    heard_at: float = 0.0  # when the controller heard of it, on ``decide``'s clock
 
     @property
     def failed(self) -> bool:
@@ -117,9 +126,12 @@ class Decision:
 
 
 def root_cause(exits: tuple[RankExit, ...]) -> RankExit | None:
-    """The earliest failed exit: later ones are usually peers losing their connection."""
+    """The earliest failed exit: later ones are usually peers losing their connection.
+    A rank's own failure comes before any parked rank's (one that says the generation
+    failed under it), whenever each was dated: a parked rank is dated when it parked,
+    and the rank whose exit it saw may be reaped later than that."""
     failed = [e for e in exits if e.failed]
-    return min(failed, key=lambda e: (e.exited_at, e.rank)) if failed else None
+    return min(failed, key=lambda e: (e.parked, e.exited_at, e.rank)) if failed else None
 
 
 def decide(now: float, observed: Observed, spec: Spec) -> Decision:
@@ -179,6 +191,15 @@ def decide(now: float, observed: Observed, spec: Spec) -> Decision:
             return Decision(Action.STOP, observed.hang, collect_stacks=True, cause="hang")
         cause = root_cause(observed.exits)
         gone = observed.lost_nodes | observed.unreachable_nodes | observed.vanished_nodes
+        if cause is not None and cause.parked and not gone:
+            waited = now - cause.heard_at
+            if waited < PARKED_CAUSE_GRACE_S:
+                return Decision(
+                    Action.WAIT,
+                    f"rank {cause.rank} on node {cause.node} left the generation, which "
+                    f"failed under it; waiting {PARKED_CAUSE_GRACE_S - waited:.1f}s more "
+                    "for the rank that failed",
+                )
         if cause is not None:
             if gone and cause.node not in gone:
                 # Peers of a vanished node fail with connection errors at once, seconds

@@ -1,14 +1,25 @@
 """The controller's decisions, from observed states built by hand."""
 
-from orchestrator.policy.job import Action, Decision, Observed, RankExit, Spec, decide, root_cause
+from orchestrator.policy.job import (
+    PARKED_CAUSE_GRACE_S,
+    Action,
+    Decision,
+    Observed,
+    RankExit,
+    Spec,
+    decide,
+    root_cause,
+)
 from orchestrator.policy.lifecycle import JobState
 
 SPEC = Spec(world_size=4, max_restarts=2, rendezvous_timeout_s=30.0)
 NODES = frozenset({"a", "b"})
 
 
-def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb=""):
+def exit_(rank, code=0, sig=0, at=100.0, stopped=False, node="a", tb="", parked=False, heard=0.0):
     return RankExit(
+        parked=parked,
+        heard_at=heard,
         node=node,
         rank=rank,
         pid=1000 + rank,
@@ -82,6 +93,36 @@ def test_root_cause_is_the_earliest_failure_not_the_peers_that_followed():
     assert d.reason == (
         "rank 1 (pid 1001) on node a exited with code 1 after step 7: RuntimeError: injected crash"
     )
+
+
+def test_a_ranks_own_failure_is_the_root_cause_before_a_parked_peer_dated_earlier():
+    # The peer parked (dated when it parked) before the SIGKILLed rank was reaped (dated
+    # by the last poll that saw it running): the killed rank is still the cause.
+    exits = (
+        exit_(3, code=1, at=100.0, tb="RuntimeError: Connection closed by peer", parked=True),
+        exit_(2, code=-1, sig=9, at=100.3),
+    )
+    d = decide(102.0, running(exits=exits), SPEC)
+    assert d.action is Action.STOP and d.root_cause.rank == 2
+    assert d.reason == "rank 2 (pid 1002) on node a killed by signal 9 after step 7"
+
+
+def test_a_parked_rank_alone_waits_a_moment_for_the_rank_that_failed_then_is_named():
+    parked = exit_(3, code=1, tb="RuntimeError: Connection closed by peer", parked=True, heard=50.0)
+    waiting = decide(50.0 + PARKED_CAUSE_GRACE_S / 2, running(exits=(parked,)), SPEC)
+    assert waiting.action is Action.WAIT
+    assert "rank 3 on node a left the generation, which failed under it" in waiting.reason
+    d = decide(50.0 + PARKED_CAUSE_GRACE_S, running(exits=(parked,)), SPEC)
+    assert d.action is Action.STOP and d.root_cause.rank == 3
+    assert d.reason.endswith(
+        "exited with code 1 after step 7: RuntimeError: Connection closed by peer"
+    )
+
+
+def test_a_parked_rank_with_a_node_gone_names_the_node_at_once():
+    parked = exit_(3, code=1, tb="RuntimeError: Connection closed by peer", parked=True, heard=50.0)
+    d = decide(50.0, running(exits=(parked,), unreachable_nodes=frozenset({"b"})), SPEC)
+    assert d.action is Action.STOP and d.reason.startswith("node b unreachable; then rank 3")
 
 
 def test_signal_death_is_named():
