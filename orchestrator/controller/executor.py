@@ -355,16 +355,12 @@ class Executor:
 
     def _memory_of(self, job: JobRuntime, node: str, start: keel_pb2.StartGeneration) -> None:
         """``start``'s memory tier fields for ``node``: the partner its snapshots are
-        replicated to (chosen once a generation, ``policy.memory_snapshots.partner``),
-        and the copy it brings into its memory before its ranks start; neither for a
-        generation across nodes."""
+        replicated to (chosen once a generation, ``policy.memory_snapshots.partner``:
+        none across nodes), and the copy it brings into its memory before its ranks
+        start (``policy.memory_snapshots.placed``: only onto a generation's one node)."""
         session = self.state.sessions.get(node)
         if session is None or not session.hello.peer_address:
             return  # it holds no memory for jobs
-        if len(set(job.nodes)) > 1:
-            # Across nodes a snapshot is restored from the nodes that hold it, in the
-            # same layout: a copy of one node's restores nothing (policy.memory_snapshots).
-            return
         if node not in job.replica_partners:
             holding = {
                 name: s.hello.failure_domain

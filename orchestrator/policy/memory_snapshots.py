@@ -126,21 +126,18 @@ def partner(
     """The node that ``node``'s memory snapshots are replicated to ("" if none can be):
     one of ``candidates`` (node → its failure domain, "" where not said: the nodes
     whose agents hold memory and are connected) other than ``node``, preferring, in
-    order, one in another failure domain than ``node``'s when both say theirs, one
-    that does not run the generation (``placement``: a node that does would be lost
-    with the job's failure as often as not, and a spare is the likely replacement),
-    the fewest partnerships already (``load``: spread, so that no node holds every
-    job's copies), then the name."""
+    order, one in another failure domain than ``node``'s when both say theirs, the
+    fewest partnerships already (``load``: spread, so that no node holds every job's
+    copies), then the name. None for a generation whose ``placement`` spans nodes:
+    across nodes a snapshot is restored from the nodes that hold it, in the same
+    layout, and a copy of one node's part restores nothing (``placed``)."""
+    if len(set(placement)) > 1:
+        return ""
     own = candidates.get(node, "")
 
     def rank(other: str) -> tuple:
         domain = candidates[other]
-        return (
-            bool(own and domain and domain == own),
-            other in placement,
-            load.get(other, 0),
-            other,
-        )
+        return (bool(own and domain and domain == own), load.get(other, 0), other)
 
     others = [other for other in candidates if other != node]
     return min(others, key=rank) if others else ""

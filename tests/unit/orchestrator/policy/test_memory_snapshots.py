@@ -116,15 +116,22 @@ def test_a_snapshot_left_behind_with_no_usable_copy_goes_and_the_reason_says_why
     assert why in decided.reason
 
 
-def test_the_partner_is_outside_the_failure_domain_then_the_placement_then_least_loaded():
+def test_the_partner_is_outside_the_failure_domain_then_the_least_loaded():
     nodes = {"a": "r1", "b": "r1", "c": "r2", "d": "r2"}
     assert partner("a", nodes, {"a"}, {}) == "c"  # another rack first
-    assert partner("a", nodes, {"a", "c"}, {}) == "d"  # then a node off the job
     assert partner("a", nodes, {"a"}, {"c": 2}) == "d"  # then the fewest partnerships
-    assert partner("a", {"a": "", "b": "", "c": ""}, {"a", "b"}, {}) == "c"
+    assert partner("a", nodes, {"a"}, {"c": 1, "d": 1, "b": 0}) == "c"  # a rack before load
+    assert partner("a", {"a": "", "b": "", "c": ""}, {"a"}, {"b": 1}) == "c"
     assert partner("a", {"a": "r1", "b": ""}, {"a"}, {}) == "b"  # "" is not the same
     assert partner("a", {"a": "r1"}, {"a"}, {}) == ""
     assert partner("a", {}, {"a"}, {}) == ""
+
+
+def test_a_generation_across_nodes_gets_no_partner():
+    # Its copies would restore nothing: one node's part is not the others' layout.
+    nodes = {"a": "r1", "b": "r1", "c": "r2", "d": "r2"}
+    assert partner("a", nodes, {"a", "b"}, {}) == ""
+    assert partner("a", nodes, ["a", "a"], {}) == "c"  # two ranks, one node
 
 
 def test_only_rank_zeros_node_reports_a_memory_snapshot_within_the_jobs_steps():
