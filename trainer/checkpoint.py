@@ -198,6 +198,7 @@ def load(
     optimizers: list[torch.optim.Optimizer],
     template: TrainerState,
     storage_reader: StorageReader | None = None,
+    target: tuple[dict, list[tuple[dict, dict]]] | None = None,
 ) -> TrainerState:
     """Loads the checkpoint at ``path`` into ``parts`` and their ``optimizers``,
     resharding to the current layout, and returns its trainer state (``template``
@@ -205,10 +206,11 @@ def load(
     ``storage_reader``: how to read it, where not DCP's files (a memory snapshot:
     ``memory_tier.SnapshotReader``, whose every file the rank reads is on its node:
     each rank then plans its reads alone, from its node's metadata, without DCP's
-    planning round). Collective, but with a ``storage_reader``."""
-    target, per_part = load_target(parts, optimizers, template)
+    planning round). ``target``: ``load_target``'s, where the caller built it already
+    (for ``memory_tier.files_read``). Collective, but with a ``storage_reader``."""
+    state, per_part = target or load_target(parts, optimizers, template)
     dcp.load(
-        target,
+        state,
         checkpoint_id=path,
         storage_reader=storage_reader,
         no_dist=storage_reader is not None,
@@ -217,15 +219,15 @@ def load(
     # counts kept as numbers), so each part takes its keys back from the loaded dict.
     for (part, optimizer), (model_state, optimizer_state) in zip(zip(parts, optimizers), per_part):
         set_model_state_dict(
-            part, {key: target["model"][key] for key in model_state}, options=STATE_DICT_OPTIONS
+            part, {key: state["model"][key] for key in model_state}, options=STATE_DICT_OPTIONS
         )
         set_optimizer_state_dict(
             part,
             optimizer,
-            {key: target["optim"][key] for key in optimizer_state},
+            {key: state["optim"][key] for key in optimizer_state},
             options=STATE_DICT_OPTIONS,
         )
-    return TrainerState.from_state_dict(target["trainer"])
+    return TrainerState.from_state_dict(state["trainer"])
 
 
 @dataclass

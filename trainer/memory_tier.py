@@ -194,7 +194,6 @@ def whole(
         files = set(needed) | set(objects)
         if info.ranks:
             files = {name for name in files if _rank_of(name) in info.ranks}
-        read = reads(metadata) if reads is not None else set()
     except (
         OSError,
         ValueError,
@@ -205,6 +204,14 @@ def whole(
         pickle.PickleError,
     ) as exc:
         return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
+    try:
+        read = reads(metadata) if reads is not None else set()
+    except (RuntimeError, LookupError, ValueError) as exc:
+        # DCP's planner: the state restored has a key (or a shape) the snapshot lacks.
+        return None, (
+            f"{path}: does not hold this rank's state ({exc}): the model or its optimizer "
+            "is not the one snapshotted"
+        )
     elsewhere = sorted(read - files)
     if elsewhere:
         return None, (

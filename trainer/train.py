@@ -335,9 +335,8 @@ def train(
             rt.log(f"removed {name}, left by a rank that died while saving")
     restoring = time.perf_counter()
     memory_on = args.memory_checkpoint_every > 0 and memory_tier.everywhere(rt)
-    restored = restore_from.choose(
-        args.checkpoint_dir, rt, memory=memory_on, reads=_snapshot_reads(run, state)
-    )
+    target = _LoadTarget(run, state)
+    restored = restore_from.choose(args.checkpoint_dir, rt, memory=memory_on, reads=target.reads)
     chain = lineage.descent(restored, rt)
     if rank == 0 and args.checkpoint_dir and restored and restored.lineage:
         # The fence names the lineage the restored checkpoint continues.
@@ -351,7 +350,9 @@ def train(
     restore = restored.path if restored else None
     if restore:
         reader = memory_tier.SnapshotReader(restore) if restored.memory else None
-        state = checkpoint.load(restore, run.parts, run.optimizers.optimizers, state, reader)
+        state = checkpoint.load(
+            restore, run.parts, run.optimizers.optimizers, state, reader, target.built
+        )
         run.optimizers.load_scheduler_state(state.scheduler)
         torch.set_rng_state(state.rng_state)
         if rank == 0:
@@ -408,17 +409,22 @@ def train(
     return run
 
 
-def _snapshot_reads(run, state: TrainerState) -> Callable[[Metadata], set[str]]:
-    """The files of a memory snapshot (given its node's metadata) that restoring it into
-    ``run``'s parts reads on this rank (``memory_tier.files_read``)."""
-    target: list[dict] = []
+class _LoadTarget:
+    """The state a checkpoint is loaded into (``checkpoint.load_target``) over ``run``'s
+    parts, built at most once: for the files of a memory snapshot that restoring it
+    reads on this rank (``reads``, given its node's metadata: ``memory_tier.files_read``),
+    then filled by the load (``built``: None until ``reads`` built it)."""
 
-    def reads(metadata: Metadata) -> set[str]:
-        if not target:
-            target.append(checkpoint.load_target(run.parts, run.optimizers.optimizers, state)[0])
-        return memory_tier.files_read(metadata, target[0])
+    def __init__(self, run, state: TrainerState) -> None:
+        self.run, self.state = run, state
+        self.built: tuple[dict, list[tuple[dict, dict]]] | None = None
 
-    return reads
+    def reads(self, metadata: Metadata) -> set[str]:
+        if self.built is None:
+            self.built = checkpoint.load_target(
+                self.run.parts, self.run.optimizers.optimizers, self.state
+            )
+        return memory_tier.files_read(metadata, self.built[0])
 
 
 def _in_turn(*calls: Callable[[], None]) -> Callable[[], None]:

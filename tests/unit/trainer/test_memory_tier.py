@@ -169,7 +169,7 @@ def test_a_snapshot_is_read_back_through_dcp_as_it_was_written(tmp_path: Path, o
     assert whole(str(path), lambda m: files_read(m, target))[1] == ""
     extra = {**target, "model": {**target["model"], "bias": torch.zeros(2)}}
     assert whole(str(path), lambda m: files_read(m, extra))[1].startswith(
-        f"{path}: unreadable (RuntimeError: Missing key in checkpoint state_dict: model.bias"
+        f"{path}: does not hold this rank's state (Missing key in checkpoint state_dict: model.bias"
     )
     dcp.load(target, storage_reader=SnapshotReader(str(path)))
     assert torch.equal(target["model"]["w"], state["model"]["w"])
