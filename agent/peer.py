@@ -595,28 +595,24 @@ def _peer_error(address: str, what: str, error: grpc.RpcError) -> PeerError:
 
 
 def _put(
+    channel: grpc.Channel,
     address: str,
-    tls: TlsFiles | None,
     chunks: Iterator[keel_pb2.SnapshotChunk],
     timeout_s: float,
     started: Callable[[grpc.Future], None],
-    peer: str = "",
 ) -> tuple[int, float]:
-    """Sends ``chunks`` to the agent of node ``peer`` at ``address`` (``PutSnapshot``),
+    """Sends ``chunks`` over ``channel`` to the agent at ``address`` (``PutSnapshot``),
     within ``timeout_s``; ``started(call)`` is given the call, to cancel it. The bytes
     it took and the seconds the send took; raises PeerError."""
     start = time.monotonic()
-    with _channel(address, tls, peer) as channel:
-        call = keel_pb2_grpc.AgentPeerStub(channel).PutSnapshot.future(chunks, timeout=timeout_s)
-        started(call)
-        try:
-            reply = call.result()
-        except grpc.FutureCancelledError:
-            raise PeerError(
-                f"the send to {address} was cancelled", grpc.StatusCode.CANCELLED
-            ) from None
-        except grpc.RpcError as error:
-            raise _peer_error(address, "sending a memory snapshot to", error) from error
+    call = keel_pb2_grpc.AgentPeerStub(channel).PutSnapshot.future(chunks, timeout=timeout_s)
+    started(call)
+    try:
+        reply = call.result()
+    except grpc.FutureCancelledError:
+        raise PeerError(f"the send to {address} was cancelled", grpc.StatusCode.CANCELLED) from None
+    except grpc.RpcError as error:
+        raise _peer_error(address, "sending a memory snapshot to", error) from error
     return reply.bytes, time.monotonic() - start
 
 
@@ -641,7 +637,8 @@ def send_snapshot(
         chunks = snapshot_chunks(job_id, node, step, directory, rate_bytes_per_s)
     except OSError as error:
         raise PeerError(f"the snapshot in {directory} cannot be read: {error}") from error
-    return _put(address, tls, chunks, timeout_s, lambda call: None, peer)
+    with _channel(address, tls, peer) as channel:
+        return _put(channel, address, chunks, timeout_s, lambda call: None)
 
 
 def fetch_snapshot(
@@ -731,6 +728,10 @@ class Replicator:
         self._call: grpc.Future | None = None
         self._closed = False
         self._failing: set[str] = set()  # partners whose last send failed, warned of once
+        # The channel to the partner of the last send, kept while sends to it succeed:
+        # ((address, node), channel). One that failed goes (a fresh one reconnects at
+        # once, where a failed one may be backing off).
+        self._channel: tuple[tuple[str, str], grpc.Channel] | None = None
         self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
         self._thread.start()
 
@@ -754,6 +755,23 @@ class Replicator:
                 self._call.cancel()
             self._wake.notify()
         self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self._drop_channel()
+
+    def _channel_to(self, address: str, node: str) -> grpc.Channel:
+        """The channel to ``node``'s agent at ``address``: the one kept, if it is to
+        them; else a new one, kept instead."""
+        if self._channel is not None and self._channel[0] == (address, node):
+            return self._channel[1]
+        self._drop_channel()
+        channel = _channel(address, self.tls, node)
+        self._channel = ((address, node), channel)
+        return channel
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel[1].close()
+            self._channel = None
 
     def _run(self) -> None:
         while True:
@@ -791,14 +809,14 @@ class Replicator:
             return
         try:
             size, seconds = _put(
+                self._channel_to(offer.partner_address, offer.partner_node),
                 offer.partner_address,
-                self.tls,
                 chunks,
                 self.deadline_s(sum(size for _, _, size in opened)),
                 self._started,
-                offer.partner_node,
             )
         except PeerError as error:
+            self._drop_channel()
             if not self._closed:
                 self._failed(offer, error.message)
             return

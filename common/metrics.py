@@ -109,6 +109,13 @@ class RpcMetrics(grpc.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary:
+            # (Its one reply is returned as a unary call's: the stream is its argument.)
+            return grpc.stream_unary_rpc_method_handler(
+                _unary(handler.stream_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
 from agent.peer import (
@@ -97,6 +98,29 @@ def test_a_sent_snapshot_is_held_whole_and_a_newer_one_replaces_it(tmp_path: Pat
         # The older copy goes, and no staging directory is left.
         assert sorted(p.name for p in copy.parent.iterdir()) == ["mem_00000007"]
         assert contents(copy.parent / "mem_00000007") == contents(second)
+
+
+def test_copies_sent_and_fetched_are_counted_by_method_and_code(tmp_path: Path):
+    def handled(method: str, code: str) -> float:
+        labels = {"method": method, "code": code}
+        return REGISTRY.get_sample_value("keel_grpc_server_handled_total", labels) or 0.0
+
+    before = {
+        key: handled(*key)
+        for key in (("PutSnapshot", "OK"), ("PutSnapshot", "FAILED_PRECONDITION"))
+    }
+    fetched = handled("GetSnapshot", "OK")
+    snapshot = write_snapshot(tmp_path / "own" / "mem_00000005")
+    with holding(tmp_path / "holder") as (_, address):
+        send(address, snapshot, 5)
+        with pytest.raises(PeerError) as older:
+            send(address, snapshot, 4)
+        (tmp_path / "fetched").mkdir()
+        fetch_snapshot(address, None, JOB, NODE, 5, tmp_path / "fetched", TIMEOUT_S)
+    code = older.value.code.name
+    assert handled("PutSnapshot", "OK") == before[("PutSnapshot", "OK")] + 1
+    assert handled("PutSnapshot", code) == before.get(("PutSnapshot", code), 0.0) + 1
+    assert handled("GetSnapshot", "OK") == fetched + 1
 
 
 def test_a_stream_cut_before_its_last_message_leaves_no_copy(tmp_path: Path):
@@ -338,6 +362,39 @@ def test_a_failing_partner_is_warned_of_once_until_a_send_to_it_succeeds(tmp_pat
     ] == [10]
     assert [call[1] for call in reported.calls] == [10]
     assert replicas.held(JOB, NODE)[0] == 10
+
+
+def test_the_replicator_keeps_its_channel_while_sends_succeed_and_opens_another_after_one_fails(
+    tmp_path: Path,
+):
+    own = {
+        step: write_snapshot(tmp_path / "own" / f"mem_{step:08d}", {"__0.mem": 10})
+        for step in (1, 2, 3)
+    }
+    with holding(tmp_path / "holder") as (replicas, address):
+        reported = Replicated(step=1)
+        replicator = Replicator(NODE, None, 0, reported)
+        try:
+            replicator.offer(JOB, 1, own[1], "node-b", address)
+            assert reported.done.wait(TIMEOUT_S)
+            first = replicator._channel[1]  # white box: nothing else shows the channel
+            reported.step, reported.done = 2, threading.Event()
+            replicator.offer(JOB, 2, own[2], "node-b", address)
+            assert reported.done.wait(TIMEOUT_S)
+            assert replicator._channel[1] is first
+            # The partner refuses step 1 now (it holds step 2): the channel goes, and the
+            # next send opens another.
+            replicator.offer(JOB, 1, own[1], "node-b", address)
+            wait_until(lambda: replicator._channel is None)
+            reported.step, reported.done = 3, threading.Event()
+            replicator.offer(JOB, 3, own[3], "node-b", address)
+            assert reported.done.wait(TIMEOUT_S)
+            assert replicator._channel[1] is not first
+        finally:
+            replicator.close()
+        assert replicator._channel is None
+        assert [call[1] for call in reported.calls] == [1, 2, 3]
+        assert replicas.held(JOB, NODE)[0] == 3
 
 
 def test_close_cancels_a_send_in_flight(tmp_path: Path):
