@@ -660,4 +660,18 @@ class Checkpointer:
                 self._deleter = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="keel-checkpoint-delete"
                 )
-            self._deletions.append(self._deleter.submit(shutil.rmtree, doomed))
+            self._deletions.append(self._deleter.submit(delete_removed, doomed))
+
+
+def delete_removed(path: str) -> None:
+    """Deletes a checkpoint renamed to a ``.tmp`` name by ``Checkpointer._remove``.
+    Another process may delete it meanwhile (a newer generation's ``discard_staging``
+    removes every ``.tmp`` directory it finds, a superseded generation's among them):
+    what is already gone is deleted; any other error (a read-only or failing disk) is
+    raised, not hidden, since the space would never come back."""
+
+    def gone_already(function, name, exc_info) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(path, onerror=gone_already)

@@ -24,9 +24,18 @@ def test_a_rank_killed_before_a_peers_exception_is_dated_before_it(tmp_path):
     supervisor.ranks = [peer, killed]  # the peer looked at first
     try:
         assert supervisor.poll(time.monotonic()) == []
+        polled = time.time()
         killed.popen.kill()
         killed.popen.wait()
-        peer.error_file.write_text('{"message": {"message": "RuntimeError: peer gone"}}')
+        # A file's mtime comes from the kernel's coarse clock, up to a tick (1-10 ms)
+        # behind time.time(): written within a tick of the poll, the exception could
+        # be dated before it (CI saw it). A real peer's exception follows its peer's
+        # death by a collective's timeout at least; it is written until it is dated
+        # after the poll.
+        while True:
+            peer.error_file.write_text('{"message": {"message": "RuntimeError: peer gone"}}')
+            if peer.error_file.stat().st_mtime > polled:
+                break
         peer.popen.kill()
         peer.popen.wait()
         exited = supervisor.poll(time.monotonic())

@@ -11,9 +11,11 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import threading
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from protos import keel_pb2
 from tests.unit.trainer.runtimes import one_rank as runtime
 from trainer import checkpoint_dir, fence
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, delete_removed
 from trainer.ledger import Ledger
 from trainer.runtime import Runtime, fence_timeout_s, init
 from trainer.storage_faults import StorageFault, storage_fault
@@ -240,3 +242,31 @@ def test_a_problem_reaches_the_agent_with_the_node_it_suspects(agent):
         keel_pb2.CHECKPOINT_PROBLEM_KIND_FENCE_TIMEOUT,
         "node-old",
     )
+
+
+def test_a_removed_checkpoint_another_generation_deleted_first_is_deleted(tmp_path):
+    """A newer generation's cleanup removes every ``.tmp`` directory, a superseded
+    generation's renamed checkpoint among them, while that generation's background
+    delete walks it: CI saw its rmtree raise FileNotFoundError and end the run. Half
+    gone or all gone, it is deleted; a fault of another kind is still raised."""
+    doomed = tmp_path / ".step_00000017.g1.expired.tmp"
+    (doomed / "inner").mkdir(parents=True)
+    (doomed / "inner" / "shard").write_bytes(b"x")
+    calls = []
+    real_rmdir = os.rmdir
+
+    def raced(path, *args, **kwargs):  # the other deleter gets there in between
+        if not calls:
+            calls.append(path)
+            with mock.patch("os.rmdir", real_rmdir):
+                shutil.rmtree(doomed)
+        real_rmdir(path, *args, **kwargs)
+
+    with mock.patch("os.rmdir", raced):
+        delete_removed(str(doomed))
+    assert calls and not doomed.exists()
+    delete_removed(str(tmp_path / ".step_00000018.g1.expired.tmp"))  # all gone
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"")
+    with pytest.raises(NotADirectoryError):
+        delete_removed(str(not_a_directory / "x"))
