@@ -24,7 +24,7 @@ from orchestrator.policy.lifecycle import JobState
 def node_usable(state: ControllerState, node: str, now: float) -> bool:
     """``liveness.node_usable`` of ``node``: registered in etcd, and its agent's stream
     up (or down for less than the node-lost grace; or, just after a takeover, not back
-    yet)."""
+    yet); or, its record gone while its stream was up, for less than its lease TTL."""
     session = state.sessions.get(node)
     return liveness.node_usable(
         registered=node in state.registered,
@@ -36,6 +36,8 @@ def node_usable(state: ControllerState, node: str, now: float) -> bool:
             now - state.leader_since, now - state.agent_knocked_at, state.config.node_lost_grace_s
         ),
         since_leading_s=now - state.leader_since,
+        unregistered_for_s=now - state.unregistered_at.get(node, float("-inf")),
+        lease_ttl_s=session.hello.lease_ttl_s if session is not None else 0.0,
     )
 
 

@@ -10,6 +10,7 @@ import collections
 import itertools
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -206,6 +207,9 @@ class ControllerState:
         # server's loop before any lock (``publish_reporting``): read without the lock.
         self.reporting: dict[str, Reporting] = {}
         self.registered = {}  # node records, as etcd has them (a watch)
+        # monotonic: when a node's record went while its agent's stream was up (put
+        # again: forgotten), which ``liveness.node_usable`` gives a lease TTL from.
+        self.unregistered_at: dict[str, float] = {}
         # Agents whose stream is up; and nodes whose agent said something the reconcile
         # loop has to square with the plan (a new status, a Hello), or which it is
         # still squaring: per tick, the loop looks only at these.
@@ -348,6 +352,10 @@ class ControllerState:
             if record is not None:
                 found[keys.last_part(kv.key.decode())] = record
         with self.lock:
+            for node in set(self.registered) - set(found):
+                self._record_went(node)
+            for node in found:
+                self.unregistered_at.pop(node, None)
             self.unsettled.update(set(self.registered) ^ set(found))
             self.registered = found
 
@@ -360,10 +368,21 @@ class ControllerState:
                 if not isinstance(event, events.DeleteEvent):
                     record = self._node_record(event.key.decode(), event.value)
                 if record is None:
-                    self.registered.pop(node, None)
+                    if self.registered.pop(node, None) is not None:
+                        self._record_went(node)
                 else:
                     self.registered[node] = record
+                    self.unregistered_at.pop(node, None)
                 self.unsettled.add(node)
+
+    def _record_went(self, node: str) -> None:
+        """Note when ``node``'s record went if its agent's stream was up then (what
+        ``liveness.node_usable`` gives a lease TTL to register again)."""
+        session = self.sessions.get(node)
+        if session is not None and session.connected:
+            self.unregistered_at[node] = time.monotonic()
+        else:
+            self.unregistered_at.pop(node, None)
 
     def _node_record(self, key: str, raw: bytes) -> NodeRecord | None:
         """A node record from the watch; one that does not parse is set aside (the node

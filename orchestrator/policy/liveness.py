@@ -57,6 +57,8 @@ def node_usable(
     grace_s: float,
     still_taking_over: bool,
     since_leading_s: float,
+    unregistered_for_s: float = float("inf"),
+    lease_ttl_s: float = 0.0,
 ) -> bool:
     """A node counts while it is registered in etcd and its agent's stream is up, or
     down for less than the node-lost grace; a node whose agent has not connected to
@@ -68,10 +70,17 @@ def node_usable(
     that was stalled resumes, etcd-io/etcd#15247; the leader's lease goes too, so a
     takeover always follows), and an agent that learns of the new leader before its
     next refresh connects to it still unregistered; counted lost at once, every node of
-    every job was. Past that grace, a node that lost its record is lost at once,
-    connected or not: a stalled agent's lease lapsing is how it is found."""
+    every job was. Past that grace, a node whose record went while its agent's stream
+    was up (``unregistered_for_s`` ago; infinite for any other) counts for one lease TTL
+    of that agent (``lease_ttl_s``), and is lost after: alive, the agent has refreshed
+    its lease by then, found it gone, and connected again to register on a new one;
+    stalled, it has not, and that is how it is found, one TTL later than at the record's
+    going. Lost at once, every node of a job was when etcd revoked every lease one by
+    one: the leader saw the nodes' records go before its own key went, and stopped and
+    failed a healthy job in the milliseconds between (CI saw it). An agent that died
+    has no such TTL: its stream went down first, and its record's going loses it."""
     if not registered:
-        return since_leading_s < grace_s
+        return since_leading_s < grace_s or 0 <= unregistered_for_s < lease_ttl_s
     if not has_session:
         return still_taking_over
     return connected or down_for_s < grace_s

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 import etcd3
 import pytest
 
 from common.etcd import EtcdClient, EtcdCredentials, connect
 from orchestrator.controller.store import Store
-from tests.conftest import enable_etcd_auth, etcdctl, wait_for
+from protos import keel_pb2
+from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
 
 
 def _succeeds(call):
@@ -78,3 +82,75 @@ def test_a_controller_that_stepped_down_leads_again_while_its_key_is_still_there
     assert later > term
     assert store.campaign("ctl-a", "127.0.0.1:1", mine.id) is None
     assert store.leader().id == "ctl-b"
+
+
+SLEEPER = """\
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(3600)
+"""
+
+
+def test_a_running_jobs_nodes_whose_leases_etcd_revoked_register_again_and_it_runs_on(
+    cluster, etcd
+):
+    """etcd revokes the agents' leases while the controller keeps its own (etcd before
+    3.5.11 revokes every lease, one by one, when a stalled raft leader resumes: CI saw
+    the controller, between the nodes' leases and its own, count both nodes of a
+    running job lost and fail it). Their agents are alive, their streams up: each gets
+    its lease TTL to register again, and the job keeps its generation and processes."""
+    grace_s = 6.0  # a node with no record is lost at once only this long into a lead
+    cluster.controller(
+        launcher=("-m", "orchestrator.cli", "controller", "--node-lost-grace-s", str(grace_s))
+    )
+    leading_since = time.monotonic()
+    nodes = {"node-a", "node-b"}
+    for node in sorted(nodes):
+        cluster.agent(node, ttl="3", slots="1")
+    wait_for(lambda: nodes <= set(cluster.store.nodes()), 30, what="both agents registered")
+    script, pids = cluster.path / "sleeper.py", cluster.path / "pids"
+    script.write_text(SLEEPER)
+    pids.mkdir()
+    spec = cluster.path / "steady.toml"
+    spec.write_text(
+        f'name = "steady"\nworld_size = 2\nmax_restarts = 0\n'
+        f'command = ["{sys.executable}", "{script}", "{pids}"]\n'
+        f"[health]\npreflight_off = true\n"
+    )
+    submitted = keel(
+        "submit",
+        str(spec),
+        "--etcd-endpoints",
+        ",".join(etcd.endpoints),
+        "--token-file",
+        str(cluster.path / "token"),
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    wait_for(lambda: len(list(pids.iterdir())) == 2, 60, 0.2, what="both ranks running")
+    ranks = {p.name: int(p.read_text()) for p in pids.iterdir()}
+    wait_for(
+        lambda: time.monotonic() - leading_since > grace_s, 30, what="the lead's first grace over"
+    )
+    first = cluster.store.nodes()
+    for node in sorted(nodes):
+        cluster.store.client.revoke_lease(first[node].lease_id)
+
+    def registered_again() -> bool:
+        found = cluster.store.nodes()
+        return nodes <= set(found) and all(found[n].lease_id != first[n].lease_id for n in nodes)
+
+    wait_for(registered_again, 30, what="both nodes registered again on new leases")
+    for node in sorted(nodes):
+        log = (cluster.path / f"{node}.log").read_text()
+        assert "etcd lease lost; registering again" in log
+    # The controller put the new records (an agent registers through its Hello): a
+    # node it counted lost, it did while the record was gone, before now.
+    state = cluster.store.job_state("steady").value
+    assert (state.state, state.generation, state.restarts) == ("RUNNING", 1, 0), state
+    assert {p.name: int(p.read_text()) for p in pids.iterdir()} == ranks
+    lost = [
+        r.event.reason
+        for r in cluster.store.events("steady")
+        if r.event.kind == keel_pb2.EVENT_KIND_NODE_LOST
+    ]
+    assert not lost, lost

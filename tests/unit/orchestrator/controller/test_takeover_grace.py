@@ -2,6 +2,7 @@
 back to it, and stops waiting once agents stop arriving, or after TAKEOVER_GRACES."""
 
 from types import SimpleNamespace
+from unittest import mock
 
 from etcd3 import events
 
@@ -84,3 +85,47 @@ def test_a_late_delete_from_the_revoke_does_not_count_a_reconnected_node_lost():
     assert "n1" not in state.registered
     assert observe.node_usable(state, "n1", 1001.0)
     assert not observe.node_usable(state, "n1", 1000.0 + GRACE)
+
+
+def test_a_revoked_record_of_a_connected_agent_waits_a_lease_ttl_a_dead_agents_does_not():
+    """etcd revoked the leases one by one, the nodes' before the leader's (CI saw the
+    leader count both nodes of a running job lost, stop it and fail it, in the
+    milliseconds before its own key went): long into a lead, the record of an agent
+    whose stream is up gets the agent's lease TTL to come back. A dead agent's stream
+    went down before its lease lapsed: its record's going loses it at once."""
+    state = taken_over_at(0.0)
+    for node, pid in (("n1", 1), ("n2", 2)):
+        state.registered[node] = NodeRecord(host="h", slots=8, pid=pid, lease_id=pid)
+        state.attach(
+            AgentSession(
+                node=node,
+                host="h",
+                slots=8,
+                lease_id=pid,
+                pid=pid,
+                hello=keel_pb2.Hello(lease_ttl_s=5.0),
+                term=1,
+            )
+        )
+    state.sessions["n2"].connected, state.sessions["n2"].disconnected_at = False, 999.0
+
+    def gone(node):
+        kv = SimpleNamespace(key=f"/keel/nodes/{node}".encode(), value=b"")
+        return events.DeleteEvent(SimpleNamespace(kv=kv))
+
+    with mock.patch("orchestrator.controller.state.time.monotonic", return_value=1000.0):
+        state.nodes_changed([gone("n1"), gone("n2")])
+    assert observe.node_usable(state, "n1", 1004.9)
+    assert not observe.node_usable(state, "n1", 1005.0)
+    assert not observe.node_usable(state, "n2", 1000.0)
+    assert observe.newly_lost(
+        state, SimpleNamespace(nodes={"n1", "n2"}, lost_nodes=set()), 1001.0
+    ) == ["n2"]
+    # Registered again: the next time its record goes, its TTL counts from then.
+    state.nodes_changed([])
+    record = NodeRecord(host="h", slots=8, pid=1, lease_id=7)
+    put = events.PutEvent(
+        SimpleNamespace(kv=SimpleNamespace(key=b"/keel/nodes/n1", value=record.to_json().encode()))
+    )
+    state.nodes_changed([put])
+    assert "n1" in state.registered and "n1" not in state.unregistered_at

@@ -66,6 +66,32 @@ def test_a_node_counts_while_registered_and_its_stream_is_up_or_briefly_down(
 
 
 @pytest.mark.parametrize(
+    "connected, unregistered_for_s, lease_ttl_s, expected",
+    [
+        # Its record went while its stream was up (etcd revoked its lease; the leader's
+        # own may go next): a TTL to register again, whether its stream is still up or
+        # it is reconnecting to do so...
+        (True, 0.0, 5.0, True),
+        (True, 4.9, 5.0, True),
+        (False, 4.9, 5.0, True),
+        # ...and lost after it (stalled, it did not refresh its lease).
+        (True, 5.0, 5.0, False),
+        # No record went while its stream was up (its agent died first, or never
+        # registered): lost at once.
+        (True, float("inf"), 5.0, False),
+        (True, 0.0, 0.0, False),  # an agent that said no TTL
+    ],
+)
+def test_a_node_whose_record_went_while_its_stream_was_up_has_a_lease_ttl_to_register(
+    connected, unregistered_for_s, lease_ttl_s, expected
+):
+    usable = node_usable(
+        False, True, connected, 0.0, GRACE, False, 1e9, unregistered_for_s, lease_ttl_s
+    )
+    assert usable is expected
+
+
+@pytest.mark.parametrize(
     "lapsed, since_refresh_s, reason",
     [
         (False, 0.0, ""),
