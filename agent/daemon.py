@@ -90,6 +90,7 @@ class Agent:
             "resync": self._do_resync,
             "read_log": self._do_read_log,
             "release_replicas": self._do_release_replicas,
+            "replica_partner": self._do_replica_partner,
         }
         self.stopping = threading.Event()
         interface = net.interface_of(config.host)
@@ -140,6 +141,9 @@ class Agent:
         self.peer_address = ""
         self.partner: tuple[str, str] | None = None  # this generation's (node, address)
         self._offered: dict[tuple[str, int], tuple[str, int]] = {}  # → (job, generation)
+        # The newest snapshot every node of the running generation committed: what a
+        # new partner is given at once (``_do_replica_partner``).
+        self._newest_snapshot: keel_pb2.MemorySnapshotSaved | None = None
         self.supervisor = Supervisor(
             config.run_dir,
             node=config.node,
@@ -575,7 +579,13 @@ class Agent:
         message = keel_pb2.AgentMessage(memory_snapshot_saved=saved)
         self.link.send(message)
         self.reports.remember(message)
-        # And copied to the partner (the newest committed, as fast as the bound lets).
+        if self.started == (saved.job, saved.generation):
+            self._newest_snapshot = saved
+        self._replicate(saved)
+
+    def _replicate(self, saved: keel_pb2.MemorySnapshotSaved) -> None:
+        """Copy the snapshot ``saved`` reported to the partner (the newest committed,
+        as fast as the bound lets)."""
         if (
             self.replicator is not None
             and self.partner is not None
@@ -612,6 +622,24 @@ class Agent:
         )
         self.link.send(message)
         self.reports.remember(message)
+
+    def _do_replica_partner(self, partner: keel_pb2.ReplicaPartner) -> None:
+        """The running generation's partner was lost: its snapshots are copied to
+        this one from now on, the newest at once."""
+        if self.started != (partner.job, partner.generation) or not partner.address:
+            return  # a generation that is no longer ours
+        lost = self.partner[0] if self.partner else ""
+        self.partner = (partner.node, partner.address)
+        log.info(
+            "memory snapshots now copied to another partner",
+            job=partner.job,
+            generation=partner.generation,
+            lost=lost,
+            partner=partner.node,
+        )
+        newest = self._newest_snapshot
+        if newest is not None and (newest.job, newest.generation) == self.started:
+            self._replicate(newest)
 
     def _do_release_replicas(self, release: keel_pb2.ReleaseReplicas) -> None:
         """A job ended: the copies of its snapshots held here for other nodes go."""
@@ -740,6 +768,7 @@ class Agent:
         self.partner = (
             (start.replica_node, start.replica_address) if start.replica_address else None
         )
+        self._newest_snapshot = None
         copy = start.memory_copy if start.HasField("memory_copy") else None
         if copy is not None and self.memory.enabled and start.job_id:
             if copy.holder == self.config.node:

@@ -334,7 +334,7 @@ class CheckpointProblem(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[CheckpointProblemKind, str]] = ..., reason: _Optional[str] = ..., suspect_node: _Optional[str] = ...) -> None: ...
 
 class ControllerMessage(_message.Message):
-    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "release_replicas", "term", "epoch")
+    __slots__ = ("welcome", "prepare_rendezvous", "start_generation", "stop_generation", "checkpoint_now", "checkpoint_recorded", "etcd_unreachable", "resync", "read_log", "report_pace", "release_replicas", "replica_partner", "term", "epoch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PREPARE_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     START_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +346,7 @@ class ControllerMessage(_message.Message):
     READ_LOG_FIELD_NUMBER: _ClassVar[int]
     REPORT_PACE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PARTNER_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
@@ -359,9 +360,10 @@ class ControllerMessage(_message.Message):
     read_log: ReadLog
     report_pace: ReportPace
     release_replicas: ReleaseReplicas
+    replica_partner: ReplicaPartner
     term: int
     epoch: int
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., release_replicas: _Optional[_Union[ReleaseReplicas, _Mapping]] = ..., term: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., prepare_rendezvous: _Optional[_Union[PrepareRendezvous, _Mapping]] = ..., start_generation: _Optional[_Union[StartGeneration, _Mapping]] = ..., stop_generation: _Optional[_Union[StopGeneration, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., checkpoint_recorded: _Optional[_Union[CheckpointRecorded, _Mapping]] = ..., etcd_unreachable: _Optional[_Union[EtcdUnreachable, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., read_log: _Optional[_Union[ReadLog, _Mapping]] = ..., report_pace: _Optional[_Union[ReportPace, _Mapping]] = ..., release_replicas: _Optional[_Union[ReleaseReplicas, _Mapping]] = ..., replica_partner: _Optional[_Union[ReplicaPartner, _Mapping]] = ..., term: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
@@ -547,6 +549,18 @@ class ReleaseReplicas(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ReplicaPartner(_message.Message):
+    __slots__ = ("job", "generation", "node", "address")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    node: str
+    address: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., node: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrepareRendezvous(_message.Message):
     __slots__ = ("job", "generation")

@@ -58,7 +58,7 @@ class CheckpointRecords:
             return
         held = job.last_memory_snapshot
         if not memory_snapshots.supersedes(
-            held, record.generation, record.step, record.replica_step
+            held, record.generation, record.step, record.replica_step, record.replica_node
         ):
             job.unrecorded_memory_snapshot = None  # older than what etcd holds (a rebuild)
             return

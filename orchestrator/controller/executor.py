@@ -226,6 +226,7 @@ class Executor:
             job.last_memory_snapshot = job.unrecorded_memory_snapshot = None
         job.memory_copy = memory.copy
         job.replica_partners = {}
+        job.repartner_after = 0.0
         plan = dict(
             generation=next_generation(job.generation, self.store.epoch),
             placement=placement,
@@ -362,19 +363,8 @@ class Executor:
         if session is None or not session.hello.peer_address:
             return  # it holds no memory for jobs
         if node not in job.replica_partners:
-            holding = {
-                name: s.hello.failure_domain
-                for name, s in self.state.sessions.items()
-                if s.connected and s.hello.peer_address
-            }
-            load = Counter(
-                partner
-                for other in self.state.jobs.values()
-                if other.state in (JobState.STARTING, JobState.RUNNING)
-                for partner in other.replica_partners.values()
-            )
             job.replica_partners[node] = memory_snapshots.partner(
-                node, holding, set(job.nodes), load
+                node, self._memory_holders(), set(job.nodes), self._partner_load()
             )
         chosen = self.state.sessions.get(job.replica_partners[node])
         if chosen is not None:
@@ -389,6 +379,73 @@ class Executor:
                         node=source, step=step, holder=holder, address=held.hello.peer_address
                     )
                 )
+
+    def _memory_holders(self, now: float | None = None) -> dict[str, str]:
+        """The nodes whose agents hold memory for jobs and are connected (and, given
+        ``now``, still count: ``observe.node_usable``), with their failure domains."""
+        return {
+            name: s.hello.failure_domain
+            for name, s in self.state.sessions.items()
+            if s.connected
+            and s.hello.peer_address
+            and (now is None or observe.node_usable(self.state, name, now))
+        }
+
+    def _partner_load(self) -> Counter:
+        """How many partnerships each node holds, over the jobs starting or running."""
+        return Counter(
+            partner
+            for other in self.state.jobs.values()
+            if other.state in (JobState.STARTING, JobState.RUNNING)
+            for partner in other.replica_partners.values()
+        )
+
+    def repartner(self, job: JobRuntime, now: float) -> None:
+        """Give a running generation's node whose memory-snapshot partner is lost (it
+        no longer counts: ``observe.node_usable``) another one
+        (``policy.memory_snapshots.repartnered``), and tell its agent, which copies
+        its newest snapshot there at once. Costs a look at each partner a tick; the
+        cluster is walked only when one is lost, and, while none other can take it, at
+        most once a node-lost grace."""
+        if now < job.repartner_after:
+            return
+        for node, current in job.replica_partners.items():
+            if not current or observe.node_usable(self.state, current, now):
+                continue
+            chosen = memory_snapshots.repartnered(
+                node, current, self._memory_holders(now), set(job.nodes), self._partner_load()
+            )
+            session = self.state.sessions.get(chosen)
+            if session is None:
+                job.repartner_after = now + self.state.config.node_lost_grace_s
+                log.warning(
+                    "memory snapshot partner lost; no other node holds memory to copy to",
+                    job=job.name,
+                    generation=job.generation,
+                    node=node,
+                    lost=current,
+                )
+                continue
+            job.replica_partners[node] = chosen
+            self.state.send(
+                node,
+                keel_pb2.ControllerMessage(
+                    replica_partner=keel_pb2.ReplicaPartner(
+                        job=job.name,
+                        generation=job.generation,
+                        node=chosen,
+                        address=session.hello.peer_address,
+                    )
+                ),
+            )
+            log.info(
+                "memory snapshot partner lost; copying to another",
+                job=job.name,
+                generation=job.generation,
+                node=node,
+                lost=current,
+                partner=chosen,
+            )
 
     def _fixed(self, node: str, now: float) -> None:
         session = self.state.sessions.get(node)

@@ -159,6 +159,9 @@ class JobRuntime:
     # (``policy.memory_snapshots``). Not stored: a new leader chooses partners anew
     # for the starts it sends, and its generation restores from storage.
     replica_partners: dict[str, str] = field(default_factory=dict)
+    # monotonic: a lost partner found no other to replace it; looked for again from
+    # then (``Executor.repartner``).
+    repartner_after: float = 0.0
     memory_copy: tuple[str, int, str] | None = None
     # Checkpoints ranks would not or could not use (refused stale commits, failed
     # verifications, ...), for the reconcile loop to record: (the reporting node, its

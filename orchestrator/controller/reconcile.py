@@ -462,6 +462,7 @@ class Reconciler:
             )
             if job.intents.checkpoint_request is not None:
                 executor.pass_on_checkpoint_request(job)
+            executor.repartner(job, now)
         decision = decide(now, observe.observed(state, job, now), observe.spec(state, job))
         executor.apply(job, decision, now)
 

@@ -1,8 +1,9 @@
 """What the controller records of a job's memory snapshots (``trainer.memory_tier``):
-which report replaces the record, which partner node holds a node's copy, and what a
-new generation's placement does with the snapshot: keeps it, brings a partner's copy
-to its node, or leaves it behind. Pure: the controller passes the record it holds, the report or the
-placement, and stores or deletes what this decides."""
+which report replaces the record, which partner node holds a node's copy (and which
+one replaces a partner that is lost), and what a new generation's placement does with
+the snapshot: keeps it, brings a partner's copy to its node, or leaves it behind.
+Pure: the controller passes the record it holds, the report or the placement, and
+stores or deletes what this decides."""
 
 from __future__ import annotations
 
@@ -13,17 +14,33 @@ from common.records import MemorySnapshotRecord
 
 
 def supersedes(
-    held: MemorySnapshotRecord | None, generation: int, step: int, replica_step: int = 0
+    held: MemorySnapshotRecord | None,
+    generation: int,
+    step: int,
+    replica_step: int = 0,
+    replica_node: str = "",
 ) -> bool:
     """Whether a snapshot of ``step`` committed by ``generation`` (with its copy of
-    ``replica_step`` on a partner) replaces ``held``: a later generation's always (it
-    removed the older snapshots when it committed its first, even of an earlier step:
-    it restored from further back), the same generation's when it is of a later step,
-    or of the same step with a newer copy (an earlier one is a replay)."""
+    ``replica_step`` on partner ``replica_node``) replaces ``held``: a later
+    generation's always (it removed the older snapshots when it committed its first,
+    even of an earlier step: it restored from further back), the same generation's when
+    it is of a later step, or of the same step with a newer copy (an earlier one is a
+    replay), or the same copy on another partner (``with_replica``: the first partner
+    was lost)."""
     if held is None or generation > held.generation:
         return True
     return generation == held.generation and (
-        step > held.step or (step == held.step and replica_step > held.replica_step)
+        step > held.step
+        or (
+            step == held.step
+            and (
+                replica_step > held.replica_step
+                or (
+                    replica_step == held.replica_step > 0
+                    and replica_node not in ("", held.replica_node)
+                )
+            )
+        )
     )
 
 
@@ -33,10 +50,14 @@ def with_replica(
     """``held`` with its copy of ``step`` now whole on ``node`` (the partner that an
     agent of ``generation`` replicated it to), or None if the report changes nothing: a
     copy of another generation's, of a step the record has not reached (its snapshot
-    report comes first), or no newer than the copy recorded."""
+    report comes first), or older than the copy recorded. A copy of the step recorded
+    on another node is taken: the partner was lost, and a new one given the newest
+    snapshot (``repartnered``), which the lost one may have held already."""
     if held is None or generation != held.generation:
         return None
-    if step > held.step or step <= held.replica_step or node in held.nodes:
+    if step > held.step or step < held.replica_step or node in held.nodes:
+        return None
+    if step == held.replica_step and node == held.replica_node:
         return None
     return replace(held, replica_step=step, replica_node=node)
 
@@ -141,3 +162,22 @@ def partner(
 
     others = [other for other in candidates if other != node]
     return min(others, key=rank) if others else ""
+
+
+def repartnered(
+    node: str,
+    current: str,
+    candidates: Mapping[str, str],
+    placement: Collection[str],
+    load: Mapping[str, int],
+) -> str:
+    """The partner a running generation's ``node`` copies its snapshots to from now
+    on, where ``current`` (its partner so far) is no longer one of ``candidates`` (the
+    nodes that hold memory and count: ``partner``'s): another, chosen as at the start
+    (``partner``, ``current`` left out whatever ``candidates`` says); "" where the
+    current one still serves, or none other can. Without it, losing the partner lost
+    every later snapshot's copy: the node's loss then restored the durable checkpoint,
+    however many spares held memory."""
+    if current in candidates:
+        return ""
+    return partner(node, {n: d for n, d in candidates.items() if n != current}, placement, load)

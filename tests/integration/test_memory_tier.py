@@ -328,12 +328,12 @@ def left_behind(run: Path, holder: str) -> dict:
     return left
 
 
-def restored_from_memory(run: Path, node: str, generation: int) -> int:
-    """The step of the memory snapshot ``generation``'s rank 0 restored on ``node``."""
+def restored_from_memory(run: Path, node: str, generation: int, durable: str = "") -> int:
+    """The step of the memory snapshot ``generation``'s rank 0 restored on ``node``,
+    newer than the durable checkpoint ``durable`` (a directory's name; "": none)."""
     err = (run / "nodes" / node / "keel-up" / f"gen{generation}" / "rank0.err").read_text()
-    restored = re.search(
-        r"restoring the memory snapshot of step (\d+), newer than no durable checkpoint", err
-    )
+    than = f"the durable checkpoint \\S*{durable}" if durable else "no durable checkpoint"
+    restored = re.search(rf"restoring the memory snapshot of step (\d+), newer than {than}", err)
     assert restored, err[-3000:]
     return int(restored.group(1))
 
@@ -498,3 +498,51 @@ def test_a_stalled_partner_costs_the_job_nothing_and_its_copies_resume_after(no_
     assert (last["step"], last["nodes"], last["replica_node"]) == (149, ["node-0"], "node-1")
     assert again[0]["step"] <= last["replica_step"] <= 149
     assert summary["data"] == {"expected": 2400, "consumed": 2400, "duplicates": 0, "missing": 0}
+
+
+def test_a_lost_partner_is_replaced_and_a_node_lost_later_restores_the_new_partners_copy(
+    no_leaks,
+):
+    """node-0's partner, node-1, is lost early: the controller gives node-0 another
+    partner, node-2, which is sent the newest snapshot at once and every one after.
+    When node-0 is lost later, the generation on node-2 restores node-2's copy, not the
+    durable checkpoint of step 100 (without the new partner, the copies of every
+    snapshot after node-1's loss were lost: node-0's loss restored step 100)."""
+    steps = ("--slots-per-node", "2", "--steps", "150", "--memory-budget-gb", "1")
+    clean = run_up(
+        no_leaks / "clean", "--nodes", "1", *steps, "--checkpoint-every", "50", *EVERY_STEP
+    )
+    assert clean["_rc"] == 0, clean["_stderr"][-4000:]
+    run = no_leaks / "run"
+    summary = run_up(
+        run,
+        *("--nodes", "1", "--spares", "2", *steps, "--checkpoint-every", "50"),
+        *("--inject", "lose_node:node=1,step=5", "--inject", "lose_node:node=0,step=120"),
+        *EVERY_STEP,
+    )
+    assert summary["_rc"] == 0, summary["_stderr"][-4000:]
+    assert (summary["generations"], summary["restarts"]) == (2, 1)
+    (moved,) = [
+        r
+        for r in log_records(run / "logs" / "controller.log")
+        if r.get("event") == "memory snapshot partner lost; copying to another"
+    ]
+    assert (moved["node"], moved["lost"], moved["partner"]) == ("node-0", "node-1", "node-2")
+    assert moved["generation"] == 1
+    told = [
+        r
+        for r in log_records(run / "logs" / "agent-node-0.log")
+        if r.get("event") == "memory snapshots now copied to another partner"
+    ]
+    assert [(r["lost"], r["partner"]) for r in told] == [("node-1", "node-2")], told
+    recorded = left_behind(run, "node-2")
+    (taken,) = [
+        r
+        for r in log_records(run / "logs" / "agent-node-2.log")
+        if r.get("event") == "memory snapshot copy taken"
+    ]
+    copied = taken["step"]
+    assert 100 < recorded["copy"][1] <= copied <= recorded["step"], (recorded, taken)
+    assert restored_from_memory(run, "node-2", 2, durable="step_00000100") == copied
+    assert min(steps_logged(run, 2, "node-2")) == copied + 1
+    assert_exact(summary, clean, samples=2400)

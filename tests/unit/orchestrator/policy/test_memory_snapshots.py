@@ -11,6 +11,7 @@ from orchestrator.policy.memory_snapshots import (
     carried,
     partner,
     placed,
+    repartnered,
     supersedes,
     with_replica,
 )
@@ -53,6 +54,29 @@ def test_a_copy_is_kept_with_the_record_of_its_generation_up_to_the_snapshots_st
     assert carried(copied, newer).replica_step == 38
     assert carried(copied, replace(newer, generation=4)).replica_step == 0
     assert carried(None, newer) is newer
+
+
+def test_the_same_copy_on_a_new_partner_replaces_the_lost_partners_in_the_record():
+    """The partner holding the copy of step 38 was lost; the new one is given the
+    newest snapshot, which may be that same step: the record names the new partner,
+    else the copy seemed lost with the old one until a newer step's was whole."""
+    one = replace(HELD, nodes=("a",))
+    copied = with_replica(one, 3, 38, "b")
+    moved = with_replica(copied, 3, 38, "c")
+    assert (moved.replica_step, moved.replica_node) == (38, "c")
+    assert supersedes(copied, 3, 40, replica_step=38, replica_node="c")
+    assert with_replica(moved, 3, 38, "c") is None  # a replay
+    assert not supersedes(moved, 3, 40, replica_step=38, replica_node="c")
+    assert not supersedes(one, 3, 40, replica_step=0, replica_node="c")  # no copy at all
+
+
+def test_a_lost_partner_is_replaced_by_another_chosen_as_at_the_start():
+    nodes = {"a": "r1", "c": "r2", "d": "r2", "e": "r1"}
+    assert repartnered("a", "b", nodes, {"a"}, {}) == "c"  # b lost: another rack first
+    assert repartnered("a", "b", nodes, {"a"}, {"c": 1}) == "d"  # then the fewest
+    assert repartnered("a", "c", nodes, {"a"}, {}) == ""  # c still serves: kept
+    assert repartnered("a", "b", {"a": "r1"}, {"a"}, {}) == ""  # none other can
+    assert repartnered("a", "b", nodes, {"a", "c"}, {}) == ""  # across nodes: none
 
 
 COPIED = MemorySnapshotRecord(
