@@ -12,9 +12,15 @@ import pytest
 
 from common.etcd import connect
 from orchestrator.controller.store import Store
-from tests.conftest import wait_for
+from tests.conftest import keel, wait_for
 
 TOKEN = "s3cret-token"
+# A rank that does nothing for an hour once it said its pid (``Cluster.sleepers``).
+SLEEPER = """\
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(3600)
+"""
 # The reference trainer at its smallest (a model that trains in milliseconds a step on
 # gloo), for tests about what Keel does around it; add --steps, --checkpoint-every.
 TINY_TRAINER = (
@@ -128,7 +134,29 @@ def cluster(etcd, no_leaks):
         path = tmp
         controllers: list[subprocess.Popen] = []
 
+    def sleepers(name, world_size, spec_lines=""):
+        """Submit job ``name`` of ``world_size`` ranks that each write their pid to
+        ``PATH/pids/<rank>`` and sleep, and wait for them all to run; (that folder, its
+        rank → pid). ``spec_lines``: more of the spec's top-level lines."""
+        script, pids = tmp / "sleeper.py", tmp / "pids"
+        script.write_text(SLEEPER)
+        pids.mkdir()
+        spec = tmp / f"{name}.toml"
+        spec.write_text(
+            f'name = "{name}"\nworld_size = {world_size}\n{spec_lines}'
+            f'command = ["{sys.executable}", "{script}", "{pids}"]\n'
+            f"[health]\npreflight_off = true\n"
+        )
+        common = ["--etcd-endpoints", ",".join(etcd.endpoints), "--token-file", str(tmp / "token")]
+        submitted = keel("submit", str(spec), *common)
+        assert submitted.returncode == 0, submitted.stderr
+        wait_for(
+            lambda: len(list(pids.iterdir())) == world_size, 60, 0.2, what="every rank running"
+        )
+        return pids, {p.name: int(p.read_text()) for p in pids.iterdir()}
+
     Cluster.controller, Cluster.agent = staticmethod(controller), staticmethod(agent)
+    Cluster.sleepers = staticmethod(sleepers)
     yield Cluster
     for proc in reversed(started):
         stop(proc)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 
@@ -31,17 +30,11 @@ from common.etcd import connect
 from orchestrator.controller.store import Store
 from orchestrator.local.etcd_server import EmbeddedEtcd, memory_backed_dir
 from protos import keel_pb2
-from tests.conftest import etcdctl, keel, wait_for
+from tests.conftest import etcdctl, wait_for
 
 STALL_S = 120.0  # the issue's figure
 DROP_S = 60.0
 KILL_S = 20.0
-
-SLEEPER = """\
-import os, pathlib, sys, time
-pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
-time.sleep(3600)
-"""
 
 
 @pytest.fixture
@@ -111,20 +104,7 @@ def test_a_stalled_black_holed_or_killed_member_of_three_costs_no_lead_node_or_r
         cluster.agent(node, slots="1")
     nodes = {"node-a", "node-b"}
     wait_for(lambda: nodes <= set(cluster.store.nodes()), 30, what="both agents registered")
-    script, pids = cluster.path / "sleeper.py", cluster.path / "pids"
-    script.write_text(SLEEPER)
-    pids.mkdir()
-    spec = cluster.path / "steady.toml"
-    spec.write_text(
-        f'name = "steady"\nworld_size = 2\n'
-        f'command = ["{sys.executable}", "{script}", "{pids}"]\n'
-        f"[health]\npreflight_off = true\n"
-    )
-    common = ["--etcd-endpoints", ",".join(etcd.endpoints)]
-    submitted = keel("submit", str(spec), *common, "--token-file", str(cluster.path / "token"))
-    assert submitted.returncode == 0, submitted.stderr
-    wait_for(lambda: len(list(pids.iterdir())) == 2, 60, 0.2, what="both ranks running")
-    ranks = {p.name: int(p.read_text()) for p in pids.iterdir()}
+    pids, ranks = cluster.sleepers("steady", 2)
     leader_pid = cluster.controllers[0].pid
     assert cluster.store.controller_address() == leader_address
 

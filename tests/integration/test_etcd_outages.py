@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import etcd3
@@ -11,7 +10,7 @@ import pytest
 from common.etcd import EtcdClient, EtcdCredentials, connect
 from orchestrator.controller.store import Store
 from protos import keel_pb2
-from tests.conftest import enable_etcd_auth, etcdctl, keel, wait_for
+from tests.conftest import enable_etcd_auth, etcdctl, wait_for
 
 
 def _succeeds(call):
@@ -84,13 +83,6 @@ def test_a_controller_that_stepped_down_leads_again_while_its_key_is_still_there
     assert store.leader().id == "ctl-b"
 
 
-SLEEPER = """\
-import os, pathlib, sys, time
-pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
-time.sleep(3600)
-"""
-
-
 def test_a_running_jobs_nodes_whose_leases_etcd_revoked_register_again_and_it_runs_on(
     cluster, etcd
 ):
@@ -108,26 +100,7 @@ def test_a_running_jobs_nodes_whose_leases_etcd_revoked_register_again_and_it_ru
     for node in sorted(nodes):
         cluster.agent(node, ttl="3", slots="1")
     wait_for(lambda: nodes <= set(cluster.store.nodes()), 30, what="both agents registered")
-    script, pids = cluster.path / "sleeper.py", cluster.path / "pids"
-    script.write_text(SLEEPER)
-    pids.mkdir()
-    spec = cluster.path / "steady.toml"
-    spec.write_text(
-        f'name = "steady"\nworld_size = 2\nmax_restarts = 0\n'
-        f'command = ["{sys.executable}", "{script}", "{pids}"]\n'
-        f"[health]\npreflight_off = true\n"
-    )
-    submitted = keel(
-        "submit",
-        str(spec),
-        "--etcd-endpoints",
-        ",".join(etcd.endpoints),
-        "--token-file",
-        str(cluster.path / "token"),
-    )
-    assert submitted.returncode == 0, submitted.stderr
-    wait_for(lambda: len(list(pids.iterdir())) == 2, 60, 0.2, what="both ranks running")
-    ranks = {p.name: int(p.read_text()) for p in pids.iterdir()}
+    pids, ranks = cluster.sleepers("steady", 2, "max_restarts = 0\n")
     wait_for(
         lambda: time.monotonic() - leading_since > grace_s, 30, what="the lead's first grace over"
     )
