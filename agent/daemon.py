@@ -362,6 +362,8 @@ class Agent:
         if current is not None:
             hello.running_job, hello.running_generation = current.job, current.generation
             hello.running.extend(self._live_ranks(current))
+            partner = self.partner
+            hello.replica_node = partner[0] if partner is not None else ""
         opening = [
             keel_pb2.AgentMessage(hello=hello),
             *self.reports.replay(),

@@ -461,7 +461,7 @@ class PreflightReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., results: _Optional[_Iterable[_Union[CollectiveResult, _Mapping]]] = ..., wall_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s", "accelerator", "peer_address", "failure_domain")
+    __slots__ = ("node", "host", "slots", "lease_id", "pid", "running_job", "running_generation", "running", "heartbeat_s", "reconnect_max_s", "lease_ttl_s", "accelerator", "peer_address", "failure_domain", "replica_node")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +476,7 @@ class Hello(_message.Message):
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NODE_FIELD_NUMBER: _ClassVar[int]
     node: str
     host: str
     slots: int
@@ -490,7 +491,8 @@ class Hello(_message.Message):
     accelerator: str
     peer_address: str
     failure_domain: str
-    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ...) -> None: ...
+    replica_node: str
+    def __init__(self, node: _Optional[str] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., lease_id: _Optional[int] = ..., pid: _Optional[int] = ..., running_job: _Optional[str] = ..., running_generation: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., reconnect_max_s: _Optional[float] = ..., lease_ttl_s: _Optional[float] = ..., accelerator: _Optional[str] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replica_node: _Optional[str] = ...) -> None: ...
 
 class ReadLog(_message.Message):
     __slots__ = ("request_id", "job", "generation", "rank", "out_offset", "err_offset", "max_bytes")

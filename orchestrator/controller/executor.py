@@ -400,6 +400,30 @@ class Executor:
             for partner in other.replica_partners.values()
         )
 
+    def _adopt_partner(self, job: JobRuntime, session: AgentSession) -> None:
+        """Square the memory-snapshot partner ``session``'s Hello names for the running
+        generation with the one this controller chose: a controller that took over
+        learns it (and ``repartner`` replaces it when it is lost); an agent that missed
+        its ``ReplicaPartner`` (sent as its stream went down) is told again."""
+        node, said = session.node, session.hello.replica_node
+        chosen = job.replica_partners.setdefault(node, said)
+        partner = self.state.sessions.get(chosen)
+        if chosen != said and partner is not None and partner.hello.peer_address:
+            self._tell_partner(job, node, partner)
+
+    def _tell_partner(self, job: JobRuntime, node: str, partner: AgentSession) -> None:
+        self.state.send(
+            node,
+            keel_pb2.ControllerMessage(
+                replica_partner=keel_pb2.ReplicaPartner(
+                    job=job.name,
+                    generation=job.generation,
+                    node=partner.node,
+                    address=partner.hello.peer_address,
+                )
+            ),
+        )
+
     def repartner(self, job: JobRuntime, now: float) -> None:
         """Give a running generation's node whose memory-snapshot partner is lost (it
         no longer counts: ``observe.node_usable``) another one
@@ -427,17 +451,7 @@ class Executor:
                 )
                 continue
             job.replica_partners[node] = chosen
-            self.state.send(
-                node,
-                keel_pb2.ControllerMessage(
-                    replica_partner=keel_pb2.ReplicaPartner(
-                        job=job.name,
-                        generation=job.generation,
-                        node=chosen,
-                        address=session.hello.peer_address,
-                    )
-                ),
-            )
+            self._tell_partner(job, node, session)
             log.info(
                 "memory snapshot partner lost; copying to another",
                 job=job.name,
@@ -842,6 +856,7 @@ class Executor:
                             )
                         )
                     )
+                self._adopt_partner(job, session)
             else:
                 log.info(
                     "stopping stale ranks",

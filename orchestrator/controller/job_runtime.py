@@ -156,8 +156,9 @@ class JobRuntime:
     unrecorded_memory_snapshot: MemorySnapshotRecord | None = None
     # This generation's: the partner each node's snapshots are replicated to, and the
     # copy (node, step, holder) its one node brings into memory before its ranks start
-    # (``policy.memory_snapshots``). Not stored: a new leader chooses partners anew
-    # for the starts it sends, and its generation restores from storage.
+    # (``policy.memory_snapshots``). Not stored: a new leader learns the partners of
+    # the generation it adopts from the agents' Hellos (``Hello.replica_node``), and
+    # chooses anew for the starts it sends, whose generation restores from storage.
     replica_partners: dict[str, str] = field(default_factory=dict)
     # monotonic: a lost partner found no other to replace it; looked for again from
     # then (``Executor.repartner``).
