@@ -77,10 +77,12 @@ def node_usable(
     stalled, it has not, and that is how it is found, one TTL later than at the record's
     going. Lost at once, every node of a job was when etcd revoked every lease one by
     one: the leader saw the nodes' records go before its own key went, and stopped and
-    failed a healthy job in the milliseconds between (CI saw it). An agent that died
-    has no such TTL: its stream went down first, and its record's going loses it."""
+    failed a healthy job in the milliseconds between (CI saw it). A record that went
+    after ``now`` was read (the watch's thread noted it since) counts as just gone. An
+    agent that died has no such TTL: its stream went down first, and its record's going
+    loses it; nor one that said no TTL."""
     if not registered:
-        return since_leading_s < grace_s or 0 <= unregistered_for_s < lease_ttl_s
+        return since_leading_s < grace_s or (0 < lease_ttl_s and unregistered_for_s < lease_ttl_s)
     if not has_session:
         return still_taking_over
     return connected or down_for_s < grace_s

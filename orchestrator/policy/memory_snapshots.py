@@ -29,19 +29,11 @@ def supersedes(
     was lost)."""
     if held is None or generation > held.generation:
         return True
-    return generation == held.generation and (
-        step > held.step
-        or (
-            step == held.step
-            and (
-                replica_step > held.replica_step
-                or (
-                    replica_step == held.replica_step > 0
-                    and replica_node not in ("", held.replica_node)
-                )
-            )
-        )
-    )
+    if generation < held.generation or step != held.step:
+        return generation == held.generation and step > held.step
+    if replica_step != held.replica_step:
+        return replica_step > held.replica_step
+    return replica_step > 0 and replica_node not in ("", held.replica_node)
 
 
 def with_replica(
@@ -174,10 +166,9 @@ def repartnered(
     """The partner a running generation's ``node`` copies its snapshots to from now
     on, where ``current`` (its partner so far) is no longer one of ``candidates`` (the
     nodes that hold memory and count: ``partner``'s): another, chosen as at the start
-    (``partner``, ``current`` left out whatever ``candidates`` says); "" where the
-    current one still serves, or none other can. Without it, losing the partner lost
-    every later snapshot's copy: the node's loss then restored the durable checkpoint,
-    however many spares held memory."""
+    (``partner``); "" where the current one still serves, or none other can. Without
+    it, losing the partner lost every later snapshot's copy: the node's loss then
+    restored the durable checkpoint, however many spares held memory."""
     if current in candidates:
         return ""
-    return partner(node, {n: d for n, d in candidates.items() if n != current}, placement, load)
+    return partner(node, candidates, placement, load)

@@ -72,6 +72,7 @@ def test_a_node_counts_while_registered_and_its_stream_is_up_or_briefly_down(
         # own may go next): a TTL to register again, whether its stream is still up or
         # it is reconnecting to do so...
         (True, 0.0, 5.0, True),
+        (True, -0.01, 5.0, True),  # it went after the tick read its clock
         (True, 4.9, 5.0, True),
         (False, 4.9, 5.0, True),
         # ...and lost after it (stalled, it did not refresh its lease).
